@@ -1,0 +1,84 @@
+"""Load a run config: YAML with at most one ``base:`` parent, dotted overrides, validation.
+
+OmegaConf structured configs do the merge and type checks; this module adds the ``base:``
+rule, error messages that name the file and the key, and saving the resolved config.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from megatron_armor.config.schema import ArmorConfig
+from megatron_armor.config.validate import validate
+
+
+class ConfigError(ValueError):
+    """A config problem; the message names the key, the value and the fix."""
+
+
+def _read_yaml(path: Path, depth: int = 0):
+    """The YAML at ``path`` merged over its ``base:`` parent (one level, resolved recursively)."""
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    if depth > 8:
+        raise ConfigError(f"{path}: `base:` chain deeper than 8 files; is there a cycle?")
+    node = OmegaConf.load(path)
+    if not OmegaConf.is_dict(node):
+        raise ConfigError(f"{path}: top level must be a mapping of sections, got {type(node).__name__}")
+    base = node.pop("base", None)
+    if base is None:
+        return [(path, node)]
+    if not isinstance(base, str):
+        raise ConfigError(f"{path}: `base:` must be one file path (a string), got {base!r}")
+    parent = (path.parent / base).resolve()
+    return _read_yaml(parent, depth + 1) + [(path, node)]
+
+
+def _merge(schema, node, where: str):
+    try:
+        return OmegaConf.merge(schema, node)
+    except ConfigKeyError as e:
+        raise ConfigError(
+            f"{where}: unknown key `{e.full_key}`; check the spelling against "
+            f"`armor config show` or megatron_armor/config/schema.py"
+        ) from None
+    except ValidationError as e:
+        raise ConfigError(
+            f"{where}: bad value for `{e.full_key}`: {e.msg.splitlines()[0]}"
+        ) from None
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> ArmorConfig:
+    """Resolve ``path`` (and its ``base:``) plus dotted ``overrides`` into a validated config."""
+    cfg = OmegaConf.structured(ArmorConfig)
+    if path is not None:
+        for file, node in _read_yaml(Path(path).resolve()):
+            cfg = _merge(cfg, node, str(file))
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like `section.key=value`")
+        cfg = _merge(cfg, OmegaConf.from_dotlist([item]), f"override {item!r}")
+    config: ArmorConfig = OmegaConf.to_object(cfg)
+    try:
+        validate(config)
+    except ValueError as e:
+        raise ConfigError(f"{path or '<defaults>'}: {e}") from None
+    return config
+
+
+def to_yaml(config: ArmorConfig) -> str:
+    """The resolved config as YAML."""
+    return OmegaConf.to_yaml(OmegaConf.structured(config))
+
+
+def save_config(config: ArmorConfig, run_dir: str | Path) -> Path:
+    """Write the resolved config to ``run_dir/config.yaml``."""
+    out = Path(run_dir) / "config.yaml"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(to_yaml(config))
+    return out

@@ -1,0 +1,335 @@
+"""The typed config tree: dataclasses are the schema (OmegaConf structured configs).
+
+Every field has a docstring under it. YAML files store runs (``configs/``); dotted overrides
+on the command line (``algo.alpha=0.875``). Cross-field checks live in ``validate.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class ResetConfig:
+    """Reference reset schedule (armor-spec §5)."""
+
+    schedule: str = "none"
+    """``none`` | ``every`` | ``every-until`` | ``log2``."""
+    every: int = 0
+    """``tau``: reset every this many steps (``every``, ``every-until``)."""
+    until: int = 0
+    """Last step at which a reset may happen (``every-until``); frozen afterwards."""
+
+
+@dataclass
+class AlgoConfig:
+    """ARMOR / DAPO algorithm switches (armor-spec §2-5)."""
+
+    anchor: str = "armor"
+    """``none`` (DAPO dynamic sampling) | ``armor`` | ``filter_only`` (referee's control)."""
+    weak_filter: bool = False
+    """Keep all-wrong on-policy groups when the reference solved the query."""
+    anchor_source: str = "generate"
+    """``generate`` (fresh reference samples each step) | ``cache`` (once per reference period)."""
+    group_size: int = 16
+    """``G``: samples per query in the trained group (on-policy + anchor)."""
+    ref_n: int = 4
+    """Reference samples per query drawn to find an anchor."""
+    alpha: Any = "auto"
+    """Mixing coefficient in (0, 1], or ``auto`` = n_on / (n_on + 1)."""
+    ratio: str = "mixed"
+    """``standard`` | ``mixed`` | ``off_policy`` | ``static_expansion`` (armor-spec §4)."""
+    advantage: str = "grpo"
+    """``grpo`` (group mean/std) | ``qae`` (quantile baseline)."""
+    qae_quantile: float = 0.45
+    """``k`` for the QAE quantile baseline."""
+    clip_low: float = 0.2
+    """``eps_low``: lower PPO clip."""
+    clip_high: float = 0.28
+    """``eps_high``: upper PPO clip (DAPO clip-higher)."""
+    dual_clip_c: float = 10.0
+    """Dual-clip constant ``c`` (> 1) for negative advantages."""
+    log_ratio_clamp: float = 20.0
+    """Clamp on the log of the mixed ratio."""
+    loss_agg: str = "token-mean"
+    """``token-mean`` | ``seq-mean-token-mean`` | ``seq-mean-token-sum``."""
+    kl_coef: float = 0.0
+    """``beta`` for the optional KL(pi_theta || pi_ref) penalty (0 = off; not part of ARMOR)."""
+    kl_estimator: str = "k3"
+    """``k1`` | ``k2`` | ``k3`` estimator for the KL penalty."""
+    max_gen_batches: int = 10
+    """Generation batches tried per step before failing with the acceptance statistics."""
+    reset: ResetConfig = field(default_factory=ResetConfig)
+    """Reference reset schedule."""
+
+
+@dataclass
+class SamplingConfig:
+    """Sampling settings shared by the policy and the reference."""
+
+    temperature: float = 1.0
+    """Sampling temperature (the trainer computes log-probs at the same temperature)."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold in (0, 1]."""
+    top_k: int = -1
+    """Top-k sampling (-1 = off)."""
+    max_new_tokens: int = 64
+    """Maximum response length in tokens."""
+
+
+@dataclass
+class SGLangConfig:
+    """SGLang server pool (GPU clusters only)."""
+
+    tp: int = 1
+    """GPUs per SGLang engine (``--tp-size``)."""
+    num_engines: int = 1
+    """Number of SGLang server processes."""
+    mem_fraction_static: float = 0.7
+    """``--mem-fraction-static``."""
+    base_port: int = 30000
+    """First HTTP port; engine ``i`` listens on ``base_port + i``."""
+    router: bool = True
+    """Put ``sglang-router`` in front of the engines."""
+    router_port: int = 29000
+    """Router HTTP port."""
+    startup_timeout_s: float = 600.0
+    """Seconds to wait for ``/health_generate`` after launch."""
+    request_timeout_s: float = 3600.0
+    """Per-request timeout."""
+    max_concurrency: int = 512
+    """Concurrent in-flight ``/generate`` requests per client."""
+    max_retries: int = 3
+    """Retries (with backoff) per request on connection errors."""
+    weight_transport: str = "tensor"
+    """``tensor`` (colocated, CUDA IPC) | ``distributed`` (NCCL broadcast) | ``disk``."""
+    weight_bucket_mb: int = 512
+    """Bucket size for weight updates."""
+    extra_args: dict[str, Any] = field(default_factory=dict)
+    """Extra ``sglang.launch_server`` arguments (validated against SGLang's ``ServerArgs``)."""
+
+
+@dataclass
+class RolloutConfig:
+    """Generation: batch sizes, sampling, engine backend, reference serving."""
+
+    backend: str = "torch"
+    """``torch`` (embedded engine, CPU default) | ``sglang``."""
+    batch: int = 8
+    """``B``: accepted queries per training step."""
+    gen_batch: int = 24
+    """Queries per generation batch (``k * B``); must be >= ``batch``."""
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    """Training-time sampling settings."""
+    ref_strategy: str = "swap"
+    """How the reference is served: ``swap`` | ``dedicated`` | ``cache``."""
+    engine_batch_size: int = 64
+    """Sequences decoded together by the embedded engine."""
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    """SGLang settings (``backend: sglang``)."""
+
+
+@dataclass
+class FP8Config:
+    """Transformer Engine FP8 settings (mapped onto megatron-core ``TransformerConfig``)."""
+
+    enabled: bool = False
+    """Train in FP8 (needs Transformer Engine)."""
+    format: str = "hybrid"
+    """``e4m3`` | ``hybrid``."""
+    recipe: str = "delayed"
+    """``delayed`` | ``tensorwise`` | ``mxfp8`` | ``blockwise``."""
+    margin: int = 0
+    """Scaling-factor margin."""
+    amax_history_len: int = 1024
+    """Amax history length (delayed scaling)."""
+    amax_compute_algo: str = "max"
+    """``max`` | ``most_recent``."""
+
+
+@dataclass
+class TrainerConfig:
+    """The Megatron-core actor: model, parallel layout, precision, optimizer."""
+
+    model_path: str = ""
+    """HF-format model directory (config.json + safetensors) to start from."""
+    tp: int = 1
+    """Tensor-parallel size."""
+    pp: int = 1
+    """Pipeline-parallel size."""
+    cp: int = 1
+    """Context-parallel size."""
+    vpp: int = 1
+    """Virtual pipeline stages per rank (1 = off)."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (needs tp > 1)."""
+    world_size: int = 1
+    """Trainer ranks in total (tp * pp * cp * dp)."""
+    precision: str = "bf16"
+    """``bf16`` | ``fp16`` | ``fp32``."""
+    transformer_impl: str = "local"
+    """``local`` (megatron-core local spec, CPU path) | ``te`` (Transformer Engine)."""
+    fp8: FP8Config = field(default_factory=FP8Config)
+    """FP8 settings."""
+    lr: float = 1e-6
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Floor of the LR schedule."""
+    warmup_steps: int = 10
+    """Linear warm-up in optimizer steps, then constant."""
+    weight_decay: float = 0.1
+    """AdamW weight decay."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.999
+    """Adam beta2."""
+    adam_eps: float = 1e-8
+    """Adam epsilon."""
+    grad_clip: float = 1.0
+    """Global grad-norm clip (0 = off)."""
+    ppo_mini_batch: int = 4
+    """Queries per optimizer update; ``batch / ppo_mini_batch`` updates per step."""
+    micro_batch_tokens: int = 4096
+    """Token budget of one packed micro-batch."""
+    use_distributed_optimizer: bool = False
+    """megatron-core distributed optimizer (ZeRO-1 over DP)."""
+    recompute: bool = False
+    """Full activation recomputation."""
+    logprob_chunk: int = 1024
+    """Sequence chunk for the vocab-parallel log-prob computation."""
+    keep_old_weights: bool = False
+    """Keep an ``old`` CPU weight copy instead of computing old log-probs before the update."""
+
+
+@dataclass
+class DataConfig:
+    """Training and validation data."""
+
+    train_files: list[str] = field(default_factory=list)
+    """Local parquet/jsonl files (or hub names where a network exists) in the DAPO-Math schema."""
+    val_files: list[str] = field(default_factory=list)
+    """Validation benchmarks (DAPO-Math schema or problem/answer schema)."""
+    template: str = "dapo"
+    """Prompt template: ``dapo`` | ``chat`` | ``plain``."""
+    max_prompt_len: int = 256
+    """Prompts longer than this (tokens) are dropped and counted."""
+    shuffle: bool = True
+    """Shuffle each epoch (deterministic from ``run.seed``)."""
+
+
+@dataclass
+class OverlongConfig:
+    """DAPO overlong penalty (armor-spec §8)."""
+
+    enabled: bool = True
+    """Apply the penalty."""
+    buffer: int = 16
+    """Penalty ramps over the last ``buffer`` tokens before ``max_new_tokens``."""
+    factor: float = 1.0
+    """Penalty factor."""
+
+
+@dataclass
+class RewardConfig:
+    """Verifiers and scoring workers."""
+
+    verifier: str = "auto"
+    """``auto`` (per data_source) | ``dapo`` | ``math_verify``."""
+    overlong: OverlongConfig = field(default_factory=OverlongConfig)
+    """Overlong penalty."""
+    timeout_s: float = 5.0
+    """Per-answer verification timeout; a timeout scores as wrong and is counted."""
+    num_workers: int = 2
+    """Processes in the scoring pool."""
+
+
+@dataclass
+class ValidationConfig:
+    """In-training validation."""
+
+    every: int = 0
+    """Validate every N steps (0 = off); also before the first step when > 0."""
+    n_samples: int = 4
+    """``k`` samples per problem (avg@k, pass@k, maj@k)."""
+    temperature: float = 1.0
+    """Validation temperature."""
+    top_p: float = 0.7
+    """Validation top-p."""
+    max_problems: int = 0
+    """Cap on problems per benchmark (0 = all)."""
+
+
+@dataclass
+class OrchestrationConfig:
+    """Ray placement and the run's cadence."""
+
+    layout: str = "cpu"
+    """``cpu`` | ``colocated`` | ``disaggregated``."""
+    nodes: int = 1
+    """Nodes in the Ray cluster."""
+    gpus_per_node: int = 8
+    """GPUs per node."""
+    rollout_gpus: int = 0
+    """GPUs for rollout engines in the disaggregated layout."""
+    num_reward_workers: int = 1
+    """Ray reward actors."""
+    ray_address: str = ""
+    """Existing Ray cluster address ("" = start a local one)."""
+    ray_init_timeout_s: float = 120.0
+    """Seconds to wait for Ray and the actors to come up."""
+
+
+@dataclass
+class LoggingConfig:
+    """Metrics, progress and profiling."""
+
+    tensorboard: bool = True
+    """Write TensorBoard event files."""
+    wandb: bool = False
+    """Log to Weights & Biases (needs ``wandb`` installed)."""
+    wandb_project: str = "megatron_armor"
+    """W&B project."""
+    progress: bool = True
+    """Progress bars for rollout and training phases."""
+    profile: str = "none"
+    """``none`` | ``nsys`` | ``torch`` | ``dlprof``."""
+    profile_steps: list[int] = field(default_factory=list)
+    """Steps to capture with the profiler."""
+    profile_ranks: list[int] = field(default_factory=lambda: [0])
+    """Trainer ranks that write torch.profiler traces."""
+
+
+@dataclass
+class RunConfig:
+    """Run identity, length and checkpointing."""
+
+    name: str = "armor"
+    """Run name (directory under ``output_dir``)."""
+    output_dir: str = "runs"
+    """Parent directory of run directories."""
+    seed: int = 1
+    """Global seed (data order, sampling, init)."""
+    steps: int = 10
+    """Training steps (each: rollout + ``batch/ppo_mini_batch`` updates)."""
+    ckpt_every: int = 5
+    """Checkpoint every N steps (and on SIGTERM/SIGUSR1)."""
+    keep_last: int = 2
+    """Complete checkpoints to keep."""
+    resume: str = "auto"
+    """``auto`` (newest complete checkpoint in the run dir) | ``none`` | a checkpoint path."""
+
+
+@dataclass
+class ArmorConfig:
+    """Root of the config tree."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    orchestration: OrchestrationConfig = field(default_factory=OrchestrationConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)

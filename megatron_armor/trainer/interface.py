@@ -1,0 +1,53 @@
+"""The trainer interface the orchestrator talks to (no Megatron import here).
+
+One object per trainer rank (a Ray actor at scale). Every rank receives the same full
+:class:`TrainBatch`; a rank works on its data-parallel shard (balanced by tokens, see
+``trainer.batching``). Methods returning per-token data return a ``[total]`` tensor from the
+*reporting* ranks only (last pipeline stage, tensor-parallel rank 0, context-parallel rank 0)
+with zeros outside their shard, and ``None`` from the others: the caller sums the non-None
+results to get the full tensor.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+
+import torch
+
+from megatron_armor.types import TrainBatch
+
+
+class TrainerInterface(ABC):
+    """What orchestration needs from a policy trainer rank."""
+
+    @abstractmethod
+    def compute_logprobs(self, batch: TrainBatch, weights: str = "policy") -> torch.Tensor | None:
+        """Forward-only per-token log-probs of ``batch.tokens`` under ``weights``
+        (``policy`` = current weights, ``ref`` = the reference copy), at the rollout
+        temperature. Shape ``[total]``; 0 where ``loss_mask == 0``."""
+
+    @abstractmethod
+    def train_step(self, batch: TrainBatch, num_minibatches: int) -> dict[str, float]:
+        """One RL step: split ``batch`` (consecutive samples) into ``num_minibatches``
+        mini-batches and take one optimizer update on each. ``batch.old_logprobs`` and
+        ``batch.ref_logprobs`` must be filled. Returns metrics averaged over updates and
+        reduced over data-parallel ranks (``loss/*``, ``kl/*``, ``lr``)."""
+
+    @abstractmethod
+    def reset_reference(self) -> None:
+        """Copy the current policy weights into the reference copy (armor-spec §5)."""
+
+    @abstractmethod
+    def export_weights(self, weights: str = "policy") -> Iterator[tuple[str, torch.Tensor]]:
+        """Stream of full (TP-gathered) HF-named tensors for this rank's pipeline stage.
+        Only tensor-parallel rank 0 / data-parallel rank 0 of each stage yields tensors."""
+
+    @abstractmethod
+    def save_checkpoint(self, path: str, run_state: dict) -> None:
+        """Collectively write model, optimizer, scheduler, reference weights, RNG and the
+        orchestrator's ``run_state`` under ``path`` (the caller makes it atomic)."""
+
+    @abstractmethod
+    def load_checkpoint(self, path: str) -> dict:
+        """Restore everything :meth:`save_checkpoint` wrote; returns ``run_state``."""

@@ -1,0 +1,173 @@
+"""Data contracts between rollout, reward, algorithm and trainer (design.md "Data contracts").
+
+Rollout produces :class:`Sample` objects grouped into :class:`Group`; the trainer consumes a
+:class:`TrainBatch`. Nothing else crosses that line. All containers are plain dataclasses of
+Python lists / torch tensors so they pickle cheaply across Ray.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+import torch
+
+
+class SampleSource(StrEnum):
+    """Which weights generated a sample."""
+
+    POLICY = "policy"
+    REFERENCE = "reference"
+
+
+@dataclass
+class Sample:
+    """One response to one query.
+
+    ``response_logprobs`` are the engine's per-token log-probs (len == len(response_ids)),
+    recorded for diagnostics; the trainer recomputes old/ref log-probs itself (armor-spec §4).
+    """
+
+    query_id: str
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_logprobs: list[float] = field(default_factory=list)
+    source: SampleSource = SampleSource.POLICY
+    weight_version: int = 0
+    finish_reason: str = "stop"  # "stop" | "length" | "abort"
+    score: float = 0.0  # reward used for advantages (incl. overlong penalty)
+    acc: bool = False  # correctness, used for acceptance
+    response_text: str = ""
+    ground_truth: str = ""
+    data_source: str = ""
+
+    @property
+    def response_len(self) -> int:
+        return len(self.response_ids)
+
+
+@dataclass
+class Group:
+    """The samples of one accepted query.
+
+    ``anchor_index`` is the position of the anchor in ``samples`` (``None`` when the group
+    has no anchor: ``anchor: none`` and ``anchor: filter_only``). ``advantages`` has one
+    entry per sample once computed (armor-spec §3).
+    """
+
+    query_id: str
+    samples: list[Sample]
+    anchor_index: int | None = None
+    advantages: list[float] = field(default_factory=list)
+
+    @property
+    def scores(self) -> list[float]:
+        return [s.score for s in self.samples]
+
+    def is_anchor(self, i: int) -> bool:
+        return self.anchor_index is not None and i == self.anchor_index
+
+
+@dataclass
+class TrainBatch:
+    """A packed mini-batch of samples for the trainer.
+
+    Sequences are packed back to back along one dimension of ``total`` tokens
+    (prompt + response for every sample). Per-token tensors are aligned with ``tokens``:
+    entry ``t`` describes the prediction of ``tokens[t]`` from the prefix before it, so the
+    first token of every sequence has ``loss_mask == 0``.
+
+    - ``tokens`` ``[total]`` int64, ``position_ids`` ``[total]`` int64 (restart per sample)
+    - ``cu_seqlens`` ``[n + 1]`` int32 sample boundaries (offsets into ``tokens``)
+    - ``loss_mask`` ``[total]`` float (1 on response tokens)
+    - ``advantages`` ``[total]`` float (the sample's advantage on its response tokens)
+    - ``old_logprobs`` / ``ref_logprobs`` ``[total]`` float (0 where unused / not yet computed)
+    - ``is_anchor`` ``[total]`` bool (response tokens of anchor samples)
+    - ``sample_index`` ``[total]`` int64 (which sample each token belongs to)
+    """
+
+    tokens: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    loss_mask: torch.Tensor
+    advantages: torch.Tensor
+    old_logprobs: torch.Tensor
+    ref_logprobs: torch.Tensor
+    is_anchor: torch.Tensor
+    sample_index: torch.Tensor
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.cu_seqlens.numel() - 1)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.tokens.numel())
+
+    @property
+    def num_response_tokens(self) -> int:
+        return int(self.loss_mask.sum().item())
+
+    def seq_lengths(self) -> list[int]:
+        return (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).tolist()
+
+    def select(self, sample_ids: list[int]) -> TrainBatch:
+        """A new packed batch holding only ``sample_ids`` (in that order)."""
+        bounds = self.cu_seqlens.tolist()
+        pieces = [torch.arange(bounds[i], bounds[i + 1]) for i in sample_ids]
+        index = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
+        lengths = torch.tensor([bounds[i + 1] - bounds[i] for i in sample_ids], dtype=torch.int32)
+        cu = torch.zeros(len(sample_ids) + 1, dtype=torch.int32)
+        cu[1:] = torch.cumsum(lengths, 0)
+        new_sample_index = torch.repeat_interleave(torch.arange(len(sample_ids)), lengths.long())
+        return TrainBatch(
+            tokens=self.tokens[index],
+            position_ids=self.position_ids[index],
+            cu_seqlens=cu,
+            loss_mask=self.loss_mask[index],
+            advantages=self.advantages[index],
+            old_logprobs=self.old_logprobs[index],
+            ref_logprobs=self.ref_logprobs[index],
+            is_anchor=self.is_anchor[index],
+            sample_index=new_sample_index,
+        )
+
+
+def pack_groups(groups: list[Group]) -> TrainBatch:
+    """Pack every sample of ``groups`` into one :class:`TrainBatch` (advantages must be set)."""
+    tokens, positions, loss_mask, advantages, is_anchor, sample_index = [], [], [], [], [], []
+    lengths = []
+    n = 0
+    for group in groups:
+        if len(group.advantages) != len(group.samples):
+            raise ValueError(
+                f"group {group.query_id!r} has {len(group.samples)} samples but "
+                f"{len(group.advantages)} advantages; compute advantages before packing"
+            )
+        for i, sample in enumerate(group.samples):
+            p, r = len(sample.prompt_ids), len(sample.response_ids)
+            seq = sample.prompt_ids + sample.response_ids
+            tokens.extend(seq)
+            positions.extend(range(p + r))
+            mask = [0.0] * p + [1.0] * r
+            loss_mask.extend(mask)
+            advantages.extend([group.advantages[i] * m for m in mask])
+            is_anchor.extend([group.is_anchor(i) and m > 0 for m in mask])
+            sample_index.extend([n] * (p + r))
+            lengths.append(p + r)
+            n += 1
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    if lengths:
+        cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0)
+    total = len(tokens)
+    return TrainBatch(
+        tokens=torch.tensor(tokens, dtype=torch.long),
+        position_ids=torch.tensor(positions, dtype=torch.long),
+        cu_seqlens=cu,
+        loss_mask=torch.tensor(loss_mask, dtype=torch.float32),
+        advantages=torch.tensor(advantages, dtype=torch.float32),
+        old_logprobs=torch.zeros(total),
+        ref_logprobs=torch.zeros(total),
+        is_anchor=torch.tensor(is_anchor, dtype=torch.bool),
+        sample_index=torch.tensor(sample_index, dtype=torch.long),
+    )
