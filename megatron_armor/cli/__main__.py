@@ -1,0 +1,5 @@
+import sys
+
+from megatron_armor.cli import main
+
+sys.exit(main())
