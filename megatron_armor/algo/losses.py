@@ -1,0 +1,226 @@
+"""The ARMOR policy loss: dual-clip PPO with clip-higher over a chosen ratio (armor-spec §4).
+
+Per response token ``t`` with advantage ``A``, ratio ``r`` (mode from ``algo.ratio``, log
+ratio clamped to ``±log_ratio_clamp``) and clip range ``[lo, hi]`` (``1 - eps_low``,
+``1 + eps_high`` unless the mode widens it)::
+
+    l_t = max(-A r, -A clip(r, lo, hi))          # PPO, DAPO clip-higher (eps_high > eps_low)
+    l_t = min(l_t, -A c)            if A < 0     # dual clip, c = dual_clip_c > 1
+    l_t += beta * k(lp_theta, lp_ref)            # optional KL penalty, on-policy tokens only
+
+then aggregated (``algo.loss_agg``) as a local sum over an explicit global ``normalizer``.
+Inputs are packed per-token tensors ``[T]`` (``types.TrainBatch``); a micro-batch holds whole
+samples. Metrics are local *sums* (see :data:`METRIC_COUNTS` / :func:`finalize_metrics`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_armor.algo import registry
+from megatron_armor.algo.kl import kl_k1, kl_k3
+from megatron_armor.algo.ratios import resolve_alpha
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """Loss switches (mirrors ``algo.*``; ``alpha`` is already resolved, see ``resolve_alpha``)."""
+
+    ratio: str = "mixed"
+    """Ratio mode: ``standard`` | ``mixed`` | ``off_policy`` | ``static_expansion``."""
+    alpha: float = 15 / 16
+    """Mixing coefficient in (0, 1] (also scales the ``static_expansion`` clip range)."""
+    clip_low: float = 0.2
+    """``eps_low`` in (0, 1)."""
+    clip_high: float = 0.28
+    """``eps_high`` > 0 (clip-higher)."""
+    dual_clip_c: float = 10.0
+    """Dual-clip bound ``c`` > 1 for negative advantages."""
+    log_ratio_clamp: float = 20.0
+    """``|log r|`` is clamped to this before ``exp`` (all modes)."""
+    loss_agg: str = "token-mean"
+    """``token-mean`` | ``seq-mean-token-mean`` | ``seq-mean-token-sum``."""
+    kl_coef: float = 0.0
+    """``beta`` of the optional KL(pi_theta || pi_ref) penalty (0 = off)."""
+    kl_estimator: str = "k3"
+    """``k1`` | ``k2`` | ``k3``."""
+    ref_metrics: bool = True
+    """Log ``kl/*`` metrics (needs ``ref_logprobs``; set False when they are not computed)."""
+
+    def __post_init__(self) -> None:
+        registry.get_ratio(self.ratio)
+        registry.get_aggregation(self.loss_agg)
+        registry.get_kl_estimator(self.kl_estimator)
+        resolve_alpha(self.alpha, 2)
+        _check(
+            0.0 < self.clip_low < 1.0, "clip_low", self.clip_low, "use a value in (0, 1), e.g. 0.2"
+        )
+        _check(self.clip_high > 0.0, "clip_high", self.clip_high, "use a value > 0, e.g. 0.28")
+        _check(self.dual_clip_c > 1.0, "dual_clip_c", self.dual_clip_c, "use a value > 1, e.g. 10")
+        _check(self.log_ratio_clamp > 0.0, "log_ratio_clamp", self.log_ratio_clamp, "use e.g. 20")
+        _check(self.kl_coef >= 0.0, "kl_coef", self.kl_coef, "use 0 (off) or a positive beta")
+
+    @classmethod
+    def from_algo_config(cls, algo, ref_metrics: bool = True) -> LossSettings:
+        """Build from an ``algo`` config section (any object with the ``algo.*`` attributes)."""
+        return cls(
+            ratio=algo.ratio,
+            alpha=resolve_alpha(algo.alpha, algo.group_size),
+            clip_low=algo.clip_low,
+            clip_high=algo.clip_high,
+            dual_clip_c=algo.dual_clip_c,
+            log_ratio_clamp=algo.log_ratio_clamp,
+            loss_agg=algo.loss_agg,
+            kl_coef=algo.kl_coef,
+            kl_estimator=algo.kl_estimator,
+            ref_metrics=ref_metrics,
+        )
+
+
+def _check(ok: bool, name: str, value: float, fix: str) -> None:
+    if not ok:
+        raise ValueError(f"algo.{name}={value}: {fix}")
+
+
+METRIC_COUNTS: dict[str, str] = {
+    "loss/pg": "count/tokens",
+    "loss/clipfrac_low": "count/tokens",
+    "loss/clipfrac_high": "count/tokens",
+    "loss/dualclip_frac": "count/tokens",
+    "loss/ratio_mean": "count/tokens",
+    "loss/anchor_ratio_mean": "count/anchor_tokens",
+    "loss/approx_kl": "count/policy_tokens",
+    "loss/kl_penalty": "count/policy_tokens",
+    "loss/entropy": "count/tokens",
+    "kl/reverse_k1": "count/policy_tokens",
+    "kl/reverse_k3": "count/policy_tokens",
+    "kl/forward_k1": "count/anchor_tokens",
+}
+"""Each summed metric -> the count key it is divided by in :func:`finalize_metrics`."""
+
+
+def dual_clip_pg_loss(
+    ratio: torch.Tensor, advantages: torch.Tensor, lower: float, upper: float, dual_clip_c: float
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token dual-clip PPO loss ``[T]`` and boolean flags ``[T]`` of which clip is active.
+
+    Flags: ``clip_low`` (``A < 0`` and ``r < lower``: gradient cut), ``clip_high`` (``A > 0``
+    and ``r > upper``: gradient cut), ``dual`` (``A < 0`` and the ``-A c`` bound is taken).
+    """
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(lower, upper)
+    ppo = torch.maximum(unclipped, clipped)
+    dual_bound = -advantages * dual_clip_c
+    negative = advantages < 0
+    loss = torch.where(negative, torch.minimum(ppo, dual_bound), ppo)
+    flags = {
+        "clip_low": negative & (ratio < lower),
+        "clip_high": (advantages > 0) & (ratio > upper),
+        "dual": negative & (ppo > dual_bound),
+    }
+    return loss, flags
+
+
+def compute_policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    is_anchor: torch.Tensor,
+    sample_index: torch.Tensor,
+    settings: LossSettings,
+    normalizer: float,
+    entropy: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Local loss (0-dim, with grad) and local metric sums for one micro-batch.
+
+    ``normalizer`` is the GLOBAL number of aggregation units of the mini-batch (masked
+    tokens for ``token-mean``, samples with response tokens for ``seq-mean-*``; see
+    :func:`count_units`), so summing the returned losses over micro-batches and DP ranks
+    gives the mini-batch loss. ``entropy`` ``[T]`` (optional) is only logged.
+    """
+    if normalizer <= 0:
+        raise ValueError(f"normalizer={normalizer}: must be the global unit count (> 0)")
+    mode = registry.get_ratio(settings.ratio)
+    log_ratio = mode.log_ratio(logprobs, old_logprobs, ref_logprobs, is_anchor, settings.alpha)
+    log_ratio = log_ratio.clamp(-settings.log_ratio_clamp, settings.log_ratio_clamp)
+    ratio = torch.exp(log_ratio)
+    lower, upper = mode.clip_range(settings.clip_low, settings.clip_high, settings.alpha)
+    pg, flags = dual_clip_pg_loss(ratio, advantages, lower, upper, settings.dual_clip_c)
+    mask = loss_mask.to(pg.dtype)
+    policy_mask = mask * (~is_anchor).to(pg.dtype)
+    per_token = pg
+    kl_term = None
+    if settings.kl_coef > 0:
+        kl_term = registry.get_kl_estimator(settings.kl_estimator)(logprobs, ref_logprobs)
+        per_token = pg + settings.kl_coef * kl_term * policy_mask
+    loss = registry.get_aggregation(settings.loss_agg).reduce(
+        per_token, mask, sample_index, normalizer
+    )
+    metrics = _metrics(
+        pg, ratio, flags, mask, policy_mask, old_logprobs, ref_logprobs, log_ratio, settings
+    )
+    if kl_term is not None:
+        metrics["loss/kl_penalty"] = (kl_term.detach() * policy_mask).sum()
+    if entropy is not None:
+        metrics["loss/entropy"] = (entropy.detach() * mask).sum()
+    return loss, metrics
+
+
+def _metrics(pg, ratio, flags, mask, policy_mask, old_logprobs, ref_logprobs, log_ratio, settings):
+    """Local sums (and maxima) over masked tokens; all detached 0-dim tensors."""
+    pg, ratio, log_ratio = pg.detach(), ratio.detach(), log_ratio.detach()
+    anchor_mask = mask - policy_mask
+    masked_ratio = torch.where(mask > 0, ratio, torch.zeros_like(ratio))
+    metrics = {
+        "loss/pg": (pg * mask).sum(),
+        "loss/clipfrac_low": (flags["clip_low"] * mask).sum(),
+        "loss/clipfrac_high": (flags["clip_high"] * mask).sum(),
+        "loss/dualclip_frac": (flags["dual"] * mask).sum(),
+        "loss/ratio_mean": (ratio * mask).sum(),
+        "loss/ratio_max": masked_ratio.max() if ratio.numel() else ratio.new_zeros(()),
+        "loss/anchor_ratio_mean": (ratio * anchor_mask).sum(),
+        # k3 estimate of KL(behaviour || target) of the ratio in use, on-policy tokens only
+        "loss/approx_kl": (kl_k3(torch.zeros_like(log_ratio), log_ratio) * policy_mask).sum(),
+        "count/tokens": mask.sum(),
+        "count/anchor_tokens": anchor_mask.sum(),
+        "count/policy_tokens": policy_mask.sum(),
+    }
+    if settings.ref_metrics:
+        metrics.update(_reference_kl_metrics(old_logprobs, ref_logprobs, policy_mask, anchor_mask))
+    return metrics
+
+
+def _reference_kl_metrics(old_logprobs, ref_logprobs, policy_mask, anchor_mask):
+    """``kl/reverse_*``: KL(pi_old || pi_ref) on on-policy tokens (y ~ pi_old);
+    ``kl/forward_k1``: KL(pi_ref || pi_old) on anchor tokens (y ~ pi_ref, accepted anchors only)."""
+    old, ref = old_logprobs.detach(), ref_logprobs.detach()
+    return {
+        "kl/reverse_k1": (kl_k1(old, ref) * policy_mask).sum(),
+        "kl/reverse_k3": (kl_k3(old, ref) * policy_mask).sum(),
+        "kl/forward_k1": (kl_k1(ref, old) * anchor_mask).sum(),
+    }
+
+
+def count_units(loss_agg: str, loss_mask: torch.Tensor, sample_index: torch.Tensor) -> int:
+    """Local aggregation units of a micro-batch; sum over micro-batches and DP ranks -> ``normalizer``."""
+    return registry.get_aggregation(loss_agg).units(loss_mask, sample_index)
+
+
+def finalize_metrics(sums: dict[str, float]) -> dict[str, float]:
+    """Turn globally reduced sums into means: ``m / sums[METRIC_COUNTS[m]]``.
+
+    ``count/*`` and ``*_max`` keys pass through; a mean whose count is 0 is dropped (e.g. no
+    anchor tokens); keys not in :data:`METRIC_COUNTS` pass through unchanged.
+    """
+    out: dict[str, float] = {}
+    for key, value in sums.items():
+        count_key = METRIC_COUNTS.get(key)
+        if count_key is None:
+            out[key] = float(value)
+        elif sums.get(count_key, 0.0) > 0:
+            out[key] = float(value) / float(sums[count_key])
+    return out

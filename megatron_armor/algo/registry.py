@@ -1,0 +1,93 @@
+"""The one map from config names to implementations (``algo.*`` settings).
+
+Adding a variant is one class or function in its module, one line here, and its tests.
+Config validation (``config/validate.py``) reads the names from here; the algorithm code
+resolves names only through the ``get_*`` functions below.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+
+from megatron_armor.algo import advantages, aggregation, anchors, kl, ratios, reset
+
+RATIO_MODES: dict[str, type[ratios.StandardRatio]] = {
+    "standard": ratios.StandardRatio,
+    "mixed": ratios.MixedRatio,
+    "off_policy": ratios.OffPolicyRatio,
+    "static_expansion": ratios.StaticExpansionRatio,
+}
+"""``algo.ratio`` (armor-spec §4)."""
+
+ADVANTAGES: dict[str, Callable[..., torch.Tensor]] = {
+    "grpo": advantages.grpo_advantages,
+    "qae": advantages.qae_advantages,
+}
+"""``algo.advantage`` (armor-spec §3)."""
+
+AGGREGATIONS: dict[str, type[aggregation.TokenMean]] = {
+    "token-mean": aggregation.TokenMean,
+    "seq-mean-token-mean": aggregation.SeqMeanTokenMean,
+    "seq-mean-token-sum": aggregation.SeqMeanTokenSum,
+}
+"""``algo.loss_agg`` (armor-spec §4)."""
+
+KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "k1": kl.kl_k1,
+    "k2": kl.kl_k2,
+    "k3": kl.kl_k3,
+}
+"""``algo.kl_estimator``."""
+
+ANCHOR_MODES: dict[str, anchors.AnchorMode] = {
+    "none": anchors.NONE,
+    "armor": anchors.ARMOR,
+    "filter_only": anchors.FILTER_ONLY,
+}
+"""``algo.anchor`` (armor-spec §2)."""
+
+RESET_SCHEDULES: dict[str, Callable[[int, int, int], bool]] = {
+    "none": reset.never,
+    "every": reset.every_tau,
+    "every-until": reset.every_until,
+    "log2": reset.power_of_two,
+}
+"""``algo.reset.schedule`` (armor-spec §5)."""
+
+T = TypeVar("T")
+
+
+def lookup(table: dict[str, T], name: str, setting: str) -> T:
+    """``table[name]``, or a ``ValueError`` naming ``setting``, the bad value and the valid names."""
+    try:
+        return table[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"{setting}={name!r}: unknown name; use one of {sorted(table)}") from None
+
+
+def get_ratio(name: str) -> ratios.StandardRatio:
+    """The ratio mode for ``algo.ratio``."""
+    return lookup(RATIO_MODES, name, "algo.ratio")()
+
+
+def get_advantage(name: str) -> Callable[..., torch.Tensor]:
+    """The advantage function ``f(scores[G], quantile=, eps=) -> [G]`` for ``algo.advantage``."""
+    return lookup(ADVANTAGES, name, "algo.advantage")
+
+
+def get_aggregation(name: str) -> aggregation.TokenMean:
+    """The aggregation for ``algo.loss_agg``."""
+    return lookup(AGGREGATIONS, name, "algo.loss_agg")()
+
+
+def get_kl_estimator(name: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The per-token KL estimator ``f(logp, logq) -> [T]`` for ``algo.kl_estimator``."""
+    return lookup(KL_ESTIMATORS, name, "algo.kl_estimator")
+
+
+def get_anchor_mode(name: str) -> anchors.AnchorMode:
+    """The :class:`~megatron_armor.algo.anchors.AnchorMode` for ``algo.anchor``."""
+    return lookup(ANCHOR_MODES, name, "algo.anchor")
