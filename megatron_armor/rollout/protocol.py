@@ -50,7 +50,10 @@ class RolloutEngine(ABC):
 
     @abstractmethod
     def update_weights(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, weights: str = "policy"
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        version: int,
+        weights: str = "policy",
     ) -> None:
         """Load HF-named full tensors into weight set ``weights`` and record ``version``."""
 
@@ -63,7 +66,9 @@ class RolloutEngine(ABC):
         """True when the engine can serve."""
 
     def release_memory(self) -> None:
-        """Free accelerator memory while the trainer runs (colocated mode)."""
+        """Free accelerator memory while the trainer runs (colocated mode); default: nothing to free."""
+        return None
 
     def resume_memory(self) -> None:
-        """Take memory back after :meth:`release_memory`."""
+        """Take memory back after :meth:`release_memory`; default: nothing to take back."""
+        return None

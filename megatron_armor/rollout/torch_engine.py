@@ -1,0 +1,319 @@
+"""The embedded ``torch`` rollout engine: batched KV-cache sampling over an HF-format model.
+
+The CPU default (quick start, tests) and usable on one GPU. It loads an HF directory with
+``transformers`` (offline), samples with its own loop over the model's KV cache
+(``DynamicCache``), and records per-token log-probs of the temperature-scaled distribution
+(see :mod:`megatron_armor.rollout.sampling`), so they equal a teacher-forced forward.
+
+Batching: the ``len(prompts) * n`` rows are decoded in chunks of ``max_batch`` rows. In a
+chunk each distinct prompt is prefilled once (left-padded, ``attention_mask`` zero on pads,
+``position_ids = cumsum(mask) - 1``) and its KV cache is repeated for its ``n`` rows; rows
+that hit a stop token leave the batch. Seeds: one ``torch.Generator`` per call, so the same
+seed, prompts, ``n`` and ``max_batch`` give the same samples on the same device.
+
+Weight sets: ``policy`` is the loaded model; ``ref`` is a second model created on the first
+``update_weights(..., weights="ref")`` (a copy of the policy, then overwritten).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
+
+from megatron_armor.rollout.protocol import GenerationOutput, RolloutEngine, SamplingParams
+from megatron_armor.rollout.sampling import sample_next_tokens, scaled_log_probs
+
+WEIGHT_SETS = ("policy", "ref")
+
+
+@dataclass
+class _Chunk:
+    """Decode state of one chunk: ``B`` rows, prompts left-padded to a common length.
+
+    ``rows``: ``[B]`` index of each live row in the chunk; ``mask``: ``[B, L + t]``;
+    ``positions``: ``[B]`` position id of the next input token.
+    """
+
+    rows: torch.Tensor
+    mask: torch.Tensor
+    positions: torch.Tensor
+    cache: DynamicCache
+
+
+def load_hf_model(model_dir: str, device: str, dtype: torch.dtype) -> PreTrainedModel:
+    """Load an HF causal LM from a local directory (never the network), in eval mode."""
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
+    except OSError as err:
+        raise FileNotFoundError(
+            f"rollout: cannot load an HF model from model_dir={model_dir!r} ({err}); "
+            "point trainer.model_path at a directory with config.json and *.safetensors"
+        ) from err
+    return model.to(device).eval()
+
+
+def stop_ids_of(model: PreTrainedModel) -> set[int]:
+    """EOS ids from the model's config and generation config (they always end a sample)."""
+    ids: set[int] = set()
+    for cfg in (model.config, getattr(model, "generation_config", None)):
+        eos = getattr(cfg, "eos_token_id", None)
+        if eos is None:
+            continue
+        ids.update([eos] if isinstance(eos, int) else list(eos))
+    return ids
+
+
+def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device):
+    """Left-pad token lists. Returns ``(ids [B, L], mask [B, L], position_ids [B, L])``."""
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("rollout: got an empty prompt; every prompt needs >= 1 token")
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        mask[i, width - len(p) :] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    return ids.to(device), mask.to(device), positions.to(device)
+
+
+class TorchEngine(RolloutEngine):
+    """Embedded engine (see the module docstring)."""
+
+    def __init__(
+        self,
+        model_dir: str,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        max_batch: int = 64,
+    ) -> None:
+        if max_batch < 1:
+            raise ValueError(f"rollout.engine_batch_size={max_batch} must be >= 1")
+        self.model_dir = model_dir
+        self.device = torch.device(device)
+        self.max_batch = max_batch
+        self._models: dict[str, PreTrainedModel] = {
+            "policy": load_hf_model(model_dir, device, dtype)
+        }
+        self._versions: dict[str, int] = {"policy": 0}
+        self._released = False
+        policy = self._models["policy"]
+        self.stop_ids = stop_ids_of(policy)
+        pad = getattr(policy.config, "pad_token_id", None)
+        self.pad_id = int(pad) if pad is not None else min(self.stop_ids, default=0)
+        forward_params = inspect.signature(policy.forward).parameters
+        # transformers 5 renamed ``past_key_values`` to ``cache``; support both spellings.
+        self._cache_kw = "cache" if "cache" in forward_params else "past_key_values"
+
+    # ------------------------------------------------------------------ weights
+    def weight_version(self, weights: str = "policy") -> int:
+        self._model(weights)
+        return self._versions[weights]
+
+    def has_weights(self, weights: str) -> bool:
+        """True when weight set ``weights`` is loaded."""
+        return weights in self._models
+
+    def parameter_names(self) -> list[str]:
+        """HF names :meth:`update_weights` accepts (``state_dict`` keys, tied ones included)."""
+        return list(self._models["policy"].state_dict().keys())
+
+    def update_weights(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        version: int,
+        weights: str = "policy",
+    ) -> None:
+        """Copy HF-named full tensors into weight set ``weights``; record ``version``.
+
+        Any subset of the model's names may be sent (a bucketed stream calls this per bucket);
+        an unknown name or a shape mismatch raises before the version is recorded. The first
+        update of ``ref`` creates it as a copy of ``policy``.
+        """
+        if weights not in WEIGHT_SETS:
+            raise ValueError(f"rollout: weights={weights!r} is not one of {WEIGHT_SETS}")
+        if weights not in self._models:
+            self._models[weights] = copy.deepcopy(self._models["policy"])
+        targets = self._models[weights].state_dict(keep_vars=True)
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                _copy_checked(targets, name, tensor)
+        self._versions[weights] = int(version)
+
+    def drop_weights(self, weights: str) -> None:
+        """Free weight set ``weights`` (not ``policy``)."""
+        if weights == "policy":
+            raise ValueError("rollout: the policy weight set cannot be dropped")
+        self._models.pop(weights, None)
+        self._versions.pop(weights, None)
+
+    def state_tensors(self, weights: str = "policy") -> list[tuple[str, torch.Tensor]]:
+        """Detached ``(name, tensor)`` pairs of weight set ``weights`` (shared storage)."""
+        return [(k, v.detach()) for k, v in self._model(weights).state_dict().items()]
+
+    # ------------------------------------------------------------------ memory / health
+    def health(self) -> bool:
+        return not self._released and "policy" in self._models
+
+    def release_memory(self) -> None:
+        """On a GPU move every weight set to CPU and empty the CUDA cache; no-op on CPU."""
+        if self.device.type == "cpu" or self._released:
+            return
+        for model in self._models.values():
+            model.to("cpu")
+        torch.cuda.empty_cache()
+        self._released = True
+
+    def resume_memory(self) -> None:
+        """Move the weight sets back to the engine's device after :meth:`release_memory`."""
+        if not self._released:
+            return
+        for model in self._models.values():
+            model.to(self.device)
+        self._released = False
+
+    # ------------------------------------------------------------------ generation
+    def generate(
+        self,
+        prompts: list[list[int]],
+        n: int,
+        params: SamplingParams,
+        weights: str = "policy",
+    ) -> list[list[GenerationOutput]]:
+        if n < 1:
+            raise ValueError(f"rollout: n={n} samples per prompt must be >= 1")
+        if self._released:
+            raise RuntimeError("rollout: engine memory is released; call resume_memory() first")
+        model = self._model(weights)
+        version = self._versions[weights]
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        rows = [(i, j) for i in range(len(prompts)) for j in range(n)]
+        results: list[list[GenerationOutput]] = [[] for _ in prompts]
+        for start in range(0, len(rows), self.max_batch):
+            chunk_prompts = [i for i, _ in rows[start : start + self.max_batch]]
+            outs = self._generate_chunk(model, prompts, chunk_prompts, params, generator)
+            for prompt_index, (tokens, logps) in zip(chunk_prompts, outs, strict=True):
+                results[prompt_index].append(self._output(tokens, logps, params, version))
+        return results
+
+    def teacher_forced_logprobs(
+        self, prompt: list[int], response: list[int], temperature: float, weights: str = "policy"
+    ) -> list[float]:
+        """``log_softmax(logits / T)`` of each response token after ``prompt + response[:t]``."""
+        ids = torch.tensor([prompt + response], dtype=torch.long, device=self.device)
+        with torch.no_grad():
+            logits = self._model(weights)(input_ids=ids).logits[0, len(prompt) - 1 : -1]
+        logp = scaled_log_probs(logits, temperature)
+        target = torch.tensor(response, dtype=torch.long, device=self.device)
+        return logp.gather(-1, target.unsqueeze(-1)).squeeze(-1).tolist()
+
+    # ------------------------------------------------------------------ internals
+    def _model(self, weights: str) -> PreTrainedModel:
+        if weights not in self._models:
+            raise KeyError(
+                f"rollout: weight set {weights!r} is not loaded (loaded: {sorted(self._models)}); "
+                f"call update_weights(..., weights={weights!r}) first"
+            )
+        return self._models[weights]
+
+    def _output(self, tokens, logps, params: SamplingParams, version: int) -> GenerationOutput:
+        stops = self.stop_ids.union(params.stop_token_ids)
+        reason = "stop" if tokens and tokens[-1] in stops else "length"
+        return GenerationOutput(tokens, logps, reason, version)
+
+    def _forward(self, model, ids, chunk: _Chunk, positions) -> torch.Tensor:
+        """Run ``ids`` ``[B, S]`` through ``model`` on the chunk's cache; last logits ``[B, V]``."""
+        out = model(
+            input_ids=ids,
+            attention_mask=chunk.mask,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=1,
+            **{self._cache_kw: chunk.cache},
+        )
+        return out.logits[:, -1, :]
+
+    @torch.no_grad()
+    def _generate_chunk(self, model, prompts, chunk_prompts, params, generator):
+        """Decode one chunk; returns per row ``(token_ids, logprobs)`` lists."""
+        distinct = sorted(set(chunk_prompts))
+        ids, mask, positions = left_pad([prompts[i] for i in distinct], self.pad_id, self.device)
+        chunk = _Chunk(
+            rows=torch.arange(len(distinct), device=self.device),
+            mask=mask,
+            positions=positions[:, -1] + 1,
+            cache=DynamicCache(config=model.config),
+        )
+        logits = self._forward(model, ids, chunk, positions)
+        # Share each prompt's prefill between its rows.
+        expand = torch.tensor([distinct.index(i) for i in chunk_prompts], device=self.device)
+        chunk.cache.reorder_cache(expand)
+        chunk.mask, chunk.positions, logits = (
+            chunk.mask[expand],
+            chunk.positions[expand],
+            logits[expand],
+        )
+        chunk.rows = torch.arange(len(chunk_prompts), device=self.device)
+        return self._decode(model, chunk, logits, params, generator)
+
+    def _decode(self, model, chunk: _Chunk, logits, params: SamplingParams, generator):
+        num_rows = chunk.rows.numel()
+        tokens = torch.zeros(
+            (num_rows, params.max_new_tokens), dtype=torch.long, device=self.device
+        )
+        logps = torch.zeros(
+            (num_rows, params.max_new_tokens), dtype=torch.float32, device=self.device
+        )
+        lengths = torch.zeros(num_rows, dtype=torch.long, device=self.device)
+        stops = torch.tensor(sorted(self.stop_ids.union(params.stop_token_ids)), device=self.device)
+        for step in range(params.max_new_tokens):
+            next_tokens, next_logps = sample_next_tokens(logits, params, generator)
+            tokens[chunk.rows, step], logps[chunk.rows, step] = next_tokens, next_logps
+            lengths[chunk.rows] = step + 1
+            live = ~torch.isin(next_tokens, stops)
+            if step + 1 == params.max_new_tokens or not bool(live.any()):
+                break
+            if not bool(live.all()):
+                keep = live.nonzero().squeeze(-1)
+                chunk.cache.batch_select_indices(keep)
+                chunk.rows, chunk.mask, chunk.positions = (
+                    chunk.rows[keep],
+                    chunk.mask[keep],
+                    chunk.positions[keep],
+                )
+                next_tokens = next_tokens[keep]
+            chunk.mask = torch.cat(
+                [chunk.mask, chunk.mask.new_ones((chunk.mask.shape[0], 1))], dim=1
+            )
+            logits = self._forward(
+                model, next_tokens.unsqueeze(-1), chunk, chunk.positions.unsqueeze(-1)
+            )
+            chunk.positions = chunk.positions + 1
+        lengths_list, tokens_list, logps_list = lengths.tolist(), tokens.tolist(), logps.tolist()
+        return [
+            (t[:n], lp[:n]) for t, lp, n in zip(tokens_list, logps_list, lengths_list, strict=True)
+        ]
+
+
+def _copy_checked(targets: dict[str, torch.Tensor], name: str, tensor: torch.Tensor) -> None:
+    """``targets[name].copy_(tensor)`` with a clear error on an unknown name or shape."""
+    target = targets.get(name)
+    if target is None:
+        near = [k for k in targets if k.split(".")[-1] == name.split(".")[-1]][:3]
+        raise KeyError(
+            f"rollout: update_weights got unknown tensor {name!r}; expected HF names such as {near}. "
+            "Send HF-named tensors (the trainer's export_weights converts Megatron names)"
+        )
+    if tuple(target.shape) != tuple(tensor.shape):
+        raise ValueError(
+            f"rollout: update_weights tensor {name!r} has shape {tuple(tensor.shape)}, the engine "
+            f"expects {tuple(target.shape)}; send full (tensor-parallel gathered) tensors"
+        )
+    target.data.copy_(tensor)

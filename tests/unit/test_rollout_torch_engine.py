@@ -1,0 +1,147 @@
+"""Embedded ``torch`` engine: exact log-probs, seeds, stop tokens, weight sets (unit tier:
+CPU only, a 2-layer Qwen2 built in a temp dir)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from megatron_armor.rollout.protocol import SamplingParams
+from megatron_armor.rollout.torch_engine import TorchEngine
+
+pytestmark = pytest.mark.unit
+
+EOS = 1
+PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [20]]
+
+
+def build_tiny_qwen2(path, seed: int = 0) -> str:
+    """A 2-layer Qwen2 (vocab 64, GQA, tied embeddings) saved as an HF dir at ``path``."""
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        eos_token_id=EOS, pad_token_id=0, tie_word_embeddings=True,
+    )  # fmt: skip
+    Qwen2ForCausalLM(config).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    return build_tiny_qwen2(root / "a", seed=0), build_tiny_qwen2(root / "b", seed=1)
+
+
+@pytest.fixture
+def engine(model_dirs):
+    return TorchEngine(model_dirs[0], max_batch=4)
+
+
+def other_weights(model_dirs) -> list[tuple[str, torch.Tensor]]:
+    return list(TorchEngine(model_dirs[1]).state_tensors())
+
+
+def max_logprob_error(engine, prompts, outputs, temperature, weights="policy") -> float:
+    err = 0.0
+    for prompt, samples in zip(prompts, outputs, strict=True):
+        for s in samples:
+            ref = engine.teacher_forced_logprobs(prompt, s.token_ids, temperature, weights)
+            err = max(err, max(abs(a - b) for a, b in zip(ref, s.logprobs, strict=True)))
+    return err
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=12, seed=1),
+        SamplingParams(temperature=1.0, max_new_tokens=12, seed=2),
+        SamplingParams(temperature=0.0, max_new_tokens=6),
+    ],
+)
+def test_logprobs_equal_teacher_forced_forward(engine, params):
+    out = engine.generate(PROMPTS, 3, params)
+    assert [len(o) for o in out] == [3, 3, 3]
+    assert max_logprob_error(engine, PROMPTS, out, params.temperature) < 1e-5
+    for samples in out:
+        for s in samples:
+            assert len(s.token_ids) == len(s.logprobs) >= 1
+            assert s.weight_version == 0
+
+
+def test_same_seed_same_samples_and_seeds_differ(engine):
+    params = SamplingParams(temperature=1.0, max_new_tokens=10, seed=7)
+    first = engine.generate(PROMPTS, 2, params)
+    again = engine.generate(PROMPTS, 2, params)
+    other = engine.generate(PROMPTS, 2, SamplingParams(temperature=1.0, max_new_tokens=10, seed=8))
+    ids = [[s.token_ids for s in g] for g in first]
+    assert ids == [[s.token_ids for s in g] for g in again]
+    assert ids != [[s.token_ids for s in g] for g in other]
+
+
+def test_stop_tokens_end_samples(engine):
+    stops = tuple(range(2, 20))
+    out = engine.generate(
+        PROMPTS, 4, SamplingParams(max_new_tokens=30, stop_token_ids=stops, seed=0)
+    )
+    reasons = set()
+    for samples in out:
+        for s in samples:
+            ended = {EOS, *stops}
+            assert not ended.intersection(s.token_ids[:-1])
+            reasons.add(s.finish_reason)
+            assert s.finish_reason == ("stop" if s.token_ids[-1] in ended else "length")
+            assert s.finish_reason == "stop" or len(s.token_ids) == 30
+    assert "stop" in reasons
+    every = tuple(range(64))
+    out = engine.generate(
+        PROMPTS, 2, SamplingParams(max_new_tokens=5, stop_token_ids=every, seed=0)
+    )
+    assert all(len(s.token_ids) == 1 and s.finish_reason == "stop" for g in out for s in g)
+
+
+def test_weight_update_changes_outputs_and_version(engine, model_dirs):
+    params = SamplingParams(temperature=1.0, max_new_tokens=8, seed=3)
+    before = engine.generate(PROMPTS, 2, params)
+    engine.update_weights(other_weights(model_dirs), version=5)
+    after = engine.generate(PROMPTS, 2, params)
+    assert engine.weight_version() == 5
+    assert all(s.weight_version == 5 for g in after for s in g)
+    assert [s.logprobs for g in before for s in g] != [s.logprobs for g in after for s in g]
+    fresh = TorchEngine(model_dirs[1])
+    assert max_logprob_error(fresh, PROMPTS, after, 1.0) < 1e-5
+
+
+def test_update_weights_rejects_unknown_names_and_shapes(engine):
+    with pytest.raises(KeyError, match="unknown tensor 'model.layers.9.mlp.up_proj.weight'"):
+        engine.update_weights([("model.layers.9.mlp.up_proj.weight", torch.zeros(64, 32))], 1)
+    with pytest.raises(ValueError, match=r"shape \(3, 3\).*expects \(64, 32\)"):
+        engine.update_weights([("model.layers.0.mlp.up_proj.weight", torch.zeros(3, 3))], 1)
+    assert engine.weight_version() == 0
+
+
+def test_ref_weight_set_is_separate(engine, model_dirs):
+    params = SamplingParams(temperature=1.0, max_new_tokens=8, seed=4)
+    with pytest.raises(KeyError, match="weight set 'ref' is not loaded"):
+        engine.generate(PROMPTS, 1, params, weights="ref")
+    engine.update_weights(other_weights(model_dirs), version=2, weights="ref")
+    assert (engine.weight_version("policy"), engine.weight_version("ref")) == (0, 2)
+    ref_out = engine.generate(PROMPTS, 2, params, weights="ref")
+    policy_out = engine.generate(PROMPTS, 2, params)
+    fresh_ref = TorchEngine(model_dirs[1])
+    assert max_logprob_error(fresh_ref, PROMPTS, ref_out, 1.0) < 1e-5
+    assert max_logprob_error(engine, PROMPTS, policy_out, 1.0) < 1e-5
+    assert all(s.weight_version == 2 for g in ref_out for s in g)
+
+
+def test_chunking_matches_contract_and_memory_calls_are_safe_on_cpu(model_dirs):
+    engine = TorchEngine(model_dirs[0], max_batch=1)
+    out = engine.generate(PROMPTS, 3, SamplingParams(max_new_tokens=4, seed=0))
+    assert [len(o) for o in out] == [3, 3, 3]
+    assert max_logprob_error(engine, PROMPTS, out, 1.0) < 1e-5
+    engine.release_memory()  # no-op on CPU (documented)
+    assert engine.health()
+    engine.resume_memory()
+    with pytest.raises(ValueError, match="empty prompt"):
+        engine.generate([[]], 1, SamplingParams())
