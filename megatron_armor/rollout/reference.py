@@ -1,0 +1,229 @@
+"""Serving the reference policy ``pi_ref`` for anchors (ARMOR Algorithm 1 line 9, armor-spec §2).
+
+Three strategies, chosen by ``rollout.ref_strategy``:
+
+- ``swap``: one engine. Load the trainer's reference weights into the engine, sample the
+  anchors, reload the policy weights: two weight syncs per step, no extra engine memory.
+- ``dedicated``: the reference lives in its own weight set (the embedded engine's ``ref``
+  set) or in a separate engine pool; it is synced only at a reset (and at start / resume).
+- ``cache``: anchors for a query are generated once per reference period and reused until
+  the next reset, which invalidates the cache (the review's replay idea). Misses are filled
+  by an inner ``dedicated`` (default) or ``swap`` sampler.
+
+Every strategy returns :class:`GenerationOutput` objects whose ``weight_version`` is the
+reference version (the step of the last reset). The reference version and the anchor cache
+are in :meth:`ReferenceSampler.state_dict` so a resume does not silently revert them
+(armor-spec §5).
+
+Start-up and resume: the caller pushes the reference once with
+:meth:`ReferenceSampler.load_reference` (no cache invalidation); at a reset it calls
+:meth:`ReferenceSampler.on_reset`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
+from dataclasses import asdict
+
+import torch
+
+from megatron_armor.rollout.protocol import GenerationOutput, RolloutEngine, SamplingParams
+
+NamedTensors = Iterable[tuple[str, torch.Tensor]]
+WeightsFn = Callable[[str], NamedTensors]
+"""``weights_fn(which)`` streams the trainer's HF-named ``which`` weights (``policy`` | ``ref``),
+e.g. ``trainer.export_weights``."""
+STRATEGIES = ("swap", "dedicated", "cache")
+
+
+class ReferenceSampler(ABC):
+    """Draws reference samples; tracks the reference weight version."""
+
+    def __init__(self, ref_version: int = 0) -> None:
+        self.ref_version = ref_version
+
+    @abstractmethod
+    def sample(
+        self, query_ids: list[str], prompts: list[list[int]], n: int, params: SamplingParams
+    ) -> list[list[GenerationOutput]]:
+        """``n`` reference samples for each prompt; result ``[len(prompts)][n]``."""
+
+    def load_reference(self, version: int, named_tensors_fn: Callable[[], NamedTensors]) -> None:
+        """Make the engine serve the reference weights ``named_tensors_fn()`` as ``version``."""
+        self.ref_version = version
+
+    def on_reset(self, version: int, named_tensors_fn: Callable[[], NamedTensors]) -> None:
+        """A reference reset (armor-spec §5): the policy became the reference at ``version``."""
+        self.load_reference(version, named_tensors_fn)
+
+    def state_dict(self) -> dict:
+        return {"ref_version": self.ref_version}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.ref_version = int(state["ref_version"])
+
+
+class SwapReferenceSampler(ReferenceSampler):
+    """``swap``: load ``weights_fn('ref')`` into the engine, sample, reload ``weights_fn('policy')``.
+
+    The trainer keeps ``theta_ref`` (pinned CPU copies on its ranks), so :meth:`load_reference`
+    only records the version; the tensors are streamed by ``weights_fn`` at every :meth:`sample`.
+    """
+
+    def __init__(self, engine: RolloutEngine, weights_fn: WeightsFn, ref_version: int = 0) -> None:
+        super().__init__(ref_version)
+        self.engine = engine
+        self.weights_fn = weights_fn
+
+    def sample(self, query_ids, prompts, n, params):
+        policy_version = self.engine.weight_version("policy")
+        self.engine.update_weights(self.weights_fn("ref"), self.ref_version)
+        try:
+            return self.engine.generate(prompts, n, params)
+        finally:
+            self.engine.update_weights(self.weights_fn("policy"), policy_version)
+
+
+class DedicatedReferenceSampler(ReferenceSampler):
+    """``dedicated``: the reference stays loaded in weight set ``weights`` of ``engine``."""
+
+    def __init__(self, engine: RolloutEngine, weights: str = "ref", ref_version: int = 0) -> None:
+        super().__init__(ref_version)
+        self.engine = engine
+        self.weights = weights
+
+    def load_reference(self, version, named_tensors_fn):
+        self.engine.update_weights(named_tensors_fn(), version, self.weights)
+        super().load_reference(version, named_tensors_fn)
+
+    def sample(self, query_ids, prompts, n, params):
+        return self.engine.generate(prompts, n, params, weights=self.weights)
+
+
+class CachedReferenceSampler(ReferenceSampler):
+    """``cache``: per query, the first ``n`` reference samples of this reference period.
+
+    Cache entries are keyed by query id and remember the prompt (a different prompt under the
+    same id is an error). ``hits``/``misses`` count queries for the logs.
+    """
+
+    def __init__(self, inner: ReferenceSampler) -> None:
+        super().__init__(inner.ref_version)
+        self.inner = inner
+        self.cache: dict[str, tuple[list[int], list[GenerationOutput]]] = {}
+        self.hits = 0
+        self.misses = 0
+
+    def sample(self, query_ids, prompts, n, params):
+        if len(query_ids) != len(prompts):
+            raise ValueError(
+                f"reference cache: {len(query_ids)} query ids for {len(prompts)} prompts"
+            )
+        missing = [i for i, q in enumerate(query_ids) if not self._cached(q, prompts[i], n)]
+        if missing:
+            fresh = self.inner.sample(
+                [query_ids[i] for i in missing], [prompts[i] for i in missing], n, params
+            )
+            for i, outputs in zip(missing, fresh, strict=True):
+                self.cache[query_ids[i]] = (list(prompts[i]), outputs)
+        self.hits += len(query_ids) - len(missing)
+        self.misses += len(missing)
+        return [list(self.cache[q][1][:n]) for q in query_ids]
+
+    def _cached(self, query_id: str, prompt: list[int], n: int) -> bool:
+        entry = self.cache.get(query_id)
+        if entry is None:
+            return False
+        if entry[0] != list(prompt):
+            raise ValueError(
+                f"reference cache: query_id {query_id!r} came with a different prompt than the "
+                "cached one; query ids must identify prompts uniquely"
+            )
+        return len(entry[1]) >= n
+
+    def load_reference(self, version, named_tensors_fn):
+        self.inner.load_reference(version, named_tensors_fn)
+        super().load_reference(version, named_tensors_fn)
+
+    def on_reset(self, version, named_tensors_fn):
+        """Reset: load the new reference and drop every cached anchor."""
+        self.inner.on_reset(version, named_tensors_fn)
+        self.cache.clear()
+        super().load_reference(version, named_tensors_fn)
+
+    def state_dict(self) -> dict:
+        cache = {
+            q: {"prompt": p, "outputs": [asdict(o) for o in outs]}
+            for q, (p, outs) in self.cache.items()
+        }
+        return {"ref_version": self.ref_version, "cache": cache, "inner": self.inner.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.inner.load_state_dict(state["inner"])
+        self.cache = {
+            q: (list(e["prompt"]), [GenerationOutput(**o) for o in e["outputs"]])
+            for q, e in state["cache"].items()
+        }
+
+    def metrics(self) -> dict[str, float]:
+        """``anchor/cache_hits``, ``anchor/cache_misses``, ``anchor/cache_size`` so far."""
+        return {
+            "anchor/cache_hits": float(self.hits),
+            "anchor/cache_misses": float(self.misses),
+            "anchor/cache_size": float(len(self.cache)),
+        }
+
+
+def make_reference_sampler(
+    strategy: str,
+    engine: RolloutEngine,
+    *,
+    weights_fn: WeightsFn | None = None,
+    ref_engine: RolloutEngine | None = None,
+    cache_fill: str = "dedicated",
+    ref_version: int = 0,
+) -> ReferenceSampler:
+    """Build the sampler for ``rollout.ref_strategy``.
+
+    ``swap`` needs ``weights_fn``; ``dedicated`` uses ``ref_engine`` (its ``policy`` set) when
+    given, else ``engine``'s ``ref`` set; ``cache`` wraps a ``cache_fill`` sampler.
+    """
+    if strategy == "swap":
+        if weights_fn is None:
+            raise ValueError(
+                "rollout.ref_strategy=swap needs weights_fn(which) streaming the trainer's "
+                "'policy'/'ref' weights; pass it or use ref_strategy=dedicated"
+            )
+        return SwapReferenceSampler(engine, weights_fn, ref_version)
+    if strategy == "dedicated":
+        if ref_engine is not None:
+            return DedicatedReferenceSampler(ref_engine, "policy", ref_version)
+        return DedicatedReferenceSampler(engine, "ref", ref_version)
+    if strategy == "cache":
+        if cache_fill == "cache":
+            raise ValueError("reference cache_fill must be 'swap' or 'dedicated', not 'cache'")
+        inner = make_reference_sampler(
+            cache_fill,
+            engine,
+            weights_fn=weights_fn,
+            ref_engine=ref_engine,
+            ref_version=ref_version,
+        )
+        return CachedReferenceSampler(inner)
+    raise ValueError(f"rollout.ref_strategy={strategy!r} is not one of {STRATEGIES}")
+
+
+def reference_sampler_from_config(
+    rollout_cfg, algo_cfg, engine: RolloutEngine, **kwargs
+) -> ReferenceSampler:
+    """Sampler for ``rollout.ref_strategy`` and ``algo.anchor_source``.
+
+    ``anchor_source: cache`` with ``ref_strategy: swap|dedicated`` caches anchors and fills
+    misses with that strategy; ``ref_strategy: cache`` fills misses with ``dedicated``.
+    """
+    strategy = rollout_cfg.ref_strategy
+    if algo_cfg.anchor_source == "cache" and strategy != "cache":
+        return make_reference_sampler("cache", engine, cache_fill=strategy, **kwargs)
+    return make_reference_sampler(strategy, engine, **kwargs)

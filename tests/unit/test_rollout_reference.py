@@ -1,0 +1,153 @@
+"""Reference serving strategies draw anchors from the reference weights, never the policy's
+(unit tier: two different tiny Qwen2 models stand in for policy and reference)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from megatron_armor.config.schema import AlgoConfig, RolloutConfig
+from megatron_armor.rollout.protocol import SamplingParams
+from megatron_armor.rollout.reference import (
+    CachedReferenceSampler,
+    SwapReferenceSampler,
+    make_reference_sampler,
+    reference_sampler_from_config,
+)
+from megatron_armor.rollout.torch_engine import TorchEngine
+
+pytestmark = pytest.mark.unit
+
+PROMPTS = [[5, 6, 7], [8, 9, 10, 11], [20]]
+QIDS = ["q0", "q1", "q2"]
+PARAMS = SamplingParams(temperature=1.0, max_new_tokens=6, seed=11)
+
+
+def build_tiny_qwen2(path, seed: int) -> str:
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        eos_token_id=1, pad_token_id=0, tie_word_embeddings=True,
+    )  # fmt: skip
+    Qwen2ForCausalLM(config).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """``(policy_engine_dir, ref_engine_dir)`` plus frozen oracles for each."""
+    root = tmp_path_factory.mktemp("ref")
+    policy_dir, ref_dir = build_tiny_qwen2(root / "pol", 0), build_tiny_qwen2(root / "ref", 1)
+    return {
+        "policy_dir": policy_dir,
+        "ref_dir": ref_dir,
+        "policy": TorchEngine(policy_dir),
+        "ref": TorchEngine(ref_dir),
+    }
+
+
+def weights_fn_for(models):
+    def weights_fn(which: str):
+        return models["policy" if which == "policy" else "ref"].state_tensors()
+
+    return weights_fn
+
+
+def max_error(oracle: TorchEngine, outputs, temperature=1.0) -> float:
+    err = 0.0
+    for prompt, samples in zip(PROMPTS, outputs, strict=True):
+        for s in samples:
+            tf = oracle.teacher_forced_logprobs(prompt, s.token_ids, temperature)
+            err = max(err, max(abs(a - b) for a, b in zip(tf, s.logprobs, strict=True)))
+    return err
+
+
+def assert_from_reference(models, outputs, version):
+    assert max_error(models["ref"], outputs) < 1e-5
+    assert max_error(models["policy"], outputs) > 1e-2
+    assert all(s.weight_version == version for g in outputs for s in g)
+
+
+@pytest.mark.parametrize("strategy", ["swap", "dedicated", "cache"])
+def test_strategy_samples_reference_weights(models, strategy):
+    engine = TorchEngine(models["policy_dir"])
+    engine.update_weights(models["policy"].state_tensors(), version=7)
+    sampler = make_reference_sampler(strategy, engine, weights_fn=weights_fn_for(models))
+    sampler.load_reference(3, models["ref"].state_tensors)
+    outputs = sampler.sample(QIDS, PROMPTS, 2, PARAMS)
+    assert [len(g) for g in outputs] == [2, 2, 2]
+    assert_from_reference(models, outputs, version=3)
+    # The policy is untouched afterwards (swap reloaded it; dedicated/cache never touched it).
+    assert engine.weight_version() == 7
+    policy_out = engine.generate(PROMPTS, 1, PARAMS)
+    assert max_error(models["policy"], policy_out) < 1e-5
+
+
+def test_dedicated_on_separate_engine(models):
+    ref_engine = TorchEngine(models["policy_dir"])
+    engine = TorchEngine(models["policy_dir"])
+    sampler = make_reference_sampler("dedicated", engine, ref_engine=ref_engine)
+    sampler.on_reset(4, models["ref"].state_tensors)
+    assert_from_reference(models, sampler.sample(QIDS, PROMPTS, 1, PARAMS), version=4)
+    assert not engine.has_weights("ref") and engine.weight_version() == 0
+
+
+def test_swap_calls_two_syncs_per_sample(models):
+    calls = []
+
+    def weights_fn(which):
+        calls.append(which)
+        return weights_fn_for(models)(which)
+
+    sampler = SwapReferenceSampler(TorchEngine(models["policy_dir"]), weights_fn)
+    sampler.sample(QIDS, PROMPTS, 1, PARAMS)
+    assert calls == ["ref", "policy"]
+
+
+def test_cache_reuses_until_reset_and_reset_invalidates(models):
+    engine = TorchEngine(models["policy_dir"])
+    sampler = make_reference_sampler("cache", engine)
+    sampler.load_reference(1, models["ref"].state_tensors)
+    first = sampler.sample(QIDS, PROMPTS, 2, PARAMS)
+    other_seed = SamplingParams(temperature=1.0, max_new_tokens=6, seed=99)
+    again = sampler.sample(QIDS[:2], PROMPTS[:2], 2, other_seed)
+    assert [[s.token_ids for s in g] for g in again] == [
+        [s.token_ids for s in g] for g in first[:2]
+    ]
+    assert sampler.metrics()["anchor/cache_hits"] == 2.0
+    # A reset to new reference weights (here: the policy's) drops every cached anchor.
+    sampler.on_reset(2, models["policy"].state_tensors)
+    assert sampler.metrics()["anchor/cache_size"] == 0.0
+    fresh = sampler.sample(QIDS, PROMPTS, 2, PARAMS)
+    assert max_error(models["policy"], fresh) < 1e-5
+    assert all(s.weight_version == 2 for g in fresh for s in g)
+
+
+def test_cache_state_dict_round_trip_keeps_anchors_and_version(models):
+    engine = TorchEngine(models["policy_dir"])
+    sampler = make_reference_sampler("cache", engine)
+    sampler.load_reference(5, models["ref"].state_tensors)
+    first = sampler.sample(QIDS, PROMPTS, 2, PARAMS)
+    state = sampler.state_dict()
+    restored = make_reference_sampler("cache", TorchEngine(models["policy_dir"]))
+    restored.load_state_dict(state)
+    assert restored.ref_version == 5 and restored.inner.ref_version == 5
+    again = restored.sample(QIDS, PROMPTS, 2, PARAMS)  # all hits: no engine call needed
+    assert [[s.token_ids for s in g] for g in again] == [[s.token_ids for s in g] for g in first]
+    assert restored.metrics()["anchor/cache_misses"] == 0.0
+    with pytest.raises(ValueError, match="different prompt"):
+        restored.sample(["q0"], [[9, 9]], 2, PARAMS)
+
+
+def test_factory_errors_and_config_mapping(models):
+    engine = TorchEngine(models["policy_dir"])
+    with pytest.raises(ValueError, match="ref_strategy=swap needs weights_fn"):
+        make_reference_sampler("swap", engine)
+    with pytest.raises(ValueError, match="'bogus' is not one of"):
+        make_reference_sampler("bogus", engine)
+    cfg = reference_sampler_from_config(
+        RolloutConfig(ref_strategy="dedicated"), AlgoConfig(anchor_source="cache"), engine
+    )
+    assert isinstance(cfg, CachedReferenceSampler)
