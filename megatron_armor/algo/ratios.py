@@ -24,14 +24,14 @@ def resolve_alpha(alpha: float | str, group_size: int) -> float:
     """
     if isinstance(alpha, str):
         if alpha != "auto":
-            raise ValueError(f"alpha={alpha!r}: use a number in (0, 1] or 'auto'")
+            raise ValueError(f"algo.alpha={alpha!r}: use a number in (0, 1] or 'auto'")
         if group_size < 2:
-            raise ValueError(f"group_size={group_size}: alpha='auto' needs group_size >= 2")
+            raise ValueError(f"algo.group_size={group_size}: alpha='auto' needs group_size >= 2")
         n_on = group_size - 1
         return n_on / (n_on + 1)
     value = float(alpha)
     if not 0.0 < value <= 1.0:
-        raise ValueError(f"alpha={alpha!r}: must lie in (0, 1] (or be 'auto')")
+        raise ValueError(f"algo.alpha={alpha!r}: must lie in (0, 1] (or be 'auto')")
     return value
 
 
