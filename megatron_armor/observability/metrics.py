@@ -1,0 +1,130 @@
+"""Metric sinks: JSONL always, TensorBoard and Weights & Biases when enabled.
+
+Every training step produces one flat dict of ``namespace/name -> float`` (docs/metrics.md
+lists them). :class:`MetricsLogger` writes it as one line of ``run_dir/metrics.jsonl``
+(``{"step": s, "wall_time": t, ...}``), to TensorBoard event files under ``run_dir/tb`` and,
+when asked, to W&B. On resume, lines of steps that will be recomputed are dropped first
+(:func:`truncate_metrics`) so the file always holds one line per step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def _clean(value: Any) -> float | None:
+    """A JSON-safe float (NaN/inf become ``None``)."""
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """All step records of ``run_dir/metrics.jsonl`` in file order (missing file -> ``[]``)."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line:
+            records.append(json.loads(line))
+    return records
+
+
+def truncate_metrics(run_dir: str | Path, last_step: int) -> int:
+    """Drop records with ``step > last_step`` (a resume recomputes them); returns kept count."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        return 0
+    kept = [r for r in read_metrics(run_dir) if int(r.get("step", 0)) <= last_step]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    tmp.replace(path)
+    return len(kept)
+
+
+class _TensorBoardSink:
+    def __init__(self, log_dir: Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(log_dir))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        for key, value in metrics.items():
+            if value is not None:
+                self.writer.add_scalar(key, value, global_step=step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class _WandbSink:
+    def __init__(self, project: str, name: str, run_dir: Path, config: dict | None):
+        try:
+            import wandb
+        except ImportError:
+            raise RuntimeError(
+                "logging.wandb=true but the `wandb` package is not installed; "
+                "`pip install wandb` or set logging.wandb=false"
+            ) from None
+        self.wandb = wandb
+        self.run = wandb.init(
+            project=project, name=name, dir=str(run_dir), config=config, resume="allow"
+        )
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self.run.log({k: v for k, v in metrics.items() if v is not None}, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class MetricsLogger:
+    """Write one record per step to every enabled sink.
+
+    Args:
+        run_dir: the run directory (``metrics.jsonl`` and ``tb/`` live there).
+        tensorboard: also write TensorBoard event files.
+        wandb: also log to W&B (clear error when ``wandb`` is not installed).
+        wandb_project / run_name / config: W&B run identity and the resolved config.
+    """
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        tensorboard: bool = True,
+        wandb: bool = False,
+        wandb_project: str = "megatron_armor",
+        run_name: str = "armor",
+        config: dict | None = None,
+    ):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / METRICS_FILE
+        self.sinks: list[Any] = []
+        if tensorboard:
+            self.sinks.append(_TensorBoardSink(self.run_dir / "tb"))
+        if wandb:
+            self.sinks.append(_WandbSink(wandb_project, run_name, self.run_dir, config))
+
+    def log(self, step: int, metrics: dict[str, float]) -> dict[str, float | None]:
+        """Append ``metrics`` for ``step``; returns the cleaned record that was written."""
+        clean = {k: _clean(v) for k, v in sorted(metrics.items())}
+        record = {"step": step, "wall_time": time.time(), **clean}
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        for sink in self.sinks:
+            sink.log(step, clean)
+        return clean
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []

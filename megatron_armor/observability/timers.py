@@ -1,0 +1,51 @@
+"""Per-phase wall-clock timers, each phase also an NVTX range for Nsight Systems.
+
+``with timers.phase("rollout"): ...`` adds the elapsed seconds to ``timing/rollout_s`` for
+the current step; nested phases are timed independently (``rollout`` can contain
+``generate`` and ``score``). :meth:`PhaseTimers.pop_metrics` returns the step's totals and
+clears them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+
+def _nvtx_range(name: str):
+    """``observability.nvtx.nvtx_range`` (zero cost when NVTX is off)."""
+    from megatron_armor.observability.nvtx import nvtx_range
+
+    return nvtx_range(name)
+
+
+class PhaseTimers:
+    """Accumulate seconds per named phase within one training step."""
+
+    def __init__(self) -> None:
+        self._seconds: dict[str, float] = defaultdict(float)
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time the body as phase ``name`` (and mark it as an NVTX range)."""
+        start = time.perf_counter()
+        try:
+            with _nvtx_range(name):
+                yield
+        finally:
+            self._seconds[name] += time.perf_counter() - start
+
+    def add(self, name: str, seconds: float) -> None:
+        """Add externally measured seconds to phase ``name``."""
+        self._seconds[name] += seconds
+
+    def seconds(self, name: str) -> float:
+        return self._seconds.get(name, 0.0)
+
+    def pop_metrics(self) -> dict[str, float]:
+        """``{"timing/<phase>_s": seconds}`` for the step so far; clears the totals."""
+        out = {f"timing/{name}_s": value for name, value in sorted(self._seconds.items())}
+        self._seconds.clear()
+        return out

@@ -1,0 +1,118 @@
+"""Unit tier: metric sinks, phase timers, plots and the end-of-run summary (no Ray, no model)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from megatron_armor.observability.metrics import MetricsLogger, read_metrics, truncate_metrics
+from megatron_armor.observability.plot import plot_run, reset_steps, series
+from megatron_armor.observability.summary import step_line, summarize, write_summary
+from megatron_armor.observability.timers import PhaseTimers
+
+pytestmark = pytest.mark.unit
+
+
+def _fill(run_dir, steps=4, tensorboard=False):
+    logger = MetricsLogger(run_dir, tensorboard=tensorboard)
+    for step in range(steps + 1):
+        m = {"val/tiny/avg@4": 0.5 + 0.01 * step} if step % 2 == 0 else {}
+        if step:
+            m.update(
+                {
+                    "reward/policy_mean": -1 + 0.1 * step,
+                    "kl/reverse_k3": 0.01 * step,
+                    "kl/forward_k1": 0.02,
+                    "anchor/acceptance_rate": 0.5,
+                    "loss/clipfrac_high": 0.001,
+                    "reset/performed": float(step == 2),
+                    "timing/step_s": 1.5,
+                }
+            )
+        logger.log(step, m)
+    logger.close()
+
+
+def test_jsonl_one_record_per_step_with_namespaced_keys(tmp_path):
+    _fill(tmp_path)
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
+    assert records[1]["reward/policy_mean"] == pytest.approx(-0.9)
+    assert all("wall_time" in r for r in records)
+
+
+def test_non_finite_values_become_null(tmp_path):
+    logger = MetricsLogger(tmp_path, tensorboard=False)
+    logger.log(1, {"loss/pg": float("nan"), "loss/ratio_max": float("inf"), "lr": 1e-6})
+    line = (tmp_path / "metrics.jsonl").read_text()
+    record = json.loads(line)  # strict JSON: NaN would not parse in other readers
+    assert record["loss/pg"] is None and record["loss/ratio_max"] is None and record["lr"] == 1e-6
+
+
+def test_truncate_drops_steps_a_resume_recomputes(tmp_path):
+    _fill(tmp_path)
+    assert truncate_metrics(tmp_path, 2) == 3
+    assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1, 2]
+    assert truncate_metrics(tmp_path, -1) == 0
+
+
+def test_tensorboard_event_file_written(tmp_path):
+    _fill(tmp_path, steps=2, tensorboard=True)
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+
+
+def test_wandb_missing_is_a_clear_error(tmp_path, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def block(name, *args, **kwargs):
+        if name == "wandb":
+            raise ImportError("blocked")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", block)
+    with pytest.raises(RuntimeError, match="logging.wandb=false"):
+        MetricsLogger(tmp_path, tensorboard=False, wandb=True)
+
+
+def test_phase_timers_accumulate_and_clear():
+    timers = PhaseTimers()
+    with timers.phase("rollout"):
+        with timers.phase("generate"):
+            time.sleep(0.01)
+    with timers.phase("generate"):
+        time.sleep(0.01)
+    m = timers.pop_metrics()
+    assert m["timing/generate_s"] >= 0.02 and m["timing/rollout_s"] >= 0.01
+    assert timers.pop_metrics() == {}
+
+
+def test_plots_written_with_reset_markers(tmp_path):
+    _fill(tmp_path)
+    records = read_metrics(tmp_path)
+    assert reset_steps(records) == [2]
+    assert series(records, "val/tiny/avg@4")[0] == [0, 2, 4]
+    paths = plot_run(tmp_path)
+    names = sorted(p.name for p in paths)
+    assert names == ["acceptance.png", "clip.png", "kl.png", "reward_vs_val.png"]
+    assert all(p.stat().st_size > 1000 for p in paths)
+
+
+def test_plot_of_empty_dir_is_an_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="metrics.jsonl"):
+        plot_run(tmp_path)
+
+
+def test_step_line_and_summary(tmp_path):
+    _fill(tmp_path)
+    records = read_metrics(tmp_path)
+    line = step_line(2, 4, records[2])
+    assert line.startswith("step 2/4") and "RESET" in line and "tiny/avg@4 0.520" in line
+    rows = {r[0]: r for r in summarize(records)}
+    assert rows["train reward (on-policy)"][1:] == ("-0.900", "-0.600", "-0.600")
+    text = write_summary(tmp_path, {"plots": "x"})
+    assert "reference_resets: [2]" in text
+    assert json.loads((tmp_path / "summary.json").read_text())["reference_resets"] == [2]
