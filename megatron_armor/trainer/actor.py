@@ -1,0 +1,146 @@
+"""``MegatronTrainer``: one megatron-core policy rank behind :class:`TrainerInterface`.
+
+Construction starts torch.distributed and megatron's parallel groups (``parallel.py``), builds
+this rank's ``GPTModel`` stage from ``trainer.model_path`` (``model.py``), loads its slices of
+the HF weights (``hf_weights.py``), wraps it in megatron DDP with the megatron optimizer and a
+warm-up-then-constant LR schedule (``optim.py``) and stores the reference copy
+(``weight_store.py``). Every method is collective over all trainer ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from megatron_armor.algo.losses import LossSettings, finalize_metrics
+from megatron_armor.config.schema import ArmorConfig, TrainerConfig
+from megatron_armor.trainer import checkpoint, parallel
+from megatron_armor.trainer.batching import plan_micro_batches, split_minibatches
+from megatron_armor.trainer.hf_weights import export_hf_weights, load_hf_weights
+from megatron_armor.trainer.interface import TrainerInterface
+from megatron_armor.trainer.model import build_model, read_hf_spec
+from megatron_armor.trainer.optim import build_optimizer, wrap_ddp
+from megatron_armor.trainer.schedule import (
+    LogprobSettings,
+    global_units,
+    logprob_builder,
+    policy_loss_builder,
+    reduce_metric_sums,
+    run_schedule,
+)
+from megatron_armor.trainer.weight_store import WeightStore
+
+
+def check_supported_layout(trainer: TrainerConfig) -> None:
+    """Reject parallel settings this actor does not implement yet."""
+    if trainer.cp != 1:
+        raise ValueError(
+            f"trainer.cp={trainer.cp}: context parallelism is not supported; set cp: 1"
+        )
+    if trainer.vpp != 1:
+        raise ValueError(
+            f"trainer.vpp={trainer.vpp}: virtual pipeline stages are not supported; set vpp: 1"
+        )
+    if trainer.sequence_parallel and trainer.tp == 1:
+        raise ValueError("trainer.sequence_parallel=true needs trainer.tp > 1; set it to false")
+
+
+class MegatronTrainer(TrainerInterface):
+    """A megatron-core policy trainer rank (see module docstring)."""
+
+    def __init__(
+        self,
+        config: ArmorConfig,
+        rank: int = 0,
+        world_size: int = 1,
+        master_addr: str = "127.0.0.1",
+        master_port: int = 29500,
+    ):
+        t = config.trainer
+        check_supported_layout(t)
+        layout = parallel.ParallelLayout(tp=t.tp, pp=t.pp, cp=t.cp, vpp=t.vpp)
+        parallel.init_parallel(layout, rank, world_size, master_addr, master_port, config.run.seed)
+        self.config = config
+        self.spec = read_hf_spec(t.model_path)
+        model = build_model(self.spec, t)
+        load_hf_weights(model, t.model_path, self.spec)
+        self.model = wrap_ddp(model, t)
+        self.optimizer, self.scheduler = build_optimizer(self.model, t)
+        self.store = WeightStore(self.model)
+        self.store.snapshot("ref")
+        self.loss_settings = LossSettings.from_algo_config(config.algo)
+        self.lp = LogprobSettings(
+            vocab_size=self.spec.vocab_size,
+            temperature=config.rollout.sampling.temperature,
+            chunk=t.logprob_chunk,
+        )
+        self.updates = 0
+
+    # --- helpers ---------------------------------------------------------------------------
+
+    def _micro_batches(self, batch):
+        t = self.config.trainer
+        pad = t.tp if t.sequence_parallel else 1
+        return plan_micro_batches(
+            batch, parallel.dp_rank(), parallel.dp_size(), t.micro_batch_tokens, pad
+        )
+
+    def _update(self, minibatch) -> dict[str, float]:
+        """One optimizer update on one mini-batch; metrics reduced over DP."""
+        mbs = self._micro_batches(minibatch)
+        normalizer = global_units(mbs, self.loss_settings.loss_agg) or 1.0
+        self.model.train()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self.scheduler.step(increment=1)  # update k uses the warm-up LR of step k (1-based)
+        builder = policy_loss_builder(self.lp, self.loss_settings, normalizer)
+        outputs = run_schedule(self.model, mbs, builder, forward_only=False)
+        _, grad_norm, _ = self.optimizer.step()
+        self.updates += 1
+        sums = reduce_metric_sums(outputs)
+        objective = sums.pop("loss/objective", 0.0)
+        metrics = finalize_metrics(sums)
+        metrics["loss/objective"] = objective
+        metrics["loss/grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
+        metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
+        return metrics
+
+    # --- TrainerInterface ------------------------------------------------------------------
+
+    def compute_logprobs(self, batch, weights: str = "policy") -> torch.Tensor | None:
+        mbs = self._micro_batches(batch)
+        self.model.eval()
+        with self.store.swapped(weights), torch.no_grad():
+            outputs = run_schedule(self.model, mbs, logprob_builder(self.lp), forward_only=True)
+        if not parallel.is_reporting_rank():
+            return None
+        out = torch.zeros(batch.num_tokens)
+        for o in outputs:
+            out[o["index"]] = o["logp"].float().cpu()
+        return out * batch.loss_mask.float()
+
+    def train_step(self, batch, num_minibatches: int) -> dict[str, float]:
+        per_update = [self._update(mb) for mb in split_minibatches(batch, num_minibatches)]
+        keys = set().union(*per_update)
+        return {
+            k: sum(m[k] for m in per_update if k in m) / sum(1 for m in per_update if k in m)
+            for k in sorted(keys)
+        }
+
+    def reset_reference(self) -> None:
+        self.store.snapshot("ref")
+
+    def export_weights(self, weights: str = "policy") -> Iterator[tuple[str, torch.Tensor]]:
+        with self.store.swapped(weights):
+            yield from export_hf_weights(self.model, self.spec)
+
+    def save_checkpoint(self, path: str, run_state: dict) -> None:
+        checkpoint.save_trainer(self, path, run_state)
+
+    def load_checkpoint(self, path: str) -> dict:
+        return checkpoint.load_trainer(self, path)
+
+    def close(self) -> None:
+        """Destroy the process groups (the rank can be torn down afterwards)."""
+        parallel.destroy_parallel()

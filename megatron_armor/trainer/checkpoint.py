@@ -1,0 +1,116 @@
+"""Trainer checkpoints: megatron-core ``dist_checkpointing`` plus per-rank run state.
+
+Layout of ``path`` (the caller writes it inside a temporary directory and renames it, see
+``orchestration/checkpoints.py``)::
+
+    path/
+      dist/            dist_checkpointing: model (``model``), reference weights (``reference.*``),
+                       optimizer state, LR scheduler, update counter
+      rng/rank_R.pt    torch / CUDA / Python / NumPy RNG states of global rank R
+      run_state.pt     the orchestrator's ``run_state`` dict (written by global rank 0)
+
+The reference weights are saved through the model's own sharded state dict (keys prefixed
+``reference.``), so they reshard like the model (a resume may change TP/PP).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.mapping import ShardedBase
+
+from megatron_armor.trainer import parallel
+from megatron_armor.trainer.hf_weights import unwrap
+
+REFERENCE_PREFIX = "reference."
+
+
+def _detached_copy(sharded: dict) -> dict:
+    """A copy of a sharded state dict whose tensors no longer alias the live parameters."""
+    out = {}
+    for k, v in sharded.items():
+        if isinstance(v, dict):
+            out[k] = _detached_copy(v)
+        elif isinstance(v, ShardedBase) and isinstance(getattr(v, "data", None), torch.Tensor):
+            v.data = v.data.detach().clone()
+            out[k] = v
+        else:
+            out[k] = v
+    return out
+
+
+def _strip_prefix(state: dict, prefix: str) -> dict:
+    return {k[len(prefix) :] if k.startswith(prefix) else k: v for k, v in state.items()}
+
+
+def _sharded_state(trainer, is_loading: bool) -> dict:
+    core = unwrap(trainer.model)
+    model_sd = core.sharded_state_dict()
+    with trainer.store.swapped("ref"):
+        ref_sd = _detached_copy(core.sharded_state_dict(prefix=REFERENCE_PREFIX))
+    return {
+        "model": model_sd,
+        "reference": ref_sd,
+        "optimizer": trainer.optimizer.sharded_state_dict(model_sd, is_loading=is_loading),
+        "scheduler": trainer.scheduler.state_dict(),
+        "updates": trainer.updates,
+    }
+
+
+def _rng_state() -> dict:
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+    }
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def save_trainer(trainer, path: str, run_state: dict) -> None:
+    """Collectively write the trainer state and ``run_state`` under ``path``."""
+    rank = parallel.global_rank()
+    os.makedirs(os.path.join(path, "dist"), exist_ok=True)
+    os.makedirs(os.path.join(path, "rng"), exist_ok=True)
+    _barrier()
+    dist_checkpointing.save(_sharded_state(trainer, is_loading=False), os.path.join(path, "dist"))
+    torch.save(_rng_state(), os.path.join(path, "rng", f"rank_{rank}.pt"))
+    if rank == 0:
+        torch.save(run_state, os.path.join(path, "run_state.pt"))
+    _barrier()
+
+
+def load_trainer(trainer, path: str) -> dict:
+    """Restore what :func:`save_trainer` wrote; returns the orchestrator's ``run_state``."""
+    dist_dir = os.path.join(path, "dist")
+    if not os.path.isdir(dist_dir):
+        raise FileNotFoundError(f"{path!r} is not a trainer checkpoint (no dist/ directory)")
+    loaded = dist_checkpointing.load(_sharded_state(trainer, is_loading=True), dist_dir)
+    core = unwrap(trainer.model)
+    core.load_state_dict(_strip_prefix(loaded["reference"], REFERENCE_PREFIX))
+    trainer.store.snapshot("ref")
+    core.load_state_dict(loaded["model"])
+    trainer.optimizer.load_state_dict(loaded["optimizer"])
+    trainer.scheduler.load_state_dict(loaded["scheduler"])
+    trainer.updates = int(loaded["updates"])
+    rng_file = os.path.join(path, "rng", f"rank_{parallel.global_rank()}.pt")
+    if os.path.exists(rng_file):
+        _set_rng_state(torch.load(rng_file, weights_only=False))
+    return torch.load(os.path.join(path, "run_state.pt"), weights_only=False)

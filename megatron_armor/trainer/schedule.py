@@ -1,0 +1,169 @@
+"""``forward_step`` / ``loss_func`` for megatron-core's ``get_forward_backward_func()``.
+
+The schedule (no pipelining or 1F1B) calls ``forward_step(data_iterator, model)`` once per
+micro-batch; on the last pipeline stage it calls the returned ``loss_func(output)``, which
+must return ``(loss, num_units, metrics)``. Our ``loss_func`` computes per-token log-probs from
+the vocab-parallel logits and calls ``algo.compute_policy_loss`` with the GLOBAL normalizer
+(see ``optim.py`` for why gradients are then summed, not averaged).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from megatron_armor.algo.losses import LossSettings, compute_policy_loss, count_units
+from megatron_armor.trainer import parallel
+from megatron_armor.trainer.batching import MicroBatch
+from megatron_armor.trainer.logprobs import vocab_parallel_logprobs
+
+
+@dataclass(frozen=True)
+class LogprobSettings:
+    """How log-probs are read from the logits."""
+
+    vocab_size: int
+    """True vocabulary ``V`` (padded columns are excluded)."""
+    temperature: float = 1.0
+    """Rollout temperature: log-probs of ``softmax(z / T)``."""
+    chunk: int = 1024
+    """Rows per chunk of the vocab-parallel computation."""
+
+
+def token_logprobs(
+    output: torch.Tensor, mb: MicroBatch, lp: LogprobSettings
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed ``(logp [T], entropy [T])`` of ``mb``'s tokens from logits ``[n, L, Vp/tp]``.
+
+    ``logp[t] = log p(x_t | x_<t)`` comes from the logits at position ``t - 1`` of the same
+    row; the first token of each sample gets 0 (it has ``loss_mask == 0``).
+    """
+    n, seq, vocab_local = output.shape
+    nxt = torch.zeros_like(mb.tokens)
+    nxt[:, :-1] = mb.tokens[:, 1:]
+    logp, entropy = vocab_parallel_logprobs(
+        output.reshape(n * seq, vocab_local),
+        nxt.reshape(-1).to(output.device),
+        lp.vocab_size,
+        lp.temperature,
+        lp.chunk,
+        parallel.tp_group() if parallel.tp_size() > 1 else None,
+    )
+    zero = logp.new_zeros(n, 1)
+    logp = torch.cat([zero, logp.view(n, seq)[:, :-1]], dim=1)
+    entropy = torch.cat([zero, entropy.view(n, seq)[:, :-1]], dim=1)
+    valid = mb.valid.to(output.device)
+    return logp[valid], entropy[valid]
+
+
+def _policy_loss(
+    mb: MicroBatch, output, *, lp: LogprobSettings, settings: LossSettings, normalizer: float
+):
+    logp, entropy = token_logprobs(output, mb, lp)
+    dev = logp.device
+    loss, metrics = compute_policy_loss(
+        logp,
+        mb.old_logprobs.to(dev),
+        mb.ref_logprobs.to(dev),
+        mb.advantages.to(dev),
+        mb.loss_mask.to(dev),
+        mb.is_anchor.to(dev),
+        mb.sample_index.to(dev),
+        settings,
+        normalizer,
+        entropy=entropy,
+    )
+    metrics["loss/objective"] = loss.detach()
+    units = count_units(settings.loss_agg, mb.loss_mask, mb.sample_index)
+    return loss, torch.tensor(units, dtype=torch.int, device=dev), metrics
+
+
+def _logprob_only(mb: MicroBatch, output, *, lp: LogprobSettings):
+    with torch.no_grad():
+        logp, entropy = token_logprobs(output, mb, lp)
+    data = {"logp": logp, "entropy": entropy, "index": mb.token_index}
+    return output.new_zeros(()), torch.tensor(0, dtype=torch.int, device=logp.device), data
+
+
+def make_forward_step(loss_builder):
+    """A megatron ``forward_step_func`` whose ``loss_func`` is ``loss_builder(mb, output)``."""
+
+    def forward_step(data_iterator, model):
+        mb: MicroBatch = next(data_iterator)
+        dev = parallel.collective_device()
+        output = model(mb.tokens.to(dev), mb.position_ids.to(dev), None)
+        return output, partial(loss_builder, mb)
+
+    return forward_step
+
+
+def policy_loss_builder(lp: LogprobSettings, settings: LossSettings, normalizer: float):
+    return partial(_policy_loss, lp=lp, settings=settings, normalizer=normalizer)
+
+
+def logprob_builder(lp: LogprobSettings):
+    return partial(_logprob_only, lp=lp)
+
+
+def run_schedule(model, micro_batches: list[MicroBatch], loss_builder, forward_only: bool) -> list:
+    """Run megatron-core's forward(-backward) schedule over ``micro_batches``; returns the
+    ``loss_func`` outputs (last pipeline stage; empty elsewhere)."""
+    forward_backward = get_forward_backward_func()
+    return forward_backward(
+        forward_step_func=make_forward_step(loss_builder),
+        data_iterator=iter(micro_batches),
+        model=[model],
+        num_microbatches=len(micro_batches),
+        seq_length=max(mb.seq_len for mb in micro_batches),
+        micro_batch_size=max(mb.num_rows for mb in micro_batches),
+        forward_only=forward_only,
+    )
+
+
+def global_units(micro_batches: list[MicroBatch], loss_agg: str) -> float:
+    """The loss normalizer: aggregation units summed over micro-batches and DP ranks."""
+    local = sum(count_units(loss_agg, mb.loss_mask, mb.sample_index) for mb in micro_batches)
+    total = torch.tensor([float(local)], device=parallel.collective_device())
+    if parallel.dp_size() > 1:
+        dist.all_reduce(total, group=parallel.dp_group())
+    return float(total.item())
+
+
+def reduce_metric_sums(outputs: list[dict]) -> dict[str, float]:
+    """Sum (``*_max``: max) the metrics over micro-batches and DP ranks; every rank of the
+    pipeline gets the result (it is computed on the last stage and broadcast)."""
+    sums: dict[str, float] | None = None
+    if parallel.is_last_stage():
+        keys = sorted(outputs[0]) if outputs else []
+        is_max = [k.endswith("_max") for k in keys]
+        dev = parallel.collective_device()
+        stacked = [torch.stack([o[k].float().to(dev) for o in outputs]) for k in keys]
+        local = (
+            torch.stack([s.max() if m else s.sum() for s, m in zip(stacked, is_max, strict=True)])
+            if keys
+            else torch.zeros(0)
+        )
+        sums = _all_reduce_mixed(local, is_max, dict(zip(keys, range(len(keys)), strict=True)))
+    if parallel.pp_size() > 1:
+        box = [sums]
+        src = dist.get_global_rank(parallel.pp_group(), parallel.pp_size() - 1)
+        dist.broadcast_object_list(box, src=src, group=parallel.pp_group())
+        sums = box[0]
+    return sums or {}
+
+
+def _all_reduce_mixed(
+    local: torch.Tensor, is_max: list[bool], index: dict[str, int]
+) -> dict[str, float]:
+    """All-reduce over DP: SUM for sums, MAX for ``*_max`` entries."""
+    mask = torch.tensor(is_max, dtype=torch.bool, device=local.device)
+    sums, maxes = torch.where(mask, 0.0, local), torch.where(mask, local, float("-inf"))
+    if parallel.dp_size() > 1:
+        dist.all_reduce(sums, group=parallel.dp_group())
+        dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=parallel.dp_group())
+    merged = torch.where(mask, maxes, sums).tolist()
+    return {k: merged[i] for k, i in index.items()}

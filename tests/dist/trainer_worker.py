@@ -1,0 +1,114 @@
+"""One trainer rank for the dist tests (run as a script, one process per rank).
+
+``python trainer_worker.py MODE RANK WORLD PORT OUT MODELS TP PP DISTOPT``
+
+- ``run``: (1) a ``MegatronTrainer`` on the tiny Qwen2: policy log-probs, two ARMOR updates
+  with a checkpoint after the first, reference log-probs before/after ``reset_reference``,
+  exported weights; (2) for each tiny model, logits on fixed tokens (TP-gathered) and the
+  exported HF tensors.
+- ``resume``: a fresh trainer loads ``OUT/ckpt`` and takes the second update again.
+
+Each rank writes ``OUT/MODE_rank{RANK}.pt``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from tiny_models import VOCAB, make_batch, oracle_tokens, perturb  # noqa: E402
+
+
+def make_config(model_dir: str, tp: int, pp: int, world: int, distopt: bool):
+    from megatron_armor.config.schema import ArmorConfig
+
+    cfg = ArmorConfig()
+    t = cfg.trainer
+    t.model_path, t.tp, t.pp, t.world_size = model_dir, tp, pp, world
+    t.precision, t.lr, t.warmup_steps, t.grad_clip = "fp32", 1e-3, 2, 1.0
+    t.micro_batch_tokens, t.use_distributed_optimizer, t.logprob_chunk = 40, distopt, 16
+    cfg.algo.ratio, cfg.algo.group_size, cfg.algo.loss_agg = "mixed", 4, "token-mean"
+    cfg.rollout.sampling.temperature = 0.9
+    return cfg
+
+
+def full(tensor):
+    """Sum of the reporting ranks' per-token results, on every rank."""
+    local = tensor if tensor is not None else torch.zeros(make_batch().num_tokens)
+    local = local.clone()
+    dist.all_reduce(local)
+    return local
+
+
+def oracle(models: dict[str, str]) -> dict:
+    from megatron_armor.config.schema import TrainerConfig
+    from megatron_armor.trainer import hf_weights, parallel
+    from megatron_armor.trainer.model import build_model, read_hf_spec
+
+    out = {}
+    for name, model_dir in models.items():
+        spec = read_hf_spec(model_dir)
+        model = build_model(spec, TrainerConfig(precision="fp32"))
+        hf_weights.load_hf_weights(model, model_dir, spec)
+        tokens = oracle_tokens()
+        pos = torch.arange(tokens.shape[1]).expand_as(tokens)
+        with torch.no_grad():
+            logits = model(tokens, pos, None)
+        if parallel.is_last_stage():
+            parts = [torch.empty_like(logits) for _ in range(parallel.tp_size())]
+            dist.all_gather(parts, logits.contiguous(), group=parallel.tp_group())
+            out[f"logits/{name}"] = torch.cat(parts, dim=-1)[..., :VOCAB]
+        out[f"export/{name}"] = dict(hf_weights.export_hf_weights(model, spec))
+    return out
+
+
+def run(trainer, out: dict) -> None:
+    batch = make_batch()
+    lp0 = full(trainer.compute_logprobs(batch, "policy"))
+    batch.old_logprobs = perturb(lp0, batch.loss_mask, 1, 0.3)
+    batch.ref_logprobs = perturb(lp0, batch.loss_mask, 2, 0.3)
+    out["lp0"] = lp0
+    out["m1"] = trainer.train_step(batch, 1)
+    out["w1"] = dict(trainer.export_weights())
+    ckpt = os.path.join(OUT, "ckpt")
+    trainer.save_checkpoint(ckpt, {"step": 1, "old": batch.old_logprobs, "ref": batch.ref_logprobs})
+    out["m2"] = trainer.train_step(batch, 1)
+    out["w2"] = dict(trainer.export_weights())
+    out["lp_policy"] = full(trainer.compute_logprobs(batch, "policy"))
+    out["lp_ref"] = full(trainer.compute_logprobs(batch, "ref"))
+    trainer.reset_reference()
+    out["lp_ref_after_reset"] = full(trainer.compute_logprobs(batch, "ref"))
+
+
+def resume(trainer, out: dict) -> None:
+    state = trainer.load_checkpoint(os.path.join(OUT, "ckpt"))
+    batch = make_batch()
+    batch.old_logprobs, batch.ref_logprobs = state["old"], state["ref"]
+    out["step"] = state["step"]
+    out["m2"] = trainer.train_step(batch, 1)
+    out["w2"] = dict(trainer.export_weights())
+
+
+if __name__ == "__main__":
+    mode, rank, world, port, OUT, models_root = sys.argv[1:7]
+    tp, pp, distopt = int(sys.argv[7]), int(sys.argv[8]), sys.argv[9] == "1"
+    rank, world = int(rank), int(world)
+    from megatron_armor.trainer.actor import MegatronTrainer
+
+    models = {n: os.path.join(models_root, n) for n in ("qwen2", "qwen3", "llama")}
+    trainer = MegatronTrainer(
+        make_config(models["qwen2"], tp, pp, world, distopt), rank, world, "127.0.0.1", int(port)
+    )
+    result: dict = {}
+    if mode == "run":
+        run(trainer, result)
+        result.update(oracle(models))
+    else:
+        resume(trainer, result)
+    torch.save(result, os.path.join(OUT, f"{mode}_rank{rank}.pt"))
+    trainer.close()
