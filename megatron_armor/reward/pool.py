@@ -1,0 +1,293 @@
+"""A process pool that verifies answers with a per-item time limit.
+
+Why processes: math-verify relies on ``signal.alarm`` (main thread only), and a
+pathological answer such as ``9^{9^{9^{9^9}}}`` can sit in one C call (big-integer power)
+that holds the interpreter lock, so no in-process timeout can stop it.
+
+How an item is bounded (``timeout_s`` per item):
+
+1. Inside the worker, an interval timer (``setitimer``) interrupts Python-level work after
+   ``timeout_s``; the item is reported as ``timeout`` and the worker goes on.
+2. The parent watches every worker; a worker that reports nothing for
+   ``timeout_s + kill_grace_s`` is killed (SIGKILL), its current item is a ``timeout``,
+   the rest of its chunk goes back to the queue, and a fresh worker replaces it.
+
+So one bad answer costs at most ``timeout_s + kill_grace_s`` of one worker and never
+stalls the batch. A worker that dies (e.g. out of memory) marks its item ``error``.
+Workers are ``spawn``-ed (safe next to torch / Ray threads) and stay up across batches.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+import signal
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+WORKER_START_TIMEOUT_S = 120.0
+MAX_CHUNK = 16
+
+
+@dataclass(frozen=True)
+class Job:
+    """One answer to verify."""
+
+    verifier: str
+    response: str
+    ground_truth: str
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Outcome of one job; ``status`` is ``ok`` | ``timeout`` | ``error``."""
+
+    correct: bool
+    prediction: str | None
+    status: str = "ok"
+
+
+@dataclass
+class PoolStats:
+    """Counts of one :meth:`ScoringPool.run`."""
+
+    timeouts: int = 0
+    errors: int = 0
+    worker_restarts: int = 0
+    seconds: float = 0.0
+
+
+class _ItemTimeout(BaseException):
+    """Raised by the worker's timer; a BaseException so verifier ``except Exception`` misses it."""
+
+
+def _on_alarm(signum: int, frame: Any) -> None:
+    raise _ItemTimeout()
+
+
+def _die_with_parent() -> None:
+    """Linux: have the kernel SIGKILL this worker when the parent dies (no orphans)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
+def verify_job(job: Job) -> Verdict:
+    """Run one job's verifier (no time limit; callers bound it)."""
+    from megatron_armor.reward.verifiers import VERIFIERS
+
+    result = VERIFIERS[job.verifier](job.response, job.ground_truth)
+    return Verdict(result.correct, result.prediction)
+
+
+def _verify_bounded(job: Job, timeout_s: float) -> Verdict:
+    """:func:`verify_job` under an interval timer; exceptions become ``error`` verdicts."""
+    signal.setitimer(signal.ITIMER_REAL, timeout_s)
+    try:
+        return verify_job(job)
+    except _ItemTimeout:
+        return Verdict(False, None, "timeout")
+    except Exception as e:  # a verifier bug must not kill the batch; report it
+        return Verdict(False, f"{type(e).__name__}: {e}"[:200], "error")
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+
+
+def _worker_main(conn: Connection, timeout_s: float) -> None:
+    """Worker loop: receive ``(chunk_id, jobs)``, send ``(chunk_id, i, verdict)`` per job."""
+    _die_with_parent()
+    signal.signal(signal.SIGALRM, _on_alarm)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    from megatron_armor.reward.math_verify_rule import quiet_math_verify
+
+    quiet_math_verify()
+    verify_job(Job("math_verify", "Answer: 1", "1"))  # warm the imports and parser caches
+    conn.send(("ready",))
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return
+        if message is None:
+            return
+        chunk_id, jobs = message
+        for i, job in enumerate(jobs):
+            conn.send((chunk_id, i, _verify_bounded(job, timeout_s)))
+
+
+@dataclass
+class _Worker:
+    """Parent-side handle of one worker process."""
+
+    process: Any
+    conn: Connection
+    ready: bool = False
+    started_at: float = field(default_factory=time.monotonic)
+    chunk_id: int = -1
+    chunk: list[int] = field(default_factory=list)  # job indices of the chunk in flight
+    done: int = 0  # items of the chunk answered so far
+    last_progress: float = 0.0
+
+    @property
+    def busy(self) -> bool:
+        return self.done < len(self.chunk)
+
+
+class ScoringPool:
+    """``num_workers`` verifier processes with a per-item limit of ``timeout_s`` seconds."""
+
+    def __init__(self, num_workers: int = 2, timeout_s: float = 5.0, kill_grace_s: float = 0.5):
+        if num_workers < 1:
+            raise ValueError(f"reward.num_workers={num_workers}: must be >= 1")
+        if timeout_s <= 0:
+            raise ValueError(f"reward.timeout_s={timeout_s}: must be > 0 seconds")
+        self.num_workers = num_workers
+        self.timeout_s = timeout_s
+        self.kill_grace_s = kill_grace_s
+        self._ctx = mp.get_context("spawn")
+        self._workers: list[_Worker] = []
+        self._next_chunk = 0
+
+    # -- worker lifecycle -------------------------------------------------------------------
+
+    def _spawn(self) -> _Worker:
+        parent, child = self._ctx.Pipe(duplex=True)
+        process = self._ctx.Process(
+            target=_worker_main, args=(child, self.timeout_s), daemon=True, name="armor-reward"
+        )
+        process.start()
+        child.close()
+        return _Worker(process, parent)
+
+    def _ensure_workers(self) -> None:
+        self._workers = [w for w in self._workers if w.process.is_alive()]
+        while len(self._workers) < self.num_workers:
+            self._workers.append(self._spawn())
+
+    def _kill(self, worker: _Worker) -> None:
+        worker.process.kill()
+        worker.process.join(timeout=5.0)
+        worker.conn.close()
+        self._workers.remove(worker)
+
+    def close(self) -> None:
+        """Stop every worker (politely, then by force)."""
+        for worker in self._workers:
+            try:
+                worker.conn.send(None)
+            except OSError:
+                pass
+        for worker in self._workers:
+            worker.process.join(timeout=2.0)
+            if worker.process.is_alive():
+                worker.process.kill()
+                worker.process.join(timeout=5.0)
+            worker.conn.close()
+        self._workers = []
+
+    # -- scheduling -------------------------------------------------------------------------
+
+    def run(self, jobs: list[Job]) -> tuple[list[Verdict], PoolStats]:
+        """Verify ``jobs``; verdicts come back in job order."""
+        start = time.monotonic()
+        stats = PoolStats()
+        verdicts: list[Verdict | None] = [None] * len(jobs)
+        pending = deque(range(len(jobs)))
+        chunk_size = max(1, min(MAX_CHUNK, math.ceil(len(jobs) / (4 * self.num_workers))))
+        self._ensure_workers()
+        while pending or any(w.busy for w in self._workers):
+            self._dispatch(jobs, pending, chunk_size)
+            self._collect(verdicts, pending, stats)
+            self._enforce_deadlines(verdicts, pending, stats)
+        stats.seconds = time.monotonic() - start
+        return [v for v in verdicts if v is not None], stats
+
+    def _dispatch(self, jobs: list[Job], pending: deque[int], chunk_size: int) -> None:
+        """Give a chunk to every ready, idle worker."""
+        for worker in self._workers:
+            if worker.ready and not worker.busy and pending:
+                chunk = [pending.popleft() for _ in range(min(chunk_size, len(pending)))]
+                self._next_chunk += 1
+                worker.chunk_id, worker.chunk, worker.done = self._next_chunk, chunk, 0
+                worker.last_progress = time.monotonic()
+                worker.conn.send((worker.chunk_id, [jobs[i] for i in chunk]))
+
+    def _wait_timeout(self) -> float:
+        """Seconds until the nearest deadline (busy item or worker start-up)."""
+        now, deadlines = time.monotonic(), []
+        for w in self._workers:
+            if not w.ready:
+                deadlines.append(w.started_at + WORKER_START_TIMEOUT_S)
+            elif w.busy:
+                deadlines.append(w.last_progress + self.timeout_s + self.kill_grace_s)
+        return max(0.0, min(deadlines, default=now + 1.0) - now)
+
+    def _collect(
+        self, verdicts: list[Verdict | None], pending: deque[int], stats: PoolStats
+    ) -> None:
+        """Receive whatever the workers have sent, waiting until the nearest deadline."""
+        by_conn = {w.conn: w for w in self._workers}
+        for conn in wait(list(by_conn), timeout=self._wait_timeout()):
+            worker = by_conn[conn]
+            try:
+                while conn.poll():
+                    self._receive(worker, conn.recv(), verdicts, stats)
+            except (EOFError, OSError):
+                self._replace_dead(worker, verdicts, pending, stats)
+
+    def _receive(
+        self, worker: _Worker, message: tuple, verdicts: list[Verdict | None], stats: PoolStats
+    ) -> None:
+        if message[0] == "ready":
+            worker.ready = True
+            return
+        chunk_id, i, verdict = message
+        if chunk_id != worker.chunk_id:
+            return
+        verdicts[worker.chunk[i]] = verdict
+        worker.done = i + 1
+        worker.last_progress = time.monotonic()
+        stats.timeouts += verdict.status == "timeout"
+        stats.errors += verdict.status == "error"
+
+    def _abandon(
+        self, worker: _Worker, verdict: Verdict, verdicts: list[Verdict | None], pending: deque[int]
+    ) -> None:
+        """Give the worker's current item ``verdict`` and requeue the rest of its chunk."""
+        if worker.busy:
+            verdicts[worker.chunk[worker.done]] = verdict
+            pending.extendleft(reversed(worker.chunk[worker.done + 1 :]))
+        self._kill(worker)
+        self._workers.append(self._spawn())
+
+    def _replace_dead(
+        self, worker: _Worker, verdicts: list[Verdict | None], pending: deque[int], stats: PoolStats
+    ) -> None:
+        if not worker.ready:
+            code = worker.process.exitcode
+            raise RuntimeError(f"a reward worker exited while starting (exit code {code})")
+        stats.errors += worker.busy
+        stats.worker_restarts += 1
+        self._abandon(worker, Verdict(False, None, "error"), verdicts, pending)
+
+    def _enforce_deadlines(
+        self, verdicts: list[Verdict | None], pending: deque[int], stats: PoolStats
+    ) -> None:
+        """Kill workers stuck past the item limit (or that never start) and replace them."""
+        now = time.monotonic()
+        for worker in list(self._workers):
+            if not worker.ready and now > worker.started_at + WORKER_START_TIMEOUT_S:
+                raise RuntimeError(
+                    f"a reward worker did not start within {WORKER_START_TIMEOUT_S:.0f} s; "
+                    "check that math-verify imports in a fresh Python process"
+                )
+            if worker.busy and now > worker.last_progress + self.timeout_s + self.kill_grace_s:
+                stats.timeouts += 1
+                stats.worker_restarts += 1
+                self._abandon(worker, Verdict(False, None, "timeout"), verdicts, pending)

@@ -1,0 +1,126 @@
+"""RewardScorer: verify a batch of samples in the scoring pool, set ``score`` and ``acc``.
+
+For each sample (armor-spec §8):
+
+    acc   = verifier(response_text, ground_truth)           # dapo | math_verify, per data_source
+    score = (+1 if acc else -1) + overlong_penalty(response_len)
+
+A verification that times out or fails counts as wrong (``acc = False``) and is counted in
+``reward/timeouts`` / ``reward/errors``. Verifier names are resolved for the whole batch
+before any work starts, so an unknown ``data_source`` fails fast.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from megatron_armor.reward.dapo_rule import TAIL_CHARS
+from megatron_armor.reward.overlong import check_overlong, overlong_penalty
+from megatron_armor.reward.pool import Job, ScoringPool, Verdict
+from megatron_armor.reward.verifiers import check_verifier, resolve_verifier
+
+if TYPE_CHECKING:
+    from megatron_armor.types import Sample
+
+
+class RewardScorer:
+    """Scores samples in place; returns ``reward/*`` stats. Call :meth:`close` when done."""
+
+    def __init__(
+        self,
+        verifier: str = "auto",
+        timeout_s: float = 5.0,
+        num_workers: int = 2,
+        overlong_enabled: bool = True,
+        overlong_buffer: int = 16,
+        overlong_factor: float = 1.0,
+        max_new_tokens: int = 64,
+    ):
+        check_verifier(verifier)
+        if overlong_enabled:
+            check_overlong(max_new_tokens, overlong_buffer, overlong_factor)
+        self.verifier = verifier
+        self.overlong_enabled = overlong_enabled
+        self.overlong_buffer = overlong_buffer
+        self.overlong_factor = overlong_factor
+        self.max_new_tokens = max_new_tokens
+        self.pool = ScoringPool(num_workers=num_workers, timeout_s=timeout_s)
+
+    @classmethod
+    def from_config(cls, reward_cfg: Any, max_new_tokens: int) -> RewardScorer:
+        """From a ``RewardConfig`` (``config.reward``) and ``rollout.max_new_tokens``."""
+        return cls(
+            verifier=reward_cfg.verifier,
+            timeout_s=reward_cfg.timeout_s,
+            num_workers=reward_cfg.num_workers,
+            overlong_enabled=reward_cfg.overlong.enabled,
+            overlong_buffer=reward_cfg.overlong.buffer,
+            overlong_factor=reward_cfg.overlong.factor,
+            max_new_tokens=max_new_tokens,
+        )
+
+    def penalty(self, response_len: int) -> float:
+        """The overlong penalty of a response of ``response_len`` tokens (0 when disabled)."""
+        if not self.overlong_enabled:
+            return 0.0
+        return overlong_penalty(
+            response_len, self.max_new_tokens, self.overlong_buffer, self.overlong_factor
+        )
+
+    def _job(self, sample: Sample) -> Job:
+        name = resolve_verifier(self.verifier, sample.data_source)
+        # The DAPO rule reads only the tail; sending only that keeps the pipes light.
+        text = sample.response_text[-TAIL_CHARS:] if name == "dapo" else sample.response_text
+        return Job(name, text, sample.ground_truth)
+
+    def verify(self, samples: list[Sample]) -> tuple[list[Verdict], dict[str, float]]:
+        """Verdicts for ``samples`` (no score changes) and the pool's counters."""
+        jobs = [self._job(s) for s in samples]
+        verdicts, pool = self.pool.run(jobs)
+        counters = {
+            "reward/timeouts": float(pool.timeouts),
+            "reward/errors": float(pool.errors),
+            "reward/worker_restarts": float(pool.worker_restarts),
+            "reward/verify_seconds": pool.seconds,
+        }
+        return verdicts, counters
+
+    def score(self, samples: list[Sample]) -> dict[str, float]:
+        """Set ``sample.acc`` and ``sample.score`` in place; return ``reward/*`` stats."""
+        if not samples:
+            return {"reward/n": 0.0}
+        verdicts, stats = self.verify(samples)
+        penalties = []
+        for sample, verdict in zip(samples, verdicts, strict=True):
+            penalties.append(self.penalty(sample.response_len))
+            sample.acc = verdict.correct
+            sample.score = (1.0 if verdict.correct else -1.0) + penalties[-1]
+        n = float(len(samples))
+        stats.update(
+            {
+                "reward/n": n,
+                "reward/acc": sum(s.acc for s in samples) / n,
+                "reward/score_mean": sum(s.score for s in samples) / n,
+                "reward/no_answer_frac": sum(v.prediction is None for v in verdicts) / n,
+                "reward/overlong_frac": sum(p < 0 for p in penalties) / n,
+                "reward/overlong_penalty_mean": sum(penalties) / n,
+            }
+        )
+        return stats
+
+    def close(self) -> None:
+        """Stop the scoring workers."""
+        self.pool.close()
+
+    def __enter__(self) -> RewardScorer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle the settings only (e.g. into a Ray actor); workers restart on first use."""
+        state = self.__dict__.copy()
+        pool = self.pool
+        state["pool"] = ScoringPool(pool.num_workers, pool.timeout_s, pool.kill_grace_s)
+        return state

@@ -1,0 +1,181 @@
+"""RewardScorer and the scoring pool: verifier choice, overlong penalty, timeouts, throughput.
+
+Tier: unit (spawns 2 verifier processes on the CPU; every run is bounded by the pool's
+per-item timeout and by pytest-timeout).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_armor.reward import RewardScorer, auto_verifier, overlong_penalty
+from megatron_armor.reward.pool import Job, ScoringPool
+from megatron_armor.types import Sample
+
+pytestmark = pytest.mark.unit
+
+TIMEOUT_S = 2.0
+POWER_TOWER = "Answer: $9^{9^{9^{9^{9}}}}$"
+
+
+def sample(text: str, truth: str, source: str, response_len: int = 4) -> Sample:
+    return Sample(
+        query_id="q",
+        prompt_ids=[1],
+        response_ids=[0] * response_len,
+        response_text=text,
+        ground_truth=truth,
+        data_source=source,
+    )
+
+
+@pytest.fixture(scope="module")
+def scorer():
+    with RewardScorer(
+        timeout_s=TIMEOUT_S, num_workers=2, overlong_buffer=16, max_new_tokens=64
+    ) as s:
+        yield s
+
+
+@pytest.mark.parametrize(
+    ("source", "verifier"),
+    [
+        ("math_dapo", "dapo"),
+        ("tiny_arith", "dapo"),
+        ("DAPO-Math-17k", "dapo"),
+        ("aime24", "math_verify"),
+        ("AIME-2025", "math_verify"),
+        ("amc23", "math_verify"),
+        ("MATH-500", "math_verify"),
+    ],
+)
+def test_auto_table(source, verifier):
+    assert auto_verifier(source) == verifier
+
+
+def test_unknown_data_source_is_a_clear_error(scorer):
+    with pytest.raises(ValueError, match=r"data_source='my_bench' is not in the reward.verifier"):
+        scorer.score([sample("Answer: 1", "1", "math_dapo"), sample("Answer: 1", "1", "my_bench")])
+    with pytest.raises(ValueError, match="reward.verifier='sympy'"):
+        RewardScorer(verifier="sympy")
+
+
+def test_explicit_verifier_overrides_the_table():
+    # dapo rule: exact match, so 0.5 != 1/2; the data_source is not looked up at all
+    with RewardScorer(verifier="dapo", num_workers=1, overlong_enabled=False) as s:
+        samples = [sample("Answer: 0.5", "\\frac{1}{2}", "my_bench"), sample("Answer: 3", "3", "x")]
+        s.score(samples)
+    assert [x.acc for x in samples] == [False, True]
+
+
+@pytest.mark.parametrize(
+    ("length", "expected"),
+    [(0, 0.0), (40, 0.0), (48, 0.0), (52, -0.25), (56, -0.5), (60, -0.75), (64, -1.0)],
+)
+def test_overlong_penalty_values(length, expected):
+    # max_len 64, buffer 16: expected length 48, linear ramp to -factor at 64
+    assert overlong_penalty(length, 64, 16, 1.0) == pytest.approx(expected)
+    assert overlong_penalty(length, 64, 16, 0.5) == pytest.approx(expected / 2)
+
+
+def test_overlong_settings_are_checked():
+    with pytest.raises(ValueError, match="reward.overlong.buffer=100"):
+        RewardScorer(overlong_buffer=100, max_new_tokens=64)
+    RewardScorer(overlong_enabled=False, overlong_buffer=100, max_new_tokens=64).close()
+
+
+def test_score_sets_acc_and_score_with_penalty(scorer):
+    samples = [
+        sample("Answer: 7", "7", "math_dapo", response_len=10),
+        sample("Answer: 7", "7", "math_dapo", response_len=56),
+        sample("Answer: 8", "7", "math_dapo", response_len=64),
+        sample("Answer: 0.5", "\\frac{1}{2}", "aime24", response_len=10),
+        sample("I do not know", "7", "math_dapo", response_len=10),
+    ]
+    stats = scorer.score(samples)
+    assert [s.acc for s in samples] == [True, True, False, True, False]
+    assert [s.score for s in samples] == pytest.approx([1.0, 0.5, -2.0, 1.0, -1.0])
+    assert stats["reward/acc"] == pytest.approx(0.6)
+    assert stats["reward/no_answer_frac"] == pytest.approx(0.2)
+    assert stats["reward/overlong_frac"] == pytest.approx(0.4)
+    assert stats["reward/timeouts"] == 0
+
+
+def test_from_config_reads_reward_settings():
+    cfg = SimpleNamespace(
+        verifier="dapo",
+        timeout_s=3.0,
+        num_workers=1,
+        overlong=SimpleNamespace(enabled=True, buffer=8, factor=0.5),
+    )
+    s = RewardScorer.from_config(cfg, max_new_tokens=32)
+    assert (s.verifier, s.pool.timeout_s, s.pool.num_workers) == ("dapo", 3.0, 1)
+    assert s.penalty(32) == pytest.approx(-0.5)
+    s.close()
+
+
+def test_pathological_answer_times_out_and_is_counted(scorer):
+    samples = [sample(POWER_TOWER, "5", "aime24")] + [
+        sample(f"Answer: {i}", str(i), "aime24") for i in range(6)
+    ]
+    start = time.monotonic()
+    stats = scorer.score(samples)
+    elapsed = time.monotonic() - start
+    print(f"power tower scored in {elapsed:.2f} s (timeout {TIMEOUT_S} s)")
+    assert not samples[0].acc and samples[0].score == -1.0
+    assert all(s.acc for s in samples[1:])
+    assert stats["reward/timeouts"] == 1
+    assert elapsed < TIMEOUT_S + scorer.pool.kill_grace_s + 1.5
+
+
+@pytest.mark.timeout(60)
+def test_stuck_worker_is_killed_and_replaced():
+    """A worker frozen in the middle of a chunk (as in a C call that never yields) is
+    killed after timeout + grace; its item is a timeout and the rest of the batch completes."""
+    pool = ScoringPool(num_workers=2, timeout_s=1.0)
+    try:
+        pool.run([Job("dapo", "Answer: 1", "1")] * 2)  # both workers up and ready
+        stuck = pool._workers[0].process.pid
+        os.kill(stuck, signal.SIGSTOP)
+        jobs = [Job("dapo", f"Answer: {i}", str(i)) for i in range(40)]
+        start = time.monotonic()
+        verdicts, stats = pool.run(jobs)
+        elapsed = time.monotonic() - start
+        assert stats.timeouts == 1 and stats.worker_restarts == 1
+        assert [v.status for v in verdicts].count("timeout") == 1
+        assert all(v.correct for v in verdicts if v.status == "ok")
+        assert len(verdicts) == 40 and elapsed < 20
+        assert stuck not in [w.process.pid for w in pool._workers]
+    finally:
+        pool.close()
+
+
+@pytest.mark.timeout(120)
+def test_thousand_answers_in_parallel(scorer):
+    cases = [
+        ("Answer: {n}", "{n}", "math_dapo", True),
+        ("Answer: {n}1", "{n}", "math_dapo", False),
+        ("Answer: 1,{n:03d}", "1{n:03d}", "math_dapo", True),
+        ("Answer: \\frac{{{n}}}{{2}}", "{half}", "aime24", True),
+        ("Answer: {n}", "{m}", "amc23", False),
+        ("so \\boxed{{{n}}}", "{n}", "aime25", True),
+    ]
+    samples, expected = [], []
+    for i in range(1000):
+        text, truth, source, correct = cases[i % len(cases)]
+        n = i % 97 + 2
+        fields = {"n": n, "m": n + 1, "half": n / 2}
+        samples.append(sample(text.format(**fields), truth.format(**fields), source))
+        expected.append(correct)
+    start = time.monotonic()
+    stats = scorer.score(samples)
+    elapsed = time.monotonic() - start
+    print(f"1000 answers on 2 workers: {elapsed:.2f} s ({1000 / elapsed:.0f} answers/s)")
+    assert [s.acc for s in samples] == expected
+    assert stats["reward/timeouts"] == 0 and stats["reward/errors"] == 0
+    assert elapsed < 60
