@@ -1,0 +1,54 @@
+"""``armor train CONFIG [key=value ...] [--resume auto|none|PATH]``: run ARMOR end to end.
+
+Exit codes: 0 done; 2 bad config; 75 (``EX_TEMPFAIL``) a SIGTERM/SIGUSR1 arrived, the
+current step finished and a checkpoint was written — requeue the job and it resumes
+(``--resume auto`` is the default); anything else is a failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from megatron_armor.config import ConfigError, load_config
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="train with ARMOR (Ray orchestrator)")
+    p.add_argument("config", help="YAML config (may name one `base:` parent)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. run.steps=20")
+    p.add_argument("--resume", default=None,
+                   help="auto (newest checkpoint of the run, default: run.resume) | none | PATH")  # fmt: skip
+    p.add_argument("--no-summary", action="store_true", help="skip the end-of-run table and plots")
+    p.set_defaults(run=run)
+
+
+def finish(run_dir, resume_note: str = "") -> None:
+    """The summary table and the plots of a finished run."""
+    from megatron_armor.observability.plot import plot_run
+    from megatron_armor.observability.summary import write_summary
+
+    plots = plot_run(run_dir)
+    extra = {"plots": str(plots[0].parent) if plots else "none",
+             "metrics": f"{run_dir}/metrics.jsonl", "tensorboard": f"{run_dir}/tb"}  # fmt: skip
+    write_summary(run_dir, extra)
+    if resume_note:
+        print(resume_note)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"armor train: {e}", file=sys.stderr)
+        return 2
+    from megatron_armor.orchestration.loop import train
+    from megatron_armor.orchestration.run_state import EXIT_REQUEUE
+    from megatron_armor.orchestration.session import run_dir_of
+
+    code = train(config, args.resume or config.run.resume)
+    if code == 0 and not args.no_summary:
+        finish(run_dir_of(config))
+    elif code == EXIT_REQUEUE:
+        print(f"armor train: interrupted; resume with `armor train {args.config} --resume auto`")
+    return code

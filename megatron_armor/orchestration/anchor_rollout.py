@@ -1,0 +1,154 @@
+"""Phase 1 of a step — anchor rollout with rejection sampling (armor-spec §2, Algorithm 1 l. 3-19).
+
+Per generation batch of ``rollout.gen_batch`` queries: ``n_on`` policy samples per query and,
+for ``armor`` / ``filter_only``, ``algo.ref_n`` reference samples per query (same sampling
+settings); score them all; :func:`~megatron_armor.algo.anchors.select_group` accepts or
+rejects each query. Batches are drawn until ``rollout.batch`` (``B``) groups are accepted,
+the first ``B`` are kept, and after ``algo.max_gen_batches`` batches without enough groups
+the step fails with the acceptance statistics and the settings that would help.
+
+Sampling seeds are ``derive_seed(run.seed, step, batch, role)``, so regenerating a step after
+a resume draws exactly the same samples.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron_armor.algo.anchors import AcceptanceStats, select_group
+from megatron_armor.observability.timers import PhaseTimers
+from megatron_armor.rollout.protocol import SamplingParams
+from megatron_armor.types import Group, Sample
+
+REFERENCE_MODES = ("armor", "filter_only")
+
+
+class AcceptanceError(RuntimeError):
+    """Not enough queries accepted within ``algo.max_gen_batches`` generation batches."""
+
+
+def derive_seed(seed: int, step: int, batch: int, role: str) -> int:
+    """A 31-bit sampling seed that depends only on ``(seed, step, batch, role)``."""
+    digest = hashlib.blake2b(f"{seed}/{step}/{batch}/{role}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFF
+
+
+def policy_samples_per_query(anchor: str, group_size: int) -> int:
+    """``n_on = G - 1`` with an anchor (``armor``), else ``G`` (``none``, ``filter_only``)."""
+    return group_size - 1 if anchor == "armor" else group_size
+
+
+@dataclass
+class RolloutResult:
+    """The accepted groups of one step and what it took to get them."""
+
+    groups: list[Group]
+    stats: AcceptanceStats
+    records: list[dict[str, Any]] = field(default_factory=list)
+    policy_samples: list[Sample] = field(default_factory=list)
+    reward_stats: dict[str, float] = field(default_factory=dict)
+
+
+def acceptance_error(stats: AcceptanceStats, need: int, algo, rollout) -> AcceptanceError:
+    """The error after ``max_gen_batches``: the rates seen and which settings to change."""
+    m = stats.as_metrics()
+    hints = [f"raise algo.max_gen_batches (now {algo.max_gen_batches})",
+             f"raise rollout.gen_batch (now {rollout.gen_batch})",
+             f"lower rollout.batch (now {rollout.batch})"]  # fmt: skip
+    if stats.rejected_no_ref_correct and algo.anchor in REFERENCE_MODES:
+        hints.append(f"raise algo.ref_n (now {algo.ref_n}) for more reference attempts")
+    if stats.rejected_all_wrong and not algo.weak_filter and algo.anchor != "none":
+        hints.append("set algo.weak_filter=true to keep all-wrong groups the reference solved")
+    return AcceptanceError(
+        f"only {stats.accepted} of the {need} queries a step needs (rollout.batch) were accepted "
+        f"after {stats.gen_batches} generation batches (algo.max_gen_batches): acceptance rate "
+        f"{m['anchor/acceptance_rate']:.3f} over {stats.queries_seen} queries; rejected "
+        f"{stats.rejected_all_correct} all-correct, {stats.rejected_all_wrong} all-wrong, "
+        f"{stats.rejected_no_ref_correct} without a correct reference (reference accuracy "
+        f"{m['anchor/ref_acc']:.3f}). To fix: " + "; ".join(hints)
+    )
+
+
+def _record(
+    item, gen_batch: int, reason: str, policy: list[Sample], reference: list[Sample]
+) -> dict:
+    return {
+        "query_id": item.query_id, "gen_batch": gen_batch, "reason": reason,
+        "policy_correct": sum(bool(s.acc) for s in policy), "policy_n": len(policy),
+        "ref_correct": sum(bool(s.acc) for s in reference), "ref_n": len(reference),
+    }  # fmt: skip
+
+
+class AnchorRollout:
+    """Collect ``B`` accepted groups for one step (the ``generate -> score -> accept`` verbs)."""
+
+    def __init__(
+        self, config, dataset, sampler, rollout_group, reward_group, progress=None, timers=None
+    ):
+        self.timers = timers or PhaseTimers()
+        self.algo, self.rollout_cfg, self.seed = config.algo, config.rollout, config.run.seed
+        self.dataset, self.sampler = dataset, sampler
+        self.rollout, self.reward = rollout_group, reward_group
+        self.progress = progress
+        s = config.rollout.sampling
+        self.params = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                                     max_new_tokens=s.max_new_tokens)  # fmt: skip
+
+    def _generate(self, items: list, step: int, batch: int) -> tuple[list, list]:
+        n_on = policy_samples_per_query(self.algo.anchor, self.algo.group_size)
+        policy_params = dataclasses.replace(
+            self.params, seed=derive_seed(self.seed, step, batch, "policy")
+        )
+        policy = self.rollout.generate(items, n_on, policy_params)
+        if self.algo.anchor not in REFERENCE_MODES:
+            return policy, [[] for _ in items]
+        ref_params = dataclasses.replace(
+            self.params, seed=derive_seed(self.seed, step, batch, "reference")
+        )
+        return policy, self.rollout.sample_reference(items, self.algo.ref_n, ref_params)
+
+    def _score(self, policy: list[list[Sample]], reference: list[list[Sample]]) -> dict[str, float]:
+        flat = [s for rows in (policy, reference) for row in rows for s in row]
+        return self.reward.score(flat)
+
+    def _accept(self, items, policy, reference, gen_batch: int, result: RolloutResult) -> None:
+        for item, pol, ref in zip(items, policy, reference, strict=True):
+            group, reason = select_group(
+                item.query_id, pol, ref, self.algo.anchor, self.algo.weak_filter
+            )
+            anchor = (
+                group.samples[group.anchor_index]
+                if group and group.anchor_index is not None
+                else None
+            )
+            result.stats.record(reason, ref, anchor, query_id=item.query_id)
+            record = _record(item, gen_batch, reason, pol, ref)
+            if group is not None:
+                record["kept"] = len(result.groups) < self.rollout_cfg.batch
+                if record["kept"]:
+                    result.groups.append(group)
+            result.records.append(record)
+
+    def collect(self, step: int) -> RolloutResult:
+        """Draw generation batches until ``rollout.batch`` groups are accepted; keep the first ``B``."""
+        need = self.rollout_cfg.batch
+        result = RolloutResult(groups=[], stats=AcceptanceStats())
+        for gen_batch in range(self.algo.max_gen_batches):
+            items = [self.dataset[i] for i in self.sampler.next_indices(self.rollout_cfg.gen_batch)]
+            with self.timers.phase("generate"):
+                policy, reference = self._generate(items, step, gen_batch)
+            with self.timers.phase("score"):
+                stats = self._score(policy, reference)
+            for k, v in stats.items():
+                result.reward_stats[k] = result.reward_stats.get(k, 0.0) + v
+            result.stats.add_generation_batch()
+            result.policy_samples.extend(s for row in policy for s in row)
+            self._accept(items, policy, reference, gen_batch, result)
+            if self.progress is not None:
+                self.progress(min(len(result.groups), need), need, result.stats)
+            if len(result.groups) >= need:
+                return result
+        raise acceptance_error(result.stats, need, self.algo, self.rollout_cfg)

@@ -1,0 +1,284 @@
+"""Driver-side handles on the actor groups: each method is one verb of the RL loop.
+
+:class:`TrainerGroup` fans a call out to every trainer rank and combines the answers
+(per-token tensors are summed over reporting ranks, see ``trainer/interface.py``);
+:class:`RolloutGroup` shards prompts over the engines; :class:`RewardGroup` shards samples
+over the scoring workers. Every wait is bounded (``ARMOR_CALL_TIMEOUT_S``, default 3600 s;
+start-up by ``orchestration.ray_init_timeout_s``), so a dead or hung actor fails the run
+with a message instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from megatron_armor.config.schema import ArmorConfig
+from megatron_armor.orchestration.placement import LayoutPlan, actor_options
+from megatron_armor.orchestration.workers import RewardWorker, RolloutWorker, TrainerWorker
+from megatron_armor.rollout.protocol import GenerationOutput, RolloutEngine, SamplingParams
+from megatron_armor.types import Sample, TrainBatch
+
+
+def call_timeout() -> float:
+    return float(os.environ.get("ARMOR_CALL_TIMEOUT_S", "3600"))
+
+
+def wait(refs, what: str, timeout: float | None = None):
+    """``ray.get`` with a bound; the error says which call timed out."""
+    import ray
+
+    timeout = call_timeout() if timeout is None else timeout
+    try:
+        return ray.get(refs, timeout=timeout)
+    except ray.exceptions.GetTimeoutError:
+        raise TimeoutError(
+            f"{what} did not finish within {timeout:.0f}s; set ARMOR_CALL_TIMEOUT_S to wait longer"
+        ) from None
+
+
+def shard(items: list, parts: int) -> list[list]:
+    """Split ``items`` into ``parts`` contiguous, nearly equal slices (order kept)."""
+    size, extra = divmod(len(items), parts)
+    out, start = [], 0
+    for i in range(parts):
+        end = start + size + (1 if i < extra else 0)
+        out.append(items[start:end])
+        start = end
+    return out
+
+
+def _remote(cls, options: dict):
+    import ray
+
+    return ray.remote(cls).options(**options)
+
+
+class TrainerGroup:
+    """All trainer ranks (``trainer.world_size``)."""
+
+    def __init__(self, config: ArmorConfig, plan: LayoutPlan, pg=None, order=None):
+        self.actors = []
+        for rank in range(plan.trainer_ranks):
+            bundle = plan.trainer_bundles[rank] if plan.trainer_bundles else None
+            opts = actor_options(plan, pg, order or [], bundle, plan.trainer_gpus)
+            self.actors.append(
+                _remote(TrainerWorker, opts).remote(config, rank, plan.trainer_ranks, plan.threads)
+            )
+        self.init_timeout = config.orchestration.ray_init_timeout_s
+
+    def init(self) -> None:
+        """Build the model on every rank; rank 0's node and a free port host the rendezvous."""
+        info = wait(self.actors[0].node_info.remote(), "trainer rank 0 start-up", self.init_timeout)
+        addr = "127.0.0.1" if len(self.actors) == 1 else info["ip"]
+        refs = [a.init.remote(addr, info["free_port"]) for a in self.actors]
+        wait(refs, "trainer model initialization", max(self.init_timeout, 600.0))
+
+    def compute_logprobs(self, batch: TrainBatch, weights: str = "policy") -> torch.Tensor:
+        """Per-token log-probs ``[total]`` under ``weights``: the sum of the reporting ranks' parts."""
+        import ray
+
+        ref = ray.put(batch)
+        parts = wait(
+            [a.compute_logprobs.remote(ref, weights) for a in self.actors], f"{weights} log-probs"
+        )
+        parts = [p for p in parts if p is not None]
+        if not parts:
+            raise RuntimeError("no trainer rank reported log-probs (check trainer.pp / tp layout)")
+        return torch.stack(parts).sum(0) if len(parts) > 1 else parts[0]
+
+    def train_step(self, batch: TrainBatch, num_minibatches: int) -> dict[str, float]:
+        """One or more optimizer updates on ``batch``; metrics of the rank that reported the most."""
+        import ray
+
+        ref = ray.put(batch)
+        results = wait(
+            [a.train_step.remote(ref, num_minibatches) for a in self.actors], "train step"
+        )
+        return max(results, key=len)
+
+    def reset_reference(self) -> None:
+        wait([a.reset_reference.remote() for a in self.actors], "trainer reference reset")
+
+    def export_refs(self, weights: str = "policy") -> list:
+        """Object refs of every rank's exported HF tensors (non-exporting ranks give [])."""
+        return [a.export_weights.remote(weights) for a in self.actors]
+
+    def save_checkpoint(self, path: str, run_state: dict) -> None:
+        wait(
+            [a.save_checkpoint.remote(path, run_state) for a in self.actors],
+            "trainer checkpoint save",
+        )
+
+    def load_checkpoint(self, path: str) -> dict:
+        return wait(
+            [a.load_checkpoint.remote(path) for a in self.actors], "trainer checkpoint load"
+        )[0]
+
+    def close(self) -> None:
+        wait([a.close.remote() for a in self.actors], "trainer close", 120.0)
+
+
+class RolloutGroup:
+    """All rollout engines; prompts are split contiguously, engine ``i`` seeded ``seed + i``."""
+
+    def __init__(self, config: ArmorConfig, plan: LayoutPlan, pg=None, order=None):
+        self.actors = []
+        for i in range(plan.rollout_engines):
+            bundle = plan.rollout_bundles[i] if plan.rollout_bundles else None
+            opts = actor_options(plan, pg, order or [], bundle, plan.rollout_gpus)
+            self.actors.append(_remote(RolloutWorker, opts).remote(config, i, plan.threads))
+        wait(
+            [a.health.remote() for a in self.actors],
+            "rollout engine start-up",
+            config.orchestration.ray_init_timeout_s,
+        )
+
+    def _fan_out(self, method: str, items: list, *args, params: SamplingParams) -> list:
+        parts = shard(items, len(self.actors))
+        refs = []
+        for i, (actor, part) in enumerate(zip(self.actors, parts, strict=True)):
+            if part:
+                seed = None if params.seed is None else params.seed + i
+                refs.append(
+                    getattr(actor, method).remote(
+                        part, *args, dataclasses.replace(params, seed=seed)
+                    )
+                )
+        return [row for rows in wait(refs, f"rollout {method}") for row in rows]
+
+    def generate(self, items: list, n: int, params: SamplingParams) -> list[list[Sample]]:
+        """``n`` policy samples per prompt item, ``[len(items)][n]``."""
+        return self._fan_out("generate", items, n, params=params)
+
+    def sample_reference(self, items: list, n: int, params: SamplingParams) -> list[list[Sample]]:
+        """``n`` reference samples per prompt item, in generation order."""
+        return self._fan_out("sample_reference", items, n, params=params)
+
+    def generate_raw(self, prompts, n, params, weights="policy") -> list[list[GenerationOutput]]:
+        parts = shard(prompts, len(self.actors))
+        refs = []
+        for i, (actor, part) in enumerate(zip(self.actors, parts, strict=True)):
+            if part:
+                seed = None if params.seed is None else params.seed + i
+                refs.append(
+                    actor.generate_raw.remote(
+                        part, n, dataclasses.replace(params, seed=seed), weights
+                    )
+                )
+        return [row for rows in wait(refs, "rollout generation") for row in rows]
+
+    def update_weights(self, version: int, export_refs: list) -> None:
+        """Weight sync: every engine loads the trainer's exported tensors at ``version``."""
+        wait([a.update_weights.remote(version, *export_refs) for a in self.actors], "weight sync")
+
+    def load_reference(self, version: int, export_refs: list) -> None:
+        """Push the trainer's reference weights (start-up / resume; the anchor cache is kept)."""
+        wait(
+            [a.load_reference.remote(version, *export_refs) for a in self.actors],
+            "rollout reference load",
+        )
+
+    def reference_metrics(self) -> dict[str, float]:
+        """``anchor/cache_*`` summed over engines (empty without the cache)."""
+        out: dict[str, float] = {}
+        for m in wait(
+            [a.reference_metrics.remote() for a in self.actors], "rollout reference metrics"
+        ):
+            for k, v in m.items():
+                out[k] = out.get(k, 0.0) + float(v)
+        return out
+
+    def reset_reference(self, version: int, export_refs: list) -> None:
+        wait(
+            [a.reset_reference.remote(version, *export_refs) for a in self.actors],
+            "rollout reference reset",
+        )
+
+    def release_memory(self) -> None:
+        wait([a.release_memory.remote() for a in self.actors], "rollout release_memory")
+
+    def resume_memory(self) -> None:
+        wait([a.resume_memory.remote() for a in self.actors], "rollout resume_memory")
+
+    def weight_versions(self) -> list[dict[str, int]]:
+        return wait([a.weight_versions.remote() for a in self.actors], "rollout weight versions")
+
+    def state_dicts(self) -> list[dict]:
+        return wait([a.state_dict.remote() for a in self.actors], "rollout state")
+
+    def load_state_dicts(self, states: list[dict]) -> None:
+        if len(states) != len(self.actors):
+            raise ValueError(
+                f"checkpoint holds reference state of {len(states)} rollout engines, this run has "
+                f"{len(self.actors)}; resume with the same engine count"
+            )
+        wait(
+            [a.load_state_dict.remote(s) for a, s in zip(self.actors, states, strict=True)],
+            "rollout state load",
+        )
+
+
+class RewardGroup:
+    """All scoring workers; :meth:`score` sets ``score`` and ``acc`` in place."""
+
+    def __init__(self, config: ArmorConfig, plan: LayoutPlan):
+        opts = actor_options(plan, None, [], None, 0.0)
+        self.actors = [
+            _remote(RewardWorker, opts).remote(config, 1)
+            for _ in range(max(plan.reward_workers, 1))
+        ]
+
+    def score(self, samples: list[Sample]) -> dict[str, float]:
+        """Score ``samples`` in place; returns the scorers' summed stats (``reward/*``)."""
+        parts = shard(samples, len(self.actors))
+        refs = [a.score.remote(p) for a, p in zip(self.actors, parts, strict=True) if p]
+        stats: dict[str, float] = {}
+        results = wait(refs, "reward scoring")
+        flat = [sa for scored, _ in results for sa in scored]
+        for sample, (score, acc) in zip(samples, flat, strict=True):
+            sample.score, sample.acc = score, acc
+        for _, part_stats in results:
+            for k, v in part_stats.items():
+                stats[k] = stats.get(k, 0.0) + float(v)
+        return stats
+
+    def close(self) -> None:
+        wait([a.close.remote() for a in self.actors], "reward close", 60.0)
+
+
+class RemoteEngine(RolloutEngine):
+    """A :class:`RolloutEngine` view of a :class:`RolloutGroup` (for ``evaluation.evaluate``)."""
+
+    def __init__(self, group: RolloutGroup, default_seed: int | None = None):
+        self.group, self.default_seed = group, default_seed
+
+    def generate(self, prompts, n, params: SamplingParams, weights: str = "policy"):
+        if params.seed is None and self.default_seed is not None:
+            params = dataclasses.replace(params, seed=self.default_seed)
+        return self.group.generate_raw(prompts, n, params, weights)
+
+    def update_weights(
+        self, named_tensors: Iterable, version: int, weights: str = "policy"
+    ) -> None:
+        raise NotImplementedError("RemoteEngine is read-only; sync weights through RolloutGroup")
+
+    def weight_version(self, weights: str = "policy") -> int:
+        return self.group.weight_versions()[0][weights]
+
+    def health(self) -> bool:
+        return True
+
+
+class RemoteScorer:
+    """A scorer view of a :class:`RewardGroup` (``score`` in place, returns stats)."""
+
+    def __init__(self, group: RewardGroup):
+        self.group = group
+
+    def score(self, samples: list[Sample]) -> dict[str, Any]:
+        return self.group.score(samples)

@@ -1,0 +1,172 @@
+"""The ARMOR training loop (Algorithm 1) as a short sequence of verbs on actor handles.
+
+Per step: generate -> score -> accept (anchor rollout, armor-spec §2) -> advantages (§3) ->
+pack -> old/ref log-probs -> train (``B / ppo_mini_batch`` updates, §4) -> weight sync ->
+maybe reset the reference (§5) -> maybe validate -> log -> maybe checkpoint. A SIGTERM or
+SIGUSR1 finishes the step, checkpoints and exits with code 75 for a Slurm requeue.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from megatron_armor.algo.advantages import assign_advantages
+from megatron_armor.config.schema import ArmorConfig
+from megatron_armor.observability.summary import step_line
+from megatron_armor.orchestration.anchor_rollout import AnchorRollout, derive_seed
+from megatron_armor.orchestration.groups import RemoteEngine, RemoteScorer
+from megatron_armor.orchestration.run_state import EXIT_REQUEUE, StopSignal
+from megatron_armor.orchestration.session import Session
+from megatron_armor.orchestration.step_metrics import (
+    reduce_update_metrics,
+    rollout_metrics,
+    write_anchor_file,
+)
+from megatron_armor.rollout.protocol import SamplingParams
+from megatron_armor.types import Group, TrainBatch, pack_groups
+
+
+def needs_reference_logprobs(config: ArmorConfig) -> bool:
+    """Reference log-probs feed the mixed / off-policy ratio, the KL penalty and the KL metrics."""
+    algo = config.algo
+    return algo.ratio in ("mixed", "off_policy") or algo.kl_coef > 0 or algo.anchor != "none"
+
+
+def minibatch_sample_ids(groups: list[Group], num_minibatches: int) -> list[list[int]]:
+    """Sample indices of each mini-batch: consecutive groups, ``len(groups) / num_minibatches`` each."""
+    per = len(groups) // num_minibatches
+    out, offset = [], 0
+    for m in range(num_minibatches):
+        count = sum(len(g.samples) for g in groups[m * per : (m + 1) * per])
+        out.append(list(range(offset, offset + count)))
+        offset += count
+    return out
+
+
+def compute_logprobs(s: Session, batch: TrainBatch) -> None:
+    """Fill ``old_logprobs`` (pre-update policy) and ``ref_logprobs`` (reference) from the trainer."""
+    batch.old_logprobs = s.trainer.compute_logprobs(batch, "policy")
+    if needs_reference_logprobs(s.config):
+        batch.ref_logprobs = s.trainer.compute_logprobs(batch, "ref")
+
+
+def train_minibatches(s: Session, batch: TrainBatch, groups: list[Group]) -> dict[str, float]:
+    """One optimizer update per mini-batch of ``trainer.ppo_mini_batch`` queries."""
+    s.progress.start("train", s.num_minibatches)
+    updates = []
+    for ids in minibatch_sample_ids(groups, s.num_minibatches):
+        updates.append(s.trainer.train_step(batch.select(ids), 1))
+        s.progress.advance()
+    s.progress.close()
+    metrics = reduce_update_metrics(updates)
+    if not needs_reference_logprobs(s.config):  # KL against a reference that was not computed
+        metrics = {k: v for k, v in metrics.items() if not k.startswith("kl/")}
+    return metrics
+
+
+def sync_and_maybe_reset(s: Session, step: int) -> dict[str, float]:
+    """Weight sync (version = step); then a reference reset if the schedule says so."""
+    with s.timers.phase("sync"):
+        refs = s.trainer.export_refs("policy")
+        if s.config.orchestration.layout == "colocated":
+            s.rollout.resume_memory()
+        s.rollout.update_weights(step, refs)
+        s.state.policy_version = step
+    if not s.schedule.should_reset(step):
+        return {"reset/performed": 0.0, "reset/ref_version": float(s.state.ref_version)}
+    with s.timers.phase("reset"):
+        s.trainer.reset_reference()
+        s.rollout.reset_reference(step, refs)
+        s.schedule.record_reset(step)
+        s.state.ref_version = step
+    return {"reset/performed": 1.0, "reset/ref_version": float(step)}
+
+
+def validate(s: Session, step: int) -> dict[str, float]:
+    """``val/<bench>/<metric>`` (avg@k, pass@k, maj@k) with the validation sampling settings."""
+    from megatron_armor.evaluation.runner import evaluate
+
+    v, seed = s.config.validation, derive_seed(s.config.run.seed, step, 0, "validation")
+    params = SamplingParams(temperature=v.temperature, top_p=v.top_p,
+                            max_new_tokens=s.config.rollout.sampling.max_new_tokens, seed=seed)  # fmt: skip
+    with s.timers.phase("validate"):
+        results = evaluate(RemoteEngine(s.rollout, seed), s.val_datasets, RemoteScorer(s.reward),
+                           v.n_samples, params, v.max_problems)  # fmt: skip
+    return {f"val/{bench}/{k}": float(x) for bench, r in results.items() for k, x in r.items()}
+
+
+def validation_due(config: ArmorConfig, step: int) -> bool:
+    every = config.validation.every
+    return every > 0 and (step % every == 0 or step == config.run.steps)
+
+
+def run_step(s: Session, rollout: AnchorRollout, step: int) -> dict[str, float]:
+    """One step of Algorithm 1; returns its metrics (without timings)."""
+    s.progress.start(f"step {step} rollout", s.config.rollout.batch)
+    with s.timers.phase("rollout"):
+        result = rollout.collect(step)
+    s.progress.close()
+    assign_advantages(result.groups, s.config.algo.advantage, s.config.algo.qae_quantile)
+    write_anchor_file(s.run_dir, step, result)
+    batch = pack_groups(result.groups)
+    if s.config.orchestration.layout == "colocated":
+        s.rollout.release_memory()
+    with s.timers.phase("logprobs"):
+        compute_logprobs(s, batch)
+    with s.timers.phase("train"):
+        metrics = train_minibatches(s, batch, result.groups)
+    metrics.update(rollout_metrics(result))
+    metrics.update(s.rollout.reference_metrics())
+    metrics.update(sync_and_maybe_reset(s, step))
+    metrics.update(
+        {"algo/alpha": s.alpha, "train/response_tokens": float(batch.num_response_tokens)}
+    )
+    if validation_due(s.config, step):
+        metrics.update(validate(s, step))
+    return metrics
+
+
+def run_loop(s: Session, start: int, stop: StopSignal) -> int:
+    """Steps ``start + 1 .. run.steps``; returns the process exit code (0, or 75 on a signal)."""
+    cfg = s.config
+    if start == 0 and cfg.validation.every > 0:
+        s.logger.log(0, {**validate(s, 0), **s.timers.pop_metrics()})
+    rollout = AnchorRollout(cfg, s.dataset, s.sampler, s.rollout, s.reward,
+                            s.progress.rollout_update, s.timers)  # fmt: skip
+    for step in range(start + 1, cfg.run.steps + 1):
+        t0 = time.perf_counter()
+        metrics = run_step(s, rollout, step)
+        if stop.received or step % cfg.run.ckpt_every == 0 or step == cfg.run.steps:
+            with s.timers.phase("checkpoint"):
+                s.save(step)
+        metrics.update(s.timers.pop_metrics())
+        metrics["timing/step_s"] = time.perf_counter() - t0
+        clean = s.logger.log(step, metrics)
+        print(step_line(step, cfg.run.steps, clean), flush=True)
+        if stop.received:
+            print(f"{stop.name}: checkpoint of step {step} written; exiting {EXIT_REQUEUE} "
+                  "(requeue to resume)", flush=True)  # fmt: skip
+            return EXIT_REQUEUE
+    return 0
+
+
+def train(config: ArmorConfig, resume: str = "auto") -> int:
+    """Run (or resume) a training run end to end; returns the process exit code."""
+    torch.manual_seed(config.run.seed)
+    stop = StopSignal().install()
+    session = None
+    try:
+        session = Session.start(config)
+        start = session.restore(resume)
+        return run_loop(session, start, stop)
+    finally:
+        stop.restore()
+        if session is not None:
+            session.close()
+        else:
+            import ray
+
+            if ray.is_initialized():
+                ray.shutdown()

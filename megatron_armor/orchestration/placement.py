@@ -1,0 +1,139 @@
+"""Ray start-up and actor placement for the three layouts (design.md, "Process topology").
+
+- ``cpu``: no GPUs; every actor asks for a small, explicit CPU share. The tiny config.
+- ``colocated``: one placement group of ``trainer.world_size`` GPU bundles; trainer rank
+  ``i`` and rollout engine ``i // tp`` share bundle ``i`` (fractional GPUs); the engines
+  release their memory while the trainer runs.
+- ``disaggregated``: ``trainer.world_size`` bundles for the trainer plus
+  ``orchestration.rollout_gpus`` bundles for the engines.
+
+Bundles are re-ordered by (node IP, GPU id) with one probe actor per bundle, so trainer rank
+order follows the hardware (ranks of a TP group share a node).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron_armor.config.schema import ArmorConfig
+
+LAYOUTS = ("cpu", "colocated", "disaggregated")
+OBJECT_STORE_BYTES_CPU = 256 * 1024**2
+
+
+@dataclass
+class LayoutPlan:
+    """How many actors of each kind, and what each asks Ray for."""
+
+    layout: str
+    trainer_ranks: int
+    rollout_engines: int
+    reward_workers: int
+    trainer_gpus: float = 0.0
+    rollout_gpus: float = 0.0
+    cpus_per_actor: float = 1.0
+    threads: int = 0
+    bundles: int = 0
+    trainer_bundles: list[int] = field(default_factory=list)
+    rollout_bundles: list[int] = field(default_factory=list)
+
+
+def plan_layout(config: ArmorConfig) -> LayoutPlan:
+    """The actor counts and resources of ``orchestration.layout``; errors name the fix."""
+    orch, world = config.orchestration, config.trainer.world_size
+    engines = max(config.rollout.sglang.num_engines, 1)
+    if orch.layout not in LAYOUTS:
+        raise ValueError(f"orchestration.layout={orch.layout!r}: expected one of {LAYOUTS}")
+    if orch.layout == "cpu":
+        return LayoutPlan("cpu", world, 1, orch.num_reward_workers, cpus_per_actor=0.5,
+                          threads=os.cpu_count() or 1)  # fmt: skip
+    tp = config.rollout.sglang.tp
+    if orch.layout == "colocated":
+        if world % tp:
+            raise ValueError(
+                f"rollout.sglang.tp={tp} must divide trainer.world_size={world} (colocated)"
+            )
+        return LayoutPlan(
+            "colocated", world, world // tp, orch.num_reward_workers, trainer_gpus=0.4,
+            rollout_gpus=0.2, bundles=world, trainer_bundles=list(range(world)),
+            rollout_bundles=list(range(0, world, tp)),
+        )  # fmt: skip
+    if orch.rollout_gpus < tp or orch.rollout_gpus % tp:
+        raise ValueError(
+            f"orchestration.rollout_gpus={orch.rollout_gpus}: the disaggregated layout needs a "
+            f"positive multiple of rollout.sglang.tp={tp}"
+        )
+    engines = orch.rollout_gpus // tp
+    return LayoutPlan(
+        "disaggregated", world, engines, orch.num_reward_workers, trainer_gpus=1.0,
+        rollout_gpus=1.0, bundles=world + orch.rollout_gpus, trainer_bundles=list(range(world)),
+        rollout_bundles=[world + i * tp for i in range(engines)],
+    )  # fmt: skip
+
+
+def init_ray(config: ArmorConfig, plan: LayoutPlan) -> None:
+    """Connect to ``orchestration.ray_address`` or start a small local Ray (no dashboard)."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if config.orchestration.ray_address:
+        ray.init(address=config.orchestration.ray_address, log_to_driver=True)
+        return
+    kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True}
+    if plan.layout == "cpu":
+        actors = plan.trainer_ranks + plan.rollout_engines + plan.reward_workers
+        kwargs.update(num_cpus=max(int(actors * plan.cpus_per_actor) + 1, 2), num_gpus=0,
+                      object_store_memory=OBJECT_STORE_BYTES_CPU)  # fmt: skip
+    ray.init(**kwargs)
+
+
+def create_bundles(plan: LayoutPlan, timeout_s: float):
+    """A placement group of one ``{GPU: 1, CPU: 1}`` bundle per GPU, and bundle indices
+    sorted by (node IP, GPU id); ``(None, [])`` for the CPU layout."""
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    if plan.bundles == 0:
+        return None, []
+    pg = placement_group([{"GPU": 1, "CPU": 1}] * plan.bundles, strategy="PACK")
+    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+    if not ready:
+        raise TimeoutError(
+            f"placement group of {plan.bundles} GPUs not ready after {timeout_s:.0f}s; check the "
+            "cluster's free GPUs or raise orchestration.ray_init_timeout_s"
+        )
+
+    @ray.remote(num_gpus=1, num_cpus=0)
+    def probe():
+        return ray.util.get_node_ip_address(), int(ray.get_gpu_ids()[0])
+
+    refs = [
+        probe.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+            placement_group=pg, placement_group_bundle_index=i)).remote()
+        for i in range(plan.bundles)
+    ]  # fmt: skip
+    where = ray.get(refs, timeout=timeout_s)
+    order = sorted(range(plan.bundles), key=lambda i: (where[i][0], where[i][1]))
+    return pg, order
+
+
+def actor_options(plan: LayoutPlan, pg, order: list[int], bundle: int | None, gpus: float) -> dict:
+    """Ray ``.options()`` for one actor: its CPU/GPU share and (if any) its bundle."""
+    if pg is None or bundle is None:
+        return {"num_cpus": plan.cpus_per_actor, "num_gpus": 0}
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    return {
+        "num_cpus": 0.2,
+        "num_gpus": gpus,
+        "scheduling_strategy": PlacementGroupSchedulingStrategy(
+            placement_group=pg, placement_group_bundle_index=order[bundle]
+        ),
+    }

@@ -1,0 +1,90 @@
+"""What the orchestrator checkpoints besides the trainer, and the preemption signals.
+
+:class:`RunState` holds everything a resume needs to continue *exactly*: the step counter,
+the data sampler position, the Python/torch RNG states of the driver, the reset schedule,
+the weight versions, and each rollout engine's reference-sampler state (the anchor cache
+and the reference weight version). Sampling seeds are derived from ``(seed, step, batch)``,
+so these states are enough to regenerate the same samples.
+
+SIGTERM and SIGUSR1 (Slurm's ``--signal``) set a flag; the loop finishes the current step,
+writes a checkpoint and exits with :data:`EXIT_REQUEUE` (75, ``EX_TEMPFAIL``) so a batch
+script can ``scontrol requeue`` the job.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+EXIT_REQUEUE = 75
+STATE_FILE = "orchestrator.pt"
+
+
+@dataclass
+class RunState:
+    """The orchestrator's part of a checkpoint (plain, picklable values)."""
+
+    step: int = 0
+    policy_version: int = 0
+    ref_version: int = 0
+    sampler: dict = field(default_factory=dict)
+    reset: dict = field(default_factory=dict)
+    rollout: list[dict] = field(default_factory=list)
+    python_rng: Any = None
+    torch_rng: Any = None
+
+    def capture_rng(self) -> None:
+        self.python_rng = random.getstate()
+        self.torch_rng = torch.get_rng_state()
+
+    def restore_rng(self) -> None:
+        if self.python_rng is not None:
+            random.setstate(self.python_rng)
+        if self.torch_rng is not None:
+            torch.set_rng_state(self.torch_rng)
+
+    def save(self, checkpoint_dir: str | Path) -> Path:
+        path = Path(checkpoint_dir) / STATE_FILE
+        torch.save(self.__dict__, path)
+        return path
+
+    @classmethod
+    def load(cls, checkpoint_dir: str | Path) -> RunState:
+        path = Path(checkpoint_dir) / STATE_FILE
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"{path} missing: {checkpoint_dir} is not an orchestrator checkpoint"
+            )
+        return cls(**torch.load(path, weights_only=False))
+
+
+class StopSignal:
+    """Remember a SIGTERM/SIGUSR1 so the loop can checkpoint at the end of the step."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> StopSignal:
+        for sig in self.SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.received = signum
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.received).name if self.received else ""
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()

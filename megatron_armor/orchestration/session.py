@@ -1,0 +1,161 @@
+"""Set-up and tear-down of a run: Ray, actor groups, data, schedule, sinks, checkpoints.
+
+:class:`Session` owns every long-lived object of a run so the loop (``loop.py``) reads as
+verbs only. ``save``/``restore`` implement the checkpoint contract of armor-spec §5: the
+trainer writes model, optimizer, reference weights and RNG; the orchestrator writes
+:class:`~megatron_armor.orchestration.run_state.RunState` next to it; the directory is
+renamed into place only when complete.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatron_armor.algo.ratios import resolve_alpha
+from megatron_armor.algo.reset import ResetSchedule
+from megatron_armor.config.loader import save_config
+from megatron_armor.config.schema import ArmorConfig
+from megatron_armor.data.dataset import load_prompt_dataset
+from megatron_armor.data.sampler import ResumableSampler
+from megatron_armor.observability.metrics import MetricsLogger, truncate_metrics
+from megatron_armor.observability.timers import PhaseTimers
+from megatron_armor.orchestration import checkpoints
+from megatron_armor.orchestration.groups import RewardGroup, RolloutGroup, TrainerGroup
+from megatron_armor.orchestration.placement import create_bundles, init_ray, plan_layout
+from megatron_armor.orchestration.progress import PhaseProgress
+from megatron_armor.orchestration.run_state import RunState
+from megatron_armor.orchestration.workers import load_model_tokenizer
+
+
+def run_dir_of(config: ArmorConfig) -> Path:
+    return Path(config.run.output_dir) / config.run.name
+
+
+def check_batch_sizes(config: ArmorConfig) -> int:
+    """Mini-batches per step ``B / ppo_mini_batch``; errors name the settings."""
+    b, mb, gen = config.rollout.batch, config.trainer.ppo_mini_batch, config.rollout.gen_batch
+    if b < 1 or mb < 1 or b % mb:
+        raise ValueError(
+            f"trainer.ppo_mini_batch={mb} must divide rollout.batch={b} (queries per update)"
+        )
+    if gen < b:
+        raise ValueError(f"rollout.gen_batch={gen} must be >= rollout.batch={b} (k * B, k >= 1)")
+    return b // mb
+
+
+def load_val_datasets(config: ArmorConfig, tokenizer) -> dict:
+    """One prompt dataset per validation file, named by the file stem."""
+    out = {}
+    for file in config.data.val_files:
+        name = Path(file).stem
+        out[name] = load_prompt_dataset(
+            [file], tokenizer, config.data.template, config.data.max_prompt_len
+        )
+    return out
+
+
+@dataclass
+class Session:
+    config: ArmorConfig
+    run_dir: Path
+    trainer: TrainerGroup
+    rollout: RolloutGroup
+    reward: RewardGroup
+    dataset: object
+    val_datasets: dict
+    sampler: ResumableSampler
+    schedule: ResetSchedule
+    logger: MetricsLogger
+    timers: PhaseTimers
+    progress: PhaseProgress
+    alpha: float
+    num_minibatches: int
+    state: RunState
+
+    @classmethod
+    def start(cls, config: ArmorConfig) -> Session:
+        """Everything up and ready for step 1 (or the resumed step)."""
+        num_minibatches = check_batch_sizes(config)
+        run_dir = run_dir_of(config)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(config, run_dir)
+        tokenizer = load_model_tokenizer(config.trainer.model_path)
+        d = config.data
+        dataset = load_prompt_dataset(d.train_files, tokenizer, d.template, d.max_prompt_len)
+        val = load_val_datasets(config, tokenizer) if config.validation.every > 0 else {}
+        plan = plan_layout(config)
+        init_ray(config, plan)
+        pg, order = create_bundles(plan, config.orchestration.ray_init_timeout_s)
+        trainer = TrainerGroup(config, plan, pg, order)
+        rollout = RolloutGroup(config, plan, pg, order)
+        reward = RewardGroup(config, plan)
+        trainer.init()
+        r = config.algo.reset
+        log = config.logging
+        from omegaconf import OmegaConf
+
+        logger = MetricsLogger(run_dir, log.tensorboard, log.wandb, log.wandb_project,
+                               config.run.name, OmegaConf.to_container(OmegaConf.structured(config)))  # fmt: skip
+        return cls(
+            config=config, run_dir=run_dir, trainer=trainer, rollout=rollout, reward=reward,
+            dataset=dataset, val_datasets=val,
+            sampler=ResumableSampler(len(dataset), config.run.seed, d.shuffle),
+            schedule=ResetSchedule(r.schedule, r.every, r.until), logger=logger,
+            timers=PhaseTimers(), progress=PhaseProgress(log.progress),
+            alpha=resolve_alpha(config.algo.alpha, config.algo.group_size),
+            num_minibatches=num_minibatches, state=RunState(),
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, step: int) -> Path:
+        """Atomic checkpoint of ``step`` (trainer + orchestrator), keeping the last K."""
+        tmp = checkpoints.begin_checkpoint(self.run_dir, step)
+        self.state.step = step
+        self.state.sampler = self.sampler.state_dict()
+        self.state.reset = self.schedule.state_dict()
+        self.state.rollout = self.rollout.state_dicts()
+        self.state.capture_rng()
+        self.trainer.save_checkpoint(str(tmp / "trainer"), {"step": step})
+        self.state.save(tmp)
+        return checkpoints.commit_checkpoint(self.run_dir, tmp, step, self.config.run.keep_last)
+
+    def restore(self, resume: str) -> int:
+        """Load the checkpoint ``resume`` names (auto|none|PATH); returns the step to continue after."""
+        path = checkpoints.resolve_resume(self.run_dir, resume)
+        if path is None:
+            existing = checkpoints.list_checkpoints(self.run_dir)
+            if existing:
+                raise FileExistsError(
+                    f"--resume none but {self.run_dir} already holds checkpoints up to step "
+                    f"{existing[-1][0]}; use --resume auto, or a new run.name / run.output_dir"
+                )
+            truncate_metrics(self.run_dir, -1)
+            self.rollout.update_weights(0, self.trainer.export_refs("policy"))
+            self.rollout.load_reference(0, self.trainer.export_refs("ref"))
+            return 0
+        self.trainer.load_checkpoint(str(path / "trainer"))
+        state = RunState.load(path)
+        self.sampler.load_state_dict(state.sampler)
+        self.schedule.load_state_dict(state.reset)
+        state.restore_rng()
+        self.rollout.update_weights(state.policy_version, self.trainer.export_refs("policy"))
+        self.rollout.load_reference(state.ref_version, self.trainer.export_refs("ref"))
+        self.rollout.load_state_dicts(state.rollout)
+        truncate_metrics(self.run_dir, state.step)
+        self.state = state
+        print(f"resumed from {path} at step {state.step}", flush=True)
+        return state.step
+
+    def close(self) -> None:
+        """Stop the actors and Ray (best effort: a failing close must not hide the real error)."""
+        import ray
+
+        self.progress.close()
+        self.logger.close()
+        for group in (self.trainer, self.reward):
+            try:
+                group.close()
+            except Exception as err:  # noqa: BLE001 - report and keep shutting down
+                print(f"warning: closing {type(group).__name__} failed: {err}", flush=True)
+        ray.shutdown()

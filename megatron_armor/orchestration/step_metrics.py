@@ -1,0 +1,104 @@
+"""Per-step metrics computed by the orchestrator (docs/metrics.md lists every key).
+
+Rewards and lengths are split by source: ``policy`` = every on-policy sample generated this
+step (before the acceptance filter: the training-reward curve of the paper's Fig. 1),
+``batch_policy`` = the on-policy samples of the kept groups (what was trained on), ``anchor``
+= the inserted anchors.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from megatron_armor.orchestration.anchor_rollout import RolloutResult
+from megatron_armor.types import Group, Sample
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def sample_metrics(prefix: str, samples: list[Sample]) -> dict[str, float]:
+    """``reward/<prefix>_mean|acc`` and ``length/<prefix>_mean|max|clip_frac`` (if any samples)."""
+    if not samples:
+        return {}
+    lengths = [s.response_len for s in samples]
+    return {
+        f"reward/{prefix}_mean": _mean([s.score for s in samples]),
+        f"reward/{prefix}_acc": _mean([float(s.acc) for s in samples]),
+        f"length/{prefix}_mean": _mean(lengths),
+        f"length/{prefix}_max": float(max(lengths)),
+        f"length/{prefix}_clip_frac": _mean([float(s.finish_reason == "length") for s in samples]),
+    }
+
+
+def split_groups(groups: list[Group]) -> tuple[list[Sample], list[Sample]]:
+    """(on-policy samples, anchors) of the trained groups."""
+    policy, anchors = [], []
+    for g in groups:
+        for i, s in enumerate(g.samples):
+            (anchors if g.is_anchor(i) else policy).append(s)
+    return policy, anchors
+
+
+def rollout_metrics(result: RolloutResult) -> dict[str, float]:
+    """``anchor/*``, ``reward/*`` and ``length/*`` of one step's rollout."""
+    m = dict(result.stats.as_metrics())
+    seen = max(result.stats.queries_seen, 1)
+    for reason in ("all_correct", "all_wrong", "no_ref_correct"):
+        m[f"anchor/rejected_{reason}_frac"] = m[f"anchor/rejected_{reason}"] / seen
+    m["anchor/kept"] = float(len(result.groups))
+    policy, anchors = split_groups(result.groups)
+    m.update(sample_metrics("policy", result.policy_samples))
+    m.update(sample_metrics("batch_policy", policy))
+    m.update(sample_metrics("anchor", anchors))
+    advantages = [a for g in result.groups for a in g.advantages]
+    if advantages:
+        m["reward/advantage_abs_mean"] = _mean([abs(a) for a in advantages])
+    for key, value in result.reward_stats.items():
+        m[key if "/" in key else f"reward/{key}"] = float(value)
+    return m
+
+
+def reduce_update_metrics(updates: list[dict[str, float]]) -> dict[str, float]:
+    """Combine per-mini-batch trainer metrics: maxima for ``*_max``, last ``lr``, else the mean."""
+    out: dict[str, float] = {}
+    keys = {k for u in updates for k in u}
+    for key in sorted(keys):
+        values = [float(u[key]) for u in updates if u.get(key) is not None]
+        if not values:
+            continue
+        if key.endswith("_max"):
+            out[key] = max(values)
+        elif key == "lr" or key.endswith("/lr"):
+            out[key] = values[-1]
+        else:
+            out[key] = sum(values) / len(values)
+    out["train/updates"] = float(len(updates))
+    return out
+
+
+def write_anchor_file(run_dir: str | Path, step: int, result: RolloutResult) -> Path:
+    """``run_dir/anchors/step_XXXXXX.jsonl``: one ``stats`` line, then one line per query seen.
+
+    Query lines: ``query_id``, ``gen_batch``, ``reason`` (accepted | all_correct | all_wrong |
+    no_reference_correct), correct counts of policy and reference samples, ``kept`` (accepted
+    and among the first ``B``) and, for kept groups with an anchor, ``anchor_len``/``anchor_score``.
+    """
+    path = Path(run_dir) / "anchors" / f"step_{step:06d}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    anchors = {
+        g.query_id: g.samples[g.anchor_index] for g in result.groups if g.anchor_index is not None
+    }
+    lines = [json.dumps({"type": "stats", "step": step, **result.stats.as_metrics()})]
+    for record in result.records:
+        record = {"type": "query", **record}
+        anchor = anchors.get(record["query_id"]) if record.get("kept") else None
+        if anchor is not None:
+            record.update(anchor_len=anchor.response_len, anchor_score=anchor.score)
+        lines.append(json.dumps(record))
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("\n".join(lines) + "\n")
+    tmp.replace(path)
+    return path

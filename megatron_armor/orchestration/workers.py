@@ -1,0 +1,277 @@
+"""The processes of a run, as plain classes that ``placement.py`` turns into Ray actors.
+
+- :class:`TrainerWorker` — one trainer rank; imports Megatron (``trainer.actor``) lazily,
+  inside its own process, so the orchestrator never does.
+- :class:`RolloutWorker` — one rollout engine plus the reference sampler; turns engine
+  outputs into :class:`~megatron_armor.types.Sample` objects (token ids + decoded text).
+- :class:`RewardWorker` — one :class:`~megatron_armor.reward.scorer.RewardScorer`.
+
+Every method takes and returns picklable values (lists of tensors instead of iterators).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_armor.config.schema import ArmorConfig
+from megatron_armor.rollout.protocol import GenerationOutput, SamplingParams
+from megatron_armor.types import Sample, SampleSource
+
+NamedTensors = list[tuple[str, torch.Tensor]]
+
+
+def load_model_tokenizer(model_dir: str):
+    """The tokenizer stored in an HF model directory (offline).
+
+    ``PreTrainedTokenizerFast`` reads a custom ``tokenizer.json`` where ``AutoTokenizer``
+    would silently substitute the architecture's default (design.md, "Facts").
+    """
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    if (Path(model_dir) / "tokenizer.json").is_file():
+        return PreTrainedTokenizerFast.from_pretrained(model_dir, local_files_only=True)
+    return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+
+
+def set_threads(num_threads: int) -> None:
+    """Pin torch's intra-op threads (Ray sets OMP_NUM_THREADS to the actor's CPU count)."""
+    if num_threads > 0:
+        torch.set_num_threads(num_threads)
+
+
+def node_info() -> dict[str, Any]:
+    """Where this worker runs: node IP, hostname, visible GPU ids, a free TCP port."""
+    import ray
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    return {
+        "ip": ray.util.get_node_ip_address(),
+        "host": socket.gethostname(),
+        "gpu_ids": [int(g) for g in ray.get_gpu_ids()],
+        "free_port": port,
+        "pid": os.getpid(),
+    }
+
+
+class TrainerWorker:
+    """One trainer rank: a thin picklable wrapper over ``MegatronTrainer``."""
+
+    def __init__(self, config: ArmorConfig, rank: int, world_size: int, num_threads: int = 0):
+        set_threads(num_threads)
+        self.config, self.rank, self.world_size = config, rank, world_size
+        self.trainer = None
+
+    def node_info(self) -> dict[str, Any]:
+        return node_info()
+
+    def init(self, master_addr: str, master_port: int) -> int:
+        """Build the Megatron model on this rank (joins the process group; blocks until all do)."""
+        from megatron_armor.trainer.actor import MegatronTrainer  # Megatron only in this process
+
+        self.trainer = MegatronTrainer(
+            self.config, rank=self.rank, world_size=self.world_size,
+            master_addr=master_addr, master_port=master_port,
+        )  # fmt: skip
+        return self.rank
+
+    def compute_logprobs(self, batch, weights: str = "policy") -> torch.Tensor | None:
+        return self.trainer.compute_logprobs(batch, weights)
+
+    def train_step(self, batch, num_minibatches: int) -> dict[str, float]:
+        return self.trainer.train_step(batch, num_minibatches)
+
+    def reset_reference(self) -> None:
+        self.trainer.reset_reference()
+
+    def export_weights(self, weights: str = "policy") -> NamedTensors:
+        return [(name, t.detach().cpu()) for name, t in self.trainer.export_weights(weights)]
+
+    def save_checkpoint(self, path: str, run_state: dict) -> None:
+        self.trainer.save_checkpoint(path, run_state)
+
+    def load_checkpoint(self, path: str) -> dict:
+        return self.trainer.load_checkpoint(path)
+
+    def close(self) -> None:
+        if self.trainer is not None and hasattr(self.trainer, "close"):
+            self.trainer.close()
+        self.trainer = None
+
+
+def make_engine(config: ArmorConfig, device: str):
+    """The rollout backend named by ``rollout.backend``."""
+    backend = config.rollout.backend
+    if backend == "torch":
+        from megatron_armor.rollout.torch_engine import TorchEngine
+
+        return TorchEngine(
+            config.trainer.model_path, device=device, max_batch=config.rollout.engine_batch_size
+        )
+    if backend == "sglang":
+        from megatron_armor.rollout.sglang_engine import SGLangEngine
+
+        return SGLangEngine.from_config(config)
+    raise ValueError(f"rollout.backend={backend!r}: expected 'torch' or 'sglang'")
+
+
+def to_samples(
+    items: list, outputs: list[list[GenerationOutput]], source: SampleSource, tokenizer
+) -> list[list[Sample]]:
+    """Engine outputs ``[len(items)][n]`` -> :class:`Sample` objects with decoded text."""
+    result = []
+    for item, outs in zip(items, outputs, strict=True):
+        result.append(
+            [
+                Sample(
+                    query_id=item.query_id,
+                    prompt_ids=list(item.prompt_ids),
+                    response_ids=list(o.token_ids),
+                    response_logprobs=list(o.logprobs),
+                    source=source,
+                    weight_version=o.weight_version,
+                    finish_reason=o.finish_reason,
+                    response_text=tokenizer.decode(o.token_ids, skip_special_tokens=True),
+                    ground_truth=item.ground_truth,
+                    data_source=item.data_source,
+                )  # fmt: skip
+                for o in outs
+            ]
+        )
+    return result
+
+
+class RolloutWorker:
+    """One rollout engine and its reference sampler (armor-spec §2 step 2).
+
+    For ``rollout.ref_strategy: swap`` the worker keeps CPU copies of the last pushed policy
+    and reference tensors, which the swap sampler loads around each reference generation.
+    """
+
+    def __init__(self, config: ArmorConfig, index: int, num_threads: int = 0):
+        set_threads(num_threads)
+        import ray
+
+        from megatron_armor.rollout.reference import make_reference_sampler
+
+        device = "cuda" if ray.get_gpu_ids() and torch.cuda.is_available() else "cpu"
+        self.index = index
+        self.engine = make_engine(config, device)
+        self.tokenizer = load_model_tokenizer(config.trainer.model_path)
+        strategy, fill = reference_strategy(config)
+        self.keep_copies = "swap" in (strategy, fill)
+        self.copies: dict[str, NamedTensors] = {}
+        self.reference = make_reference_sampler(
+            strategy, self.engine, weights_fn=self._weights, cache_fill=fill
+        )
+
+    def _weights(self, which: str) -> NamedTensors:
+        if which not in self.copies:
+            raise RuntimeError(f"rollout worker {self.index}: no {which!r} weights pushed yet")
+        return self.copies[which]
+
+    def generate(self, items: list, n: int, params: SamplingParams) -> list[list[Sample]]:
+        """``n`` policy samples per item."""
+        outputs = self.engine.generate([it.prompt_ids for it in items], n, params, "policy")
+        return to_samples(items, outputs, SampleSource.POLICY, self.tokenizer)
+
+    def generate_raw(
+        self, prompts: list[list[int]], n: int, params: SamplingParams, weights: str = "policy"
+    ):
+        """Engine outputs as they are (used by validation through ``RemoteEngine``)."""
+        return self.engine.generate(prompts, n, params, weights)
+
+    def sample_reference(self, items: list, n: int, params: SamplingParams) -> list[list[Sample]]:
+        """``n`` reference samples per item, in generation order (fresh or cached)."""
+        outputs = self.reference.sample(
+            [it.query_id for it in items], [it.prompt_ids for it in items], n, params
+        )
+        return to_samples(items, outputs, SampleSource.REFERENCE, self.tokenizer)
+
+    def update_weights(self, version: int, *shards: NamedTensors) -> int:
+        """Load the trainer's exported policy tensors (one list per exporting rank)."""
+        tensors = [nt for shard in shards for nt in shard]
+        self.engine.update_weights(tensors, version, "policy")
+        if self.keep_copies:
+            self.copies["policy"] = tensors
+        return self.engine.weight_version("policy")
+
+    def load_reference(self, version: int, *shards: NamedTensors) -> None:
+        """Serve ``shards`` as the reference at ``version`` (start-up / resume; cache kept)."""
+        tensors = [nt for shard in shards for nt in shard]
+        if self.keep_copies:
+            self.copies["ref"] = tensors
+        self.reference.load_reference(version, lambda: iter(tensors))
+
+    def reset_reference(self, version: int, *shards: NamedTensors) -> None:
+        """A reset: the reference becomes ``shards`` (the policy at ``version``); cache dropped."""
+        tensors = [nt for shard in shards for nt in shard]
+        if self.keep_copies:
+            self.copies["ref"] = tensors
+        self.reference.on_reset(version, lambda: iter(tensors))
+
+    def reference_metrics(self) -> dict[str, float]:
+        """Anchor-cache counters (``anchor/cache_*``) when the cache strategy is used."""
+        metrics = getattr(self.reference, "metrics", None)
+        return metrics() if metrics else {}
+
+    def release_memory(self) -> None:
+        self.engine.release_memory()
+
+    def resume_memory(self) -> None:
+        self.engine.resume_memory()
+
+    def weight_versions(self) -> dict[str, int]:
+        versions = {"policy": self.engine.weight_version("policy")}
+        if getattr(self.engine, "has_weights", lambda w: False)("ref"):
+            versions["ref"] = self.engine.weight_version("ref")
+        return versions
+
+    def state_dict(self) -> dict:
+        return self.reference.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.reference.load_state_dict(state)
+
+    def health(self) -> bool:
+        return self.engine.health()
+
+
+def reference_strategy(config: ArmorConfig) -> tuple[str, str]:
+    """``(strategy, cache_fill)``: ``algo.anchor_source: cache`` wraps ``rollout.ref_strategy``
+    (``swap`` | ``dedicated``) in the anchor cache (armor-spec §2)."""
+    strategy = config.rollout.ref_strategy
+    fill = strategy if strategy in ("swap", "dedicated") else "dedicated"
+    if config.algo.anchor_source == "cache" or strategy == "cache":
+        return "cache", fill
+    if config.algo.anchor_source != "generate":
+        raise ValueError(
+            f"algo.anchor_source={config.algo.anchor_source!r}: expected 'generate' or 'cache'"
+        )
+    return strategy, fill
+
+
+class RewardWorker:
+    """One scoring pool (armor-spec §8)."""
+
+    def __init__(self, config: ArmorConfig, num_threads: int = 0):
+        set_threads(num_threads)
+        from megatron_armor.reward.scorer import RewardScorer
+
+        self.scorer = RewardScorer.from_config(
+            config.reward, config.rollout.sampling.max_new_tokens
+        )
+
+    def score(self, samples: list[Sample]) -> tuple[list[tuple[float, bool]], dict[str, float]]:
+        """``[(score, acc)]`` per sample (same order) and the scorer's stats."""
+        stats = self.scorer.score(samples)
+        return [(float(s.score), bool(s.acc)) for s in samples], dict(stats or {})
+
+    def close(self) -> None:
+        self.scorer.close()

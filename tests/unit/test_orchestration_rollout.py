@@ -1,0 +1,169 @@
+"""Unit tier: anchor rejection sampling (armor-spec §2) with scripted in-process generators.
+
+The rollout and reward groups here are small deterministic test doubles with the same
+methods as ``orchestration.groups`` (``generate``, ``sample_reference``, ``score``): each query
+has a scripted number of correct policy responses and a scripted reference correctness
+sequence, so group compositions and rejection counts are known exactly.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron_armor.config.schema import ArmorConfig
+from megatron_armor.data.dataset import PromptItem
+from megatron_armor.data.sampler import ResumableSampler
+from megatron_armor.orchestration.anchor_rollout import (
+    AcceptanceError,
+    AnchorRollout,
+    derive_seed,
+    policy_samples_per_query,
+)
+from megatron_armor.orchestration.step_metrics import rollout_metrics, write_anchor_file
+from megatron_armor.types import Sample, SampleSource
+
+pytestmark = pytest.mark.unit
+
+# query -> (correct policy responses, reference correctness in generation order)
+SCRIPT = {
+    "q0": (2, [False, True, True]),  # accepted; anchor = reference #1
+    "q1": (99, [True, True, True]),  # all correct
+    "q2": (0, [True, False, False]),  # all wrong (accepted only with weak_filter)
+    "q3": (1, [False, False, False]),  # no reference correct
+    "q4": (2, [True, False, False]),  # accepted; anchor = reference #0
+    "q5": (1, [False, False, True]),  # accepted; anchor = reference #2
+}
+
+
+class ScriptedRollout:
+    def __init__(self):
+        self.calls = []
+
+    def _samples(self, item, n, correct, source, length):
+        return [
+            Sample(query_id=item.query_id, prompt_ids=item.prompt_ids, response_ids=[7] * (length + i),
+                   source=source, response_text="right" if correct(i) else "wrong")
+            for i in range(n)
+        ]  # fmt: skip
+
+    def generate(self, items, n, params):
+        self.calls.append(("policy", len(items), n, params.seed))
+        return [self._samples(it, n, lambda i, it=it: i < SCRIPT[it.query_id][0], SampleSource.POLICY, 3)
+                for it in items]  # fmt: skip
+
+    def sample_reference(self, items, n, params):
+        self.calls.append(("reference", len(items), n, params.seed))
+        return [self._samples(it, n, lambda i, it=it: SCRIPT[it.query_id][1][i], SampleSource.REFERENCE, 10)
+                for it in items]  # fmt: skip
+
+
+class ScriptedReward:
+    def score(self, samples):
+        for s in samples:
+            s.acc = s.response_text == "right"
+            s.score = 1.0 if s.acc else -1.0
+        return {"reward/timeouts": 0.0}
+
+
+def make(anchor="armor", batch=2, gen_batch=3, max_gen_batches=4, weak_filter=False, group_size=4):
+    cfg = ArmorConfig()
+    cfg.algo.anchor, cfg.algo.weak_filter, cfg.algo.group_size = anchor, weak_filter, group_size
+    cfg.algo.ref_n, cfg.algo.max_gen_batches = 3, max_gen_batches
+    cfg.rollout.batch, cfg.rollout.gen_batch = batch, gen_batch
+    items = [PromptItem(q, [1, 2, 3], q, "1", "tiny") for q in SCRIPT]
+    rollout = ScriptedRollout()
+    sampler = ResumableSampler(len(items), seed=0, shuffle=False)
+    return AnchorRollout(cfg, items, sampler, rollout, ScriptedReward()), rollout
+
+
+def test_armor_groups_are_n_on_policy_plus_first_correct_reference():
+    runner, rollout = make("armor", batch=2, gen_batch=3)
+    result = runner.collect(step=1)
+    assert [g.query_id for g in result.groups] == ["q0", "q4"]
+    for g in result.groups:
+        assert len(g.samples) == 4 and g.anchor_index == 3  # |G| = n_on + 1
+        assert [s.source for s in g.samples[:3]] == [SampleSource.POLICY] * 3
+        assert g.samples[3].source == SampleSource.REFERENCE and g.samples[3].acc
+    # q0's anchor is its reference #1 (length 10 + 1); q4's is reference #0 (length 10)
+    assert result.groups[0].samples[3].response_len == 11
+    assert result.groups[1].samples[3].response_len == 10
+    s = result.stats
+    assert (s.gen_batches, s.queries_seen, s.accepted) == (2, 6, 3)
+    assert (s.rejected_all_correct, s.rejected_all_wrong, s.rejected_no_ref_correct) == (1, 1, 1)
+    kept = [r for r in result.records if r.get("kept")]
+    surplus = [r for r in result.records if r["reason"] == "accepted" and not r["kept"]]
+    assert [r["query_id"] for r in kept] == ["q0", "q4"] and [r["query_id"] for r in surplus] == [
+        "q5"
+    ]
+    assert rollout.calls[0][:3] == ("policy", 3, 3) and rollout.calls[1][:3] == ("reference", 3, 3)
+
+
+def test_none_is_dapo_dynamic_sampling_without_reference():
+    runner, rollout = make("none", batch=3, gen_batch=6)
+    result = runner.collect(step=1)
+    assert all(len(g.samples) == 4 and g.anchor_index is None for g in result.groups)
+    # rule (a) only: q3 (no reference correct) is accepted now
+    assert [g.query_id for g in result.groups] == ["q0", "q3", "q4"]
+    assert all(c[0] == "policy" for c in rollout.calls) and rollout.calls[0][2] == 4
+
+
+def test_filter_only_uses_rule_b_but_inserts_no_anchor():
+    runner, _ = make("filter_only", batch=3, gen_batch=6)
+    result = runner.collect(step=1)
+    assert [g.query_id for g in result.groups] == ["q0", "q4", "q5"]
+    assert all(len(g.samples) == 4 and g.anchor_index is None for g in result.groups)
+    assert all(s.source == SampleSource.POLICY for g in result.groups for s in g.samples)
+
+
+def test_weak_filter_keeps_all_wrong_groups_the_reference_solved():
+    runner, _ = make("armor", batch=4, gen_batch=6, weak_filter=True)
+    result = runner.collect(step=1)
+    assert [g.query_id for g in result.groups] == ["q0", "q2", "q4", "q5"]
+
+
+def test_exhausted_generation_batches_name_rate_and_settings():
+    runner, _ = make("armor", batch=5, gen_batch=2, max_gen_batches=2)
+    with pytest.raises(AcceptanceError) as err:
+        runner.collect(step=1)
+    msg = str(err.value)
+    assert "acceptance rate 0.250" in msg and "algo.max_gen_batches" in msg
+    assert "rollout.gen_batch" in msg and "algo.ref_n" in msg and "algo.weak_filter" in msg
+
+
+def test_seeds_depend_only_on_seed_step_batch_role():
+    assert derive_seed(1, 3, 0, "policy") == derive_seed(1, 3, 0, "policy")
+    seeds = {
+        derive_seed(1, s, b, r) for s in (1, 2) for b in (0, 1) for r in ("policy", "reference")
+    }
+    assert len(seeds) == 8 and all(0 <= x < 2**31 for x in seeds)
+    runner_a, roll_a = make("armor")
+    runner_b, roll_b = make("armor")
+    runner_a.collect(step=5)
+    runner_b.collect(step=5)
+    assert roll_a.calls == roll_b.calls and roll_a.calls[0][3] == derive_seed(1, 5, 0, "policy")
+
+
+def test_policy_samples_per_query():
+    assert policy_samples_per_query("armor", 16) == 15
+    assert policy_samples_per_query("none", 16) == 16
+    assert policy_samples_per_query("filter_only", 16) == 16
+
+
+def test_rollout_metrics_and_anchor_file(tmp_path):
+    runner, _ = make("armor", batch=2, gen_batch=3)
+    result = runner.collect(step=1)
+    for g in result.groups:
+        g.advantages = [0.5] * len(g.samples)
+    m = rollout_metrics(result)
+    assert m["anchor/acceptance_rate"] == pytest.approx(3 / 6)
+    assert m["anchor/rejected_all_wrong_frac"] == pytest.approx(1 / 6)
+    assert m["reward/anchor_acc"] == 1.0 and m["length/anchor_mean"] == pytest.approx(10.5)
+    assert m["anchor/kept"] == 2.0 and m["reward/policy_mean"] < m["reward/anchor_mean"]
+    path = write_anchor_file(tmp_path, 1, result)
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert path.name == "step_000001.jsonl" and lines[0]["type"] == "stats"
+    kept = [x for x in lines[1:] if x.get("kept")]
+    assert [(x["query_id"], x["anchor_len"]) for x in kept] == [("q0", 11), ("q4", 10)]
+    assert len(lines) == 1 + 6

@@ -1,0 +1,143 @@
+"""Unit tier: checkpoint directories, run state, signals, layouts, mini-batch split, config files."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_armor.config import load_config
+from megatron_armor.config.schema import ArmorConfig
+from megatron_armor.orchestration import checkpoints
+from megatron_armor.orchestration.groups import shard
+from megatron_armor.orchestration.loop import minibatch_sample_ids, needs_reference_logprobs
+from megatron_armor.orchestration.placement import plan_layout
+from megatron_armor.orchestration.run_state import EXIT_REQUEUE, RunState, StopSignal
+from megatron_armor.orchestration.session import check_batch_sizes
+from megatron_armor.orchestration.step_metrics import reduce_update_metrics
+from megatron_armor.orchestration.workers import reference_strategy
+from megatron_armor.types import Group, Sample
+
+pytestmark = pytest.mark.unit
+CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").rglob("*.yaml"))
+
+
+def _save(run_dir, step, keep=2):
+    tmp = checkpoints.begin_checkpoint(run_dir, step)
+    (tmp / "payload").write_text(str(step))
+    return checkpoints.commit_checkpoint(run_dir, tmp, step, keep)
+
+
+def test_checkpoints_rotate_and_ignore_partial_saves(tmp_path):
+    for step in (1, 2, 3):
+        _save(tmp_path, step)
+    assert [s for s, _ in checkpoints.list_checkpoints(tmp_path)] == [2, 3]
+    checkpoints.begin_checkpoint(tmp_path, 4)  # a save killed before its rename
+    assert checkpoints.latest_checkpoint(tmp_path).name == "step_000003"
+    assert checkpoints.resolve_resume(tmp_path, "auto").name == "step_000003"
+    assert checkpoints.resolve_resume(tmp_path, "none") is None
+    final = _save(tmp_path, 4)  # the stale temp dir is replaced
+    assert (final / "payload").read_text() == "4"
+    with pytest.raises(FileNotFoundError, match="--resume auto"):
+        checkpoints.resolve_resume(tmp_path, str(tmp_path / "nowhere"))
+
+
+def test_run_state_roundtrip_restores_rng(tmp_path):
+    state = RunState(step=7, policy_version=7, ref_version=4, sampler={"epoch": 1},
+                     reset={"resets": [4]}, rollout=[{"ref_version": 4}])  # fmt: skip
+    random.seed(3)
+    torch.manual_seed(3)
+    state.capture_rng()
+    expected = (random.random(), torch.rand(2))
+    state.save(tmp_path)
+    loaded = RunState.load(tmp_path)
+    loaded.restore_rng()
+    assert (loaded.step, loaded.ref_version, loaded.rollout) == (7, 4, [{"ref_version": 4}])
+    assert random.random() == expected[0] and torch.equal(torch.rand(2), expected[1])
+
+
+def test_stop_signal_flags_sigterm_and_sigusr1():
+    stop = StopSignal().install()
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert stop.received == signal.SIGUSR1 and stop.name == "SIGUSR1"
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.name == "SIGTERM"
+    finally:
+        stop.restore()
+    assert signal.getsignal(signal.SIGTERM) is not stop._handle
+    assert EXIT_REQUEUE == 75
+
+
+def test_layouts():
+    cfg = ArmorConfig()
+    cpu = plan_layout(cfg)
+    assert (cpu.trainer_ranks, cpu.rollout_engines, cpu.bundles) == (1, 1, 0)
+    cfg.orchestration.layout, cfg.trainer.world_size, cfg.rollout.sglang.tp = "colocated", 8, 2
+    co = plan_layout(cfg)
+    assert (co.rollout_engines, co.bundles, co.rollout_bundles) == (4, 8, [0, 2, 4, 6])
+    cfg.orchestration.layout, cfg.orchestration.rollout_gpus = "disaggregated", 4
+    dis = plan_layout(cfg)
+    assert (dis.bundles, dis.rollout_bundles, dis.trainer_bundles) == (12, [8, 10], list(range(8)))
+    cfg.orchestration.rollout_gpus = 3
+    with pytest.raises(ValueError, match="orchestration.rollout_gpus=3"):
+        plan_layout(cfg)
+    cfg.orchestration.layout = "mesh"
+    with pytest.raises(ValueError, match="orchestration.layout='mesh'"):
+        plan_layout(cfg)
+
+
+def test_batch_size_checks():
+    cfg = ArmorConfig()
+    cfg.rollout.batch, cfg.trainer.ppo_mini_batch, cfg.rollout.gen_batch = 8, 4, 24
+    assert check_batch_sizes(cfg) == 2
+    cfg.trainer.ppo_mini_batch = 3
+    with pytest.raises(ValueError, match="trainer.ppo_mini_batch=3"):
+        check_batch_sizes(cfg)
+    cfg.trainer.ppo_mini_batch, cfg.rollout.gen_batch = 4, 4
+    with pytest.raises(ValueError, match="rollout.gen_batch=4"):
+        check_batch_sizes(cfg)
+
+
+def test_minibatches_are_consecutive_whole_groups():
+    groups = [Group(f"q{i}", [Sample(f"q{i}", [1], [2])] * (3 + i % 2)) for i in range(4)]
+    assert minibatch_sample_ids(groups, 2) == [list(range(0, 7)), list(range(7, 14))]
+    assert minibatch_sample_ids(groups, 1) == [list(range(14))]
+
+
+def test_update_metrics_reduce_mean_max_last():
+    m = reduce_update_metrics([{"loss/pg": 1.0, "loss/ratio_max": 2.0, "lr": 1e-6},
+                               {"loss/pg": 3.0, "loss/ratio_max": 1.5, "lr": 2e-6}])  # fmt: skip
+    assert m == {"loss/pg": 2.0, "loss/ratio_max": 2.0, "lr": 2e-6, "train/updates": 2.0}
+
+
+def test_shard_keeps_order():
+    assert shard(list(range(5)), 2) == [[0, 1, 2], [3, 4]]
+    assert shard([1], 3) == [[1], [], []]
+
+
+def test_reference_needs_and_strategy():
+    cfg = ArmorConfig()
+    assert needs_reference_logprobs(cfg)
+    cfg.algo.anchor, cfg.algo.ratio = "none", "standard"
+    assert not needs_reference_logprobs(cfg)
+    cfg.algo.kl_coef = 0.1
+    assert needs_reference_logprobs(cfg)
+    cfg.rollout.ref_strategy, cfg.algo.anchor_source = "dedicated", "cache"
+    assert reference_strategy(cfg) == ("cache", "dedicated")
+    cfg.rollout.ref_strategy, cfg.algo.anchor_source = "swap", "generate"
+    assert reference_strategy(cfg) == ("swap", "swap")
+    cfg.algo.anchor_source = "replay"
+    with pytest.raises(ValueError, match="algo.anchor_source='replay'"):
+        reference_strategy(cfg)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[str(p.relative_to(p.parents[1])) for p in CONFIGS])
+def test_every_config_file_loads(path):
+    config = load_config(path)
+    check_batch_sizes(config)
+    plan_layout(config)
