@@ -11,7 +11,7 @@ logged with the first few row ids.
 from __future__ import annotations
 
 import logging
-import os
+import re
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 LOGGED_BAD_ROWS = 5
 TOKENIZE_BATCH = 1024
 FILE_FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json"}
+HUB_NAME = re.compile(r"[\w.-]+/[\w.-]+(:[\w.-]+)?")
 
 
 @dataclass
@@ -123,7 +124,7 @@ def read_table(source: str) -> Any:
                 f"{source}: unsupported file type {path.suffix!r}; use one of {sorted(FILE_FORMATS)}"
             )
         return datasets.load_dataset(fmt, data_files=str(path), split="train")
-    if path.suffix.lower() in FILE_FORMATS or source.startswith((".", "/")) or os.sep * 2 in source:
+    if not HUB_NAME.fullmatch(source) or path.suffix.lower() in FILE_FORMATS:
         raise FileNotFoundError(f"{source}: data file not found")
     name, _, split = source.partition(":")
     try:
