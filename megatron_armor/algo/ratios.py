@@ -29,6 +29,8 @@ def resolve_alpha(alpha: float | str, group_size: int) -> float:
             raise ValueError(f"algo.group_size={group_size}: alpha='auto' needs group_size >= 2")
         n_on = group_size - 1
         return n_on / (n_on + 1)
+    if isinstance(alpha, bool):
+        raise ValueError(f"algo.alpha={alpha!r}: use a number in (0, 1] or 'auto'")
     value = float(alpha)
     if not 0.0 < value <= 1.0:
         raise ValueError(f"algo.alpha={alpha!r}: must lie in (0, 1] (or be 'auto')")

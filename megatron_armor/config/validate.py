@@ -1,12 +1,294 @@
-"""Cross-field checks of the config tree. Each error names the key, the value and the fix."""
+"""Cross-field checks of the config tree. Each problem names the key, the value and the fix.
+
+:func:`validate` runs every rule in :data:`RULES` and raises one ``ValueError`` listing all
+problems found (so a user fixes a config in one pass). A rule is a small function
+``config -> Iterator[str]`` yielding messages. Algorithm names come from
+``megatron_armor.algo.registry`` (config may import algo; algo never imports config).
+"""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from megatron_armor.algo import registry
+from megatron_armor.algo.ratios import resolve_alpha
+from megatron_armor.algo.reset import check_schedule
 from megatron_armor.config.schema import ArmorConfig
+
+Problems = Iterator[str]
+
+# Names of settings outside algo/ (their implementations live in packages config must not import).
+CHOICES: dict[str, tuple[str, ...]] = {
+    "algo.anchor_source": ("generate", "cache"),
+    "rollout.backend": ("torch", "sglang"),
+    "rollout.ref_strategy": ("swap", "dedicated", "cache"),
+    "rollout.sglang.weight_transport": ("tensor", "distributed", "disk"),
+    "trainer.precision": ("bf16", "fp16", "fp32"),
+    "trainer.transformer_impl": ("local", "te"),
+    "trainer.fp8.format": ("e4m3", "hybrid"),
+    "trainer.fp8.recipe": ("delayed", "tensorwise", "mxfp8", "blockwise"),
+    "data.template": ("dapo", "chat", "plain"),
+    "reward.verifier": ("auto", "dapo", "math_verify"),
+    "orchestration.layout": ("cpu", "colocated", "disaggregated"),
+    "logging.profile": ("none", "nsys", "torch", "dlprof"),
+}
+
+REGISTRY_CHOICES: dict[str, dict] = {
+    "algo.anchor": registry.ANCHOR_MODES,
+    "algo.ratio": registry.RATIO_MODES,
+    "algo.advantage": registry.ADVANTAGES,
+    "algo.loss_agg": registry.AGGREGATIONS,
+    "algo.kl_estimator": registry.KL_ESTIMATORS,
+    "algo.reset.schedule": registry.RESET_SCHEDULES,
+}
+
+
+def get_key(config: ArmorConfig, key: str):
+    """The value at dotted ``key`` (e.g. ``'trainer.fp8.format'``)."""
+    node = config
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def check_names(config: ArmorConfig) -> Problems:
+    """Every name-valued setting is one of its known names."""
+    tables = {**CHOICES, **{k: tuple(v) for k, v in REGISTRY_CHOICES.items()}}
+    for key, names in tables.items():
+        value = get_key(config, key)
+        if value not in names:
+            yield f"{key}={value!r}: unknown name; use one of {sorted(names)}"
+
+
+def check_algo_numbers(config: ArmorConfig) -> Problems:
+    """alpha, group size, reference samples, clip ranges and the other algo numbers."""
+    a = config.algo
+    if a.group_size < 2:
+        yield f"algo.group_size={a.group_size}: must be >= 2 (a group needs reward variance)"
+    else:
+        try:
+            resolve_alpha(a.alpha, a.group_size)
+        except ValueError as e:
+            yield str(e)
+    if a.anchor != "none" and a.ref_n < 1:
+        yield (
+            f"algo.ref_n={a.ref_n}: anchor {a.anchor!r} needs >= 1 reference sample per "
+            "query; set algo.ref_n >= 1 (the paper uses 4)"
+        )
+    yield from _bound(
+        a.clip_low, 0.0 < a.clip_low < 1.0, "algo.clip_low", "must lie in (0, 1), e.g. 0.2"
+    )
+    yield from _bound(a.clip_high, a.clip_high > 0.0, "algo.clip_high", "must be > 0, e.g. 0.28")
+    yield from _bound(
+        a.dual_clip_c, a.dual_clip_c > 1.0, "algo.dual_clip_c", "must be > 1, e.g. 10"
+    )
+    yield from _bound(
+        a.log_ratio_clamp, a.log_ratio_clamp > 0, "algo.log_ratio_clamp", "must be > 0, e.g. 20"
+    )
+    yield from _bound(a.kl_coef, a.kl_coef >= 0, "algo.kl_coef", "must be >= 0 (0 = no KL penalty)")
+    yield from _bound(
+        a.qae_quantile,
+        0.0 <= a.qae_quantile <= 1.0,
+        "algo.qae_quantile",
+        "must lie in [0, 1], e.g. 0.45",
+    )
+    yield from _bound(
+        a.max_gen_batches, a.max_gen_batches >= 1, "algo.max_gen_batches", "must be >= 1"
+    )
+
+
+def _bound(value, ok: bool, key: str, fix: str) -> Problems:
+    if not ok:
+        yield f"{key}={value}: {fix}"
+
+
+def check_algo_combinations(config: ArmorConfig) -> Problems:
+    """Switches that only make sense together (armor-spec §2, §4)."""
+    a = config.algo
+    if a.weak_filter and a.anchor == "none":
+        yield (
+            "algo.weak_filter=true: keeps all-wrong groups only when the reference solved "
+            "the query; set algo.anchor to 'armor' or 'filter_only', or weak_filter=false"
+        )
+    if a.ratio == "off_policy" and a.anchor != "armor":
+        yield (
+            f"algo.ratio='off_policy': differs from 'standard' only on anchor tokens, and "
+            f"algo.anchor={a.anchor!r} inserts none; use algo.ratio=standard or algo.anchor=armor"
+        )
+    if a.anchor == "filter_only" and a.ratio == "mixed":
+        yield (
+            "algo.ratio='mixed' with algo.anchor='filter_only': the filter-only control trains "
+            "with the standard ratio (armor-spec §2); set algo.ratio=standard"
+        )
+    if a.reset.schedule in registry.RESET_SCHEDULES:
+        try:
+            check_schedule(a.reset.schedule, a.reset.every, a.reset.until)
+        except ValueError as e:
+            yield str(e)
+
+
+def check_batches(config: ArmorConfig) -> Problems:
+    """Rollout and mini-batch sizes (armor-spec §2, §7)."""
+    r, t = config.rollout, config.trainer
+    if r.batch < 1:
+        yield f"rollout.batch={r.batch}: must be >= 1 accepted query per step"
+        return
+    if r.gen_batch < r.batch:
+        yield (
+            f"rollout.gen_batch={r.gen_batch}: must be >= rollout.batch={r.batch} "
+            f"(queries per generation batch, k * B; e.g. {3 * r.batch})"
+        )
+    if t.ppo_mini_batch < 1:
+        yield f"trainer.ppo_mini_batch={t.ppo_mini_batch}: must be >= 1 query per update"
+    elif r.batch % t.ppo_mini_batch:
+        yield (
+            f"trainer.ppo_mini_batch={t.ppo_mini_batch}: must divide rollout.batch={r.batch} "
+            f"(updates per step = batch / ppo_mini_batch); e.g. {_divisor_hint(r.batch, t.ppo_mini_batch)}"
+        )
+    s = r.sampling
+    yield from _bound(
+        s.temperature, s.temperature > 0, "rollout.sampling.temperature", "must be > 0"
+    )
+    yield from _bound(s.top_p, 0 < s.top_p <= 1, "rollout.sampling.top_p", "must lie in (0, 1]")
+    yield from _bound(
+        s.max_new_tokens, s.max_new_tokens >= 1, "rollout.sampling.max_new_tokens", "must be >= 1"
+    )
+    ov = config.reward.overlong
+    if ov.enabled and not 0 < ov.buffer < s.max_new_tokens:
+        yield (
+            f"reward.overlong.buffer={ov.buffer}: must lie in (0, rollout.sampling.max_new_tokens="
+            f"{s.max_new_tokens}); or set reward.overlong.enabled=false"
+        )
+
+
+def _divisor_hint(n: int, near: int) -> int:
+    """The divisor of ``n`` closest to ``near``."""
+    return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: (abs(d - near), d))
+
+
+def check_reference_serving(config: ArmorConfig) -> Problems:
+    """``anchor_source`` and ``ref_strategy`` agree (armor-spec §2, design.md)."""
+    a, r = config.algo, config.rollout
+    if a.anchor != "none" and r.ref_strategy == "cache" and a.anchor_source != "cache":
+        yield (
+            f"rollout.ref_strategy='cache' with algo.anchor_source={a.anchor_source!r}: the "
+            "cache serves reused anchors; set algo.anchor_source=cache, or ref_strategy "
+            "to 'swap' or 'dedicated' for fresh anchors"
+        )
+
+
+def check_parallel(config: ArmorConfig) -> Problems:
+    """Parallel sizes divide the world size and the model's heads and layers."""
+    t = config.trainer
+    sizes = {"tp": t.tp, "pp": t.pp, "cp": t.cp, "vpp": t.vpp, "world_size": t.world_size}
+    bad = [k for k, v in sizes.items() if v < 1]
+    for key in bad:
+        yield f"trainer.{key}={sizes[key]}: must be >= 1"
+    if bad:
+        return
+    model_parallel = t.tp * t.pp * t.cp
+    if t.world_size % model_parallel:
+        yield (
+            f"trainer.world_size={t.world_size}: must be divisible by tp*pp*cp="
+            f"{t.tp}*{t.pp}*{t.cp}={model_parallel} (data-parallel size = world_size / "
+            "that); change world_size or the parallel sizes"
+        )
+    if t.vpp > 1 and t.pp == 1:
+        yield f"trainer.vpp={t.vpp}: virtual pipeline stages need trainer.pp > 1; set vpp=1"
+    if t.sequence_parallel and t.tp == 1:
+        yield "trainer.sequence_parallel=true: needs trainer.tp > 1; set sequence_parallel=false"
+    yield from check_model_shape(config)
+
+
+def read_hf_config(model_path: str) -> dict | None:
+    """``model_path/config.json`` as a dict, or ``None`` when there is none (yet)."""
+    if not model_path:
+        return None
+    path = Path(model_path) / "config.json"
+    if not path.is_file():
+        return None
+    cfg = json.loads(path.read_text())
+    return cfg.get("text_config", cfg) if isinstance(cfg.get("text_config"), dict) else cfg
+
+
+def check_model_shape(config: ArmorConfig) -> Problems:
+    """Heads divisible by tp (KV heads: either way), layers by pp * vpp."""
+    t = config.trainer
+    hf = read_hf_config(t.model_path)
+    if hf is None:
+        return
+    where = f"{t.model_path}/config.json"
+    heads = hf.get("num_attention_heads")
+    kv = hf.get("num_key_value_heads") or heads
+    layers = hf.get("num_hidden_layers")
+    if heads and heads % t.tp:
+        yield (
+            f"trainer.tp={t.tp}: must divide num_attention_heads={heads} of {where}; "
+            f"use tp in {_divisors(heads)}"
+        )
+    if kv and kv % t.tp and t.tp % kv:
+        yield (
+            f"trainer.tp={t.tp}: num_key_value_heads={kv} of {where} must be divisible by "
+            "tp (or tp by it, to replicate KV heads); pick another tp"
+        )
+    stages = t.pp * t.vpp
+    if layers and layers % stages:
+        yield (
+            f"trainer.pp={t.pp} x trainer.vpp={t.vpp}: must divide num_hidden_layers={layers} "
+            f"of {where}; use pp*vpp in {_divisors(layers)}"
+        )
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_hardware(config: ArmorConfig) -> Problems:
+    """FP8 needs Transformer Engine (design.md: a clear error at start-up, not a crash later)."""
+    t = config.trainer
+    if t.fp8.enabled and t.transformer_impl != "te":
+        yield (
+            f"trainer.fp8.enabled=true with trainer.transformer_impl={t.transformer_impl!r}: "
+            "FP8 needs Transformer Engine; set trainer.transformer_impl=te or fp8.enabled=false"
+        )
+
+
+def check_run(config: ArmorConfig) -> Problems:
+    """Run length, checkpoint cadence, validation sampling."""
+    run, val = config.run, config.validation
+    yield from _bound(run.steps, run.steps >= 1, "run.steps", "must be >= 1")
+    yield from _bound(
+        run.ckpt_every, run.ckpt_every >= 0, "run.ckpt_every", "must be >= 0 (0 = only on signals)"
+    )
+    yield from _bound(run.keep_last, run.keep_last >= 1, "run.keep_last", "must be >= 1")
+    yield from _bound(val.every, val.every >= 0, "validation.every", "must be >= 0 (0 = off)")
+    yield from _bound(val.n_samples, val.n_samples >= 1, "validation.n_samples", "must be >= 1")
+    yield from _bound(val.top_p, 0 < val.top_p <= 1, "validation.top_p", "must lie in (0, 1]")
+
+
+RULES: list[Callable[[ArmorConfig], Problems]] = [
+    check_names,
+    check_algo_numbers,
+    check_algo_combinations,
+    check_batches,
+    check_reference_serving,
+    check_parallel,
+    check_hardware,
+    check_run,
+]
+
+
+def find_problems(config: ArmorConfig) -> list[str]:
+    """All problems of ``config`` (empty when it is valid)."""
+    return [msg for rule in RULES for msg in rule(config)]
 
 
 def validate(config: ArmorConfig) -> None:
-    """Raise ``ValueError`` on the first inconsistent setting."""
-    algo = config.algo
-    if algo.group_size < 2:
-        raise ValueError(f"algo.group_size={algo.group_size}: must be >= 2 (a group needs a variance)")
+    """Raise ``ValueError`` listing every inconsistent setting of ``config``."""
+    problems = find_problems(config)
+    if len(problems) == 1:
+        raise ValueError(problems[0])
+    if problems:
+        raise ValueError(f"{len(problems)} problems:\n" + "\n".join(f"  - {p}" for p in problems))

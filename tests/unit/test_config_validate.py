@@ -1,0 +1,227 @@
+"""Config validation: every rule names the key, the bad value and the fix. Tier: unit."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron_armor.config import ArmorConfig, ConfigError, load_config
+from megatron_armor.config.validate import find_problems, validate
+
+pytestmark = pytest.mark.unit
+
+
+def _error(*overrides: str) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, list(overrides))
+    return str(info.value)
+
+
+def test_defaults_are_valid():
+    assert find_problems(ArmorConfig()) == []
+    validate(ArmorConfig())
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["algo.alpha=0"], ["algo.alpha=0", "(0, 1]", "'auto'"]),
+        (["algo.alpha=1.5"], ["algo.alpha=1.5", "(0, 1]"]),
+        (["algo.alpha=half"], ["algo.alpha='half'", "'auto'"]),
+        (["algo.alpha=true"], ["algo.alpha=True", "'auto'"]),
+        (["algo.group_size=1"], ["algo.group_size=1", ">= 2"]),
+        (["algo.ref_n=0"], ["algo.ref_n=0", "set algo.ref_n >= 1"]),
+        (["algo.clip_low=0"], ["algo.clip_low=0", "(0, 1)"]),
+        (["algo.clip_low=1.2"], ["algo.clip_low=1.2", "(0, 1)"]),
+        (["algo.clip_high=-0.1"], ["algo.clip_high=-0.1", "> 0"]),
+        (["algo.dual_clip_c=1"], ["algo.dual_clip_c=1", "> 1"]),
+        (["algo.log_ratio_clamp=0"], ["algo.log_ratio_clamp=0", "> 0"]),
+        (["algo.kl_coef=-0.1"], ["algo.kl_coef=-0.1", ">= 0"]),
+        (["algo.qae_quantile=2"], ["algo.qae_quantile=2", "[0, 1]"]),
+        (["algo.max_gen_batches=0"], ["algo.max_gen_batches=0", ">= 1"]),
+        (["rollout.batch=8", "rollout.gen_batch=4"], ["rollout.gen_batch=4", ">= rollout.batch=8"]),
+        (["rollout.batch=0"], ["rollout.batch=0", ">= 1"]),
+        (
+            ["rollout.batch=6", "trainer.ppo_mini_batch=4"],
+            ["trainer.ppo_mini_batch=4", "divide rollout.batch=6", "e.g. 3"],
+        ),
+        (["trainer.ppo_mini_batch=0"], ["trainer.ppo_mini_batch=0", ">= 1"]),
+        (
+            ["algo.reset.schedule=every-until", "algo.reset.every=5", "algo.reset.until=3"],
+            ["algo.reset.until=3", ">= algo.reset.every=5"],
+        ),
+        (["algo.reset.schedule=every", "algo.reset.every=0"], ["algo.reset.every=0", "every >= 1"]),
+        (
+            ["algo.reset.schedule=every-until", "algo.reset.every=0", "algo.reset.until=4"],
+            ["algo.reset.every=0", "every >= 1"],
+        ),
+        (
+            ["algo.weak_filter=true", "algo.anchor=none", "algo.ratio=standard"],
+            ["algo.weak_filter=true", "algo.anchor"],
+        ),
+        (["algo.anchor=filter_only"], ["algo.ratio='mixed'", "set algo.ratio=standard"]),
+        (
+            ["algo.anchor=none", "algo.ratio=off_policy"],
+            ["algo.ratio='off_policy'", "algo.ratio=standard"],
+        ),
+        (["algo.anchor=filter_only", "algo.ratio=off_policy"], ["algo.ratio='off_policy'"]),
+        (
+            ["rollout.ref_strategy=cache"],
+            ["rollout.ref_strategy='cache'", "algo.anchor_source=cache"],
+        ),
+        (["rollout.sampling.temperature=0"], ["rollout.sampling.temperature=0", "> 0"]),
+        (["rollout.sampling.top_p=1.5"], ["rollout.sampling.top_p=1.5", "(0, 1]"]),
+        (["reward.overlong.buffer=64"], ["reward.overlong.buffer=64", "overlong.enabled=false"]),
+        (["run.steps=0"], ["run.steps=0", ">= 1"]),
+        (["validation.n_samples=0"], ["validation.n_samples=0", ">= 1"]),
+        (["trainer.fp8.enabled=true"], ["trainer.fp8.enabled=true", "transformer_impl=te"]),
+    ],
+)
+def test_rule_messages(overrides, expected):
+    message = _error(*overrides)
+    assert message.startswith("<defaults>: ")
+    for part in expected:
+        assert part in message, (part, message)
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("algo.anchor", "anchors"),
+        ("algo.ratio", "mix"),
+        ("algo.advantage", "gae"),
+        ("algo.loss_agg", "mean"),
+        ("algo.kl_estimator", "k4"),
+        ("algo.reset.schedule", "cosine"),
+        ("algo.anchor_source", "replay"),
+        ("rollout.backend", "vllm"),
+        ("rollout.ref_strategy", "copy"),
+        ("trainer.precision", "fp8"),
+        ("trainer.transformer_impl", "apex"),
+        ("orchestration.layout", "hybrid"),
+        ("trainer.fp8.recipe", "fast"),
+        ("reward.verifier", "llm"),
+    ],
+)
+def test_unknown_names_list_valid_ones(key, value):
+    message = _error(
+        f"{key}={value}", "algo.ratio=standard" if key != "algo.ratio" else "algo.anchor=armor"
+    )
+    assert f"{key}={value!r}: unknown name; use one of [" in message
+
+
+def test_registry_names_are_accepted():
+    for ratio in ("standard", "mixed", "off_policy", "static_expansion"):
+        load_config(None, [f"algo.ratio={ratio}"])
+    for agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"):
+        load_config(None, [f"algo.loss_agg={agg}"])
+    cfg = load_config(
+        None,
+        [
+            "algo.anchor=filter_only",
+            "algo.ratio=standard",
+            "algo.weak_filter=true",
+            "algo.advantage=qae",
+            "algo.kl_estimator=k1",
+            "algo.reset.schedule=log2",
+        ],
+    )
+    assert cfg.algo.anchor == "filter_only"
+    cfg = load_config(
+        None, ["algo.reset.schedule=every-until", "algo.reset.every=1", "algo.reset.until=180"]
+    )
+    assert cfg.algo.reset.until == 180
+
+
+def test_mixed_ratio_without_anchor_is_an_allowed_ablation():
+    load_config(None, ["algo.anchor=none", "algo.ratio=mixed"])
+
+
+def test_ref_n_unused_without_anchor():
+    load_config(None, ["algo.anchor=none", "algo.ratio=standard", "algo.ref_n=0"])
+
+
+def test_anchor_cache_settings():
+    load_config(None, ["algo.anchor_source=cache", "rollout.ref_strategy=swap"])
+    load_config(None, ["algo.anchor_source=cache", "rollout.ref_strategy=cache"])
+
+
+def test_fp8_with_te_is_valid():
+    cfg = load_config(None, ["trainer.fp8.enabled=true", "trainer.transformer_impl=te"])
+    assert cfg.trainer.fp8.enabled
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["trainer.tp=2", "trainer.world_size=3"], ["trainer.world_size=3", "tp*pp*cp=2*1*1=2"]),
+        (
+            ["trainer.tp=2", "trainer.pp=2", "trainer.cp=2", "trainer.world_size=12"],
+            ["tp*pp*cp=2*2*2=8"],
+        ),
+        (["trainer.tp=0"], ["trainer.tp=0", ">= 1"]),
+        (["trainer.sequence_parallel=true"], ["trainer.sequence_parallel=true", "tp > 1"]),
+        (["trainer.vpp=2"], ["trainer.vpp=2", "pp > 1"]),
+    ],
+)
+def test_parallel_sizes(overrides, expected):
+    message = _error(*overrides)
+    for part in expected:
+        assert part in message, (part, message)
+
+
+@pytest.fixture
+def hf_dir(tmp_path):
+    cfg = {"num_attention_heads": 12, "num_key_value_heads": 4, "num_hidden_layers": 6}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (
+            ["trainer.tp=8", "trainer.world_size=8"],
+            ["trainer.tp=8", "num_attention_heads=12", "[1, 2, 3, 4, 6, 12]"],
+        ),
+        (["trainer.tp=3", "trainer.world_size=3"], ["trainer.tp=3", "num_key_value_heads=4"]),
+        (
+            ["trainer.pp=4", "trainer.world_size=4"],
+            ["trainer.pp=4 x trainer.vpp=1", "num_hidden_layers=6"],
+        ),
+        (
+            ["trainer.pp=2", "trainer.vpp=2", "trainer.world_size=2"],
+            ["trainer.pp=2 x trainer.vpp=2"],
+        ),
+    ],
+)
+def test_model_shape_rules(hf_dir, overrides, expected):
+    message = _error(f"trainer.model_path={hf_dir}", *overrides)
+    for part in expected:
+        assert part in message, (part, message)
+
+
+def test_model_shape_accepts_valid_and_replicated_kv(hf_dir):
+    load_config(None, [f"trainer.model_path={hf_dir}", "trainer.tp=4", "trainer.world_size=8"])
+    load_config(None, [f"trainer.model_path={hf_dir}", "trainer.tp=12", "trainer.world_size=12"])
+    load_config(
+        None,
+        [f"trainer.model_path={hf_dir}", "trainer.pp=3", "trainer.vpp=2", "trainer.world_size=3"],
+    )
+
+
+def test_missing_model_dir_is_not_checked_yet(tmp_path):
+    load_config(
+        None, [f"trainer.model_path={tmp_path / 'later'}", "trainer.tp=7", "trainer.world_size=7"]
+    )
+
+
+def test_all_problems_reported_together():
+    message = _error("algo.group_size=1", "algo.clip_low=2", "rollout.gen_batch=1")
+    assert "3 problems" in message
+    assert (
+        "algo.group_size=1" in message
+        and "algo.clip_low=2" in message
+        and "rollout.gen_batch=1" in message
+    )
