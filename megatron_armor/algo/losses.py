@@ -144,6 +144,7 @@ def compute_policy_loss(
     """
     if normalizer <= 0:
         raise ValueError(f"normalizer={normalizer}: must be the global unit count (> 0)")
+    is_anchor = is_anchor.bool()
     mode = registry.get_ratio(settings.ratio)
     log_ratio = mode.log_ratio(logprobs, old_logprobs, ref_logprobs, is_anchor, settings.alpha)
     log_ratio = log_ratio.clamp(-settings.log_ratio_clamp, settings.log_ratio_clamp)
