@@ -1,0 +1,235 @@
+"""Async HTTP client for SGLang's native API (aiohttp).
+
+Request / response formats (SGLang ``GenerateReqInput`` and ``SamplingParams``):
+
+- ``POST /generate`` ``{"rid", "input_ids": [int], "sampling_params": {...}, "return_logprob": true}``
+  -> ``{"text", "output_ids", "meta_info": {"output_token_logprobs": [[logprob, token_id, text|null], ...],
+  "finish_reason": {"type": "stop"|"length"|"abort", ...}, "weight_version": str, ...}}``.
+- ``POST /abort_request`` ``{"rid": str, "abort_all": bool}`` (``AbortReq``).
+- Weight and memory endpoints answer ``{"success": bool, "message": str}`` (HTTP 400 on failure).
+
+Reliability: at most ``max_concurrency`` requests in flight; connection errors, timeouts and
+HTTP 5xx are retried ``max_retries`` times with exponential backoff (a timed-out generation
+is aborted by ``rid`` first so the server does not keep decoding it); HTTP 4xx is an error
+at once, with the server's message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from megatron_armor.rollout.protocol import GenerationOutput, SamplingParams
+
+
+class SGLangError(RuntimeError):
+    """An SGLang endpoint answered with an error (after retries where they apply)."""
+
+
+class ServerError(Exception):
+    """HTTP 5xx: the server is overloaded, starting or restarting; worth a retry."""
+
+
+RETRYABLE = (aiohttp.ClientConnectionError, asyncio.TimeoutError, ServerError)
+
+
+def sample_seed(seed: int, prompt_index: int, sample_index: int, n: int) -> int:
+    """A distinct, reproducible ``sampling_seed`` per sample (same ``seed`` -> same seeds)."""
+    return (seed * 1_000_003 + prompt_index * n + sample_index) % (2**31 - 1)
+
+
+def sampling_params_payload(params: SamplingParams, seed: int | None = None) -> dict[str, Any]:
+    """SGLang ``sampling_params`` for :class:`SamplingParams`.
+
+    ``no_stop_trim`` keeps the stop token in ``output_ids`` (the embedded engine does too);
+    ``sampling_seed`` is honoured by servers started with ``enable_deterministic_inference``.
+    """
+    payload: dict[str, Any] = {
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k,
+        "max_new_tokens": params.max_new_tokens,
+        "no_stop_trim": True,
+        "skip_special_tokens": False,
+    }
+    if params.stop_token_ids:
+        payload["stop_token_ids"] = sorted(params.stop_token_ids)
+    if seed is not None:
+        payload["sampling_seed"] = seed
+    return payload
+
+
+def generate_payload(
+    input_ids: list[int], params: SamplingParams, rid: str, seed: int | None
+) -> dict:
+    """Body of ``POST /generate`` for one sample of one prompt."""
+    return {
+        "rid": rid,
+        "input_ids": list(input_ids),
+        "sampling_params": sampling_params_payload(params, seed),
+        "return_logprob": True,
+    }
+
+
+def parse_generate_response(body: dict[str, Any], fallback_version: int) -> GenerationOutput:
+    """:class:`GenerationOutput` from a ``/generate`` response body.
+
+    Token ids and log-probs come from ``meta_info.output_token_logprobs`` (``[logprob, id, text]``
+    triples); ``finish_reason`` is ``meta_info.finish_reason.type`` (``None`` while unfinished is
+    read as ``abort``); the version is ``meta_info.weight_version`` when it is an integer.
+    """
+    meta = body.get("meta_info")
+    if meta is None or "output_token_logprobs" not in meta:
+        raise SGLangError(
+            f"/generate response has no meta_info.output_token_logprobs: {str(body)[:300]}"
+        )
+    triples = meta["output_token_logprobs"]
+    token_ids = [int(t[1]) for t in triples]
+    logprobs = [float(t[0]) if t[0] is not None else float("nan") for t in triples]
+    if "output_ids" in body and list(body["output_ids"]) != token_ids:
+        raise SGLangError("/generate: output_ids disagree with output_token_logprobs token ids")
+    finish = meta.get("finish_reason") or {"type": "abort"}
+    reason = finish["type"] if isinstance(finish, dict) else str(finish)
+    return GenerationOutput(
+        token_ids, logprobs, reason, _version(meta.get("weight_version"), fallback_version)
+    )
+
+
+def _version(value: Any, fallback: int) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return fallback
+
+
+@dataclass
+class ClientSettings:
+    """Limits for :class:`SGLangClient` (from ``rollout.sglang``)."""
+
+    max_concurrency: int = 512
+    request_timeout_s: float = 3600.0
+    max_retries: int = 3
+    backoff_s: float = 0.5
+    control_timeout_s: float = 600.0
+    """Timeout of weight / memory / abort calls."""
+
+
+class SGLangClient:
+    """Talks to one or more SGLang servers (or a router). Use as ``async with``."""
+
+    def __init__(self, settings: ClientSettings | None = None) -> None:
+        self.settings = settings or ClientSettings()
+        self._session: aiohttp.ClientSession | None = None
+        self._slots: asyncio.Semaphore | None = None
+
+    async def __aenter__(self) -> SGLangClient:
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        self._slots = asyncio.Semaphore(self.settings.max_concurrency)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        if self._session is not None:
+            await self._session.close()
+        self._session = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("SGLangClient used outside 'async with'")
+        return self._session
+
+    async def generate(self, url: str, payload: dict[str, Any]) -> dict[str, Any]:
+        """``POST {url}/generate`` with retries; the response body."""
+        async with self._slots:
+            for attempt in range(self.settings.max_retries + 1):
+                try:
+                    return await self._post_once(
+                        url, "/generate", payload, self.settings.request_timeout_s
+                    )
+                except RETRYABLE as err:
+                    if isinstance(err, asyncio.TimeoutError):
+                        await self.abort(url, payload.get("rid"))
+                    if attempt == self.settings.max_retries:
+                        raise SGLangError(
+                            f"{url}/generate failed after {attempt + 1} tries ({err!r}); raise "
+                            "rollout.sglang.max_retries / request_timeout_s or check the server"
+                        ) from err
+                    await asyncio.sleep(self.settings.backoff_s * 2**attempt)
+        raise AssertionError("unreachable")
+
+    async def post(self, url: str, endpoint: str, payload: dict[str, Any] | None = None) -> dict:
+        """A control call (weights, memory): raises :class:`SGLangError` unless it succeeded."""
+        body = await self._post_once(url, endpoint, payload or {}, self.settings.control_timeout_s)
+        if isinstance(body, dict) and body.get("success") is False:
+            raise SGLangError(f"{url}{endpoint} failed: {body.get('message')}")
+        return body
+
+    async def abort(self, url: str, rid: str | None = None) -> None:
+        """``POST /abort_request``: one request by ``rid``, or all when ``rid`` is ``None``."""
+        payload = {"rid": rid or "", "abort_all": rid is None}
+        try:
+            await self._post_once(url, "/abort_request", payload, self.settings.control_timeout_s)
+        except (*RETRYABLE, SGLangError):
+            pass  # best effort: the server may already be gone or the request finished
+
+    async def healthy(self, url: str, timeout_s: float = 30.0) -> bool:
+        """``GET /health_generate`` answered 200 (it runs a one-token generation)."""
+        try:
+            timeout = aiohttp.ClientTimeout(total=timeout_s)
+            async with self.session.get(f"{url}/health_generate", timeout=timeout) as response:
+                return response.status == 200
+        except (*RETRYABLE, aiohttp.ClientError):
+            return False
+
+    async def _post_once(self, url: str, endpoint: str, payload: dict, timeout_s: float) -> Any:
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        async with self.session.post(f"{url}{endpoint}", json=payload, timeout=timeout) as response:
+            if response.status >= 500:
+                raise ServerError(f"HTTP {response.status} from {url}{endpoint}")
+            if response.status >= 400:
+                raise SGLangError(
+                    f"{url}{endpoint}: HTTP {response.status}: {(await response.text())[:500]}"
+                )
+            if response.content_type == "application/json":
+                return await response.json()
+            return {"success": True, "message": await response.text()}
+
+
+def new_rid() -> str:
+    """A fresh request id (``rid``) so a request can be aborted by id."""
+    return uuid.uuid4().hex
+
+
+class EventLoopThread:
+    """An asyncio loop in a daemon thread: sync code submits coroutines and waits on them.
+
+    Lets the synchronous :class:`RolloutEngine` API drive the async client, and lets a
+    trainer rank keep HTTP requests in flight while it blocks in an NCCL broadcast.
+    """
+
+    def __init__(self) -> None:
+        import threading
+
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self.loop.run_forever, daemon=True, name="sglang-client"
+        )
+        self._thread.start()
+
+    def submit(self, coro):
+        """Schedule ``coro``; returns a ``concurrent.futures.Future``."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro, timeout_s: float | None = None):
+        """Run ``coro`` on the loop and wait for its result."""
+        return self.submit(coro).result(timeout=timeout_s)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+        if not self.loop.is_running():
+            self.loop.close()

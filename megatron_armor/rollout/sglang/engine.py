@@ -1,0 +1,334 @@
+"""``SGLangEngine``: a pool of SGLang servers (optionally behind ``sglang-router``) as a
+:class:`RolloutEngine`, plus the health monitor that restarts a dead server and re-syncs
+its weights before it serves again.
+
+An SGLang server holds one weight set (``policy``). The reference is served by
+``ref_strategy: swap`` (reload the same servers) or ``dedicated`` (a second
+``SGLangEngine`` pool whose ``policy`` set holds ``theta_ref``), see ``rollout.reference``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+from megatron_armor.config.schema import SGLangConfig
+from megatron_armor.rollout.hf_dir import save_hf_dir
+from megatron_armor.rollout.protocol import GenerationOutput, RolloutEngine, SamplingParams
+from megatron_armor.rollout.sglang import launch
+from megatron_armor.rollout.sglang import weights as transport
+from megatron_armor.rollout.sglang.client import (
+    ClientSettings,
+    EventLoopThread,
+    SGLangClient,
+    generate_payload,
+    new_rid,
+    parse_generate_response,
+    sample_seed,
+)
+from megatron_armor.rollout.sglang.router import RouterAdmin
+
+NamedTensors = Iterable[tuple[str, torch.Tensor]]
+GroupDone = Callable[[int, list[GenerationOutput]], bool]
+
+
+@dataclass
+class EngineServer:
+    """One SGLang server: its URL, GPUs and (when we launched it) its process."""
+
+    index: int
+    url: str
+    tp: int
+    process: launch.ManagedProcess | None = None
+    serving: bool = True
+
+
+def client_settings(cfg: SGLangConfig) -> ClientSettings:
+    return ClientSettings(
+        max_concurrency=cfg.max_concurrency,
+        request_timeout_s=cfg.request_timeout_s,
+        max_retries=cfg.max_retries,
+    )
+
+
+class SGLangEngine(RolloutEngine):
+    """Rollout over SGLang servers at ``urls`` (``launch()`` starts them from ``cfg``)."""
+
+    def __init__(
+        self,
+        model_path: str,
+        cfg: SGLangConfig,
+        *,
+        urls: list[str] | None = None,
+        router_url: str | None = None,
+        host: str = "127.0.0.1",
+        weights_dir: str | None = None,
+    ) -> None:
+        self.model_path = model_path
+        self.cfg = cfg
+        self.host = host
+        self.weights_dir = weights_dir
+        urls = urls or [f"http://{host}:{cfg.base_port + i}" for i in range(cfg.num_engines)]
+        self.servers = [EngineServer(i, url, cfg.tp) for i, url in enumerate(urls)]
+        self.router_url = router_url
+        self.router_process: launch.ManagedProcess | None = None
+        self._version = 0
+        self._round_robin = itertools.count()
+        self._loop = EventLoopThread()
+        self._client = SGLangClient(client_settings(cfg))
+        self._loop.run(self._client.__aenter__())
+
+    # ------------------------------------------------------------------ lifecycle
+    def launch(
+        self, colocated: bool = True, log_dir: str | None = None, gpus_per_node: int = 8
+    ) -> None:
+        """Start every server (``colocated`` enables SGLang's memory saver) and the router."""
+        launch.require_sglang()
+        for server in self.servers:
+            server.process = self._server_process(server, colocated, log_dir, gpus_per_node)
+            server.process.start(env=launch.LOGPROB_ENV)
+        for server in self.servers:
+            server.process.wait_healthy(self.cfg.startup_timeout_s)
+        if self.cfg.router and self.router_url is None:
+            self._launch_router(log_dir)
+
+    def _server_process(self, server: EngineServer, colocated: bool, log_dir, gpus_per_node: int):
+        port = int(server.url.rsplit(":", 1)[1])
+        args = launch.server_args_for(
+            self.model_path,
+            port,
+            tp=server.tp,
+            mem_fraction_static=self.cfg.mem_fraction_static,
+            host=self.host,
+            base_gpu_id=(server.index * server.tp) % gpus_per_node,
+            colocated=colocated,
+            extra_args=dict(self.cfg.extra_args),
+        )
+        log = os.path.join(log_dir, f"sglang_{server.index}.log") if log_dir else None
+        return launch.ManagedProcess(
+            launch.build_server_command(args), f"{server.url}/health_generate", log
+        )
+
+    def _launch_router(self, log_dir: str | None) -> None:
+        self.router_url = f"http://{self.host}:{self.cfg.router_port}"
+        command = launch.build_router_command(
+            [s.url for s in self.servers], self.cfg.router_port, self.host
+        )
+        log = os.path.join(log_dir, "sglang_router.log") if log_dir else None
+        self.router_process = launch.ManagedProcess(command, f"{self.router_url}/health", log)
+        self.router_process.start()
+        self.router_process.wait_healthy(self.cfg.startup_timeout_s)
+
+    def close(self) -> None:
+        """Stop what :meth:`launch` started and the client loop."""
+        if self.router_process is not None:
+            self.router_process.stop()
+        for server in self.servers:
+            if server.process is not None:
+                server.process.stop()
+        self._loop.run(self._client.__aexit__(None, None, None))
+        self._loop.close()
+
+    # ------------------------------------------------------------------ generation
+    def generate(
+        self, prompts: list[list[int]], n: int, params: SamplingParams, weights: str = "policy"
+    ) -> list[list[GenerationOutput]]:
+        return self.generate_until(prompts, n, params, weights=weights)
+
+    def generate_until(
+        self,
+        prompts: list[list[int]],
+        n: int,
+        params: SamplingParams,
+        done: GroupDone | None = None,
+        weights: str = "policy",
+    ) -> list[list[GenerationOutput]]:
+        """Like :meth:`generate`; ``done(i, outputs)`` sees each prompt's group as it completes
+        and returning ``True`` aborts every request still running (``/abort_request``); the
+        groups cut short come back with ``finish_reason == 'abort'``."""
+        self._check_weights(weights)
+        return self._loop.run(self._generate_all(prompts, n, params, done))
+
+    async def _generate_all(self, prompts, n, params, done):
+        tasks = [
+            asyncio.ensure_future(self._generate_group(i, p, n, params))
+            for i, p in enumerate(prompts)
+        ]
+        results: list[list[GenerationOutput] | None] = [None] * len(prompts)
+        aborted = False
+        for next_done in asyncio.as_completed(tasks):
+            index, outputs = await next_done
+            results[index] = outputs
+            if done is not None and not aborted and done(index, outputs):
+                aborted = True
+                await asyncio.gather(*(self._client.abort(s.url) for s in self.servers))
+        return results
+
+    async def _generate_group(self, index: int, prompt: list[int], n: int, params: SamplingParams):
+        seeds = [
+            None if params.seed is None else sample_seed(params.seed, index, j, n) for j in range(n)
+        ]
+        bodies = await asyncio.gather(
+            *(
+                self._client.generate(
+                    self._pick_url(), generate_payload(prompt, params, new_rid(), s)
+                )
+                for s in seeds
+            )
+        )
+        return index, [parse_generate_response(b, self._version) for b in bodies]
+
+    def _pick_url(self) -> str:
+        if self.router_url is not None:
+            return self.router_url
+        serving = [s for s in self.servers if s.serving]
+        if not serving:
+            raise RuntimeError("rollout: no SGLang server is serving (all restarting or down)")
+        return serving[next(self._round_robin) % len(serving)].url
+
+    def abort_all(self) -> None:
+        """``/abort_request`` with ``abort_all`` on every server."""
+        self._loop.run(asyncio.gather(*(self._client.abort(s.url) for s in self.servers)))
+
+    # ------------------------------------------------------------------ weights
+    def weight_version(self, weights: str = "policy") -> int:
+        self._check_weights(weights)
+        return self._version
+
+    def set_weight_version(self, version: int) -> None:
+        """Record ``version`` after trainer ranks pushed weights themselves (NCCL transport)."""
+        self._version = int(version)
+
+    def update_weights(
+        self, named_tensors: NamedTensors, version: int, weights: str = "policy"
+    ) -> None:
+        """Push HF-named tensors with ``rollout.sglang.weight_transport`` (``tensor`` | ``disk``;
+        ``distributed`` runs on the trainer ranks, see :class:`DistributedWeightSender`)."""
+        self._check_weights(weights)
+        self.sync_servers(named_tensors, version, self.servers)
+        self._version = int(version)
+
+    def sync_servers(
+        self, named_tensors: NamedTensors, version: int, servers: list[EngineServer]
+    ) -> None:
+        kind = self.cfg.weight_transport
+        if kind == "tensor":
+            for bucket in transport.iter_buckets(named_tensors, self.cfg.weight_bucket_mb << 20):
+                self._post_all(
+                    servers,
+                    "/update_weights_from_tensor",
+                    lambda s, b=bucket: transport.tensor_payload(b, version, s.tp),
+                )
+        elif kind == "disk":
+            path = self._save_for_disk(named_tensors, version)
+            self._post_all(
+                servers,
+                "/update_weights_from_disk",
+                lambda s: transport.disk_payload(path, version),
+            )
+        elif kind == "distributed":
+            raise ValueError(
+                "rollout.sglang.weight_transport=distributed streams from the trainer ranks: use "
+                "DistributedWeightSender there, then engine.set_weight_version(version)"
+            )
+        else:
+            raise ValueError(
+                f"rollout.sglang.weight_transport={kind!r} is not one of tensor|distributed|disk"
+            )
+
+    def update_weights_from_disk(self, model_path: str, version: int) -> None:
+        """Load an HF directory written by the trainer (``/update_weights_from_disk``)."""
+        self._post_all(
+            self.servers,
+            "/update_weights_from_disk",
+            lambda s: transport.disk_payload(model_path, version),
+        )
+        self._version = int(version)
+
+    def _save_for_disk(self, named_tensors: NamedTensors, version: int) -> str:
+        if self.weights_dir is None:
+            raise ValueError(
+                "weight_transport=disk needs SGLangEngine(weights_dir=...) on a shared filesystem"
+            )
+        out = os.path.join(self.weights_dir, f"v{version}")
+        save_hf_dir(named_tensors, self.model_path, out)
+        return out
+
+    def _post_all(self, servers: list[EngineServer], endpoint: str, payload_fn) -> None:
+        async def post_all():
+            await asyncio.gather(
+                *(self._client.post(s.url, endpoint, payload_fn(s)) for s in servers)
+            )
+
+        self._loop.run(post_all())
+
+    @staticmethod
+    def _check_weights(weights: str) -> None:
+        if weights != "policy":
+            raise ValueError(
+                f"SGLangEngine holds one weight set ('policy'), not {weights!r}: serve the reference "
+                "with rollout.ref_strategy=swap, or a second SGLangEngine pool (dedicated)"
+            )
+
+    # ------------------------------------------------------------------ memory / health
+    def release_memory(self) -> None:
+        """``/release_memory_occupation`` (weights + KV cache) on every server (colocated mode)."""
+        self._post_all(self.servers, "/release_memory_occupation", lambda s: {})
+
+    def resume_memory(self, tags: list[str] | None = None) -> None:
+        """``/resume_memory_occupation``; ``tags`` in ``weights``, ``kv_cache`` (``None``: all)."""
+        self._post_all(self.servers, "/resume_memory_occupation", lambda s: {"tags": tags})
+
+    def server_healthy(self, server: EngineServer) -> bool:
+        if server.process is not None and not server.process.alive():
+            return False
+        return self._loop.run(self._client.healthy(server.url))
+
+    def health(self) -> bool:
+        return all(self.server_healthy(s) for s in self.servers)
+
+    def restart_server(self, server: EngineServer, weights_fn: Callable[[], NamedTensors]) -> None:
+        """Take ``server`` out of rotation, restart it, push the current weights, put it back."""
+        server.serving = False
+        if self.router_url is not None:
+            self._router_call("remove_worker", server.url)
+        if server.process is None:
+            raise RuntimeError(
+                f"SGLang server {server.url} is down and was not launched here; restart it by hand"
+            )
+        server.process.stop()
+        server.process.start(env=launch.LOGPROB_ENV)
+        server.process.wait_healthy(self.cfg.startup_timeout_s)
+        self.sync_servers(weights_fn(), self._version, [server])
+        if self.router_url is not None:
+            self._router_call("add_worker", server.url)
+        server.serving = True
+
+    def _router_call(self, verb: str, worker_url: str) -> None:
+        admin = RouterAdmin(self._client.session, self.router_url)
+        self._loop.run(getattr(admin, verb)(worker_url))
+
+
+class HealthMonitor:
+    """Restarts dead servers of ``engine`` and re-syncs their weights (``weights_fn`` streams
+    the trainer's current policy) before they serve again. Call :meth:`check` between steps."""
+
+    def __init__(self, engine: SGLangEngine, weights_fn: Callable[[], NamedTensors]) -> None:
+        self.engine = engine
+        self.weights_fn = weights_fn
+        self.restarts = 0
+
+    def check(self) -> list[int]:
+        """Indices of the servers restarted by this check."""
+        restarted = []
+        for server in self.engine.servers:
+            if not self.engine.server_healthy(server):
+                self.engine.restart_server(server, self.weights_fn)
+                restarted.append(server.index)
+        self.restarts += len(restarted)
+        return restarted

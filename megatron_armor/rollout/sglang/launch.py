@@ -1,0 +1,191 @@
+"""Build, start and wait for ``sglang.launch_server`` and ``sglang_router.launch_router``.
+
+Command-line flags are ``--`` + the ``ServerArgs`` field name with ``_`` -> ``-`` (SGLang's
+``ServerArgs.add_cli_args`` convention); booleans are ``store_true`` flags, lists are
+``nargs='+'``. When SGLang is importable every key is checked against the fields of
+``sglang.srt.server_args.ServerArgs`` before anything starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterable
+from typing import Any
+
+ROUTER_POLICIES = ("random", "round_robin", "cache_aware", "power_of_two")
+# SGLang returns log_softmax(logits / T) for sampled tokens unless this is true; the trainer
+# computes log_softmax(logits / T), so the servers are started with it off.
+LOGPROB_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "false"}
+
+
+def server_arg_fields() -> set[str] | None:
+    """Field names of SGLang's ``ServerArgs`` dataclass, or ``None`` when SGLang is absent."""
+    try:
+        from sglang.srt.server_args import ServerArgs
+    except ImportError:
+        return None
+    return {f.name for f in dataclasses.fields(ServerArgs)}
+
+
+def validate_server_args(args: dict[str, Any], known_fields: Iterable[str]) -> None:
+    """Raise when a key of ``args`` is not a ``ServerArgs`` field."""
+    known = set(known_fields)
+    unknown = sorted(k for k in args if k not in known)
+    if unknown:
+        raise ValueError(
+            f"rollout.sglang.extra_args has keys {unknown} that are not fields of SGLang's "
+            "ServerArgs (sglang.srt.server_args); use ServerArgs field names such as "
+            "'max_running_requests' or 'chunked_prefill_size'"
+        )
+
+
+def server_args_for(
+    model_path: str,
+    port: int,
+    *,
+    tp: int = 1,
+    mem_fraction_static: float = 0.7,
+    host: str = "127.0.0.1",
+    base_gpu_id: int = 0,
+    colocated: bool = False,
+    extra_args: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """``ServerArgs`` fields for one engine; ``colocated`` turns on ``enable_memory_saver``
+    (needed by ``/release_memory_occupation``). ``extra_args`` override the rest."""
+    args: dict[str, Any] = {
+        "model_path": model_path,
+        "host": host,
+        "port": port,
+        "tp_size": tp,
+        "mem_fraction_static": mem_fraction_static,
+        "base_gpu_id": base_gpu_id,
+    }
+    if colocated:
+        args["enable_memory_saver"] = True
+    args.update(extra_args or {})
+    return args
+
+
+def args_to_cli(args: dict[str, Any]) -> list[str]:
+    """``{'tp_size': 2, 'enable_memory_saver': True}`` -> ``['--tp-size', '2', '--enable-memory-saver']``.
+
+    ``False``/``None`` values are left out (SGLang's defaults); a list becomes several values.
+    """
+    out: list[str] = []
+    for key, value in args.items():
+        flag = "--" + key.replace("_", "-")
+        if value is None or value is False:
+            continue
+        if value is True:
+            out.append(flag)
+        elif isinstance(value, list | tuple):
+            out += [flag, *(str(v) for v in value)]
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+def build_server_command(
+    args: dict[str, Any], known_fields: Iterable[str] | None = None, python: str = sys.executable
+) -> list[str]:
+    """``python -m sglang.launch_server ...`` for ``args`` (validated against ``known_fields``,
+    by default the installed SGLang's ``ServerArgs``; skipped only when SGLang is absent)."""
+    fields = known_fields if known_fields is not None else server_arg_fields()
+    if fields is not None:
+        validate_server_args(args, fields)
+    return [python, "-m", "sglang.launch_server", *args_to_cli(args)]
+
+
+def build_router_command(
+    worker_urls: list[str],
+    port: int,
+    host: str = "127.0.0.1",
+    policy: str = "cache_aware",
+    python: str = sys.executable,
+) -> list[str]:
+    """``python -m sglang_router.launch_router --host H --port P --worker-urls U... --policy X``."""
+    if not worker_urls:
+        raise ValueError("rollout.sglang.router needs at least one engine URL")
+    if policy not in ROUTER_POLICIES:
+        raise ValueError(f"sglang router policy={policy!r} is not one of {ROUTER_POLICIES}")
+    return [
+        python, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port),
+        "--worker-urls", *worker_urls, "--policy", policy,
+    ]  # fmt: skip
+
+
+def require_sglang() -> None:
+    """Fail early, with the fix, when the SGLang backend is asked for without SGLang."""
+    if server_arg_fields() is None:
+        raise RuntimeError(
+            "rollout.backend=sglang needs the sglang package (GPU clusters only): "
+            "pip install -r requirements-gpu.txt, or set rollout.backend=torch"
+        )
+
+
+class ManagedProcess:
+    """A server process we started: start, wait for a health URL, stop (its own pid only)."""
+
+    def __init__(self, command: list[str], health_url: str, log_path: str | None = None) -> None:
+        self.command = command
+        self.health_url = health_url
+        self.log_path = log_path
+        self.process: subprocess.Popen | None = None
+
+    def start(self, env: dict[str, str] | None = None) -> None:
+        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        # A new session: SGLang forks scheduler/detokenizer children, and stop() signals the
+        # whole group this process leads (and nothing else).
+        self.process = subprocess.Popen(
+            self.command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def wait_healthy(self, timeout_s: float, poll_s: float = 1.0) -> None:
+        """Poll ``health_url`` until HTTP 200; raise on timeout or if the process exits."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process is not None and not self.alive():
+                raise RuntimeError(
+                    f"{self.command[:3]} exited with code {self.process.returncode} before "
+                    f"{self.health_url} answered; see {self.log_path or 'its output'}"
+                )
+            if http_ok(self.health_url, timeout_s=min(poll_s * 5, 30.0)):
+                return
+            time.sleep(poll_s)
+        raise TimeoutError(
+            f"{self.health_url} not healthy after {timeout_s:.0f}s; raise "
+            "rollout.sglang.startup_timeout_s or check the server log"
+        )
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        if self.process is None or not self.alive():
+            return
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=timeout_s)
+
+
+def http_ok(url: str, timeout_s: float) -> bool:
+    """True when a GET of ``url`` answers HTTP 200 within ``timeout_s``."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError, TimeoutError):
+        return False

@@ -1,0 +1,171 @@
+"""Weight transports into SGLang servers (design.md "Weight flow").
+
+HF-named full tensors are cut into buckets of about ``rollout.sglang.weight_bucket_mb`` and
+sent by one of:
+
+- ``tensor`` (colocated; ``POST /update_weights_from_tensor``): each bucket is packed into a
+  ``FlattenedTensorBucket`` (one uint8 buffer + metadata) and serialized with SGLang's
+  ``MultiprocessingSerializer`` (CUDA IPC handles for GPU tensors, shared memory for CPU
+  ones), one copy per TP rank of the engine, ``load_format='flattened_bucket'``.
+- ``distributed`` (disaggregated; ``POST /init_weights_update_group`` once, then per bucket
+  ``POST /update_weights_from_distributed`` with ``names``/``dtypes``/``shapes`` while the
+  sender broadcasts each tensor from rank 0 of a dedicated NCCL group). One group per
+  pipeline stage: the stage's TP-rank-0 / DP-rank-0 trainer rank is its rank 0, so every
+  stage streams its own layers in parallel.
+- ``disk`` (``POST /update_weights_from_disk`` with ``model_path``): the trainer saved an HF dir.
+
+Every request carries ``weight_version`` (a string in SGLang) so generation results name it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+NamedTensors = Iterable[tuple[str, torch.Tensor]]
+
+
+def iter_buckets(
+    named_tensors: NamedTensors, bucket_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group consecutive tensors into lists of at most ``bucket_bytes`` (a larger tensor is
+    a bucket of its own). Order is preserved."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"rollout.sglang.weight_bucket_mb must be > 0, got {bucket_bytes} bytes")
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named_tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``'bfloat16'`` (SGLang does ``getattr(torch, name)``)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def distributed_payload(
+    bucket: list[tuple[str, torch.Tensor]], version: int, group_name: str
+) -> dict:
+    """Body of ``/update_weights_from_distributed`` (``UpdateWeightsFromDistributedReqInput``)."""
+    return {
+        "names": [name for name, _ in bucket],
+        "dtypes": [dtype_name(t.dtype) for _, t in bucket],
+        "shapes": [list(t.shape) for _, t in bucket],
+        "group_name": group_name,
+        "flush_cache": True,
+        "weight_version": str(version),
+    }
+
+
+def init_group_payload(
+    master_address: str,
+    master_port: int,
+    rank_offset: int,
+    world_size: int,
+    group_name: str,
+    backend: str = "nccl",
+) -> dict:
+    """Body of ``/init_weights_update_group`` (``InitWeightsUpdateGroupReqInput``)."""
+    return {
+        "master_address": master_address,
+        "master_port": master_port,
+        "rank_offset": rank_offset,
+        "world_size": world_size,
+        "group_name": group_name,
+        "backend": backend,
+    }
+
+
+def disk_payload(model_path: str, version: int) -> dict:
+    """Body of ``/update_weights_from_disk`` (``UpdateWeightFromDiskReqInput``)."""
+    return {"model_path": model_path, "weight_version": str(version)}
+
+
+def _sglang_serialization():
+    """SGLang's ``MultiprocessingSerializer`` and ``FlattenedTensorBucket`` (moved across 0.4/0.5)."""
+    try:
+        from sglang.srt.utils import MultiprocessingSerializer
+    except ImportError as err:
+        raise RuntimeError(
+            "rollout.sglang.weight_transport=tensor needs the sglang package (GPU clusters); "
+            "install requirements-gpu.txt or use weight_transport=disk"
+        ) from err
+    try:
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+    except ImportError:
+        from sglang.srt.model_executor.model_runner import FlattenedTensorBucket
+    return MultiprocessingSerializer, FlattenedTensorBucket
+
+
+def tensor_payload(bucket: list[tuple[str, torch.Tensor]], version: int, tp_size: int) -> dict:
+    """Body of ``/update_weights_from_tensor`` for one bucket (``flattened_bucket`` format).
+
+    The flattened buffer must stay alive until the server answered (the caller holds
+    ``bucket``); SGLang copies from it through the IPC handle.
+    """
+    serializer, bucket_cls = _sglang_serialization()
+    flat = bucket_cls(named_tensors=bucket)
+    data = {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()}
+    serialized = serializer.serialize(data, output_str=True)
+    return {
+        "serialized_named_tensors": [serialized] * tp_size,
+        "load_format": "flattened_bucket",
+        "flush_cache": True,
+        "weight_version": str(version),
+    }
+
+
+def new_weight_sync_group(
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    group_name: str,
+    backend: str = "nccl",
+    timeout_s: float = 600.0,
+) -> Any:
+    """A process group outside the default one (the trainer's world stays untouched).
+
+    Same construction as SGLang's ``init_custom_process_group`` (the engine side of
+    ``init_weights_update_group``): TCP rendezvous at ``master_address:master_port``, a
+    prefix store named ``group_name``, and ``_new_process_group_helper``.
+    """
+    from torch.distributed import distributed_c10d as c10d
+
+    timeout = timedelta(seconds=timeout_s)
+    url = f"tcp://{master_address}:{master_port}"
+    store, rank, world_size = next(c10d.rendezvous(url, rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    prefix_store = c10d.PrefixStore(group_name, store)
+    group, _ = c10d._new_process_group_helper(
+        world_size,
+        rank,
+        [],
+        c10d.Backend(backend),
+        prefix_store,
+        group_name=group_name,
+        timeout=timeout,
+    )
+    c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group
+
+
+def broadcast_bucket(bucket: list[tuple[str, torch.Tensor]], group: Any) -> None:
+    """Broadcast each tensor of ``bucket`` from rank 0 of ``group``, in order (the receivers
+    allocate ``names/dtypes/shapes`` from the matching ``/update_weights_from_distributed``)."""
+    import torch.distributed as dist
+
+    tensors = [t.contiguous() for _, t in bucket]  # kept alive until every broadcast is done
+    handles = [dist.broadcast(t, src=0, group=group, async_op=True) for t in tensors]
+    for handle in handles:
+        handle.wait()

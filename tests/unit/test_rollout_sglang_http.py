@@ -1,0 +1,543 @@
+"""SGLang backend over HTTP against a stand-in server (unit tier: in-process server on
+127.0.0.1; dist tier: the stand-in as a subprocess joining a gloo weight-sync group, and a
+killed server restarted by the health monitor).
+
+The stand-in implements SGLang's native endpoints with the request fields of SGLang's own
+dataclasses (copied below from ``python/sglang/srt/managers/io_struct.py`` and
+``sampling/sampling_params.py``) and rejects unknown fields, so a misspelt key fails here.
+Run as a script (``python this_file.py --port P``) it serves until killed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from aiohttp import web
+
+from megatron_armor.config.schema import SGLangConfig
+from megatron_armor.rollout.protocol import SamplingParams
+from megatron_armor.rollout.sglang import launch
+from megatron_armor.rollout.sglang import weights as transport
+from megatron_armor.rollout.sglang.client import (
+    ClientSettings,
+    EventLoopThread,
+    SGLangClient,
+    SGLangError,
+    generate_payload,
+    parse_generate_response,
+)
+from megatron_armor.rollout.sglang.distributed import DistributedWeightSender
+from megatron_armor.rollout.sglang.engine import HealthMonitor, SGLangEngine
+from megatron_armor.rollout.sglang.router import RouterAdmin
+
+pytestmark = pytest.mark.unit
+REPO = Path(__file__).resolve().parents[2]
+
+# Request fields of SGLang's dataclasses (io_struct.py / sampling_params.py).
+GENERATE_FIELDS = {
+    "rid", "text", "input_ids", "input_embeds", "image_data", "sampling_params", "return_logprob",
+    "logprob_start_len", "top_logprobs_num", "token_ids_logprob", "return_text_in_logprobs",
+    "stream", "log_metrics", "return_hidden_states", "modalities", "session_params", "lora_path",
+    "custom_logit_processor", "bootstrap_host", "bootstrap_port", "bootstrap_room", "priority",
+}  # fmt: skip
+SAMPLING_FIELDS = {
+    "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k",
+    "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n",
+    "json_schema", "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens",
+    "spaces_between_special_tokens", "no_stop_trim", "custom_params", "stream_interval",
+    "logit_bias", "sampling_seed",
+}  # fmt: skip
+ENDPOINT_FIELDS = {
+    "/abort_request": {"rid", "abort_all", "finished_reason", "abort_message"},
+    "/update_weights_from_disk": {"model_path", "load_format", "abort_all_requests", "weight_version"},
+    "/update_weights_from_tensor": {"serialized_named_tensors", "load_format", "flush_cache",
+                                    "abort_all_requests", "weight_version", "disable_draft_model"},
+    "/update_weights_from_distributed": {"names", "dtypes", "shapes", "group_name", "flush_cache",
+                                         "abort_all_requests", "weight_version", "load_format"},
+    "/init_weights_update_group": {"master_address", "master_port", "rank_offset", "world_size",
+                                   "group_name", "backend"},
+    "/destroy_weights_update_group": {"group_name"},
+    "/release_memory_occupation": {"tags"},
+    "/resume_memory_occupation": {"tags"},
+}  # fmt: skip
+# A subset of ServerArgs fields (server_args.py), enough for the launch builder.
+SERVER_ARGS_FIELDS = {
+    "model_path", "host", "port", "tp_size", "mem_fraction_static", "base_gpu_id",
+    "enable_memory_saver", "max_running_requests", "dtype", "random_seed", "context_length",
+    "cuda_graph_bs", "attention_backend", "enable_deterministic_inference",
+}  # fmt: skip
+
+
+# --------------------------------------------------------------------------- stand-in server
+class StandIn:
+    """SGLang's native HTTP API with deterministic fake generation.
+
+    Output token ``k`` is ``(sum(input_ids) + 7 k + seed + version) % 60 + 2``; a prompt that
+    starts with 99 waits ``slow_s`` (or until aborted); ``fail_next`` answers HTTP 503.
+    """
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.fail_next = 0
+        self.slow_s = 5.0
+        self.slow_first_attempt_only = False
+        self.healthy = True
+        self.calls: list[tuple[str, dict]] = []
+        self.attempts: dict[str, int] = {}
+        self.aborted: set[str] = set()
+        self.abort_all_event: asyncio.Event | None = None
+        self.weights: dict[str, torch.Tensor] = {}
+        self.group = None
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/generate", self.generate)
+        app.router.add_get("/health_generate", self.health)
+        for endpoint in ENDPOINT_FIELDS:
+            app.router.add_post(endpoint, self.control)
+        return app
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.healthy else 503)
+
+    async def generate(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.calls.append(("/generate", body))
+        bad = set(body) - GENERATE_FIELDS or set(body["sampling_params"]) - SAMPLING_FIELDS
+        if bad:
+            return web.json_response({"error": f"unknown fields {sorted(bad)}"}, status=400)
+        rid = body["rid"]
+        self.attempts[rid] = self.attempts.get(rid, 0) + 1
+        if self.fail_next > 0:
+            self.fail_next -= 1
+            return web.Response(status=503)
+        if body["input_ids"][0] == 99 and not (
+            self.slow_first_attempt_only and self.attempts[rid] > 1
+        ):
+            if await self._wait_or_abort(rid):
+                return web.json_response(self._response(body, aborted=True))
+        return web.json_response(self._response(body, aborted=False))
+
+    async def _wait_or_abort(self, rid: str) -> bool:
+        if self.abort_all_event is None:
+            self.abort_all_event = asyncio.Event()
+        deadline = time.monotonic() + self.slow_s
+        while time.monotonic() < deadline:
+            if self.abort_all_event.is_set() or rid in self.aborted:
+                return True
+            await asyncio.sleep(0.01)
+        return False
+
+    def _response(self, body: dict, aborted: bool) -> dict:
+        sp = body["sampling_params"]
+        base = sum(body["input_ids"]) + sp.get("sampling_seed", 0) + self.version
+        tokens, reason = [], {"type": "length", "length": sp["max_new_tokens"]}
+        for k in range(1 if aborted else sp["max_new_tokens"]):
+            tokens.append((base + 7 * k) % 60 + 2)
+            if tokens[-1] in sp.get("stop_token_ids", []):
+                reason = {"type": "stop", "matched": tokens[-1]}
+                break
+        if aborted:
+            reason = {"type": "abort", "message": "Abort before prefill"}
+        triples = [[-0.01 * (k + 1), t, None] for k, t in enumerate(tokens)]
+        meta = {"id": body["rid"], "finish_reason": reason, "prompt_tokens": len(body["input_ids"]),
+                "completion_tokens": len(tokens), "cached_tokens": 0, "weight_version": str(self.version),
+                "output_token_logprobs": triples}  # fmt: skip
+        return {"text": "", "output_ids": tokens, "meta_info": meta}
+
+    async def control(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        endpoint = request.path
+        self.calls.append((endpoint, body))
+        bad = set(body) - ENDPOINT_FIELDS[endpoint]
+        if bad:
+            return web.json_response(
+                {"success": False, "message": f"unknown {sorted(bad)}"}, status=400
+            )
+        handler = getattr(self, endpoint.strip("/"), None)
+        result = await handler(body) if handler else None
+        if "weight_version" in body:
+            self.version = int(body["weight_version"])
+        return web.json_response({"success": True, "message": "ok", **(result or {})})
+
+    async def abort_request(self, body: dict) -> None:
+        if body.get("abort_all"):
+            if self.abort_all_event is None:
+                self.abort_all_event = asyncio.Event()
+            self.abort_all_event.set()
+        self.aborted.add(body.get("rid", ""))
+
+    async def update_weights_from_disk(self, body: dict) -> dict:
+        from safetensors.torch import load_file
+
+        self.weights = load_file(os.path.join(body["model_path"], "model.safetensors"))
+        return {"num_paused_requests": 0}
+
+    async def init_weights_update_group(self, body: dict) -> None:
+        def join():
+            self.group = transport.new_weight_sync_group(
+                body["master_address"], body["master_port"], body["rank_offset"],
+                body["world_size"], body["group_name"], body["backend"], timeout_s=60,
+            )  # fmt: skip
+
+        await asyncio.get_running_loop().run_in_executor(None, join)
+
+    async def update_weights_from_distributed(self, body: dict) -> None:
+        import torch.distributed as dist
+
+        def receive():
+            for name, dtype, shape in zip(
+                body["names"], body["dtypes"], body["shapes"], strict=True
+            ):
+                tensor = torch.empty(shape, dtype=getattr(torch, dtype))
+                dist.broadcast(tensor, src=0, group=self.group)
+                self.weights[name] = tensor
+
+        await asyncio.get_running_loop().run_in_executor(None, receive)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerThread:
+    """Serve ``app`` on 127.0.0.1 in a background loop."""
+
+    def __init__(self, app: web.Application) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.loop = EventLoopThread()
+        self.runner = web.AppRunner(app)
+        self.loop.run(self._start())
+
+    async def _start(self) -> None:
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+
+    def close(self) -> None:
+        self.loop.run(self.runner.cleanup())
+        self.loop.close()
+
+
+@pytest.fixture
+def standin():
+    server = StandIn()
+    thread = ServerThread(server.app())
+    server.url = thread.url
+    yield server
+    thread.close()
+
+
+def engine_for(urls, tmp_path=None, **cfg) -> SGLangEngine:
+    settings = {"router": False, "max_retries": 2, "request_timeout_s": 10.0, **cfg}
+    return SGLangEngine(
+        "/models/tiny",
+        SGLangConfig(**settings),
+        urls=urls,
+        weights_dir=str(tmp_path) if tmp_path else None,
+    )
+
+
+# --------------------------------------------------------------------------- unit tests
+def test_launch_command_uses_server_args_flags():
+    args = launch.server_args_for(
+        "/m", 30001, tp=2, colocated=True, extra_args={"max_running_requests": 64}
+    )
+    cmd = launch.build_server_command(args, SERVER_ARGS_FIELDS, python="python")
+    assert cmd[:3] == ["python", "-m", "sglang.launch_server"]
+    flags = " ".join(cmd[3:])
+    for expected in ("--model-path /m", "--port 30001", "--tp-size 2", "--mem-fraction-static 0.7",
+                     "--base-gpu-id 0", "--enable-memory-saver", "--max-running-requests 64"):  # fmt: skip
+        assert expected in flags
+    assert launch.args_to_cli({"cuda_graph_bs": [1, 2], "random_seed": None}) == [
+        "--cuda-graph-bs",
+        "1",
+        "2",
+    ]
+    with pytest.raises(ValueError, match=r"\['max_runing_requests'\] that are not fields"):
+        launch.build_server_command({**args, "max_runing_requests": 1}, SERVER_ARGS_FIELDS)
+
+
+def test_router_command_and_missing_sglang():
+    cmd = launch.build_router_command(["http://a:1", "http://b:2"], 29000, python="python")
+    assert cmd == ["python", "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", "29000",
+                   "--worker-urls", "http://a:1", "http://b:2", "--policy", "cache_aware"]  # fmt: skip
+    with pytest.raises(ValueError, match="policy='fastest'"):
+        launch.build_router_command(["http://a:1"], 1, policy="fastest")
+    if launch.server_arg_fields() is None:
+        with pytest.raises(RuntimeError, match="requirements-gpu.txt"):
+            launch.require_sglang()
+
+
+def test_parse_generate_response_in_sglang_format():
+    body = {
+        "text": " 4", "output_ids": [11, 12, 2],
+        "meta_info": {"id": "r1", "finish_reason": {"type": "stop", "matched": 2}, "prompt_tokens": 3,
+                      "weight_version": "7", "completion_tokens": 3, "cached_tokens": 0,
+                      "output_token_logprobs": [[-0.5, 11, None], [-1.25, 12, None], [-0.125, 2, None]]},
+    }  # fmt: skip
+    out = parse_generate_response(body, fallback_version=0)
+    assert (out.token_ids, out.logprobs, out.finish_reason, out.weight_version) == (
+        [11, 12, 2], [-0.5, -1.25, -0.125], "stop", 7)  # fmt: skip
+    body["meta_info"].update(weight_version="default", finish_reason=None)
+    out = parse_generate_response(body, fallback_version=3)
+    assert (out.weight_version, out.finish_reason) == (3, "abort")
+    with pytest.raises(SGLangError, match="output_token_logprobs"):
+        parse_generate_response({"text": "", "meta_info": {}}, 0)
+
+
+def test_payloads_match_sglang_fields():
+    params = SamplingParams(
+        temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=8, stop_token_ids=(5, 2), seed=1
+    )
+    body = generate_payload([1, 2], params, "rid-1", seed=123)
+    assert set(body) <= GENERATE_FIELDS and set(body["sampling_params"]) <= SAMPLING_FIELDS
+    assert (
+        body["sampling_params"]["stop_token_ids"] == [2, 5]
+        and body["sampling_params"]["sampling_seed"] == 123
+    )
+    bucket = [("a", torch.zeros(2, 3, dtype=torch.bfloat16)), ("b", torch.zeros(4))]
+    dist_body = transport.distributed_payload(bucket, 9, "g")
+    assert set(dist_body) <= ENDPOINT_FIELDS["/update_weights_from_distributed"]
+    assert dist_body["dtypes"] == ["bfloat16", "float32"] and dist_body["shapes"] == [[2, 3], [4]]
+    assert dist_body["weight_version"] == "9"
+    assert (
+        set(transport.init_group_payload("h", 1, 1, 2, "g"))
+        == ENDPOINT_FIELDS["/init_weights_update_group"] - set()
+    )
+    assert set(transport.disk_payload("/p", 1)) <= ENDPOINT_FIELDS["/update_weights_from_disk"]
+
+
+def test_buckets_respect_size_and_order():
+    tensors = [(f"t{i}", torch.zeros(n)) for i, n in enumerate([10, 10, 30, 5, 5])]
+    buckets = list(transport.iter_buckets(tensors, bucket_bytes=80))
+    assert [[name for name, _ in b] for b in buckets] == [["t0", "t1"], ["t2"], ["t3", "t4"]]
+    with pytest.raises(ValueError, match="weight_bucket_mb"):
+        list(transport.iter_buckets(tensors, 0))
+
+
+def test_engine_generates_n_samples_per_prompt_with_distinct_seeds(standin):
+    engine = engine_for([standin.url])
+    try:
+        params = SamplingParams(max_new_tokens=4, seed=5, stop_token_ids=(1000,))
+        out = engine.generate([[1, 2, 3], [4, 5]], 3, params)
+        assert [len(g) for g in out] == [3, 3]
+        assert all(len(s.token_ids) == 4 and s.finish_reason == "length" for g in out for s in g)
+        assert len({tuple(s.token_ids) for s in out[0]}) == 3  # per-sample sampling_seed
+        assert out == engine.generate([[1, 2, 3], [4, 5]], 3, params)  # same seed, same samples
+        assert all(s.logprobs == [-0.01, -0.02, -0.03, -0.04] for g in out for s in g)
+        with pytest.raises(ValueError, match="one weight set"):
+            engine.generate([[1]], 1, params, weights="ref")
+    finally:
+        engine.close()
+
+
+def test_retries_on_503_and_gives_up_with_clear_error(standin):
+    engine = engine_for([standin.url], max_retries=2)
+    engine._client.settings.backoff_s = 0.01
+    try:
+        standin.fail_next = 2
+        out = engine.generate([[1, 2]], 1, SamplingParams(max_new_tokens=2))
+        assert out[0][0].finish_reason == "length" and len(standin.attempts) == 1
+        assert next(iter(standin.attempts.values())) == 3
+        standin.fail_next = 5
+        with pytest.raises(SGLangError, match="failed after 3 tries"):
+            engine.generate([[1, 2]], 1, SamplingParams(max_new_tokens=2))
+    finally:
+        engine.close()
+
+
+def test_timeout_aborts_the_request_then_retries(standin):
+    standin.slow_s, standin.slow_first_attempt_only = 2.0, True
+    loop = EventLoopThread()
+    settings = ClientSettings(request_timeout_s=0.3, max_retries=1, backoff_s=0.01)
+
+    async def run():
+        async with SGLangClient(settings) as client:
+            body = generate_payload([99, 1], SamplingParams(max_new_tokens=2), "slow-rid", None)
+            return await client.generate(standin.url, body)
+
+    try:
+        body = loop.run(run(), timeout_s=30)
+    finally:
+        loop.close()
+    assert body["meta_info"]["finish_reason"]["type"] == "length"
+    assert standin.attempts["slow-rid"] == 2
+    aborts = [b for e, b in standin.calls if e == "/abort_request"]
+    assert aborts == [{"rid": "slow-rid", "abort_all": False}]
+
+
+def test_client_errors_are_not_retried(standin):
+    loop = EventLoopThread()
+
+    async def run():
+        async with SGLangClient(ClientSettings(max_retries=3)) as client:
+            body = generate_payload([1], SamplingParams(), "r", None)
+            body["sampling_params"]["temprature"] = 1.0
+            return await client.generate(standin.url, body)
+
+    try:
+        with pytest.raises(SGLangError, match="HTTP 400.*temprature"):
+            loop.run(run(), timeout_s=30)
+    finally:
+        loop.close()
+    assert [e for e, _ in standin.calls] == ["/generate"]
+
+
+def test_generate_until_aborts_the_rest_once_enough_groups(standin):
+    engine = engine_for([standin.url])
+    try:
+        start = time.monotonic()
+        seen = []
+        out = engine.generate_until([[99, 1], [1, 2], [99, 2]], 2, SamplingParams(max_new_tokens=3),
+                                    done=lambda i, outs: seen.append(i) or True)  # fmt: skip
+        assert time.monotonic() - start < standin.slow_s
+        assert seen[0] == 1 and out[1][0].finish_reason == "length"
+        assert {s.finish_reason for i in (0, 2) for s in out[i]} == {"abort"}
+        assert ("/abort_request", {"rid": "", "abort_all": True}) in standin.calls
+    finally:
+        engine.close()
+
+
+def test_disk_transport_and_memory_calls(standin, tmp_path):
+    engine = engine_for([standin.url], tmp_path, weight_transport="disk")
+    try:
+        tensors = [
+            ("model.embed_tokens.weight", torch.randn(4, 2)),
+            ("lm_head.weight", torch.randn(4, 2)),
+        ]
+        engine.update_weights(iter(tensors), version=3)
+        assert engine.weight_version() == 3
+        assert torch.equal(standin.weights["lm_head.weight"], tensors[1][1])
+        assert engine.generate([[1]], 1, SamplingParams(max_new_tokens=1))[0][0].weight_version == 3
+        engine.release_memory()
+        engine.resume_memory(tags=["weights"])
+        assert [e for e, _ in standin.calls][-2:] == [
+            "/release_memory_occupation",
+            "/resume_memory_occupation",
+        ]
+        assert engine.health()
+        standin.healthy = False
+        assert not engine.health()
+    finally:
+        engine.close()
+
+
+def test_router_admin_speaks_both_router_apis():
+    workers: dict[str, str] = {}
+    legacy: list[str] = []
+
+    async def list_workers(request):
+        return web.json_response({"workers": [{"id": i, "url": u} for i, u in workers.items()]})
+
+    async def add(request):
+        workers[f"id{len(workers)}"] = (await request.json())["url"]
+        return web.json_response({"status": "accepted"}, status=202)
+
+    async def delete(request):
+        workers.pop(request.match_info["wid"])
+        return web.json_response({"status": "ok"})
+
+    async def legacy_call(request):
+        legacy.append(f"{request.path}?{request.query['url']}")
+        return web.Response(text="ok")
+
+    new_app, old_app = web.Application(), web.Application()
+    new_app.router.add_get("/workers", list_workers)
+    new_app.router.add_post("/workers", add)
+    new_app.router.add_delete("/workers/{wid}", delete)
+    old_app.router.add_post("/add_worker", legacy_call)
+    old_app.router.add_post("/remove_worker", legacy_call)
+    servers = [ServerThread(new_app), ServerThread(old_app)]
+    loop = EventLoopThread()
+
+    async def exercise(url):
+        async with SGLangClient() as client:
+            admin = RouterAdmin(client.session, url)
+            await admin.add_worker("http://w:1")
+            await admin.remove_worker("http://w:1")
+
+    try:
+        loop.run(exercise(servers[0].url), timeout_s=30)
+        assert workers == {}
+        loop.run(exercise(servers[1].url), timeout_s=30)
+        assert legacy == ["/add_worker?http://w:1", "/remove_worker?http://w:1"]
+    finally:
+        loop.close()
+        for s in servers:
+            s.close()
+
+
+# --------------------------------------------------------------------------- dist tests
+def start_standin_process(tmp_path) -> launch.ManagedProcess:
+    port = free_port()
+    cmd = [sys.executable, __file__, "--port", str(port)]
+    process = launch.ManagedProcess(
+        cmd, f"http://127.0.0.1:{port}/health_generate", str(tmp_path / "standin.log")
+    )
+    process.start(env={"PYTHONPATH": str(REPO)})
+    process.wait_healthy(timeout_s=60, poll_s=0.2)
+    return process
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_distributed_transport_broadcasts_buckets_over_a_weight_sync_group(tmp_path):
+    process = start_standin_process(tmp_path)
+    url = process.health_url.removesuffix("/health_generate")
+    sender = DistributedWeightSender(
+        [(url, 1)], "127.0.0.1", free_port(), "armor-pp0", bucket_bytes=64, backend="gloo"
+    )
+    try:
+        sender.connect(timeout_s=60)
+        tensors = [(f"w{i}", torch.randn(3, 4)) for i in range(3)]
+        assert sender.send(iter(tensors), version=4, timeout_s=60) == 3 * 48
+        engine = engine_for([url])
+        try:
+            assert (
+                engine.generate([[1]], 1, SamplingParams(max_new_tokens=1))[0][0].weight_version
+                == 4
+            )
+        finally:
+            engine.close()
+    finally:
+        sender.close()
+        process.stop()
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_health_monitor_restarts_a_dead_server_and_resyncs_before_serving(tmp_path):
+    process = start_standin_process(tmp_path)
+    url = process.health_url.removesuffix("/health_generate")
+    engine = engine_for([url], tmp_path / "weights", weight_transport="disk")
+    engine.servers[0].process = process
+    tensors = [("lm_head.weight", torch.randn(4, 2))]
+    try:
+        engine.update_weights(iter(tensors), version=6)
+        process.process.kill()
+        process.process.wait(timeout=30)
+        assert not engine.health()
+        monitor = HealthMonitor(engine, weights_fn=lambda: iter(tensors))
+        assert monitor.check() == [0] and engine.servers[0].serving
+        out = engine.generate([[1]], 1, SamplingParams(max_new_tokens=1))
+        assert out[0][0].weight_version == 6  # the restarted server got the weights back
+        assert monitor.check() == []
+    finally:
+        engine.close()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="stand-in SGLang server for tests")
+    parser.add_argument("--port", type=int, required=True)
+    web.run_app(StandIn().app(), host="127.0.0.1", port=parser.parse_args().port, print=None)
