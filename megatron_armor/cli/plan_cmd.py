@@ -1,0 +1,59 @@
+"""``armor plan CONFIG [key=value ...] [--model NAME|DIR] [--gpu-mem-gib 80]``: preflight check.
+
+Prints per-GPU memory per phase (weights, grads, optimizer, activations, logits, SGLang share),
+the layout-rule findings and a verdict naming the largest term. Exit code 0 when the plan
+fits, 1 when it does not (or a rule fails), 2 on a config/model error: run it before sbatch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from megatron_armor.config import ConfigError, load_config
+from megatron_armor.planner.model import PRESETS
+from megatron_armor.planner.plan import make_plan
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="estimate per-GPU memory and check the parallel layout")
+    p.add_argument("file", help="YAML config")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.tp=2")
+    p.add_argument(
+        "--model",
+        default=None,
+        help=f"HF model dir / config.json or a preset ({', '.join(PRESETS)}); "
+        "default: trainer.model_path",
+    )
+    p.add_argument("--gpu-mem-gib", type=float, default=80.0, help="memory of one GPU (GiB)")
+    p.add_argument("--json", action="store_true", help="print the terms as JSON")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args.file, args.overrides)
+        plan = make_plan(config, model=args.model, gpu_mem_gib=args.gpu_mem_gib)
+    except (ConfigError, ValueError) as e:
+        print(f"armor plan: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(_as_dict(plan), indent=2))
+    else:
+        print(plan.report())
+    return 0 if plan.fits else 1
+
+
+def _as_dict(plan) -> dict:
+    name, size = plan.largest_term
+    return {
+        "model": plan.model.name,
+        "phases_gib": {p: {k: v / 2**30 for k, v in t.items()} for p, t in plan.phases.items()},
+        "peak_phase": plan.peak_phase,
+        "largest_term": name,
+        "largest_term_gib": size / 2**30,
+        "fits": plan.fits,
+        "findings": [str(f) for f in plan.findings],
+        "verdict": plan.verdict(),
+    }

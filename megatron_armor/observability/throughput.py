@@ -1,0 +1,129 @@
+"""Per-step throughput: tokens/s, TFLOP/s and MFU, peak GPU memory, weight-sync cost.
+
+The loop feeds one :class:`ThroughputMeter` per step and logs :meth:`ThroughputMeter.pop_metrics`:
+
+    meter.add_rollout(tokens=generated_tokens, seconds=t_gen)        # policy + reference
+    meter.add_train(seq_lens=[len(s) for s in packed], seconds=t_train)
+    meter.add_weight_sync(seconds=t_sync, num_bytes=sync_bytes)
+    metrics.update(meter.pop_metrics())
+
+MFU = model FLOPs of the training pass (``planner.flops.training_flops``, 3 x forward) /
+(train seconds x trainer GPUs x peak dense FLOP/s of one GPU); see docs/profiling.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megatron_armor.planner.flops import training_flops
+from megatron_armor.planner.model import ModelDims
+
+# Dense (non-sparse) peak tensor-core TFLOP/s per GPU, from the vendors' data sheets.
+PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    "H100 SXM": {"bf16": 989.4, "fp16": 989.4, "fp8": 1978.9, "fp32": 494.7},
+    "H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "fp8": 1513.0, "fp32": 378.0},
+    "H200": {"bf16": 989.4, "fp16": 989.4, "fp8": 1978.9, "fp32": 494.7},
+    "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 156.0},
+}
+
+
+def peak_tflops(device_name: str, precision: str = "bf16") -> float | None:
+    """Peak TFLOP/s for a ``torch.cuda.get_device_name()`` string, or ``None`` when unknown."""
+    name = device_name.upper()
+    if "H100" in name:
+        key = "H100 PCIe" if "PCIE" in name else "H100 SXM"
+    elif "H200" in name or "GH200" in name:
+        key = "H200"
+    elif "A100" in name:
+        key = "A100"
+    else:
+        return None
+    return PEAK_TFLOPS[key].get(precision)
+
+
+def mfu(model_flops: float, seconds: float, num_gpus: int, peak_tflops_per_gpu: float) -> float:
+    """``model_flops / (seconds * num_gpus * peak)``, a fraction in [0, 1]."""
+    if seconds <= 0 or num_gpus <= 0 or peak_tflops_per_gpu <= 0:
+        raise ValueError(
+            f"mfu: seconds={seconds}, num_gpus={num_gpus}, peak={peak_tflops_per_gpu} must be > 0"
+        )
+    return model_flops / (seconds * num_gpus * peak_tflops_per_gpu * 1e12)
+
+
+def peak_gpu_memory_gb(reset: bool = True) -> float | None:
+    """Largest ``torch.cuda.max_memory_allocated`` over visible GPUs in GB (``None`` on CPU)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    peak = 0
+    for index in range(torch.cuda.device_count()):
+        peak = max(peak, torch.cuda.max_memory_allocated(index))
+        if reset:
+            torch.cuda.reset_peak_memory_stats(index)
+    return peak / 1e9
+
+
+@dataclass
+class ThroughputMeter:
+    """Accumulates one step's work and time; :meth:`pop_metrics` returns ``perf/*`` and resets."""
+
+    dims: ModelDims | None = None
+    """Model dims for FLOPs/MFU (``None``: tokens/s only)."""
+    num_gpus: int = 1
+    """Trainer GPUs the training time is spread over."""
+    peak_tflops_per_gpu: float | None = None
+    """Peak dense TFLOP/s of one GPU (``None``: no MFU)."""
+    _rollout_tokens: int = field(default=0, init=False)
+    _rollout_s: float = field(default=0.0, init=False)
+    _train_seq_lens: list[int] = field(default_factory=list, init=False)
+    _train_s: float = field(default=0.0, init=False)
+    _sync_s: float = field(default=0.0, init=False)
+    _sync_bytes: int = field(default=0, init=False)
+
+    def reset(self) -> None:
+        """Forget the step's work and time."""
+        self._rollout_tokens, self._rollout_s = 0, 0.0
+        self._train_seq_lens, self._train_s = [], 0.0
+        self._sync_s, self._sync_bytes = 0.0, 0
+
+    def add_rollout(self, tokens: int, seconds: float) -> None:
+        """Generated (response) tokens and the wall seconds they took."""
+        self._rollout_tokens += tokens
+        self._rollout_s += seconds
+
+    def add_train(self, seq_lens: list[int], seconds: float) -> None:
+        """Sequence lengths (prompt + response) of a training pass and its wall seconds."""
+        self._train_seq_lens.extend(seq_lens)
+        self._train_s += seconds
+
+    def add_weight_sync(self, seconds: float, num_bytes: int) -> None:
+        """One trainer -> engine weight update."""
+        self._sync_s += seconds
+        self._sync_bytes += num_bytes
+
+    def pop_metrics(self) -> dict[str, float]:
+        """``perf/*`` metrics of the step so far; clears the accumulators."""
+        out: dict[str, float] = {}
+        if self._rollout_s > 0:
+            out["perf/rollout_tokens_per_s"] = self._rollout_tokens / self._rollout_s
+        if self._train_s > 0:
+            out["perf/train_tokens_per_s"] = sum(self._train_seq_lens) / self._train_s
+            out.update(self._flops_metrics())
+        if self._sync_bytes or self._sync_s:
+            out["perf/weight_sync_s"] = self._sync_s
+            out["perf/weight_sync_gb"] = self._sync_bytes / 1e9
+        peak = peak_gpu_memory_gb(reset=True)
+        if peak is not None:
+            out["perf/peak_gpu_mem_gb"] = peak
+        self.reset()
+        return out
+
+    def _flops_metrics(self) -> dict[str, float]:
+        if self.dims is None:
+            return {}
+        flops = training_flops(self.dims, self._train_seq_lens)
+        out = {"perf/train_tflops_per_gpu": flops / (self._train_s * self.num_gpus) / 1e12}
+        if self.peak_tflops_per_gpu:
+            out["perf/mfu"] = mfu(flops, self._train_s, self.num_gpus, self.peak_tflops_per_gpu)
+        return out

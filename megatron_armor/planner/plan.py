@@ -1,0 +1,229 @@
+"""``armor plan``: will this config fit the GPUs, and which term decides it?
+
+    from megatron_armor.planner.plan import make_plan
+    plan = make_plan(config, model="qwen3-8b", gpu_mem_gib=80)
+    print(plan.report()); plan.fits
+
+The plan checks the layout rules (``planner.rules``) and estimates per-GPU memory in each
+phase (``planner.memory``): ``train`` (trainer state + activations + logits; a colocated engine
+has released its memory) and ``rollout`` (trainer state + the SGLang static share when
+colocated). The verdict compares the larger phase with ``usable_fraction`` of the GPU.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from megatron_armor.config.schema import ArmorConfig
+from megatron_armor.planner.memory import (
+    RUNTIME_BYTES,
+    EngineShape,
+    GiB,
+    TrainerShape,
+    state_terms,
+    trainer_train_terms,
+)
+from megatron_armor.planner.model import ModelDims, load_model_dims, with_padded_vocab
+from megatron_armor.planner.rules import Finding, LayoutSpec, check_layout
+
+USABLE_FRACTION = 0.95
+"""Share of GPU memory a plan may use (allocator fragmentation, stray buffers)."""
+
+ADVICE = {
+    "activations": "set trainer.recompute=true, raise trainer.cp or trainer.tp (with "
+    "trainer.sequence_parallel=true), or lower trainer.micro_batch_tokens",
+    "logits": "raise trainer.tp (the vocabulary is split over it) or lower trainer.logprob_chunk",
+    "optimizer": "set trainer.use_distributed_optimizer=true and/or raise the data-parallel size",
+    "grads": "raise trainer.tp or trainer.pp",
+    "weights": "raise trainer.tp or trainer.pp",
+    "sglang_static": "lower rollout.sglang.mem_fraction_static or use the disaggregated layout",
+    "runtime": "nothing to tune: this is the CUDA/NCCL runtime",
+}
+
+
+@dataclass
+class Plan:
+    """Memory per phase (bytes per GPU), rule findings and the verdict."""
+
+    model: ModelDims
+    layout: str
+    gpu_bytes: float
+    phases: dict[str, dict[str, float]]
+    findings: list[Finding] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=lambda p: sum(self.phases[p].values()))
+
+    @property
+    def peak_bytes(self) -> float:
+        return sum(self.phases[self.peak_phase].values())
+
+    @property
+    def largest_term(self) -> tuple[str, float]:
+        terms = self.phases[self.peak_phase]
+        name = max(terms, key=terms.get)
+        return name, terms[name]
+
+    @property
+    def fits_memory(self) -> bool:
+        return self.layout == "cpu" or self.peak_bytes <= USABLE_FRACTION * self.gpu_bytes
+
+    @property
+    def fits(self) -> bool:
+        """No rule errors and the peak phase within the usable memory."""
+        return self.fits_memory and not any(f.level == "error" for f in self.findings)
+
+    def verdict(self) -> str:
+        name, size = self.largest_term
+        peak, usable = self.peak_bytes / GiB, USABLE_FRACTION * self.gpu_bytes / GiB
+        where = f"{self.peak_phase} phase; largest term: {name} {size / GiB:.1f} GiB"
+        if self.layout == "cpu":
+            return f"ESTIMATE ONLY (layout=cpu): {peak:.1f} GiB per trainer process ({where})"
+        errors = sum(f.level == "error" for f in self.findings)
+        if not self.fits_memory:
+            return (
+                f"DOES NOT FIT: {peak:.1f} GiB per GPU > {usable:.1f} GiB usable of "
+                f"{self.gpu_bytes / GiB:.0f} GiB ({where}). Fix: {ADVICE[name]}"
+            )
+        if errors:
+            return f"INVALID LAYOUT: {errors} rule error(s) above; memory {peak:.1f} GiB ({where})"
+        return f"FITS: {peak:.1f} GiB of {usable:.1f} GiB usable per GPU ({where})"
+
+    def report(self) -> str:
+        """Human-readable table of the terms per phase, findings, notes and the verdict."""
+        lines = [f"model {self.model.name}: {self.model.total_params() / 1e9:.2f} B parameters"]
+        for phase, terms in self.phases.items():
+            total = sum(terms.values()) / GiB
+            lines.append(f"{phase} phase: {total:.1f} GiB per GPU")
+            for name, size in sorted(terms.items(), key=lambda kv: -kv[1]):
+                lines.append(f"  {name:<14} {size / GiB:8.2f} GiB")
+        lines += [str(f) for f in self.findings] + [f"note: {n}" for n in self.notes]
+        lines.append(self.verdict())
+        return "\n".join(lines)
+
+
+def _dp(config: ArmorConfig) -> int:
+    t = config.trainer
+    return max(1, t.world_size // (t.tp * t.pp * t.cp))
+
+
+def trainer_shape(config: ArmorConfig, dims: ModelDims) -> TrainerShape:
+    """The trainer's memory-relevant settings; micro-batches per update from the worst length."""
+    t, dp = config.trainer, _dp(config)
+    seq_len = config.data.max_prompt_len + config.rollout.sampling.max_new_tokens
+    per_rank_tokens = t.ppo_mini_batch * config.algo.group_size * seq_len / dp
+    return TrainerShape(
+        dims=dims,
+        tp=t.tp,
+        pp=t.pp,
+        cp=t.cp,
+        vpp=t.vpp,
+        dp=dp,
+        sequence_parallel=t.sequence_parallel,
+        precision=t.precision,
+        distributed_optimizer=t.use_distributed_optimizer,
+        recompute=t.recompute,
+        micro_batch_tokens=t.micro_batch_tokens,
+        num_micro_batches=math.ceil(per_rank_tokens / t.micro_batch_tokens),
+        logprob_chunk=t.logprob_chunk,
+    )
+
+
+def layout_spec(config: ArmorConfig, dims: ModelDims) -> LayoutSpec:
+    t, o, r = config.trainer, config.orchestration, config.rollout
+    return LayoutSpec(
+        dims=dims,
+        tp=t.tp,
+        pp=t.pp,
+        cp=t.cp,
+        vpp=t.vpp,
+        world_size=t.world_size,
+        sequence_parallel=t.sequence_parallel,
+        layout=o.layout,
+        nodes=o.nodes,
+        gpus_per_node=o.gpus_per_node,
+        rollout_gpus=o.rollout_gpus,
+        engine_tp=r.sglang.tp,
+        num_engines=r.sglang.num_engines,
+        batch=r.batch,
+        gen_batch=r.gen_batch,
+        ppo_mini_batch=t.ppo_mini_batch,
+        group_size=config.algo.group_size,
+        micro_batch_tokens=t.micro_batch_tokens,
+        seq_len=config.data.max_prompt_len + r.sampling.max_new_tokens,
+    )
+
+
+def _worst_stage(shape: TrainerShape) -> dict[str, float]:
+    stages = {0, shape.pp - 1}
+    candidates = [trainer_train_terms(shape, s) for s in stages]
+    return max(candidates, key=lambda terms: sum(terms.values()))
+
+
+def _engine_notes(config: ArmorConfig, engine: EngineShape, seq_len: int) -> list[Finding | str]:
+    out: list[Finding | str] = []
+    if engine.kv_pool_bytes() <= 0:
+        out.append(
+            Finding(
+                "error",
+                "rollout.sglang.mem_fraction_static",
+                f"{engine.mem_fraction_static}: the engine's share ({engine.static_bytes() / GiB:.1f} GiB) does not hold its weights ({engine.weight_bytes() / GiB:.1f} GiB); raise it or rollout.sglang.tp",
+            )
+        )
+        return out
+    tokens = engine.kv_tokens()
+    if tokens < seq_len:
+        out.append(
+            Finding(
+                "error",
+                "rollout.sglang.mem_fraction_static",
+                f"the KV cache holds {tokens} tokens < one sequence ({seq_len}); raise it or rollout.sglang.tp",
+            )
+        )
+    a = config.algo
+    sequences = (
+        config.rollout.gen_batch
+        * (a.group_size + a.ref_n)
+        / max(1, config.rollout.sglang.num_engines)
+    )
+    out.append(
+        f"SGLang KV cache per engine: {tokens} tokens = {tokens / seq_len:.0f} full-length sequences (a generation batch has up to {sequences:.0f} per engine)"
+    )
+    return out
+
+
+def make_plan(config: ArmorConfig, model: str | None = None, gpu_mem_gib: float = 80.0) -> Plan:
+    """The plan for ``config``; ``model`` (preset / HF dir) defaults to ``trainer.model_path``."""
+    source = model or config.trainer.model_path
+    if not source:
+        raise ValueError("no model: set trainer.model_path or pass --model (e.g. qwen3-8b)")
+    dims = with_padded_vocab(load_model_dims(source), config.trainer.tp)
+    shape = trainer_shape(config, dims)
+    layout = config.orchestration.layout
+    gpu_bytes = gpu_mem_gib * GiB
+    train = _worst_stage(shape)
+    phases = {"train": train}
+    plan = Plan(model=dims, layout=layout, gpu_bytes=gpu_bytes, phases=phases)
+    plan.findings = check_layout(layout_spec(config, dims))
+    seq_len = config.data.max_prompt_len + config.rollout.sampling.max_new_tokens
+    if layout in ("colocated", "disaggregated"):
+        sg = config.rollout.sglang
+        engine = EngineShape(dims, sg.tp, sg.mem_fraction_static, gpu_bytes)
+        for item in _engine_notes(config, engine, seq_len):
+            (plan.findings if isinstance(item, Finding) else plan.notes).append(item)
+    if layout == "colocated":
+        resident = state_terms(shape, 0)
+        phases["rollout"] = {
+            **resident,
+            "sglang_static": engine.static_bytes(),
+            "runtime": 2 * RUNTIME_BYTES,
+        }
+        train["runtime"] = 2 * RUNTIME_BYTES  # the released engine keeps its CUDA context
+    plan.notes.append(
+        f"train micro-batch {shape.micro_batch_tokens} tokens, {shape.num_micro_batches} micro-batch(es) "
+        f"per update per DP rank, dp={shape.dp}, recompute={shape.recompute}"
+    )
+    return plan

@@ -1,0 +1,152 @@
+"""Planner (unit tier): model dims, memory terms, layout rules and verdicts on known cases."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megatron_armor.cli import main as armor_main
+from megatron_armor.config import load_config
+from megatron_armor.planner.memory import GiB, TrainerShape, state_terms
+from megatron_armor.planner.model import PRESETS, dims_from_hf_config, load_model_dims
+from megatron_armor.planner.plan import make_plan
+
+pytestmark = pytest.mark.unit
+
+ONE_NODE = [
+    "orchestration.layout=colocated",
+    "orchestration.nodes=1",
+    "orchestration.gpus_per_node=8",
+    "trainer.world_size=8",
+    "trainer.use_distributed_optimizer=true",
+    "data.max_prompt_len=2048",
+    "rollout.batch=512",
+    "rollout.gen_batch=2048",
+    "trainer.ppo_mini_batch=32",
+]
+
+
+def test_preset_parameter_counts_match_the_published_sizes():
+    assert PRESETS["qwen2.5-math-7b"].total_params() == pytest.approx(7.62e9, rel=0.01)
+    assert PRESETS["qwen3-8b"].total_params() == pytest.approx(8.19e9, rel=0.01)
+    assert PRESETS["llama-3-8b"].total_params() == pytest.approx(8.03e9, rel=0.01)
+
+
+def test_hf_config_and_hub_names_resolve(tmp_path):
+    cfg = {
+        "model_type": "qwen2",
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 128,
+        "vocab_size": 100,
+        "tie_word_embeddings": True,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    dims = load_model_dims(str(tmp_path))
+    assert (dims.head_dim, dims.kv_heads, dims.qkv_bias, dims.tied_embeddings) == (
+        16,
+        2,
+        True,
+        True,
+    )
+    # 2 layers x (attn 64*(64+64)+64*64 + bias 128 + mlp 3*64*128 + norms 128) + embedding 6400 + norm 64
+    assert dims.total_params() == 2 * (12288 + 128 + 24576 + 128) + 6400 + 64
+    assert load_model_dims("Qwen/Qwen3-8B-Base") == PRESETS["qwen3-8b"]
+    with pytest.raises(ValueError, match="presets"):
+        load_model_dims("no-such-model")
+    with pytest.raises(ValueError, match="model_type"):
+        dims_from_hf_config({"model_type": "mixtral"})
+
+
+def test_distributed_optimizer_shards_adam_state_over_dp():
+    dims = PRESETS["llama-3-8b"]
+    plain = state_terms(TrainerShape(dims, dp=8), stage=0)
+    sharded = state_terms(TrainerShape(dims, dp=8, distributed_optimizer=True), stage=0)
+    params = dims.total_params()
+    assert plain["optimizer"] == pytest.approx(12 * params)
+    assert sharded["optimizer"] == pytest.approx(12 * params / 8)
+    assert plain["weights"] == pytest.approx(2 * params) and plain["grads"] == pytest.approx(
+        4 * params
+    )
+
+
+def test_7b_at_tp2_colocated_on_80gb_fits():
+    config = load_config(
+        None,
+        ONE_NODE
+        + [
+            "trainer.tp=2",
+            "trainer.sequence_parallel=true",
+            "trainer.recompute=true",
+            "rollout.sglang.tp=2",
+            "rollout.sglang.num_engines=4",
+            "rollout.sglang.mem_fraction_static=0.4",
+            "rollout.sampling.max_new_tokens=8192",
+            "trainer.micro_batch_tokens=10240",
+        ],
+    )
+    plan = make_plan(config, model="qwen2.5-math-7b", gpu_mem_gib=80)
+    assert plan.fits, plan.report()
+    assert plan.verdict().startswith("FITS")
+    assert not [f for f in plan.findings if f.level == "error"]
+    assert plan.peak_bytes < 76 * GiB
+
+
+def test_8b_at_tp1_with_20k_responses_colocated_does_not_fit_and_names_activations():
+    config = load_config(
+        None,
+        ONE_NODE
+        + [
+            "trainer.tp=1",
+            "rollout.sglang.tp=1",
+            "rollout.sglang.num_engines=8",
+            "rollout.sglang.mem_fraction_static=0.5",
+            "rollout.sampling.max_new_tokens=20480",
+            "trainer.micro_batch_tokens=22528",
+        ],
+    )
+    plan = make_plan(config, model="qwen3-8b", gpu_mem_gib=80)
+    assert not plan.fits
+    assert plan.largest_term[0] == "activations"
+    verdict = plan.verdict()
+    assert verdict.startswith("DOES NOT FIT") and "largest term: activations" in verdict
+    assert "trainer.recompute=true" in verdict
+    # 36 layers x 22528 tokens x (4h + q+2kv + q + 2f + f) elements x 2 bytes, one micro-batch (pp=1)
+    per_token_layer = 4 * 4096 + (4096 + 2048 + 4096 + 3 * 12288)
+    assert plan.phases["train"]["activations"] == pytest.approx(36 * 22528 * per_token_layer * 2)
+
+
+def test_layout_rules_name_the_setting():
+    config = load_config(
+        None,
+        ONE_NODE
+        + [
+            "trainer.tp=16",
+            "trainer.pp=5",
+            "trainer.world_size=80",
+            "trainer.micro_batch_tokens=1024",
+            "rollout.sglang.num_engines=3",
+        ],
+    )
+    plan = make_plan(config, model="qwen3-8b")
+    messages = [str(f) for f in plan.findings if f.level == "error"]
+    assert any("trainer.tp" in m and "key/value heads" in m for m in messages)
+    assert any("trainer.pp" in m and "36 layers" in m for m in messages)
+    assert any("trainer.micro_batch_tokens" in m for m in messages)
+    assert any("trainer.world_size" in m and "colocated" in m for m in messages)
+    assert not plan.fits
+
+
+def test_cli_exit_codes_and_json(tmp_path, capsys):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("trainer:\n  model_path: qwen3-8b\n")
+    assert armor_main(["plan", str(cfg), "--json"]) == 0  # layout=cpu: an estimate, no verdict
+    out = json.loads(capsys.readouterr().out)
+    assert out["peak_phase"] == "train" and out["largest_term"] in out["phases_gib"]["train"]
+    args = [*ONE_NODE, "trainer.tp=1", "rollout.sglang.num_engines=8"]
+    assert armor_main(["plan", str(cfg), *args, "rollout.sampling.max_new_tokens=20480"]) == 1
+    assert "DOES NOT FIT" in capsys.readouterr().out
+    assert armor_main(["plan", str(cfg), "--model", "nope"]) == 2
