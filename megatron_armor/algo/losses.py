@@ -157,7 +157,9 @@ def compute_policy_loss(
     kl_term = None
     if settings.kl_coef > 0:
         kl_term = registry.get_kl_estimator(settings.kl_estimator)(logprobs, ref_logprobs)
-        per_token = pg + settings.kl_coef * kl_term * policy_mask
+        # where(), not a product: unused positions may hold non-finite log-probs
+        kl_term = torch.where(policy_mask > 0, kl_term, torch.zeros_like(kl_term))
+        per_token = pg + settings.kl_coef * kl_term
     loss = registry.get_aggregation(settings.loss_agg).reduce(
         per_token, mask, sample_index, normalizer
     )
@@ -165,9 +167,9 @@ def compute_policy_loss(
         pg, ratio, flags, mask, policy_mask, old_logprobs, ref_logprobs, log_ratio, settings
     )
     if kl_term is not None:
-        metrics["loss/kl_penalty"] = (kl_term.detach() * policy_mask).sum()
+        metrics["loss/kl_penalty"] = kl_term.detach().sum()
     if entropy is not None:
-        metrics["loss/entropy"] = (entropy.detach() * mask).sum()
+        metrics["loss/entropy"] = _masked_sum(entropy.detach(), mask)
     return loss, metrics
 
 
@@ -177,15 +179,15 @@ def _metrics(pg, ratio, flags, mask, policy_mask, old_logprobs, ref_logprobs, lo
     anchor_mask = mask - policy_mask
     masked_ratio = torch.where(mask > 0, ratio, torch.zeros_like(ratio))
     metrics = {
-        "loss/pg": (pg * mask).sum(),
-        "loss/clipfrac_low": (flags["clip_low"] * mask).sum(),
-        "loss/clipfrac_high": (flags["clip_high"] * mask).sum(),
-        "loss/dualclip_frac": (flags["dual"] * mask).sum(),
-        "loss/ratio_mean": (ratio * mask).sum(),
+        "loss/pg": _masked_sum(pg, mask),
+        "loss/clipfrac_low": _masked_sum(flags["clip_low"].to(mask.dtype), mask),
+        "loss/clipfrac_high": _masked_sum(flags["clip_high"].to(mask.dtype), mask),
+        "loss/dualclip_frac": _masked_sum(flags["dual"].to(mask.dtype), mask),
+        "loss/ratio_mean": _masked_sum(ratio, mask),
         "loss/ratio_max": masked_ratio.max() if ratio.numel() else ratio.new_zeros(()),
-        "loss/anchor_ratio_mean": (ratio * anchor_mask).sum(),
+        "loss/anchor_ratio_mean": _masked_sum(ratio, anchor_mask),
         # k3 estimate of KL(behaviour || target) of the ratio in use, on-policy tokens only
-        "loss/approx_kl": (kl_k3(torch.zeros_like(log_ratio), log_ratio) * policy_mask).sum(),
+        "loss/approx_kl": _masked_sum(kl_k3(torch.zeros_like(log_ratio), log_ratio), policy_mask),
         "count/tokens": mask.sum(),
         "count/anchor_tokens": anchor_mask.sum(),
         "count/policy_tokens": policy_mask.sum(),
@@ -200,10 +202,15 @@ def _reference_kl_metrics(old_logprobs, ref_logprobs, policy_mask, anchor_mask):
     ``kl/forward_k1``: KL(pi_ref || pi_old) on anchor tokens (y ~ pi_ref, accepted anchors only)."""
     old, ref = old_logprobs.detach(), ref_logprobs.detach()
     return {
-        "kl/reverse_k1": (kl_k1(old, ref) * policy_mask).sum(),
-        "kl/reverse_k3": (kl_k3(old, ref) * policy_mask).sum(),
-        "kl/forward_k1": (kl_k1(ref, old) * anchor_mask).sum(),
+        "kl/reverse_k1": _masked_sum(kl_k1(old, ref), policy_mask),
+        "kl/reverse_k3": _masked_sum(kl_k3(old, ref), policy_mask),
+        "kl/forward_k1": _masked_sum(kl_k1(ref, old), anchor_mask),
     }
+
+
+def _masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``sum_t values_t`` over ``mask_t > 0``; values elsewhere (possibly non-finite) are ignored."""
+    return torch.where(mask > 0, values, torch.zeros_like(values)).sum()
 
 
 def count_units(loss_agg: str, loss_mask: torch.Tensor, sample_index: torch.Tensor) -> int:

@@ -111,6 +111,27 @@ def test_kl_penalty_only_on_policy_tokens():
         assert m["loss/kl_penalty"].item() == pytest.approx(expected)
 
 
+def test_unused_positions_may_hold_non_finite_reference_logprobs():
+    lp = torch.tensor([-1.0, -0.5, -0.7], requires_grad=True)
+    ref = torch.tensor([-math.inf, -0.6, -0.9])  # position 0 is a prompt token
+    settings = LossSettings(ratio="standard", kl_coef=0.1)
+    loss, m = compute_policy_loss(
+        lp,
+        lp.detach(),
+        ref,
+        torch.ones(3),
+        torch.tensor([0.0, 1.0, 1.0]),
+        torch.zeros(3, dtype=torch.bool),
+        torch.zeros(3, dtype=torch.long),
+        settings,
+        2.0,
+    )
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(lp.grad).all()
+    assert all(math.isfinite(v.item()) for v in m.values())
+    assert m["loss/clipfrac_low"].dtype == torch.float32
+
+
 def test_entropy_metric_and_ref_metrics_switch():
     lp = torch.zeros(2)
     settings = LossSettings(ratio="standard", ref_metrics=False)
