@@ -75,7 +75,10 @@ def _die_with_parent() -> None:
         import ctypes
 
         pr_set_pdeathsig = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+        except OSError:  # not glibc: the pipe's EOF still ends an idle worker
+            pass
 
 
 def verify_job(job: Job) -> Verdict:
@@ -170,11 +173,23 @@ class ScoringPool:
         while len(self._workers) < self.num_workers:
             self._workers.append(self._spawn())
 
+    def start(self) -> None:
+        """Start the workers and wait until each is ready (``run`` also starts them lazily)."""
+        self._ensure_workers()
+        stats = PoolStats()
+        while not all(w.ready for w in self._workers):
+            self._collect([], deque(), stats)
+            self._enforce_deadlines([], deque(), stats)
+
     def _kill(self, worker: _Worker) -> None:
         worker.process.kill()
         worker.process.join(timeout=5.0)
         worker.conn.close()
         self._workers.remove(worker)
+
+    def _terminate(self) -> None:
+        for worker in list(self._workers):
+            self._kill(worker)
 
     def close(self) -> None:
         """Stop every worker (politely, then by force)."""
@@ -201,10 +216,15 @@ class ScoringPool:
         pending = deque(range(len(jobs)))
         chunk_size = max(1, min(MAX_CHUNK, math.ceil(len(jobs) / (4 * self.num_workers))))
         self._ensure_workers()
-        while pending or any(w.busy for w in self._workers):
-            self._dispatch(jobs, pending, chunk_size)
-            self._collect(verdicts, pending, stats)
-            self._enforce_deadlines(verdicts, pending, stats)
+        try:
+            while pending or any(w.busy for w in self._workers):
+                self._dispatch(jobs, pending, chunk_size)
+                self._collect(verdicts, pending, stats)
+                self._enforce_deadlines(verdicts, pending, stats)
+        except BaseException:
+            # Interrupted mid-batch: workers may still hold chunks of this batch; start over.
+            self._terminate()
+            raise
         stats.seconds = time.monotonic() - start
         return [v for v in verdicts if v is not None], stats
 

@@ -108,6 +108,10 @@ class RewardScorer:
         )
         return stats
 
+    def start(self) -> None:
+        """Start the scoring workers now (else the first :meth:`score` starts them)."""
+        self.pool.start()
+
     def close(self) -> None:
         """Stop the scoring workers."""
         self.pool.close()
