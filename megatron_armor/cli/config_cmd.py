@@ -1,4 +1,7 @@
-"""``armor config show FILE [key=value ...]``: print the resolved, validated config."""
+"""``armor config show FILE [key=value ...]``: print the resolved, validated config.
+
+``armor config check FILE [FILE ...]`` validates several run files at once (e.g. ``configs/**``).
+"""
 
 from __future__ import annotations
 
@@ -9,12 +12,15 @@ from megatron_armor.config import ConfigError, load_config, to_yaml
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("config", help="inspect configs")
+    p = sub.add_parser("config", help="inspect and validate configs")
     actions = p.add_subparsers(dest="action", required=True)
     show = actions.add_parser("show", help="print the resolved config")
     show.add_argument("file", help="YAML config (may name one `base:` parent)")
     show.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algo.alpha=0.875")
     show.set_defaults(run=run)
+    check = actions.add_parser("check", help="validate config files; exit 2 if any is invalid")
+    check.add_argument("files", nargs="+", help="YAML configs")
+    check.set_defaults(run=run_check)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -25,3 +31,16 @@ def run(args: argparse.Namespace) -> int:
         return 2
     print(to_yaml(config), end="")
     return 0
+
+
+def run_check(args: argparse.Namespace) -> int:
+    failed = 0
+    for file in args.files:
+        try:
+            load_config(file)
+        except ConfigError as e:
+            failed += 1
+            print(f"armor config: {e}", file=sys.stderr)
+        else:
+            print(f"ok {file}")
+    return 2 if failed else 0

@@ -61,3 +61,14 @@ def test_python_dash_m_entry_point(child):
     assert out.returncode == 0, out.stderr
     shown = OmegaConf.create(out.stdout)
     assert shown.algo.group_size == 8 and shown.rollout.batch == 4
+
+
+def test_check_reports_each_file(child, tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("base: child.yaml\nalgo:\n  group_size: 1\n")
+    assert main(["config", "check", str(child)]) == 0
+    assert capsys.readouterr().out == f"ok {child}\n"
+    assert main(["config", "check", str(child), str(bad)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == f"ok {child}\n"
+    assert f"{bad}: algo.group_size=1: must be >= 2" in captured.err
