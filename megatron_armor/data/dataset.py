@@ -123,7 +123,12 @@ def read_table(source: str) -> Any:
             raise ValueError(
                 f"{source}: unsupported file type {path.suffix!r}; use one of {sorted(FILE_FORMATS)}"
             )
-        return datasets.load_dataset(fmt, data_files=str(path), split="train")
+        if path.stat().st_size == 0:
+            raise ValueError(f"{source}: the file is empty")
+        try:
+            return datasets.load_dataset(fmt, data_files=str(path), split="train")
+        except Exception as e:  # arrow/json errors come in many types; name the file
+            raise ValueError(f"{source}: cannot be read as {fmt} ({type(e).__name__}: {e})") from e
     if not HUB_NAME.fullmatch(source) or path.suffix.lower() in FILE_FORMATS:
         raise FileNotFoundError(f"{source}: data file not found")
     name, _, split = source.partition(":")

@@ -172,6 +172,26 @@ def test_missing_file_and_unknown_suffix(tmp_path, tokenizer):
         load_prompt_dataset([str(bad)], tokenizer, "dapo", 512)
 
 
+def test_empty_and_unreadable_files_name_the_file(tmp_path, tokenizer):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(ValueError, match=r"empty\.jsonl: the file is empty"):
+        load_prompt_dataset([str(empty)], tokenizer, "dapo", 512)
+    garbage = tmp_path / "garbage.parquet"
+    garbage.write_text("not parquet")
+    with pytest.raises(ValueError, match=r"garbage\.parquet: cannot be read as parquet"):
+        load_prompt_dataset([str(garbage)], tokenizer, "dapo", 512)
+
+
+def test_dapo_rows_without_data_source_take_the_file_stem(tmp_path, tokenizer):
+    row = dapo_row("P", "1", "i")
+    del row["data_source"]
+    ds = load_prompt_dataset(
+        [write_jsonl(tmp_path / "tiny_train.jsonl", [row])], tokenizer, "dapo", 512
+    )
+    assert ds[0].data_source == "tiny_train"
+
+
 def test_templates_on_both_schemas(tmp_path, tokenizer, chat_tokenizer):
     dapo = write_parquet(tmp_path / "train.parquet", [dapo_row("P1", "1", "q")])
     bench = write_jsonl(tmp_path / "amc.jsonl", [{"problem": "P2", "answer": "2"}])
