@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Profile chosen training steps.
+#
+#   launch/profile.sh [--tool nsys|dlprof|torch] [--steps 3,4] [--capture cudaProfilerApi|nvtx]
+#                     [--out DIR] CONFIG [key=value ...]
+#
+# nsys:   Nsight Systems around the driver (Ray started in-process, so every actor process is a
+#         descendant and is followed); capture limited to the chosen steps by cudaProfilerStart/
+#         Stop (default) or by the NVTX range `profile/step_<S>` (--capture nvtx); NVTX phase
+#         ranges (rollout, log-probs, train, weight sync, reset) on. Report: DIR/armor.nsys-rep.
+# dlprof: the DLProf tool (older NGC containers) in PyTorch mode, same step selection.
+# torch:  torch.profiler Chrome traces of the chosen steps in DIR (no external tool).
+# ARMOR_DRY_RUN=1 prints the command instead of running it.
+set -euo pipefail
+source "$(dirname "$0")/common.sh"
+
+TOOL=nsys STEPS=3 CAPTURE=cudaProfilerApi OUT=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --tool) TOOL=$2; shift 2 ;;
+    --steps) STEPS=$2; shift 2 ;;
+    --capture) CAPTURE=$2; shift 2 ;;
+    --out) OUT=$2; shift 2 ;;
+    --) shift; break ;;
+    -*) die "unknown option $1 (see the header of launch/profile.sh)" ;;
+    *) break ;;
+  esac
+done
+[ $# -ge 1 ] || die "usage: launch/profile.sh [--tool nsys|dlprof|torch] [--steps 3,4] CONFIG [key=value ...]"
+[[ "$STEPS" =~ ^[0-9]+(,[0-9]+)*$ ]] || die "--steps $STEPS: give step numbers like 3 or 3,4"
+OUT=${OUT:-runs/profile-$TOOL-$(date +%Y%m%d-%H%M%S)}
+driver_words
+cmd=("${DRIVER[@]}" "$@" "logging.profile=$TOOL" "logging.profile_steps=[$STEPS]")
+
+case "$TOOL" in
+  nsys)
+    command -v nsys >/dev/null || die "nsys (Nsight Systems) is not on PATH; NGC containers ship it, or install the Nsight Systems CLI"
+    capture=(--capture-range=cudaProfilerApi --capture-range-end=stop)
+    if [ "$CAPTURE" = nvtx ]; then
+      first=${STEPS%%,*}
+      capture=(--capture-range=nvtx "--nvtx-capture=profile/step_${first}@armor" --capture-range-end=stop)
+      export NSYS_NVTX_PROFILER_REGISTER_ONLY=0  # match our unregistered range names
+    elif [ "$CAPTURE" != cudaProfilerApi ]; then
+      die "--capture $CAPTURE: use cudaProfilerApi or nvtx"
+    fi
+    export ARMOR_NVTX=1
+    cmd=(nsys profile --trace=cuda,nvtx,osrt,cublas,cudnn --sample=none --trace-fork-before-exec=true
+         "${capture[@]}" --force-overwrite=true --output="$OUT/armor" "${cmd[@]}") ;;
+  dlprof)
+    command -v dlprof >/dev/null || die "the DLProf tool is not installed (it ships only in older NGC PyTorch containers; PyPI's nvidia-dlprof is a placeholder); use --tool nsys"
+    cmd=(dlprof --mode=pytorch --force=true --output_path="$OUT" "${cmd[@]}") ;;
+  torch)
+    cmd+=("run.output_dir=$OUT") ;;
+  *) die "--tool $TOOL: use nsys, dlprof or torch" ;;
+esac
+
+log "profiling with $TOOL, steps $STEPS -> $OUT"
+if [ "${ARMOR_DRY_RUN:-0}" = 1 ]; then printf '%q ' "${cmd[@]}"; echo; exit 0; fi
+mkdir -p "$OUT"
+exec "${cmd[@]}"
