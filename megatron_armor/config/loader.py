@@ -27,7 +27,9 @@ def _read_yaml(path: Path, depth: int = 0):
         raise ConfigError(f"{path}: `base:` chain deeper than 8 files; is there a cycle?")
     node = OmegaConf.load(path)
     if not OmegaConf.is_dict(node):
-        raise ConfigError(f"{path}: top level must be a mapping of sections, got {type(node).__name__}")
+        raise ConfigError(
+            f"{path}: top level must be a mapping of sections, got {type(node).__name__}"
+        )
     base = node.pop("base", None)
     if base is None:
         return [(path, node)]
