@@ -346,3 +346,17 @@ def test_zero_advantage_gives_zero_loss_and_gradient(data, agg, ratio):
     loss.backward()
     assert loss.item() == 0.0
     assert torch.count_nonzero(lp.grad) == 0
+
+
+def test_settings_from_algo_config_resolves_alpha():
+    from types import SimpleNamespace
+
+    algo = SimpleNamespace(
+        ratio="mixed", alpha="auto", group_size=16, clip_low=0.2, clip_high=0.28,
+        dual_clip_c=10.0, log_ratio_clamp=20.0, loss_agg="token-mean", kl_coef=0.0,
+        kl_estimator="k3",
+    )  # fmt: skip
+    assert LossSettings.from_algo_config(algo).alpha == 15 / 16
+    algo.alpha = 0.875
+    settings = LossSettings.from_algo_config(algo, ref_metrics=False)
+    assert settings.alpha == 0.875 and not settings.ref_metrics
