@@ -184,11 +184,10 @@ def _engine_notes(config: ArmorConfig, engine: EngineShape, seq_len: int) -> lis
             )
         )
     a = config.algo
-    sequences = (
-        config.rollout.gen_batch
-        * (a.group_size + a.ref_n)
-        / max(1, config.rollout.sglang.num_engines)
-    )
+    engines = config.rollout.sglang.num_engines
+    if config.orchestration.layout == "colocated":
+        engines = config.trainer.world_size // max(1, engine.tp)  # one engine per tp trainer GPUs
+    sequences = config.rollout.gen_batch * (a.group_size + a.ref_n) / max(1, engines)
     out.append(
         f"SGLang KV cache per engine: {tokens} tokens = {tokens / seq_len:.0f} full-length sequences (a generation batch has up to {sequences:.0f} per engine)"
     )

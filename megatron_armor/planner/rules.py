@@ -172,20 +172,29 @@ def _placement_rules(s: LayoutSpec) -> list[Finding]:
             )
         )
     if s.layout == "colocated":
-        if s.world_size != gpus:
+        # The orchestrator starts world_size / engine_tp engines, each beside engine_tp trainer ranks.
+        if s.world_size % s.engine_tp:
+            out.append(
+                Finding(
+                    "error",
+                    "rollout.sglang.tp",
+                    f"{s.engine_tp} does not divide trainer.world_size={s.world_size} (colocated engines sit on the trainer GPUs)",
+                )
+            )
+        if s.world_size > gpus:
             out.append(
                 Finding(
                     "error",
                     "trainer.world_size",
-                    f"{s.world_size} != nodes*gpus_per_node = {gpus}; colocated training uses every GPU",
+                    f"{s.world_size} > nodes*gpus_per_node = {gpus} GPUs",
                 )
             )
-        if engine_gpus != gpus:
+        elif s.world_size < gpus:
             out.append(
                 Finding(
-                    "error",
-                    "rollout.sglang.num_engines",
-                    f"tp*num_engines = {engine_gpus} != {gpus} GPUs; colocated engines cover every GPU (num_engines = {gpus // max(1, s.engine_tp)})",
+                    "warning",
+                    "trainer.world_size",
+                    f"{s.world_size} < {gpus} GPUs: colocated training leaves {gpus - s.world_size} idle",
                 )
             )
     elif s.layout == "disaggregated":

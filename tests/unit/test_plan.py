@@ -128,7 +128,7 @@ def test_layout_rules_name_the_setting():
             "trainer.pp=5",
             "trainer.world_size=80",
             "trainer.micro_batch_tokens=1024",
-            "rollout.sglang.num_engines=3",
+            "rollout.sglang.tp=3",
         ],
     )
     plan = make_plan(config, model="qwen3-8b")
@@ -136,7 +136,8 @@ def test_layout_rules_name_the_setting():
     assert any("trainer.tp" in m and "key/value heads" in m for m in messages)
     assert any("trainer.pp" in m and "36 layers" in m for m in messages)
     assert any("trainer.micro_batch_tokens" in m for m in messages)
-    assert any("trainer.world_size" in m and "colocated" in m for m in messages)
+    assert any("trainer.world_size" in m and "80 > nodes*gpus_per_node" in m for m in messages)
+    assert any("rollout.sglang.tp" in m and "does not divide" in m for m in messages)
     assert not plan.fits
 
 
