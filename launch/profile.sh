@@ -15,6 +15,7 @@ set -euo pipefail
 source "$(dirname "$0")/common.sh"
 
 TOOL=nsys STEPS=3 CAPTURE=cudaProfilerApi OUT=""
+dry_run_or_have() { [ "${ARMOR_DRY_RUN:-0}" = 1 ] || command -v "$1" >/dev/null; }
 while [ $# -gt 0 ]; do
   case "$1" in
     --tool) TOOL=$2; shift 2 ;;
@@ -34,7 +35,7 @@ cmd=("${DRIVER[@]}" "$@" "logging.profile=$TOOL" "logging.profile_steps=[$STEPS]
 
 case "$TOOL" in
   nsys)
-    command -v nsys >/dev/null || die "nsys (Nsight Systems) is not on PATH; NGC containers ship it, or install the Nsight Systems CLI"
+    dry_run_or_have nsys || die "nsys (Nsight Systems) is not on PATH; NGC containers ship it, or install the Nsight Systems CLI"
     capture=(--capture-range=cudaProfilerApi --capture-range-end=stop)
     if [ "$CAPTURE" = nvtx ]; then
       first=${STEPS%%,*}
@@ -47,7 +48,7 @@ case "$TOOL" in
     cmd=(nsys profile --trace=cuda,nvtx,osrt,cublas,cudnn --sample=none --trace-fork-before-exec=true
          "${capture[@]}" --force-overwrite=true --output="$OUT/armor" "${cmd[@]}") ;;
   dlprof)
-    command -v dlprof >/dev/null || die "the DLProf tool is not installed (it ships only in older NGC PyTorch containers; PyPI's nvidia-dlprof is a placeholder); use --tool nsys"
+    dry_run_or_have dlprof || die "the DLProf tool is not installed (it ships only in older NGC PyTorch containers; PyPI's nvidia-dlprof is a placeholder); use --tool nsys"
     cmd=(dlprof --mode=pytorch --force=true --output_path="$OUT" "${cmd[@]}") ;;
   torch)
     cmd+=("run.output_dir=$OUT") ;;
