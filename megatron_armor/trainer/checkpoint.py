@@ -23,11 +23,15 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedBase
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 from megatron_armor.trainer import parallel
 from megatron_armor.trainer.hf_weights import unwrap
 
 REFERENCE_PREFIX = "reference."
+# distributed optimizer: one ShardedTensor per contiguous buffer, saved and loaded by every DP
+# rank in parallel (reshardable across DP sizes); ignored by the non-distributed optimizers
+_OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 
 def _detached_copy(sharded: dict) -> dict:
@@ -56,7 +60,9 @@ def _sharded_state(trainer, is_loading: bool) -> dict:
     return {
         "model": model_sd,
         "reference": ref_sd,
-        "optimizer": trainer.optimizer.sharded_state_dict(model_sd, is_loading=is_loading),
+        "optimizer": trainer.optimizer.sharded_state_dict(
+            model_sd, is_loading=is_loading, metadata=_OPTIMIZER_METADATA
+        ),
         "scheduler": trainer.scheduler.state_dict(),
         "updates": trainer.updates,
     }
@@ -77,6 +83,27 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
+
+
+def _materialize_optimizer_state(optimizer) -> None:
+    """A distributed optimizer that has not stepped yet has no Adam state (``step``,
+    ``exp_avg``...) to load into; megatron's own zero-gradient dummy step creates it (the values
+    are overwritten by the load)."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(opt, DistributedOptimizer) and not opt.optimizer.state:
+            opt._init_optimizer_states_with_dummy_values()
+
+
+def _unshare_adam_steps(optimizer) -> None:
+    """Without TE/Apex, megatron's distributed optimizer restores one ``step`` tensor shared
+    by every parameter's Adam state; torch Adam increments each state's ``step`` in place, so a
+    shared tensor would advance once per parameter and corrupt the bias correction. Give every
+    state its own copy."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        for state in getattr(inner, "state", {}).values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
 
 
 def _barrier() -> None:
@@ -102,12 +129,20 @@ def load_trainer(trainer, path: str) -> dict:
     dist_dir = os.path.join(path, "dist")
     if not os.path.isdir(dist_dir):
         raise FileNotFoundError(f"{path!r} is not a trainer checkpoint (no dist/ directory)")
+    _materialize_optimizer_state(trainer.optimizer)
     loaded = dist_checkpointing.load(_sharded_state(trainer, is_loading=True), dist_dir)
     core = unwrap(trainer.model)
+    # dist_checkpointing loads the model in place (its tensors are the live parameters), so
+    # keep a copy before the reference passes through the live parameters
+    model_state = {
+        k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in loaded["model"].items()
+    }
     core.load_state_dict(_strip_prefix(loaded["reference"], REFERENCE_PREFIX))
     trainer.store.snapshot("ref")
-    core.load_state_dict(loaded["model"])
-    trainer.optimizer.load_state_dict(loaded["optimizer"])
+    core.load_state_dict(model_state)
+    with torch.no_grad():  # the optimizer copies into views of parameters
+        trainer.optimizer.load_state_dict(loaded["optimizer"])
+    _unshare_adam_steps(trainer.optimizer)
     trainer.scheduler.load_state_dict(loaded["scheduler"])
     trainer.updates = int(loaded["updates"])
     rng_file = os.path.join(path, "rng", f"rank_{parallel.global_rank()}.pt")

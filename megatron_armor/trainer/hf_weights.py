@@ -212,7 +212,7 @@ def load_hf_weights(model, model_dir: str, spec: HFModelSpec) -> int:
 def _gather_tp(tensor: torch.Tensor) -> list[torch.Tensor]:
     tp = parallel.tp_size()
     if tp == 1:
-        return [tensor]
+        return [tensor.detach()]
     dev = parallel.collective_device()
     local = tensor.detach().to(dev).contiguous()
     parts = [torch.empty_like(local) for _ in range(tp)]

@@ -1,11 +1,11 @@
 """One trainer rank for the dist tests (run as a script, one process per rank).
 
-``python trainer_worker.py MODE RANK WORLD PORT OUT MODELS TP PP DISTOPT``
+``python trainer_worker.py MODE RANK WORLD PORT OUT MODELS TP PP DISTOPT EXTRAS``
 
 - ``run``: (1) a ``MegatronTrainer`` on the tiny Qwen2: policy log-probs, two ARMOR updates
-  with a checkpoint after the first, reference log-probs before/after ``reset_reference``,
-  exported weights; (2) for each tiny model, logits on fixed tokens (TP-gathered) and the
-  exported HF tensors.
+  (with a checkpoint after the first when EXTRAS has ``ckpt``), reference log-probs
+  before/after ``reset_reference``, exported weights; (2) when EXTRAS has ``oracle``, for each
+  tiny model, logits on fixed tokens (TP-gathered) and the exported HF tensors.
 - ``resume``: a fresh trainer loads ``OUT/ckpt`` and takes the second update again.
 
 Each rank writes ``OUT/MODE_rank{RANK}.pt``.
@@ -45,21 +45,48 @@ def full(tensor):
     return local
 
 
+def oracle_micro_batch():
+    """The oracle tokens as one micro-batch (two rows)."""
+    from megatron_armor.trainer.batching import build_micro_batch
+    from megatron_armor.types import TrainBatch
+
+    tokens = oracle_tokens()
+    n, seq = tokens.shape
+    zeros = torch.zeros(n * seq)
+    batch = TrainBatch(
+        tokens=tokens.reshape(-1),
+        position_ids=torch.arange(seq).repeat(n),
+        cu_seqlens=torch.arange(0, n * seq + 1, seq, dtype=torch.int32),
+        loss_mask=zeros,
+        advantages=zeros,
+        old_logprobs=zeros,
+        ref_logprobs=zeros,
+        is_anchor=zeros.bool(),
+        sample_index=torch.arange(n).repeat_interleave(seq),
+    )
+    return build_micro_batch(batch, list(range(n)))
+
+
+def keep_logits(mb, output):
+    """A ``loss_func`` builder that hands the last stage's logits back."""
+    return output.new_zeros(()), torch.tensor(0, dtype=torch.int), {"logits": output}
+
+
 def oracle(models: dict[str, str]) -> dict:
     from megatron_armor.config.schema import TrainerConfig
     from megatron_armor.trainer import hf_weights, parallel
     from megatron_armor.trainer.model import build_model, read_hf_spec
+    from megatron_armor.trainer.schedule import run_schedule
 
     out = {}
     for name, model_dir in models.items():
         spec = read_hf_spec(model_dir)
         model = build_model(spec, TrainerConfig(precision="fp32"))
         hf_weights.load_hf_weights(model, model_dir, spec)
-        tokens = oracle_tokens()
-        pos = torch.arange(tokens.shape[1]).expand_as(tokens)
         with torch.no_grad():
-            logits = model(tokens, pos, None)
+            outputs = run_schedule(model, [oracle_micro_batch()], keep_logits, forward_only=True)
         if parallel.is_last_stage():
+            logits = outputs[0]["logits"]
             parts = [torch.empty_like(logits) for _ in range(parallel.tp_size())]
             dist.all_gather(parts, logits.contiguous(), group=parallel.tp_group())
             out[f"logits/{name}"] = torch.cat(parts, dim=-1)[..., :VOCAB]
@@ -67,7 +94,7 @@ def oracle(models: dict[str, str]) -> dict:
     return out
 
 
-def run(trainer, out: dict) -> None:
+def run(trainer, out: dict, ckpt: bool) -> None:
     batch = make_batch()
     lp0 = full(trainer.compute_logprobs(batch, "policy"))
     batch.old_logprobs = perturb(lp0, batch.loss_mask, 1, 0.3)
@@ -75,8 +102,9 @@ def run(trainer, out: dict) -> None:
     out["lp0"] = lp0
     out["m1"] = trainer.train_step(batch, 1)
     out["w1"] = dict(trainer.export_weights())
-    ckpt = os.path.join(OUT, "ckpt")
-    trainer.save_checkpoint(ckpt, {"step": 1, "old": batch.old_logprobs, "ref": batch.ref_logprobs})
+    if ckpt:
+        state = {"step": 1, "old": batch.old_logprobs, "ref": batch.ref_logprobs}
+        trainer.save_checkpoint(os.path.join(OUT, "ckpt"), state)
     out["m2"] = trainer.train_step(batch, 1)
     out["w2"] = dict(trainer.export_weights())
     out["lp_policy"] = full(trainer.compute_logprobs(batch, "policy"))
@@ -97,6 +125,7 @@ def resume(trainer, out: dict) -> None:
 if __name__ == "__main__":
     mode, rank, world, port, OUT, models_root = sys.argv[1:7]
     tp, pp, distopt = int(sys.argv[7]), int(sys.argv[8]), sys.argv[9] == "1"
+    extras = sys.argv[10].split(",")
     rank, world = int(rank), int(world)
     from megatron_armor.trainer.actor import MegatronTrainer
 
@@ -106,8 +135,9 @@ if __name__ == "__main__":
     )
     result: dict = {}
     if mode == "run":
-        run(trainer, result)
-        result.update(oracle(models))
+        run(trainer, result, "ckpt" in extras)
+        if "oracle" in extras:
+            result.update(oracle(models))
     else:
         resume(trainer, result)
     torch.save(result, os.path.join(OUT, f"{mode}_rank{rank}.pt"))
