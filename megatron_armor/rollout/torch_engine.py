@@ -240,7 +240,7 @@ class TorchEngine(RolloutEngine):
         )
         return out.logits[:, -1, :]
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def _generate_chunk(self, model, prompts, chunk_prompts, params, generator):
         """Decode one chunk; returns per row ``(token_ids, logprobs)`` lists."""
         distinct = sorted(set(chunk_prompts))
