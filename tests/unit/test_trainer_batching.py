@@ -1,0 +1,85 @@
+"""Unit tier: DP sharding, micro-batch planning and the ``[n, L]`` layout of packed batches."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "dist"))
+
+from tiny_models import make_batch  # noqa: E402
+
+from megatron_armor.algo.losses import count_units  # noqa: E402
+from megatron_armor.trainer.batching import (  # noqa: E402
+    build_micro_batch,
+    plan_micro_batches,
+    shard_samples,
+    split_micro_batches,
+    split_minibatches,
+)
+
+pytestmark = pytest.mark.unit
+
+
+def test_shards_are_balanced_disjoint_and_complete() -> None:
+    lengths = [9, 3, 7, 7, 2, 12, 5, 1]
+    shards = shard_samples(lengths, 3)
+    assert sorted(i for s in shards for i in s) == list(range(len(lengths)))
+    loads = [sum(lengths[i] for i in s) for s in shards]
+    assert max(loads) - min(loads) <= max(lengths)
+    assert all(s == sorted(s) for s in shards)
+
+
+def test_micro_batches_respect_padded_budget() -> None:
+    lengths = [4, 6, 3, 10, 2, 2]
+    groups = split_micro_batches(list(range(6)), lengths, 12)
+    assert [i for g in groups for i in g] == list(range(6))
+    for g in groups:
+        assert len(g) == 1 or len(g) * max(lengths[i] for i in g) <= 12
+
+
+def test_rejects_non_positive_budget() -> None:
+    with pytest.raises(ValueError, match="micro_batch_tokens"):
+        split_micro_batches([0], [3], 0)
+
+
+def test_layout_round_trips_the_packed_batch() -> None:
+    batch = make_batch()
+    mb = build_micro_batch(batch, [1, 4, 6], pad_multiple=4)
+    assert mb.seq_len % 4 == 0
+    assert torch.equal(mb.tokens[mb.valid], batch.tokens[mb.token_index])
+    assert torch.equal(mb.loss_mask, batch.loss_mask[mb.token_index])
+    assert torch.equal(mb.position_ids[mb.valid], batch.position_ids[mb.token_index])
+    assert mb.sample_index.tolist() == sorted(mb.sample_index.tolist())
+
+
+@pytest.mark.parametrize("dp", [1, 2, 3])
+@pytest.mark.parametrize("budget", [16, 40, 1000])
+def test_normalizer_is_invariant_to_the_split(dp: int, budget: int) -> None:
+    """Summing the local units over micro-batches and DP ranks gives the mini-batch's units."""
+    batch = make_batch()
+    for agg in ("token-mean", "seq-mean-token-mean"):
+        total = sum(
+            count_units(agg, mb.loss_mask, mb.sample_index)
+            for rank in range(dp)
+            for mb in plan_micro_batches(batch, rank, dp, budget)
+        )
+        assert total == count_units(agg, batch.loss_mask, batch.sample_index)
+
+
+def test_rank_without_samples_gets_a_zero_weight_micro_batch() -> None:
+    batch = make_batch().select([0])
+    mbs = plan_micro_batches(batch, 1, 2, 100)
+    assert len(mbs) == 1 and mbs[0].loss_mask.sum() == 0
+
+
+def test_minibatches_partition_the_batch() -> None:
+    batch = make_batch()
+    parts = split_minibatches(batch, 3)
+    assert sum(p.num_samples for p in parts) == batch.num_samples
+    assert torch.equal(torch.cat([p.tokens for p in parts]), batch.tokens)
+    with pytest.raises(ValueError, match="num_minibatches"):
+        split_minibatches(batch, batch.num_samples + 1)

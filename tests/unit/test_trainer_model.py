@@ -1,0 +1,100 @@
+"""Unit tier: reading HF configs, rope frequencies, FP8/TE settings errors, CPU-mode checks."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from megatron_armor.config.schema import FP8Config, TrainerConfig
+from megatron_armor.trainer import cpu_compat
+from megatron_armor.trainer.model import fp8_settings, layer_spec, read_hf_spec, rope_inv_freq
+
+pytestmark = pytest.mark.unit
+
+
+def write_config(tmp_path, **overrides) -> str:
+    cfg = {
+        "model_type": "llama",
+        "vocab_size": 300,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 128,
+        "tie_word_embeddings": False,
+    }
+    cfg.update(overrides)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return str(tmp_path)
+
+
+def test_reads_both_rope_layouts(tmp_path) -> None:
+    v4 = read_hf_spec(write_config(tmp_path, rope_theta=5e5))
+    assert v4.rope_theta == 5e5 and v4.rope_scaling is None and v4.head_dim == 16
+    v5 = read_hf_spec(
+        write_config(tmp_path, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    )
+    assert v5.rope_theta == 1e6
+    assert v5.padded_vocab(1) == 384 and v5.padded_vocab(2) == 512
+
+
+def test_unsupported_model_and_rope_type_are_rejected(tmp_path) -> None:
+    with pytest.raises(ValueError, match="model_type='gpt2'"):
+        read_hf_spec(write_config(tmp_path, model_type="gpt2"))
+    with pytest.raises(ValueError, match="yarn"):
+        read_hf_spec(write_config(tmp_path, rope_scaling={"rope_type": "yarn", "factor": 4.0}))
+
+
+def test_llama3_rope_scaling_matches_transformers(tmp_path) -> None:
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    }
+    spec = read_hf_spec(write_config(tmp_path, rope_theta=5e5, rope_scaling=scaling))
+    hf_cfg = LlamaConfig(
+        hidden_size=64, num_attention_heads=4, rope_theta=5e5, rope_scaling=scaling
+    )
+    expected, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_cfg, "cpu")
+    torch.testing.assert_close(rope_inv_freq(spec), expected)
+    plain = 1.0 / (5e5 ** (torch.arange(0, 16, 2).float() / 16))
+    assert not torch.allclose(rope_inv_freq(spec), plain)
+    assert math.isclose(rope_inv_freq(spec)[0].item(), 1.0)
+
+
+def test_fp8_without_transformer_engine_is_a_clear_error() -> None:
+    assert fp8_settings(FP8Config(enabled=False)) == {}
+    if torch.cuda.is_available():
+        pytest.skip("this checks the CPU build, where Transformer Engine cannot import")
+    with pytest.raises(RuntimeError, match="trainer.fp8.enabled=true needs Transformer Engine"):
+        fp8_settings(FP8Config(enabled=True))
+
+
+def test_te_spec_without_transformer_engine_is_a_clear_error(tmp_path) -> None:
+    spec = read_hf_spec(write_config(tmp_path))
+    if torch.cuda.is_available():
+        pytest.skip("this checks the CPU build, where Transformer Engine cannot import")
+    with pytest.raises(RuntimeError, match="transformer_impl=te"):
+        layer_spec(spec, "te")
+    with pytest.raises(ValueError, match="transformer_impl='fast'"):
+        layer_spec(spec, "fast")
+    assert TrainerConfig().transformer_impl == "local"
+
+
+def test_cpu_mode_checks_the_megatron_version(monkeypatch) -> None:
+    from megatron.core import package_info
+
+    cpu_compat.check_megatron_version()
+    monkeypatch.setattr(package_info, "__version__", "0.99.0")
+    with pytest.raises(RuntimeError, match="verified with megatron-core 0.16.1"):
+        cpu_compat.check_megatron_version()
