@@ -1,0 +1,147 @@
+"""A real SGLang server on a tiny model (gpu tier: needs CUDA, sglang and sglang-router;
+skipped without sglang, deselected without CUDA).
+
+Launches ``sglang.launch_server`` on a random 2-layer Qwen2 saved in a temp dir, generates
+with log-probs, updates the weights by each transport (``tensor``: CUDA IPC flattened
+buckets; ``distributed``: an NCCL group from this process; ``disk``: an HF dir), and checks
+SGLang's log-probs against teacher-forced log-probs of the same weights computed by
+transformers in fp32 (``TorchEngine``, which the Megatron export test ties to the trainer).
+
+Tolerance: the server runs bf16 kernels (``--dtype bfloat16``), so per-token log-probs are
+compared with ``|mean diff| < 0.05`` and ``max diff < 0.5`` nats, and a weight update must
+move them by far more than that.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+
+from megatron_armor.config.schema import SGLangConfig
+from megatron_armor.rollout.protocol import SamplingParams
+from megatron_armor.rollout.sglang.distributed import DistributedWeightSender
+from megatron_armor.rollout.sglang.engine import SGLangEngine
+from megatron_armor.rollout.torch_engine import TorchEngine
+
+pytestmark = pytest.mark.gpu
+pytest.importorskip("sglang")
+
+TEMPERATURE = 0.8  # != 1 so the log-prob convention (log_softmax(logits / T)) is checked
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16]]
+MEAN_TOL, MAX_TOL = 0.05, 0.5
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def build_tiny_qwen2(path, seed: int) -> str:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        eos_token_id=1, pad_token_id=0, bos_token_id=2, tie_word_embeddings=False,
+    )  # fmt: skip
+    Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sglang")
+    a, b = build_tiny_qwen2(root / "a", 0), build_tiny_qwen2(root / "b", 1)
+    cfg = SGLangConfig(
+        num_engines=1, base_port=free_port(), router=False, mem_fraction_static=0.3, startup_timeout_s=600,
+        extra_args={"skip_tokenizer_init": True, "dtype": "bfloat16", "disable_cuda_graph": True},
+    )  # fmt: skip
+    engine = SGLangEngine(a, cfg, weights_dir=str(root / "weights"))
+    engine.launch(colocated=True, log_dir=str(root))
+    yield {"engine": engine, "a": a, "b": b}
+    engine.close()
+
+
+def logprob_gap(oracle: TorchEngine, outputs) -> tuple[float, float]:
+    diffs = []
+    for prompt, group in zip(PROMPTS, outputs, strict=True):
+        for s in group:
+            ref = oracle.teacher_forced_logprobs(prompt, s.token_ids, TEMPERATURE)
+            diffs += [abs(x - y) for x, y in zip(ref, s.logprobs, strict=True)]
+    return sum(diffs) / len(diffs), max(diffs)
+
+
+def check_serves(served, model_dir: str, version: int) -> None:
+    out = served["engine"].generate(
+        PROMPTS, 2, SamplingParams(temperature=TEMPERATURE, max_new_tokens=16)
+    )
+    assert all(
+        s.weight_version == version and len(s.token_ids) == len(s.logprobs) > 0
+        for g in out
+        for s in g
+    )
+    mean, worst = logprob_gap(TorchEngine(model_dir), out)
+    assert mean < MEAN_TOL and worst < MAX_TOL, (mean, worst)
+
+
+def test_generate_logprobs_match_the_hf_model(served):
+    check_serves(served, served["a"], version=0)
+    assert served["engine"].health()
+
+
+@pytest.mark.parametrize("transport", ["tensor", "disk"])
+def test_weight_update_by_transport(served, transport):
+    engine = served["engine"]
+    engine.cfg.weight_transport = transport
+    target = served["b"] if transport == "tensor" else served["a"]
+    tensors = [(n, t.to("cuda", torch.bfloat16)) for n, t in TorchEngine(target).state_tensors()]
+    engine.update_weights(tensors, version=10 if transport == "tensor" else 11)
+    check_serves(served, target, version=engine.weight_version())
+
+
+def test_weight_update_by_nccl_broadcast(served):
+    engine = served["engine"]
+    targets = [(s.url, s.tp) for s in engine.servers]
+    sender = DistributedWeightSender(
+        targets, "127.0.0.1", free_port(), "armor-test-pp0", bucket_bytes=1 << 20
+    )
+    try:
+        sender.connect(timeout_s=300)
+        tensors = [
+            (n, t.to("cuda", torch.bfloat16)) for n, t in TorchEngine(served["b"]).state_tensors()
+        ]
+        sender.send(tensors, version=12)
+        engine.set_weight_version(12)
+        check_serves(served, served["b"], version=12)
+    finally:
+        sender.close()
+
+
+def test_release_and_resume_memory(served):
+    engine = served["engine"]
+    free_before = torch.cuda.mem_get_info()[0]
+    engine.release_memory()
+    assert torch.cuda.mem_get_info()[0] > free_before
+    engine.resume_memory()
+    check_serves(served, served["b"], version=engine.weight_version())
+
+
+def test_router_in_front_of_two_engines(tmp_path):
+    pytest.importorskip("sglang_router")
+    model = build_tiny_qwen2(tmp_path / "m", 0)
+    cfg = SGLangConfig(num_engines=2, base_port=free_port(), router=True, router_port=free_port(),
+                       mem_fraction_static=0.2, extra_args={"skip_tokenizer_init": True})  # fmt: skip
+    engine = SGLangEngine(model, cfg)
+    try:
+        engine.launch(
+            colocated=False, log_dir=str(tmp_path), gpus_per_node=torch.cuda.device_count()
+        )
+        out = engine.generate(PROMPTS, 4, SamplingParams(max_new_tokens=8))
+        assert [len(g) for g in out] == [4, 4, 4]
+        assert all(s.finish_reason in ("stop", "length") for g in out for s in g)
+    finally:
+        engine.close()
