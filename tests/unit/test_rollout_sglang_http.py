@@ -22,7 +22,7 @@ import pytest
 import torch
 from aiohttp import web
 
-from megatron_armor.config.schema import SGLangConfig
+from megatron_armor.config.schema import ArmorConfig, SGLangConfig
 from megatron_armor.rollout.protocol import SamplingParams
 from megatron_armor.rollout.sglang import launch
 from megatron_armor.rollout.sglang import weights as transport
@@ -277,6 +277,10 @@ def test_router_command_and_missing_sglang():
     if launch.server_arg_fields() is None:
         with pytest.raises(RuntimeError, match="requirements-gpu.txt"):
             launch.require_sglang()
+        config = ArmorConfig()
+        config.trainer.model_path, config.run.output_dir = "/models/tiny", "/nonexistent-run-root"
+        with pytest.raises(RuntimeError, match="rollout.backend=sglang needs the sglang package"):
+            SGLangEngine.from_config(config)
 
 
 def test_parse_generate_response_in_sglang_format():

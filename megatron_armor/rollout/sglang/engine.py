@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_armor.config.schema import SGLangConfig
+from megatron_armor.config.schema import ArmorConfig, SGLangConfig
 from megatron_armor.rollout.hf_dir import save_hf_dir
 from megatron_armor.rollout.protocol import GenerationOutput, RolloutEngine, SamplingParams
 from megatron_armor.rollout.sglang import launch
@@ -83,12 +83,34 @@ class SGLangEngine(RolloutEngine):
         self._client = SGLangClient(client_settings(cfg))
         self._loop.run(self._client.__aenter__())
 
+    @classmethod
+    def from_config(cls, config: ArmorConfig, host: str = "127.0.0.1") -> SGLangEngine:
+        """Launch the pool described by ``config`` (``orchestration.layout: colocated`` turns on
+        SGLang's memory saver so ``release_memory`` works); disk updates go under the run dir."""
+        run_dir = os.path.join(config.run.output_dir, config.run.name)
+        engine = cls(
+            config.trainer.model_path, config.rollout.sglang, host=host,
+            weights_dir=os.path.join(run_dir, "sglang_weights"),
+        )  # fmt: skip
+        try:
+            engine.launch(
+                colocated=config.orchestration.layout == "colocated",
+                log_dir=run_dir,
+                gpus_per_node=config.orchestration.gpus_per_node,
+            )
+        except BaseException:
+            engine.close()
+            raise
+        return engine
+
     # ------------------------------------------------------------------ lifecycle
     def launch(
         self, colocated: bool = True, log_dir: str | None = None, gpus_per_node: int = 8
     ) -> None:
         """Start every server (``colocated`` enables SGLang's memory saver) and the router."""
         launch.require_sglang()
+        if log_dir:
+            os.makedirs(log_dir, exist_ok=True)
         for server in self.servers:
             server.process = self._server_process(server, colocated, log_dir, gpus_per_node)
             server.process.start(env=launch.LOGPROB_ENV)
