@@ -51,7 +51,13 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory, cluster) -> Path:
-    """``armor tiny`` artifacts (model + data) for the tiny config."""
+    """``armor tiny`` artifacts (model + data) for the tiny config; ``ARMOR_TINY_DIR`` reuses a built one."""
+    given = os.environ.get("ARMOR_TINY_DIR")
+    if given:
+        assert (Path(given) / "model" / "config.json").is_file(), (
+            f"ARMOR_TINY_DIR={given}: no model/config.json"
+        )
+        return Path(given).resolve()
     out = tmp_path_factory.mktemp("tiny") / "artifacts" / "tiny"
     cmd = [sys.executable, "-m", "megatron_armor.cli", "tiny", "--out", str(out)]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
@@ -155,7 +161,7 @@ def test_sbatch_runs_the_tiny_config_to_completion(workdir):
 
 
 def test_sigusr1_checkpoints_requeues_and_the_requeued_job_resumes(workdir):
-    steps = 3
+    steps = 4
     job_id, job_dir = _submit(workdir, [f"run.steps={steps}", "run.ckpt_every=100"])
     driver_log = job_dir / "driver.log"
     report = lambda: _job_report(workdir, job_id, job_dir)  # noqa: E731
