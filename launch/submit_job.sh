@@ -30,4 +30,5 @@ entry="cd $(printf '%q' "$ARMOR_ROOT") && exec $(printf '%q ' "${DRIVER[@]}" "$@
 args=(job submit --address="$ADDRESS" --submission-id="$JOB_ID" "${WAIT[@]}")
 [ -z "${ARMOR_WORKING_DIR:-}" ] || args+=(--working-dir="$ARMOR_WORKING_DIR")
 log "submitting $JOB_ID to $ADDRESS: $entry"
-exec "$ARMOR_RAY" "${args[@]}" -- "$entry"
+# ray quotes each entrypoint word; one `bash -c` keeps the cd and the driver together.
+exec "$ARMOR_RAY" "${args[@]}" -- bash -c "$entry"
