@@ -1,6 +1,5 @@
-"""SGLang backend over HTTP against a stand-in server (unit tier: in-process server on
-127.0.0.1; dist tier: the stand-in as a subprocess joining a gloo weight-sync group, and a
-killed server restarted by the health monitor).
+"""SGLang backend over HTTP against a stand-in server (unit tier: the server runs in-process
+on 127.0.0.1; ``test_rollout_sglang_dist.py`` runs this file as a server subprocess).
 
 The stand-in implements SGLang's native endpoints with the request fields of SGLang's own
 dataclasses (copied below from ``python/sglang/srt/managers/io_struct.py`` and
@@ -14,7 +13,6 @@ import argparse
 import asyncio
 import os
 import socket
-import sys
 import time
 from pathlib import Path
 
@@ -34,8 +32,7 @@ from megatron_armor.rollout.sglang.client import (
     generate_payload,
     parse_generate_response,
 )
-from megatron_armor.rollout.sglang.distributed import DistributedWeightSender
-from megatron_armor.rollout.sglang.engine import HealthMonitor, SGLangEngine
+from megatron_armor.rollout.sglang.engine import SGLangEngine
 from megatron_armor.rollout.sglang.router import RouterAdmin
 
 pytestmark = pytest.mark.unit
@@ -101,9 +98,16 @@ class StandIn:
         app = web.Application()
         app.router.add_post("/generate", self.generate)
         app.router.add_get("/health_generate", self.health)
+        app.router.add_post("/get_weights_by_name", self.get_weights_by_name)
         for endpoint in ENDPOINT_FIELDS:
             app.router.add_post(endpoint, self.control)
         return app
+
+    async def get_weights_by_name(self, request: web.Request) -> web.Response:
+        """SGLang's ``GetWeightsByNameReqInput`` (``name``, ``truncate_size``): a flat prefix."""
+        body = await request.json()
+        flat = self.weights[body["name"]].flatten()[: body.get("truncate_size", 100)]
+        return web.json_response(flat.tolist())
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(status=200 if self.healthy else 503)
@@ -480,65 +484,6 @@ def test_router_admin_speaks_both_router_apis():
         loop.close()
         for s in servers:
             s.close()
-
-
-# --------------------------------------------------------------------------- dist tests
-def start_standin_process(tmp_path) -> launch.ManagedProcess:
-    port = free_port()
-    cmd = [sys.executable, __file__, "--port", str(port)]
-    process = launch.ManagedProcess(
-        cmd, f"http://127.0.0.1:{port}/health_generate", str(tmp_path / "standin.log")
-    )
-    process.start(env={"PYTHONPATH": str(REPO)})
-    process.wait_healthy(timeout_s=60, poll_s=0.2)
-    return process
-
-
-@pytest.mark.dist
-@pytest.mark.timeout(120)
-def test_distributed_transport_broadcasts_buckets_over_a_weight_sync_group(tmp_path):
-    process = start_standin_process(tmp_path)
-    url = process.health_url.removesuffix("/health_generate")
-    sender = DistributedWeightSender(
-        [(url, 1)], "127.0.0.1", free_port(), "armor-pp0", bucket_bytes=64, backend="gloo"
-    )
-    try:
-        sender.connect(timeout_s=60)
-        tensors = [(f"w{i}", torch.randn(3, 4)) for i in range(3)]
-        assert sender.send(iter(tensors), version=4, timeout_s=60) == 3 * 48
-        engine = engine_for([url])
-        try:
-            assert (
-                engine.generate([[1]], 1, SamplingParams(max_new_tokens=1))[0][0].weight_version
-                == 4
-            )
-        finally:
-            engine.close()
-    finally:
-        sender.close()
-        process.stop()
-
-
-@pytest.mark.dist
-@pytest.mark.timeout(120)
-def test_health_monitor_restarts_a_dead_server_and_resyncs_before_serving(tmp_path):
-    process = start_standin_process(tmp_path)
-    url = process.health_url.removesuffix("/health_generate")
-    engine = engine_for([url], tmp_path / "weights", weight_transport="disk")
-    engine.servers[0].process = process
-    tensors = [("lm_head.weight", torch.randn(4, 2))]
-    try:
-        engine.update_weights(iter(tensors), version=6)
-        process.process.kill()
-        process.process.wait(timeout=30)
-        assert not engine.health()
-        monitor = HealthMonitor(engine, weights_fn=lambda: iter(tensors))
-        assert monitor.check() == [0] and engine.servers[0].serving
-        out = engine.generate([[1]], 1, SamplingParams(max_new_tokens=1))
-        assert out[0][0].weight_version == 6  # the restarted server got the weights back
-        assert monitor.check() == []
-    finally:
-        engine.close()
 
 
 if __name__ == "__main__":
