@@ -20,6 +20,7 @@ from typing import Any
 
 from megatron_armor.algo.anchors import AcceptanceStats, select_group
 from megatron_armor.observability.timers import PhaseTimers
+from megatron_armor.orchestration.groups import merge_reward_stats
 from megatron_armor.rollout.protocol import SamplingParams
 from megatron_armor.types import Group, Sample
 
@@ -142,8 +143,7 @@ class AnchorRollout:
                 policy, reference = self._generate(items, step, gen_batch)
             with self.timers.phase("score"):
                 stats = self._score(policy, reference)
-            for k, v in stats.items():
-                result.reward_stats[k] = result.reward_stats.get(k, 0.0) + v
+            result.reward_stats = merge_reward_stats(result.reward_stats, stats)
             result.stats.add_generation_batch()
             result.policy_samples.extend(s for row in policy for s in row)
             self._accept(items, policy, reference, gen_batch, result)

@@ -52,6 +52,19 @@ def shard(items: list, parts: int) -> list[list]:
     return out
 
 
+def merge_reward_stats(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    """Combine two scorers' stats: counters add up, means/fractions are weighted by ``reward/n``."""
+    na, nb = a.get("reward/n", 0.0), b.get("reward/n", 0.0)
+    out = {}
+    for key in set(a) | set(b):
+        va, vb = float(a.get(key, 0.0)), float(b.get(key, 0.0))
+        if key.endswith(("_mean", "_frac", "/acc")):
+            out[key] = (va * na + vb * nb) / (na + nb) if na + nb else 0.0
+        else:
+            out[key] = va + vb
+    return out
+
+
 def _remote(cls, options: dict):
     import ray
 
@@ -243,8 +256,7 @@ class RewardGroup:
         for sample, (score, acc) in zip(samples, flat, strict=True):
             sample.score, sample.acc = score, acc
         for _, part_stats in results:
-            for k, v in part_stats.items():
-                stats[k] = stats.get(k, 0.0) + float(v)
+            stats = merge_reward_stats(stats, part_stats)
         return stats
 
     def close(self) -> None:

@@ -20,6 +20,7 @@ from megatron_armor.orchestration.groups import RemoteEngine, RemoteScorer
 from megatron_armor.orchestration.run_state import EXIT_REQUEUE, StopSignal
 from megatron_armor.orchestration.session import Session
 from megatron_armor.orchestration.step_metrics import (
+    logprob_mismatch_metrics,
     reduce_update_metrics,
     rollout_metrics,
     write_anchor_file,
@@ -118,6 +119,9 @@ def run_step(s: Session, rollout: AnchorRollout, step: int) -> dict[str, float]:
     with s.timers.phase("train"):
         metrics = train_minibatches(s, batch, result.groups)
     metrics.update(rollout_metrics(result))
+    metrics.update(
+        logprob_mismatch_metrics(batch, result.groups, needs_reference_logprobs(s.config))
+    )
     metrics.update(s.rollout.reference_metrics())
     metrics.update(sync_and_maybe_reset(s, step))
     metrics.update(
@@ -159,6 +163,7 @@ def train(config: ArmorConfig, resume: str = "auto") -> int:
     session = None
     try:
         session = Session.start(config)
+        stop.install()
         start = session.restore(resume)
         return run_loop(session, start, stop)
     finally:

@@ -73,8 +73,10 @@ class StopSignal:
         self._previous: dict[int, Any] = {}
 
     def install(self) -> StopSignal:
+        """Take over the signals (again after Ray start-up, which may install its own handler)."""
         for sig in self.SIGNALS:
-            self._previous[sig] = signal.signal(sig, self._handle)
+            previous = signal.signal(sig, self._handle)
+            self._previous.setdefault(sig, previous)
         return self
 
     def _handle(self, signum, frame) -> None:

@@ -11,8 +11,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
+
 from megatron_armor.orchestration.anchor_rollout import RolloutResult
-from megatron_armor.types import Group, Sample
+from megatron_armor.types import Group, Sample, TrainBatch
 
 
 def _mean(values: list[float]) -> float | None:
@@ -61,6 +63,38 @@ def rollout_metrics(result: RolloutResult) -> dict[str, float]:
     return m
 
 
+def engine_logprobs(batch: TrainBatch, groups: list[Group]) -> torch.Tensor:
+    """The rollout engine's per-token log-probs aligned with ``batch`` (``[total]``, 0 off-response)."""
+    out = torch.zeros(batch.num_tokens)
+    ends = batch.cu_seqlens[1:].tolist()
+    samples = [s for g in groups for s in g.samples]
+    for end, sample in zip(ends, samples, strict=True):
+        lps = sample.response_logprobs
+        if len(lps) == sample.response_len and lps:
+            out[end - len(lps) : end] = torch.tensor(lps, dtype=torch.float32)
+    return out
+
+
+def logprob_mismatch_metrics(
+    batch: TrainBatch, groups: list[Group], with_ref: bool
+) -> dict[str, float]:
+    """``|engine lp - trainer lp|`` per token: on-policy tokens against ``old_logprobs`` (checks
+    the weight sync), anchor tokens against ``ref_logprobs`` (checks that the anchors came from
+    the trainer's current reference — after a reset, from the new one)."""
+    diff_engine = engine_logprobs(batch, groups)
+    mask = batch.loss_mask > 0
+    out: dict[str, float] = {}
+    parts = [("policy", mask & ~batch.is_anchor, batch.old_logprobs)]
+    if with_ref:
+        parts.append(("anchor", mask & batch.is_anchor, batch.ref_logprobs))
+    for name, sel, trainer_lp in parts:
+        if sel.any():
+            diff = (diff_engine[sel] - trainer_lp[sel]).abs()
+            out[f"rollout/{name}_logprob_absdiff_mean"] = float(diff.mean())
+            out[f"rollout/{name}_logprob_absdiff_max"] = float(diff.max())
+    return out
+
+
 def reduce_update_metrics(updates: list[dict[str, float]]) -> dict[str, float]:
     """Combine per-mini-batch trainer metrics: maxima for ``*_max``, last ``lr``, else the mean."""
     out: dict[str, float] = {}
@@ -84,7 +118,8 @@ def write_anchor_file(run_dir: str | Path, step: int, result: RolloutResult) -> 
 
     Query lines: ``query_id``, ``gen_batch``, ``reason`` (accepted | all_correct | all_wrong |
     no_reference_correct), correct counts of policy and reference samples, ``kept`` (accepted
-    and among the first ``B``) and, for kept groups with an anchor, ``anchor_len``/``anchor_score``.
+    and among the first ``B``) and, for kept groups with an anchor, ``anchor_len``, ``anchor_score``
+    and ``anchor_version`` (the reference weight version that generated it).
     """
     path = Path(run_dir) / "anchors" / f"step_{step:06d}.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -96,7 +131,8 @@ def write_anchor_file(run_dir: str | Path, step: int, result: RolloutResult) -> 
         record = {"type": "query", **record}
         anchor = anchors.get(record["query_id"]) if record.get("kept") else None
         if anchor is not None:
-            record.update(anchor_len=anchor.response_len, anchor_score=anchor.score)
+            record.update(anchor_len=anchor.response_len, anchor_score=anchor.score,
+                          anchor_version=anchor.weight_version)  # fmt: skip
         lines.append(json.dumps(record))
     tmp = path.with_suffix(".tmp")
     tmp.write_text("\n".join(lines) + "\n")

@@ -141,3 +141,35 @@ def test_every_config_file_loads(path):
     config = load_config(path)
     check_batch_sizes(config)
     plan_layout(config)
+
+
+def test_reward_stats_merge_weights_means_and_adds_counters():
+    from megatron_armor.orchestration.groups import merge_reward_stats
+
+    a = {"reward/n": 2.0, "reward/acc": 1.0, "reward/timeouts": 1.0, "reward/overlong_frac": 0.5}
+    b = {"reward/n": 6.0, "reward/acc": 0.0, "reward/timeouts": 2.0, "reward/overlong_frac": 0.0}
+    m = merge_reward_stats(a, b)
+    assert m == {"reward/n": 8.0, "reward/acc": 0.25, "reward/timeouts": 3.0,
+                 "reward/overlong_frac": 0.125}  # fmt: skip
+    assert merge_reward_stats({}, a) == a
+
+
+def test_engine_logprobs_align_with_packed_response_tokens():
+    from megatron_armor.orchestration.step_metrics import engine_logprobs, logprob_mismatch_metrics
+    from megatron_armor.types import pack_groups
+
+    a = Sample("q", [1, 2], [3, 4], response_logprobs=[-0.1, -0.2])
+    b = Sample("q", [1, 2], [5], response_logprobs=[-0.3])
+    group = Group("q", [a, b], anchor_index=1, advantages=[1.0, -1.0])
+    batch = pack_groups([group])
+    lp = engine_logprobs(batch, [group])
+    assert lp.tolist() == pytest.approx([0, 0, -0.1, -0.2, 0, 0, -0.3])
+    batch.old_logprobs = lp.clone()
+    batch.ref_logprobs = lp.clone()
+    batch.ref_logprobs[6] = -0.5
+    m = logprob_mismatch_metrics(batch, [group], with_ref=True)
+    assert m["rollout/policy_logprob_absdiff_max"] == 0.0
+    assert m["rollout/anchor_logprob_absdiff_max"] == pytest.approx(0.2)
+    assert "rollout/anchor_logprob_absdiff_mean" not in logprob_mismatch_metrics(
+        batch, [group], False
+    )

@@ -1,0 +1,233 @@
+"""e2e tier: the tiny CPU config through Ray — real Megatron actor, embedded engine, rewards.
+
+Each run is ``armor train configs/tiny_cpu.yaml`` in a subprocess (its own process group and
+Ray temp dir, so a ``kill -9`` of the group and the teardown reach every process it started),
+shortened to 4 steps with resets and checkpoints every 2 steps. The tiny model and data are
+built once with ``armor tiny`` (or reused from ``$ARMOR_TINY_DIR`` / ``artifacts/tiny``).
+
+What is checked: a run end to end (metrics, anchors, checkpoints, plots, summary); SIGTERM
+writes a checkpoint and exits 75; ``kill -9`` mid-run then ``--resume auto`` reproduces the
+uninterrupted run's metrics; ``anchor: none | armor | filter_only`` give the group
+compositions of armor-spec §2; a reset makes the anchors come from the new reference.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_armor.observability.metrics import read_metrics
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
+RUN_TIMEOUT_S = 420
+VOLATILE = ("timing/", "wall_time", "reward/verify_seconds")
+
+
+@pytest.fixture(scope="session")
+def tiny_dir() -> Path:
+    """The tiny model + data (built with ``armor tiny`` when missing)."""
+    path = Path(os.environ.get("ARMOR_TINY_DIR", REPO / "artifacts" / "tiny"))
+    if (
+        not (path / "model" / "config.json").is_file()
+        or not (path / "data" / "val.parquet").is_file()
+    ):
+        subprocess.run([sys.executable, "-m", "megatron_armor.cli", "tiny", "--out", str(path)],
+                       check=True, timeout=900, cwd=REPO)  # fmt: skip
+    return path
+
+
+class Run:
+    """One ``armor train`` subprocess with its own process group and Ray temp dir."""
+
+    def __init__(self, out: Path, name: str, tiny: Path, *overrides: str, resume: str = "auto"):
+        self.run_dir = out / name
+        self.ray_tmp = tempfile.mkdtemp(prefix="ar", dir="/tmp")  # short: unix socket paths
+        self.log = (out / f"{name}.{time.time_ns()}.log").open("w")
+        args = [
+            f"run.output_dir={out}", f"run.name={name}", "run.steps=4", "run.ckpt_every=2",
+            "algo.reset.every=2", "rollout.batch=4", "rollout.gen_batch=8",
+            "trainer.ppo_mini_batch=2", "validation.every=2", "validation.max_problems=8",
+            "validation.n_samples=2", "logging.progress=false",
+            f"trainer.model_path={tiny / 'model'}",
+            f"data.train_files=[{tiny / 'data' / 'train.parquet'}]",
+            f"data.val_files=[{tiny / 'data' / 'val.parquet'}]", *overrides,
+        ]  # fmt: skip
+        env = dict(os.environ, RAY_TMPDIR=self.ray_tmp, RAY_AUTH_MODE="disabled",
+                   RAY_USAGE_STATS_ENABLED="0", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")  # fmt: skip
+        cmd = [sys.executable, "-m", "megatron_armor.cli", "train",
+               str(REPO / "configs" / "tiny_cpu.yaml"), *args, "--resume", resume]  # fmt: skip
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self.log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+
+    def wait(self, timeout: float = RUN_TIMEOUT_S) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        finally:
+            self.cleanup()
+
+    def wait_for(self, predicate, timeout: float = RUN_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            if self.proc.poll() is not None:
+                raise AssertionError(f"run exited {self.proc.returncode} early:\n{self.output()}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"condition not reached in {timeout}s:\n{self.output()}")
+            time.sleep(0.2)
+
+    def steps_logged(self) -> list[int]:
+        return [r["step"] for r in read_metrics(self.run_dir)] if self.run_dir.exists() else []
+
+    def kill_group(self) -> None:
+        """``kill -9`` of every process of this run (driver, Ray, actors)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=60)
+        self.cleanup()
+
+    def cleanup(self) -> None:
+        """Kill leftovers of this run (its process group; Ray processes under its temp dir)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        for pid in _pids_mentioning(self.ray_tmp):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        shutil.rmtree(self.ray_tmp, ignore_errors=True)
+        self.log.flush()
+
+    def output(self) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text()[-6000:]
+
+
+def _pids_mentioning(text: str) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if text.encode() in (entry / "cmdline").read_bytes():
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
+def stable(record: dict) -> dict:
+    return {k: v for k, v in record.items() if not k.startswith(VOLATILE)}
+
+
+def anchor_lines(run_dir: Path, step: int) -> list[dict]:
+    path = run_dir / "anchors" / f"step_{step:06d}.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def out_dir():
+    path = Path(tempfile.mkdtemp(prefix="armor-e2e-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def reference_run(tiny_dir, out_dir) -> Path:
+    """The uninterrupted 4-step ARMOR run every other test compares against."""
+    run = Run(out_dir, "uninterrupted", tiny_dir)
+    code = run.wait()
+    assert code == 0, run.output()
+    return run.run_dir
+
+
+@pytest.mark.timeout(900)
+def test_short_run_end_to_end(reference_run):
+    records = read_metrics(reference_run)
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
+    assert any(k.startswith("val/val/avg@") for k in records[0])
+    for r in records[1:]:
+        for key in ("reward/policy_mean", "anchor/acceptance_rate", "loss/pg", "kl/reverse_k3",
+                    "kl/forward_k1", "algo/alpha", "timing/rollout_s", "timing/train_s"):  # fmt: skip
+            assert r.get(key) is not None, (r["step"], key)
+        assert r["algo/alpha"] == pytest.approx(3 / 4) and r["anchor/kept"] == 4
+    assert [r["step"] for r in records if r.get("reset/performed")] == [2, 4]
+    ckpts = sorted(p.name for p in (reference_run / "checkpoints").iterdir())
+    assert ckpts == ["step_000002", "step_000004"]
+    for png in ("reward_vs_val.png", "kl.png", "acceptance.png", "clip.png"):
+        assert (reference_run / "plots" / png).stat().st_size > 1000
+    assert "run summary" in (reference_run / "summary.txt").read_text()
+    assert (reference_run / "config.yaml").is_file() and list((reference_run / "tb").iterdir())
+
+
+@pytest.mark.timeout(900)
+def test_reset_switches_anchor_source_to_new_reference(reference_run):
+    records = {r["step"]: r for r in read_metrics(reference_run)}
+    versions = {s: {x["anchor_version"] for x in anchor_lines(reference_run, s) if "anchor_version" in x}
+                for s in (1, 2, 3, 4)}  # fmt: skip
+    assert versions == {1: {0}, 2: {0}, 3: {2}, 4: {2}}
+    # before the reset the reference lags the policy; right after it the reference IS the policy
+    assert records[2]["kl/reverse_k1"] != 0.0
+    assert records[3]["kl/reverse_k1"] == pytest.approx(0.0, abs=1e-6)
+    # the engine's anchor log-probs match the trainer's *current* reference (new after reset)
+    for s in (1, 2, 3, 4):
+        assert records[s]["rollout/anchor_logprob_absdiff_max"] < 1e-3, s
+        assert records[s]["rollout/policy_logprob_absdiff_max"] < 1e-3, s
+
+
+@pytest.mark.timeout(1200)
+def test_sigterm_then_kill9_then_resume_matches_uninterrupted(reference_run, tiny_dir, out_dir):
+    name = "interrupted"
+    first = Run(out_dir, name, tiny_dir)
+    first.wait_for(lambda: 1 in first.steps_logged())
+    first.proc.send_signal(signal.SIGTERM)
+    code = first.wait()
+    assert code == 75, first.output()
+    ckpts = [
+        p.name for p in (first.run_dir / "checkpoints").iterdir() if p.name.startswith("step_")
+    ]
+    assert ckpts, first.output()
+
+    second = Run(out_dir, name, tiny_dir)  # resumes; killed -9 once step 2 is checkpointed
+    second.wait_for(lambda: (first.run_dir / "checkpoints" / "step_000002").is_dir()
+                    and 2 in second.steps_logged())  # fmt: skip
+    second.kill_group()
+
+    third = Run(out_dir, name, tiny_dir)
+    assert third.wait() == 0, third.output()
+    expected = {r["step"]: stable(r) for r in read_metrics(reference_run)}
+    got = {r["step"]: stable(r) for r in read_metrics(first.run_dir)}
+    assert sorted(got) == [0, 1, 2, 3, 4]
+    for step in (1, 2, 3, 4):
+        assert got[step] == expected[step], step
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("anchor", ["none", "filter_only"])
+def test_group_composition_per_anchor_mode(anchor, reference_run, tiny_dir, out_dir):
+    ratio = "standard"
+    run = Run(out_dir, f"anchor_{anchor}", tiny_dir, f"algo.anchor={anchor}", f"algo.ratio={ratio}",
+              "run.steps=1", "validation.every=0")  # fmt: skip
+    assert run.wait() == 0, run.output()
+    kept = [x for x in anchor_lines(run.run_dir, 1) if x.get("kept")]
+    assert len(kept) == 4
+    assert all(x["policy_n"] == 4 and "anchor_len" not in x for x in kept)  # G on-policy, no anchor
+    assert all(x["ref_n"] == (2 if anchor == "filter_only" else 0) for x in kept)
+    if anchor == "filter_only":
+        assert all(x["ref_correct"] >= 1 for x in kept)  # rule (b) applied
+    armor = [x for x in anchor_lines(reference_run, 1) if x.get("kept")]
+    assert all(x["policy_n"] == 3 and x["ref_n"] == 2 and x["anchor_len"] > 0 for x in armor)
+    record = read_metrics(run.run_dir)[-1]
+    assert record.get("length/anchor_mean") is None
