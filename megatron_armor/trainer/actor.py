@@ -9,6 +9,7 @@ warm-up-then-constant LR schedule (``optim.py``) and stores the reference copy
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 import torch
@@ -30,6 +31,8 @@ from megatron_armor.trainer.schedule import (
     run_schedule,
 )
 from megatron_armor.trainer.weight_store import WeightStore
+
+FP8_TOKEN_MULTIPLE = 16
 
 
 def check_supported_layout(trainer: TrainerConfig) -> None:
@@ -81,7 +84,10 @@ class MegatronTrainer(TrainerInterface):
 
     def _micro_batches(self, batch):
         t = self.config.trainer
-        pad = t.tp if t.sequence_parallel else 1
+        # sequence parallelism splits L over TP; FP8 GEMMs need token counts divisible by 16
+        pad = math.lcm(
+            t.tp if t.sequence_parallel else 1, FP8_TOKEN_MULTIPLE if t.fp8.enabled else 1
+        )
         return plan_micro_batches(
             batch, parallel.dp_rank(), parallel.dp_size(), t.micro_batch_tokens, pad
         )

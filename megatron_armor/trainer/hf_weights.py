@@ -266,4 +266,5 @@ def export_hf_weights(model, spec: HFModelSpec) -> Iterator[tuple[str, torch.Ten
         if not export:
             continue
         for hf_name, tensor in zip(pmap.hf_names, merge_shards(pmap, parts, spec), strict=True):
-            yield hf_name, tensor.cpu().contiguous()
+            # always a copy: a replicated tensor would otherwise alias the live parameter
+            yield hf_name, tensor.detach().to("cpu", copy=True).contiguous()

@@ -11,7 +11,8 @@ compares what the ranks wrote with the single-process run and with HF transforme
   run at TP=2, PP=2, DP=2 and DP=2 with the distributed optimizer;
 - reference log-probs after training equal the initial policy's; after ``reset_reference``
   they equal the current policy's;
-- save, exit, load in fresh processes: the next update's metrics and weights are bit-identical.
+- save, exit, load in fresh processes: the next update's metrics and weights are bit-identical;
+  ``armor convert --to-hf`` turns the checkpoint into the exported HF tensors.
 """
 
 from __future__ import annotations
@@ -181,7 +182,7 @@ def test_data_parallel_matches_single(single, models, tmp_path) -> None:
     assert_same_training(result, single)
 
 
-def test_distributed_optimizer_and_resume(single, models, tmp_path) -> None:
+def test_distributed_optimizer_resume_and_convert(single, models, tmp_path) -> None:
     result = launch("run", str(tmp_path), models, 1, 1, 2, distopt=True, extras="ckpt")
     assert_same_training(result, single)
     resumed = launch("resume", str(tmp_path), models, 1, 1, 2, distopt=True)
@@ -189,3 +190,40 @@ def test_distributed_optimizer_and_resume(single, models, tmp_path) -> None:
     assert resumed["m2"] == result["m2"]
     for k, v in result["w2"].items():
         assert torch.equal(resumed["w2"][k], v), k
+    assert_convert_reproduces(result, models, str(tmp_path))
+
+
+def assert_convert_reproduces(result: dict, models: str, tmp: str) -> None:
+    """``armor convert --to-hf`` (one process) reshards the DP=2 checkpoint into the HF tensors
+    the trainer exported at that step, for the policy and the reference weights."""
+    from safetensors.torch import load_file
+
+    ckpt, model_dir = os.path.join(tmp, "ckpt"), os.path.join(models, "qwen2")
+    expected = {
+        "policy": result["w1"],
+        "reference": load_file(os.path.join(model_dir, "model.safetensors")),
+    }
+    for weights, tensors in expected.items():
+        out = os.path.join(tmp, f"hf_{weights}")
+        cmd = [
+            sys.executable,
+            "-m",
+            "megatron_armor.cli",
+            "convert",
+            "--to-hf",
+            ckpt,
+            "--model",
+            model_dir,
+            "--out",
+            out,
+            "--weights",
+            weights,
+            "--precision",
+            "fp32",
+        ]
+        subprocess.run(cmd, check=True, timeout=TIMEOUT_S, capture_output=True)
+        converted = load_file(os.path.join(out, "model.safetensors"))
+        assert sorted(converted) == sorted(tensors)
+        for k, v in tensors.items():
+            assert torch.equal(converted[k], v), (weights, k)
+        assert os.path.exists(os.path.join(out, "config.json"))

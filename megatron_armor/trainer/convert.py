@@ -1,0 +1,84 @@
+"""Megatron trainer checkpoint -> HF model directory (``armor convert --to-hf``).
+
+Runs in one process (TP=1, PP=1 on gloo or one GPU): builds the model from the original HF
+``config.json``, loads the ``model`` (or ``reference``) weights from the checkpoint's
+``dist_checkpointing`` directory — which reshards from whatever TP/PP it was saved with — and
+writes the exported HF tensors as ``model.safetensors`` next to a copy of the config and
+tokenizer files.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+
+from megatron_armor.config.schema import TrainerConfig
+
+_COPIED = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+)
+
+
+def dist_dir_of(checkpoint: str) -> str:
+    """The ``dist/`` directory of a trainer checkpoint (or of a run checkpoint's ``trainer/``)."""
+    for candidate in (
+        os.path.join(checkpoint, "dist"),
+        os.path.join(checkpoint, "trainer", "dist"),
+    ):
+        if os.path.isdir(candidate):
+            return candidate
+    raise FileNotFoundError(
+        f"{checkpoint!r} is not a trainer checkpoint: neither dist/ nor trainer/dist/ exists"
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def convert_to_hf(
+    checkpoint: str, model_dir: str, out_dir: str, weights: str = "policy", precision: str = "fp32"
+) -> int:
+    """Write ``out_dir`` (HF format) from ``checkpoint``; returns the number of tensors written.
+
+    ``model_dir`` is the HF directory the run started from (architecture and tokenizer);
+    ``weights`` is ``policy`` or ``reference``; ``precision`` must match ``trainer.precision``
+    of the run that wrote the checkpoint.
+    """
+    from megatron.core import dist_checkpointing
+    from safetensors.torch import save_file
+
+    from megatron_armor.trainer import parallel
+    from megatron_armor.trainer.checkpoint import REFERENCE_PREFIX
+    from megatron_armor.trainer.hf_weights import export_hf_weights
+    from megatron_armor.trainer.model import build_model, read_hf_spec
+
+    if weights not in ("policy", "reference"):
+        raise ValueError(f"--weights {weights!r}: use policy or reference")
+    source = dist_dir_of(checkpoint)
+    parallel.init_parallel(parallel.ParallelLayout(), 0, 1, master_port=_free_port())
+    try:
+        spec = read_hf_spec(model_dir)
+        model = build_model(spec, TrainerConfig(precision=precision))
+        prefix = REFERENCE_PREFIX if weights == "reference" else ""
+        key = "reference" if weights == "reference" else "model"
+        loaded = dist_checkpointing.load({key: model.sharded_state_dict(prefix=prefix)}, source)
+        model.load_state_dict({k.removeprefix(prefix): v for k, v in loaded[key].items()})
+        tensors = dict(export_hf_weights(model, spec))
+    finally:
+        parallel.destroy_parallel()
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    for name in _COPIED:
+        if os.path.exists(os.path.join(model_dir, name)):
+            shutil.copy(os.path.join(model_dir, name), os.path.join(out_dir, name))
+    return len(tensors)
