@@ -186,3 +186,72 @@ def test_sigusr1_checkpoints_requeues_and_the_requeued_job_resumes(workdir):
     assert f"step {steps}/{steps}" in driver.split("=== restart 1")[-1], out
     ckpts = workdir / "runs" / "tiny_cpu" / "checkpoints"
     assert (ckpts / f"step_{steps:06d}" / "meta.json").is_file(), out
+
+
+def test_join_check_names_the_missing_node_and_fails_fast_when_a_launcher_dies(tmp_path):
+    """slurm/lib: a head from ray_node.sh, then the join check for the head plus a node that never comes."""
+    port = 20000 + os.getpid() % 20000
+    env = {
+        **os.environ,
+        "ARMOR_ROOT": str(REPO),
+        "ARMOR_RAY": str(Path(sys.executable).parent / "ray"),
+        "ARMOR_RAY_PORT": str(port),
+        "ARMOR_RAY_NUM_CPUS": "1",
+        "ARMOR_RAY_OBJECT_STORE_MB": "128",
+        "ARMOR_RAY_TEMP_DIR": f"/tmp/ray-armor-t{os.getpid()}",
+        "SLURMD_NODENAME": "headnode",
+        "RAY_AUTH_MODE": "disabled",
+    }
+    log = open(tmp_path / "ray-head.log", "w")
+    head = subprocess.Popen(
+        [str(REPO / "slurm" / "lib" / "ray_node.sh"), "head"], env=env, stdout=log, stderr=log
+    )
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    try:
+        address = f"{_head_ip(env)}:{port}"
+        waiter = [
+            sys.executable,
+            str(REPO / "slurm" / "lib" / "wait_for_ray_nodes.py"),
+            "--address",
+            address,
+        ]
+        ok = subprocess.run(
+            [*waiter, "--nodes", "headnode", "--timeout", "60"],
+            capture_output=True,
+            text=True,
+            timeout=180,
+            env=env,
+        )
+        assert ok.returncode == 0, ok.stderr
+        late = subprocess.run(
+            [*waiter, "--nodes", "headnode,ghost-node", "--timeout", "10"],
+            capture_output=True,
+            text=True,
+            timeout=180,
+            env=env,
+        )
+        assert late.returncode == 1, late.stderr
+        assert "ghost-node missing" in late.stderr and "not joined after 10s" in late.stderr
+        start = time.monotonic()
+        fast = subprocess.run(
+            [*waiter, "--nodes", "headnode,ghost-node", "--timeout", "600", "--watch", f"ghost-node={dead.pid}"],
+            capture_output=True, text=True, timeout=180, env=env,
+        )  # fmt: skip
+        assert fast.returncode == 1 and "its Ray start exited" in fast.stderr
+        assert time.monotonic() - start < 120  # did not wait for the 600 s deadline
+    finally:
+        head.terminate()  # `ray start --block` stops the Ray processes it started
+        head.wait(timeout=60)
+        log.close()
+
+
+def _head_ip(env: dict[str, str]) -> str:
+    out = subprocess.run(
+        ["bash", "-c", f"source {REPO}/slurm/lib/common.sh && node_ip"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=30,
+    )
+    return out.stdout.strip()
