@@ -127,6 +127,8 @@ class MegatronTrainer(TrainerInterface):
         return out * batch.loss_mask.float()
 
     def train_step(self, batch, num_minibatches: int) -> dict[str, float]:
+        if self.config.trainer.keep_old_weights:
+            self.store.snapshot("old")  # compute_logprobs(batch, "old") after the step
         per_update = [self._update(mb) for mb in split_minibatches(batch, num_minibatches)]
         keys = set().union(*per_update)
         return {

@@ -163,6 +163,38 @@ def assert_reference_swaps(result: dict) -> None:
     torch.testing.assert_close(result["lp_ref_after_reset"], result["lp_policy"], atol=0, rtol=0)
 
 
+def test_vocab_parallel_logprobs_and_grad_at_tp2(tmp_path) -> None:
+    """TP=2 log-probs / entropy equal ``log_softmax`` of the gathered logits, and each rank's
+    gradient slice equals autograd's gradient on the gathered logits."""
+    from logprob_worker import CHUNK, TEMPERATURE, VOCAB, full_inputs
+
+    port, worker = str(free_port()), WORKER.replace("trainer_worker", "logprob_worker")
+    procs = [
+        subprocess.Popen([sys.executable, worker, str(r), "2", port, str(tmp_path)])
+        for r in range(2)
+    ]
+    try:
+        assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    logits, target, weights = full_inputs()
+    logits.requires_grad_(True)
+    lsm = torch.log_softmax(logits[:, :VOCAB] / TEMPERATURE, dim=-1)
+    ref = lsm.gather(1, target[:, None]).squeeze(1)
+    (ref * weights).sum().backward()
+    tol = {"atol": 1e-6, "rtol": 1e-5}  # the function computes in float32
+    for rank in range(2):
+        r = torch.load(tmp_path / f"rank{rank}.pt")
+        torch.testing.assert_close(r["logp"].double(), ref.detach(), **tol)
+        torch.testing.assert_close(
+            r["entropy"].double(), -(lsm.exp() * lsm).sum(-1).detach(), **tol
+        )
+        torch.testing.assert_close(r["grad"], logits.grad[:, r["lo"] : r["hi"]], **tol)
+    assert CHUNK < len(target)
+
+
 def test_single_process_matches_hf(single, hf_logits, models) -> None:
     assert_oracle(single, hf_logits, models)
     assert_reference_swaps(single)
