@@ -79,9 +79,9 @@ class Plan:
     def verdict(self) -> str:
         name, size = self.largest_term
         peak, usable = self.peak_bytes / GiB, USABLE_FRACTION * self.gpu_bytes / GiB
-        where = f"{self.peak_phase} phase; largest term: {name} {size / GiB:.1f} GiB"
+        where = f"{self.peak_phase} phase; largest term: {name} {size / GiB:.2f} GiB"
         if self.layout == "cpu":
-            return f"ESTIMATE ONLY (layout=cpu): {peak:.1f} GiB per trainer process ({where})"
+            return f"ESTIMATE ONLY (layout=cpu): {peak:.2f} GiB per trainer process ({where})"
         errors = sum(f.level == "error" for f in self.findings)
         if not self.fits_memory:
             return (
@@ -94,10 +94,13 @@ class Plan:
 
     def report(self) -> str:
         """Human-readable table of the terms per phase, findings, notes and the verdict."""
-        lines = [f"model {self.model.name}: {self.model.total_params() / 1e9:.2f} B parameters"]
+        params = self.model.total_params()
+        size = f"{params / 1e9:.2f} B" if params >= 1e8 else f"{params / 1e6:.2f} M"
+        lines = [f"model {self.model.name}: {size} parameters"]
+        unit = "trainer process" if self.layout == "cpu" else "GPU"
         for phase, terms in self.phases.items():
             total = sum(terms.values()) / GiB
-            lines.append(f"{phase} phase: {total:.1f} GiB per GPU")
+            lines.append(f"{phase} phase: {total:.2f} GiB per {unit}")
             for name, size in sorted(terms.items(), key=lambda kv: -kv[1]):
                 lines.append(f"  {name:<14} {size / GiB:8.2f} GiB")
         lines += [str(f) for f in self.findings] + [f"note: {n}" for n in self.notes]
@@ -204,6 +207,8 @@ def make_plan(config: ArmorConfig, model: str | None = None, gpu_mem_gib: float 
     layout = config.orchestration.layout
     gpu_bytes = gpu_mem_gib * GiB
     train = _worst_stage(shape)
+    if layout == "cpu":
+        train.pop("runtime")  # no CUDA context on the CPU path
     phases = {"train": train}
     plan = Plan(model=dims, layout=layout, gpu_bytes=gpu_bytes, phases=phases)
     plan.findings = check_layout(layout_spec(config, dims))
