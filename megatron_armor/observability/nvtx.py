@@ -21,6 +21,19 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 
 NVTX_DOMAIN = "armor"
+PHASE_RANGES = (
+    "rollout/policy",
+    "rollout/reference",
+    "reward",
+    "logprobs/old",
+    "logprobs/ref",
+    "train",
+    "weight_sync",
+    "reset",
+    "validate",
+    "checkpoint",
+)
+"""Range names of the step's phases, so every process's timeline reads the same in Nsight."""
 _NULL_RANGE = contextlib.nullcontext()
 _BACKENDS = ("nvtx", "torch")
 
