@@ -65,9 +65,15 @@ def engine_for(url: str, **cfg) -> SGLangEngine:
 
 @pytest.mark.timeout(180)
 def test_distributed_transport_broadcasts_buckets_over_a_weight_sync_group(tmp_path):
+    servers = []
     for i in range(2):
         (tmp_path / f"s{i}").mkdir()
-    servers = [start_server(tmp_path / f"s{i}") for i in range(2)]
+        try:
+            servers.append(start_server(tmp_path / f"s{i}"))
+        except BaseException:
+            for process in servers:
+                process.stop()
+            raise
     targets = [(url_of(p), 1) for p in servers]
     sender = DistributedWeightSender(
         targets, "127.0.0.1", free_port(), "armor-pp0", bucket_bytes=64, backend="gloo"

@@ -324,6 +324,13 @@ def test_payloads_match_sglang_fields():
         == ENDPOINT_FIELDS["/init_weights_update_group"] - set()
     )
     assert set(transport.disk_payload("/p", 1)) <= ENDPOINT_FIELDS["/update_weights_from_disk"]
+    tensor_body = transport.tensor_payload("blob", 3, tp_size=2)
+    assert set(tensor_body) <= ENDPOINT_FIELDS["/update_weights_from_tensor"]
+    assert tensor_body["serialized_named_tensors"] == ["blob", "blob"]
+    assert tensor_body["load_format"] == "flattened_bucket"
+    if launch.server_arg_fields() is None:
+        with pytest.raises(RuntimeError, match="weight_transport=tensor needs the sglang package"):
+            transport.serialize_bucket(bucket)
 
 
 def test_buckets_respect_size_and_order():

@@ -241,11 +241,13 @@ class SGLangEngine(RolloutEngine):
         kind = self.cfg.weight_transport
         if kind == "tensor":
             for bucket in transport.iter_buckets(named_tensors, self.cfg.weight_bucket_mb << 20):
+                serialized, keepalive = transport.serialize_bucket(bucket)
                 self._post_all(
                     servers,
                     "/update_weights_from_tensor",
-                    lambda s, b=bucket: transport.tensor_payload(b, version, s.tp),
+                    lambda s, blob=serialized: transport.tensor_payload(blob, version, s.tp),
                 )
+                del keepalive  # every server has copied the bucket
         elif kind == "disk":
             path = self._save_for_disk(named_tensors, version)
             self._post_all(

@@ -107,16 +107,19 @@ def _sglang_serialization():
     return MultiprocessingSerializer, FlattenedTensorBucket
 
 
-def tensor_payload(bucket: list[tuple[str, torch.Tensor]], version: int, tp_size: int) -> dict:
-    """Body of ``/update_weights_from_tensor`` for one bucket (``flattened_bucket`` format).
-
-    The flattened buffer must stay alive until the server answered (the caller holds
-    ``bucket``); SGLang copies from it through the IPC handle.
-    """
+def serialize_bucket(bucket: list[tuple[str, torch.Tensor]]) -> tuple[str, torch.Tensor]:
+    """Pack ``bucket`` into a ``FlattenedTensorBucket`` and serialize it (SGLang's
+    ``MultiprocessingSerializer``: CUDA IPC handles for GPU tensors). Returns the string and
+    the flat buffer, which the caller keeps alive until every server has answered."""
     serializer, bucket_cls = _sglang_serialization()
     flat = bucket_cls(named_tensors=bucket)
     data = {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()}
-    serialized = serializer.serialize(data, output_str=True)
+    return serializer.serialize(data, output_str=True), data["flattened_tensor"]
+
+
+def tensor_payload(serialized: str, version: int, tp_size: int) -> dict:
+    """Body of ``/update_weights_from_tensor`` (``UpdateWeightsFromTensorReqInput``) for one
+    serialized bucket: one copy per TP rank of the server, ``load_format='flattened_bucket'``."""
     return {
         "serialized_named_tensors": [serialized] * tp_size,
         "load_format": "flattened_bucket",
