@@ -9,6 +9,7 @@ warm-up-then-constant LR schedule (``optim.py``) and stores the reference copy
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from collections.abc import Iterator
 
@@ -47,6 +48,16 @@ def check_supported_layout(trainer: TrainerConfig) -> None:
         )
     if trainer.sequence_parallel and trainer.tp == 1:
         raise ValueError("trainer.sequence_parallel=true needs trainer.tp > 1; set it to false")
+    if (
+        trainer.sequence_parallel
+        and trainer.transformer_impl == "local"
+        and importlib.util.find_spec("apex") is None
+    ):
+        raise ValueError(
+            "trainer.sequence_parallel=true with transformer_impl=local needs Apex (megatron's "
+            "torch-norm fallback does not support it); set transformer_impl=te or "
+            "sequence_parallel=false"
+        )
 
 
 class MegatronTrainer(TrainerInterface):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 
@@ -98,3 +99,21 @@ def test_cpu_mode_checks_the_megatron_version(monkeypatch) -> None:
     monkeypatch.setattr(package_info, "__version__", "0.99.0")
     with pytest.raises(RuntimeError, match="verified with megatron-core 0.16.1"):
         cpu_compat.check_megatron_version()
+
+
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        ({"cp": 2}, "trainer.cp=2"),
+        ({"vpp": 2}, "trainer.vpp=2"),
+        ({"sequence_parallel": True}, "needs trainer.tp > 1"),
+        ({"sequence_parallel": True, "tp": 2}, "needs Apex"),
+    ],
+)
+def test_unsupported_layouts_are_rejected(overrides, match) -> None:
+    from megatron_armor.trainer.actor import check_supported_layout
+
+    if "tp" in overrides and importlib.util.find_spec("apex") is not None:
+        pytest.skip("Apex is installed: sequence parallelism works with the local spec")
+    with pytest.raises(ValueError, match=match):
+        check_supported_layout(TrainerConfig(**overrides))
