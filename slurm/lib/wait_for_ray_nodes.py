@@ -49,6 +49,8 @@ def connect(ray_module, address: str, deadline: float, watch: dict[str, int]) ->
         try:
             ray_module.init(address=address, log_to_driver=False, logging_level="ERROR")
             return
+        except ray_module.exceptions.AuthenticationError as e:
+            sys.exit(f"wait_for_ray_nodes: Ray token auth failed (check RAY_AUTH_TOKEN_PATH): {e}")
         except (ConnectionError, RuntimeError) as e:
             dead = dead_launchers(watch)
             if dead or time.monotonic() > deadline:
