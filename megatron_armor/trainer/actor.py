@@ -19,6 +19,7 @@ from megatron_armor.algo.losses import LossSettings, finalize_metrics
 from megatron_armor.config.schema import ArmorConfig, TrainerConfig
 from megatron_armor.trainer import checkpoint, parallel
 from megatron_armor.trainer.batching import plan_micro_batches, split_minibatches
+from megatron_armor.trainer.cpu_compat import enable_cpu_mode
 from megatron_armor.trainer.hf_weights import export_hf_weights, load_hf_weights
 from megatron_armor.trainer.interface import TrainerInterface
 from megatron_armor.trainer.model import build_model, read_hf_spec
@@ -126,6 +127,7 @@ class MegatronTrainer(TrainerInterface):
     # --- TrainerInterface ------------------------------------------------------------------
 
     def compute_logprobs(self, batch, weights: str = "policy") -> torch.Tensor | None:
+        enable_cpu_mode()  # per thread (no-op with CUDA)
         mbs = self._micro_batches(batch)
         self.model.eval()
         with self.store.swapped(weights), torch.no_grad():
@@ -138,6 +140,7 @@ class MegatronTrainer(TrainerInterface):
         return out * batch.loss_mask.float()
 
     def train_step(self, batch, num_minibatches: int) -> dict[str, float]:
+        enable_cpu_mode()  # per thread (no-op with CUDA)
         if self.config.trainer.keep_old_weights:
             self.store.snapshot("old")  # compute_logprobs(batch, "old") after the step
         per_update = [self._update(mb) for mb in split_minibatches(batch, num_minibatches)]
@@ -148,16 +151,20 @@ class MegatronTrainer(TrainerInterface):
         }
 
     def reset_reference(self) -> None:
+        enable_cpu_mode()  # per thread (no-op with CUDA)
         self.store.snapshot("ref")
 
     def export_weights(self, weights: str = "policy") -> Iterator[tuple[str, torch.Tensor]]:
+        enable_cpu_mode()  # per thread (no-op with CUDA)
         with self.store.swapped(weights):
             yield from export_hf_weights(self.model, self.spec)
 
     def save_checkpoint(self, path: str, run_state: dict) -> None:
+        enable_cpu_mode()  # per thread (no-op with CUDA)
         checkpoint.save_trainer(self, path, run_state)
 
     def load_checkpoint(self, path: str) -> dict:
+        enable_cpu_mode()  # per thread (no-op with CUDA)
         return checkpoint.load_trainer(self, path)
 
     def close(self) -> None:

@@ -18,7 +18,7 @@ only for the megatron-core version it was verified with.
 
 from __future__ import annotations
 
-import contextlib
+import threading
 from typing import Any
 
 import torch
@@ -27,7 +27,8 @@ from torch.overrides import TorchFunctionMode
 VERIFIED_MEGATRON_CORE = "0.16.1"
 
 _CPU = torch.device("cpu")
-_MODE: _CudaToCpuMode | None = None
+_PATCHED = False
+_THREAD = threading.local()
 
 
 def _is_cuda_device(device: Any) -> bool:
@@ -80,26 +81,30 @@ def check_megatron_version() -> None:
 
 def cpu_mode_active() -> bool:
     """Whether :func:`enable_cpu_mode` has switched this process to CPU mode."""
-    return _MODE is not None
+    return _PATCHED
 
 
 def enable_cpu_mode() -> bool:
-    """Switch this process to CPU mode when CUDA is absent; return whether it is active.
+    """Switch this process (and the calling thread) to CPU mode when CUDA is absent; return
+    whether it is active.
 
-    Idempotent. Call it before building any megatron-core object. A no-op with CUDA.
+    Idempotent. Call it before building any megatron-core object. A no-op with CUDA. Torch
+    function modes are per thread, so a thread other than the one that first enabled the mode
+    (e.g. a Ray actor's executor) calls it again before using the model.
     """
-    global _MODE
+    global _PATCHED
     if torch.cuda.is_available():
         return False
-    if _MODE is not None:
-        return True
-    check_megatron_version()
-    torch.cuda.current_device = _current_device
-    torch.cuda.synchronize = _noop
-    torch.cuda.empty_cache = _noop
-    _MODE = _CudaToCpuMode()
-    _MODE.__enter__()
-    _install_noop_rng_tracker()
+    if not _PATCHED:
+        check_megatron_version()
+        torch.cuda.current_device = _current_device
+        torch.cuda.synchronize = _noop
+        torch.cuda.empty_cache = _noop
+        _install_noop_rng_tracker()
+        _PATCHED = True
+    if getattr(_THREAD, "mode", None) is None:
+        _THREAD.mode = _CudaToCpuMode()
+        _THREAD.mode.__enter__()
     return True
 
 
@@ -109,13 +114,3 @@ def _install_noop_rng_tracker() -> None:
     from megatron.core.tensor_parallel import random as mcore_random
 
     mcore_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
-
-
-@contextlib.contextmanager
-def suspended():
-    """Leave the CPU mode for the duration of the block (e.g. to run third-party code)."""
-    if _MODE is None:
-        yield
-        return
-    with torch.overrides._pop_mode_temporarily():
-        yield

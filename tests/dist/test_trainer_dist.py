@@ -163,6 +163,40 @@ def assert_reference_swaps(result: dict) -> None:
     torch.testing.assert_close(result["lp_ref_after_reset"], result["lp_policy"], atol=0, rtol=0)
 
 
+CPU_MODE_SCRIPT = """
+import threading, torch
+from megatron_armor.trainer import cpu_compat
+assert cpu_compat.enable_cpu_mode()
+assert torch.zeros(2, device="cuda").device.type == "cpu"
+assert torch.ones(1).cuda().device.type == "cpu" and torch.ones(1).type() == "torch.cuda.FloatTensor"
+assert torch.ones(1).to("cuda").device.type == "cpu"
+assert torch.cuda.current_device() == torch.device("cpu")
+seen = []
+def other_thread():
+    try:
+        torch.zeros(1, device="cuda")
+        seen.append("no mode")
+    except (AssertionError, RuntimeError):
+        seen.append("needs enable")
+    cpu_compat.enable_cpu_mode()
+    seen.append(torch.zeros(1, device="cuda").device.type)
+t = threading.Thread(target=other_thread)
+t.start(); t.join(30)
+assert seen == ["needs enable", "cpu"], seen
+print("ok")
+"""
+
+
+def test_cpu_mode_redirects_cuda_per_thread() -> None:
+    """CPU mode (one process): CUDA requests land on CPU; a new thread enables it again."""
+    if torch.cuda.is_available():
+        pytest.skip("CPU mode is only used without CUDA")
+    done = subprocess.run(
+        [sys.executable, "-c", CPU_MODE_SCRIPT], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
 def test_vocab_parallel_logprobs_and_grad_at_tp2(tmp_path) -> None:
     """TP=2 log-probs / entropy equal ``log_softmax`` of the gathered logits, and each rank's
     gradient slice equals autograd's gradient on the gathered logits."""
