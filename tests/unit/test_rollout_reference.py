@@ -19,6 +19,17 @@ from megatron_armor.rollout.torch_engine import TorchEngine
 
 pytestmark = pytest.mark.unit
 
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Tiny models: one intra-op thread is fastest, and on a shared CI box extra threads
+    only contend. Restored after the module."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11], [20]]
 QIDS = ["q0", "q1", "q2"]
 PARAMS = SamplingParams(temperature=1.0, max_new_tokens=6, seed=11)

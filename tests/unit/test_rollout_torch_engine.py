@@ -12,6 +12,17 @@ from megatron_armor.rollout.torch_engine import TorchEngine
 
 pytestmark = pytest.mark.unit
 
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Tiny models: one intra-op thread is fastest, and on a shared CI box extra threads
+    only contend. Restored after the module."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 EOS = 1
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [20]]
 

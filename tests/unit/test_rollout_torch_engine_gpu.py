@@ -1,0 +1,50 @@
+"""The embedded engine on one GPU (gpu tier: deselected without CUDA)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from megatron_armor.rollout.protocol import SamplingParams
+from megatron_armor.rollout.torch_engine import TorchEngine
+
+pytestmark = pytest.mark.gpu
+PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [20]]
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        eos_token_id=1, pad_token_id=0,
+    )  # fmt: skip
+    path = tmp_path_factory.mktemp("gpu") / "m"
+    Qwen2ForCausalLM(config).save_pretrained(path)
+    return TorchEngine(str(path), device="cuda", max_batch=4)
+
+
+def test_logprobs_match_teacher_forcing_on_gpu(engine):
+    params = SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=16, seed=0)
+    out = engine.generate(PROMPTS, 3, params)
+    for prompt, group in zip(PROMPTS, out, strict=True):
+        for s in group:
+            ref = engine.teacher_forced_logprobs(prompt, s.token_ids, 0.7)
+            assert max(abs(a - b) for a, b in zip(ref, s.logprobs, strict=True)) < 1e-4
+    assert out == engine.generate(PROMPTS, 3, params)  # same seed, same samples
+
+
+def test_release_frees_gpu_memory_and_resume_serves_again(engine):
+    engine.update_weights(engine.state_tensors(), version=1, weights="ref")
+    torch.cuda.synchronize()
+    used = torch.cuda.memory_allocated()
+    engine.release_memory()
+    assert torch.cuda.memory_allocated() < used and not engine.health()
+    with pytest.raises(RuntimeError, match="resume_memory"):
+        engine.generate(PROMPTS, 1, SamplingParams(max_new_tokens=2))
+    engine.resume_memory()
+    assert engine.health()
+    out = engine.generate(PROMPTS, 1, SamplingParams(max_new_tokens=2), weights="ref")
+    assert all(s.weight_version == 1 for g in out for s in g)
