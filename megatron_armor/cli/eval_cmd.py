@@ -1,0 +1,147 @@
+"""``armor eval --model DIR --data FILE... --k 32``: avg@k / pass@k / maj@k per benchmark.
+
+Settings not given on the command line come from ``--config`` (its ``validation``,
+``rollout.sampling.max_new_tokens``, ``data`` and ``reward`` sections) or, without one,
+from the schema defaults. Each data file is one benchmark named after its file stem.
+Writes ``eval.md`` and ``eval.json`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from megatron_armor.config import ArmorConfig, ConfigError, load_config
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("eval", help="evaluate a model on benchmarks (avg@k, pass@k, maj@k)")
+    p.add_argument("--model", required=True, help="HF model directory")
+    p.add_argument("--data", required=True, nargs="+", help="benchmark files (parquet/jsonl)")
+    p.add_argument("--k", type=int, default=None, help="samples per problem (validation.n_samples)")
+    p.add_argument("--out", default="eval_results", help="output directory for eval.md/json")
+    p.add_argument("--config", default=None, help="YAML config supplying defaults")
+    p.add_argument("--backend", choices=("torch", "sglang"), default=None, help="rollout backend")
+    p.add_argument("--sglang-url", nargs="*", default=None, help="use running SGLang servers")
+    p.add_argument("--device", default=None, help="torch backend device (default: cuda if present)")
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--template", choices=("dapo", "chat", "plain"), default=None)
+    p.add_argument("--max-prompt-len", type=int, default=None)
+    p.add_argument("--max-problems", type=int, default=None, help="cap per benchmark (0 = all)")
+    p.add_argument("--verifier", choices=("auto", "dapo", "math_verify"), default=None)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--batch", type=int, default=None, help="torch engine rows decoded together")
+    p.set_defaults(run=run)
+
+
+def pick(value, default):
+    """The command-line ``value`` when given, else the config ``default``."""
+    return default if value is None else value
+
+
+def eval_settings(args: argparse.Namespace, config: ArmorConfig) -> dict:
+    """All effective settings (command line over config), recorded in the report."""
+    v, s = config.validation, config.rollout.sampling
+    return {
+        "model": args.model,
+        "backend": pick(args.backend, config.rollout.backend),
+        "k": pick(args.k, v.n_samples),
+        "temperature": pick(args.temperature, v.temperature),
+        "top_p": pick(args.top_p, v.top_p),
+        "max_new_tokens": pick(args.max_new_tokens, s.max_new_tokens),
+        "template": pick(args.template, config.data.template),
+        "max_prompt_len": pick(args.max_prompt_len, config.data.max_prompt_len),
+        "max_problems": pick(args.max_problems, v.max_problems),
+        "verifier": pick(args.verifier, config.reward.verifier),
+        "seed": args.seed,
+    }
+
+
+def load_benchmarks(files: list[str], tokenizer, template: str, max_prompt_len: int) -> dict:
+    """``{file stem: PromptDataset}``; a repeated stem is an error naming both files."""
+    from megatron_armor.data.dataset import load_prompt_dataset
+
+    datasets: dict = {}
+    for file in files:
+        name = Path(file).stem
+        if name in datasets:
+            raise ValueError(f"--data: two files are named {name!r}; rename one (names label rows)")
+        datasets[name] = load_prompt_dataset([file], tokenizer, template, max_prompt_len, name=name)
+        print(datasets[name].report(), flush=True)
+    return datasets
+
+
+def make_engine(settings: dict, args: argparse.Namespace, config: ArmorConfig):
+    """The rollout engine named by ``settings['backend']``."""
+    if settings["backend"] == "sglang":
+        from megatron_armor.rollout.sglang.engine import SGLangEngine
+
+        engine = SGLangEngine(args.model, config.rollout.sglang, urls=args.sglang_url or None)
+        if not args.sglang_url:
+            engine.launch(colocated=False, log_dir=args.out)
+        return engine
+    import torch
+
+    from megatron_armor.rollout.torch_engine import TorchEngine
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    return TorchEngine(
+        args.model,
+        device=device,
+        dtype=dtype,
+        max_batch=pick(args.batch, config.rollout.engine_batch_size),
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from megatron_armor.evaluation.report import markdown_table, write_report
+    from megatron_armor.evaluation.runner import evaluate
+    from megatron_armor.orchestration.workers import load_model_tokenizer
+    from megatron_armor.reward.scorer import RewardScorer
+    from megatron_armor.rollout.protocol import SamplingParams
+
+    try:
+        config = load_config(args.config) if args.config else ArmorConfig()
+    except ConfigError as e:
+        print(f"armor eval: {e}", file=sys.stderr)
+        return 2
+    settings = eval_settings(args, config)
+    tokenizer = load_model_tokenizer(args.model)
+    datasets = load_benchmarks(
+        args.data, tokenizer, settings["template"], settings["max_prompt_len"]
+    )
+    params = SamplingParams(
+        temperature=settings["temperature"],
+        top_p=settings["top_p"],
+        max_new_tokens=settings["max_new_tokens"],
+        seed=settings["seed"],
+    )
+    engine = make_engine(settings, args, config)
+    scorer = RewardScorer(
+        verifier=settings["verifier"],
+        timeout_s=config.reward.timeout_s,
+        num_workers=config.reward.num_workers,
+        overlong_enabled=False,
+    )
+    start = time.perf_counter()
+    try:
+        results = evaluate(
+            engine, datasets, scorer, settings["k"], params, settings["max_problems"],
+            tokenizer=tokenizer,
+            on_benchmark=lambda b, r: print(f"{b}: {r}", flush=True),
+        )  # fmt: skip
+    finally:
+        scorer.close()
+        close = getattr(engine, "close", None)
+        if close is not None:
+            close()
+    settings["seconds"] = round(time.perf_counter() - start, 1)
+    md, js = write_report(results, args.out, settings["k"], settings)
+    print(markdown_table(results, settings["k"]), end="")
+    print(f"wrote {md} and {js}")
+    return 0
