@@ -23,7 +23,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
-def finish(run_dir, resume_note: str = "") -> None:
+def finish(run_dir) -> None:
     """The summary table and the plots of a finished run."""
     from megatron_armor.observability.plot import plot_run
     from megatron_armor.observability.summary import write_summary
@@ -32,8 +32,6 @@ def finish(run_dir, resume_note: str = "") -> None:
     extra = {"plots": str(plots[0].parent) if plots else "none",
              "metrics": f"{run_dir}/metrics.jsonl", "tensorboard": f"{run_dir}/tb"}  # fmt: skip
     write_summary(run_dir, extra)
-    if resume_note:
-        print(resume_note)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -83,8 +83,8 @@ def _reward_vs_val(records, out: Path, resets) -> Path | None:
         ax.plot(*series(records, reward_key), color="tab:blue", marker=".", label=reward_key)
     ax.set(xlabel="step", ylabel="training reward", title="training reward vs validation accuracy")
     ax2 = ax.twinx()
-    for key in val_keys:
-        ax2.plot(*series(records, key), marker="o", linestyle="-", label=key)
+    for i, key in enumerate(val_keys):
+        ax2.plot(*series(records, key), color=f"C{i + 1}", marker="o", linestyle="-", label=key)
     ax2.set_ylabel("validation accuracy")
     _mark_resets(ax, resets)
     handles = ax.get_legend_handles_labels()

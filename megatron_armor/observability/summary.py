@@ -62,7 +62,7 @@ def summarize(records: list[dict[str, Any]]) -> list[tuple[str, str, str, str]]:
             rows.append(
                 (label, _fmt(fmt, values[0]), _fmt(fmt, values[-1]), _fmt(fmt, max(values)))
             )
-    val_keys = sorted({k for r in records for k in r if k.startswith("val/")})
+    val_keys = sorted({k for r in records for k in r if k.startswith("val/") and "@" in k})
     for key in val_keys:
         values = [r[key] for r in records if r.get(key) is not None]
         if values:
@@ -84,7 +84,8 @@ def write_summary(run_dir: str | Path, extra: dict[str, Any] | None = None) -> s
     for row in rows:
         table.add_row(*row)
     resets = [int(r["step"]) for r in records if r.get("reset/performed")]
-    info = {"steps": len(records), "reference_resets": resets, **(extra or {})}
+    steps = max((int(r["step"]) for r in records), default=0)
+    info = {"steps": steps, "reference_resets": resets, **(extra or {})}
     console = Console(record=True, width=100)
     console.print(table)
     for key, value in info.items():

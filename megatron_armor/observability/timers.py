@@ -11,18 +11,12 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 
+from megatron_armor.observability.nvtx import nvtx_range
 
-def _nvtx_range(name: str):
-    """``observability.nvtx.nvtx_range`` (zero cost when NVTX is off)."""
-    try:
-        from megatron_armor.observability.nvtx import nvtx_range
-    except ModuleNotFoundError as err:  # build without the profiling module: plain timing
-        if err.name != "megatron_armor.observability.nvtx":
-            raise
-        return nullcontext()
-    return nvtx_range(name)
+# Timer phase -> NVTX range name where they differ (observability.nvtx.PHASE_RANGES).
+NVTX_NAMES = {"sync": "weight_sync", "score": "reward"}
 
 
 class PhaseTimers:
@@ -36,7 +30,7 @@ class PhaseTimers:
         """Time the body as phase ``name`` (and mark it as an NVTX range)."""
         start = time.perf_counter()
         try:
-            with _nvtx_range(name):
+            with nvtx_range(NVTX_NAMES.get(name, name)):
                 yield
         finally:
             self._seconds[name] += time.perf_counter() - start

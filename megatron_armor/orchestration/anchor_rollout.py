@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_armor.algo.anchors import AcceptanceStats, select_group
+from megatron_armor.observability.nvtx import nvtx_range
 from megatron_armor.observability.timers import PhaseTimers
 from megatron_armor.orchestration.groups import merge_reward_stats
 from megatron_armor.rollout.protocol import SamplingParams
@@ -51,6 +52,8 @@ class RolloutResult:
     records: list[dict[str, Any]] = field(default_factory=list)
     policy_samples: list[Sample] = field(default_factory=list)
     reward_stats: dict[str, float] = field(default_factory=dict)
+    generated_tokens: int = 0
+    """Response tokens generated this step (policy + reference, fresh or cached)."""
 
 
 def acceptance_error(stats: AcceptanceStats, need: int, algo, rollout) -> AcceptanceError:
@@ -103,13 +106,15 @@ class AnchorRollout:
         policy_params = dataclasses.replace(
             self.params, seed=derive_seed(self.seed, step, batch, "policy")
         )
-        policy = self.rollout.generate(items, n_on, policy_params)
+        with nvtx_range("rollout/policy"):
+            policy = self.rollout.generate(items, n_on, policy_params)
         if self.algo.anchor not in REFERENCE_MODES:
             return policy, [[] for _ in items]
         ref_params = dataclasses.replace(
             self.params, seed=derive_seed(self.seed, step, batch, "reference")
         )
-        return policy, self.rollout.sample_reference(items, self.algo.ref_n, ref_params)
+        with nvtx_range("rollout/reference"):
+            return policy, self.rollout.sample_reference(items, self.algo.ref_n, ref_params)
 
     def _score(self, policy: list[list[Sample]], reference: list[list[Sample]]) -> dict[str, float]:
         flat = [s for rows in (policy, reference) for row in rows for s in row]
@@ -146,6 +151,9 @@ class AnchorRollout:
             result.reward_stats = merge_reward_stats(result.reward_stats, stats)
             result.stats.add_generation_batch()
             result.policy_samples.extend(s for row in policy for s in row)
+            result.generated_tokens += sum(
+                s.response_len for rows in (policy, reference) for row in rows for s in row
+            )
             self._accept(items, policy, reference, gen_batch, result)
             if self.progress is not None:
                 self.progress(min(len(result.groups), need), need, result.stats)

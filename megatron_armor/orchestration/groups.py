@@ -74,22 +74,35 @@ def _remote(cls, options: dict):
 class TrainerGroup:
     """All trainer ranks (``trainer.world_size``)."""
 
-    def __init__(self, config: ArmorConfig, plan: LayoutPlan, pg=None, order=None):
+    def __init__(
+        self, config: ArmorConfig, plan: LayoutPlan, pg=None, order=None, profile_dir: str = ""
+    ):
         self.actors = []
         for rank in range(plan.trainer_ranks):
             bundle = plan.trainer_bundles[rank] if plan.trainer_bundles else None
             opts = actor_options(plan, pg, order or [], bundle, plan.trainer_gpus)
-            self.actors.append(
-                _remote(TrainerWorker, opts).remote(config, rank, plan.trainer_ranks, plan.threads)
-            )
+            args = (config, rank, plan.trainer_ranks, plan.threads, profile_dir)
+            self.actors.append(_remote(TrainerWorker, opts).remote(*args))
         self.init_timeout = config.orchestration.ray_init_timeout_s
+        self.profiling = config.logging.profile != "none"
+        self.info: dict = {}
 
     def init(self) -> None:
         """Build the model on every rank; rank 0's node and a free port host the rendezvous."""
-        info = wait(self.actors[0].node_info.remote(), "trainer rank 0 start-up", self.init_timeout)
-        addr = "127.0.0.1" if len(self.actors) == 1 else info["ip"]
-        refs = [a.init.remote(addr, info["free_port"]) for a in self.actors]
+        first = self.actors[0].node_info.remote()
+        self.info = wait(first, "trainer rank 0 start-up", self.init_timeout)
+        addr = "127.0.0.1" if len(self.actors) == 1 else self.info["ip"]
+        refs = [a.init.remote(addr, self.info["free_port"]) for a in self.actors]
         wait(refs, "trainer model initialization", max(self.init_timeout, 600.0))
+
+    def profile_begin(self, step: int) -> None:
+        """Start the step profiler on the ranks in ``logging.profile_ranks`` (no-op when off)."""
+        if self.profiling:
+            wait([a.profile_begin.remote(step) for a in self.actors], "profiler begin")
+
+    def profile_end(self, step: int) -> None:
+        if self.profiling:
+            wait([a.profile_end.remote(step) for a in self.actors], "profiler end")
 
     def compute_logprobs(self, batch: TrainBatch, weights: str = "policy") -> torch.Tensor:
         """Per-token log-probs ``[total]`` under ``weights``: the sum of the reporting ranks' parts."""
@@ -185,9 +198,11 @@ class RolloutGroup:
                 )
         return [row for rows in wait(refs, "rollout generation") for row in rows]
 
-    def update_weights(self, version: int, export_refs: list) -> None:
-        """Weight sync: every engine loads the trainer's exported tensors at ``version``."""
-        wait([a.update_weights.remote(version, *export_refs) for a in self.actors], "weight sync")
+    def update_weights(self, version: int, export_refs: list) -> int:
+        """Weight sync: every engine loads the trainer's exported tensors at ``version``; bytes per engine."""
+        return wait(
+            [a.update_weights.remote(version, *export_refs) for a in self.actors], "weight sync"
+        )[0]
 
     def load_reference(self, version: int, export_refs: list) -> None:
         """Push the trainer's reference weights (start-up / resume; the anchor cache is kept)."""

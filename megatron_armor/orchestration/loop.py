@@ -14,6 +14,7 @@ import torch
 
 from megatron_armor.algo.advantages import assign_advantages
 from megatron_armor.config.schema import ArmorConfig
+from megatron_armor.observability.nvtx import nvtx_range
 from megatron_armor.observability.summary import step_line
 from megatron_armor.orchestration.anchor_rollout import AnchorRollout, derive_seed
 from megatron_armor.orchestration.groups import RemoteEngine, RemoteScorer
@@ -48,9 +49,11 @@ def minibatch_sample_ids(groups: list[Group], num_minibatches: int) -> list[list
 
 def compute_logprobs(s: Session, batch: TrainBatch) -> None:
     """Fill ``old_logprobs`` (pre-update policy) and ``ref_logprobs`` (reference) from the trainer."""
-    batch.old_logprobs = s.trainer.compute_logprobs(batch, "policy")
+    with nvtx_range("logprobs/old"):
+        batch.old_logprobs = s.trainer.compute_logprobs(batch, "policy")
     if needs_reference_logprobs(s.config):
-        batch.ref_logprobs = s.trainer.compute_logprobs(batch, "ref")
+        with nvtx_range("logprobs/ref"):
+            batch.ref_logprobs = s.trainer.compute_logprobs(batch, "ref")
 
 
 def train_minibatches(s: Session, batch: TrainBatch, groups: list[Group]) -> dict[str, float]:
@@ -73,8 +76,9 @@ def sync_and_maybe_reset(s: Session, step: int) -> dict[str, float]:
         refs = s.trainer.export_refs("policy")
         if s.config.orchestration.layout == "colocated":
             s.rollout.resume_memory()
-        s.rollout.update_weights(step, refs)
+        num_bytes = s.rollout.update_weights(step, refs)
         s.state.policy_version = step
+    s.meter.add_weight_sync(s.timers.seconds("sync"), num_bytes)
     if not s.schedule.should_reset(step):
         return {"reset/performed": 0.0, "reset/ref_version": float(s.state.ref_version)}
     with s.timers.phase("reset"):
@@ -94,8 +98,10 @@ def validate(s: Session, step: int) -> dict[str, float]:
                             max_new_tokens=s.config.rollout.sampling.max_new_tokens, seed=seed)  # fmt: skip
     with s.timers.phase("validate"):
         results = evaluate(RemoteEngine(s.rollout, seed), s.val_datasets, RemoteScorer(s.reward),
-                           v.n_samples, params, v.max_problems)  # fmt: skip
-    return {f"val/{bench}/{k}": float(x) for bench, r in results.items() for k, x in r.items()}
+                           v.n_samples, params, v.max_problems, tokenizer=s.tokenizer)  # fmt: skip
+    k = v.n_samples
+    return {f"val/{bench}/{key.replace('@k', f'@{k}')}": float(x)
+            for bench, r in results.items() for key, x in r.items()}  # fmt: skip
 
 
 def validation_due(config: ArmorConfig, step: int) -> bool:
@@ -118,6 +124,8 @@ def run_step(s: Session, rollout: AnchorRollout, step: int) -> dict[str, float]:
         compute_logprobs(s, batch)
     with s.timers.phase("train"):
         metrics = train_minibatches(s, batch, result.groups)
+    s.meter.add_rollout(result.generated_tokens, s.timers.seconds("generate"))
+    s.meter.add_train(batch.seq_lengths(), s.timers.seconds("train"))
     metrics.update(rollout_metrics(result))
     metrics.update(
         logprob_mismatch_metrics(batch, result.groups, needs_reference_logprobs(s.config))
@@ -141,7 +149,10 @@ def run_loop(s: Session, start: int, stop: StopSignal) -> int:
                             s.progress.rollout_update, s.timers)  # fmt: skip
     for step in range(start + 1, cfg.run.steps + 1):
         t0 = time.perf_counter()
+        s.trainer.profile_begin(step)
         metrics = run_step(s, rollout, step)
+        s.trainer.profile_end(step)
+        metrics.update(s.meter.pop_metrics())
         if stop.received or step % cfg.run.ckpt_every == 0 or step == cfg.run.steps:
             with s.timers.phase("checkpoint"):
                 s.save(step)

@@ -19,13 +19,15 @@ from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.data.dataset import load_prompt_dataset
 from megatron_armor.data.sampler import ResumableSampler
 from megatron_armor.observability.metrics import MetricsLogger, truncate_metrics
+from megatron_armor.observability.throughput import ThroughputMeter, peak_tflops
 from megatron_armor.observability.timers import PhaseTimers
 from megatron_armor.orchestration import checkpoints
 from megatron_armor.orchestration.groups import RewardGroup, RolloutGroup, TrainerGroup
-from megatron_armor.orchestration.placement import create_bundles, init_ray, plan_layout
+from megatron_armor.orchestration.placement import LayoutPlan, create_bundles, init_ray, plan_layout
 from megatron_armor.orchestration.progress import PhaseProgress
 from megatron_armor.orchestration.run_state import RunState
 from megatron_armor.orchestration.workers import load_model_tokenizer
+from megatron_armor.planner.model import load_model_dims
 
 
 def run_dir_of(config: ArmorConfig) -> Path:
@@ -55,6 +57,17 @@ def load_val_datasets(config: ArmorConfig, tokenizer) -> dict:
     return out
 
 
+def make_meter(config: ArmorConfig, plan: LayoutPlan, device_name: str) -> ThroughputMeter:
+    """Tokens/s always; FLOPs and MFU where the model dims and the GPU's peak are known."""
+    try:
+        dims = load_model_dims(config.trainer.model_path)
+    except (OSError, ValueError, KeyError):
+        dims = None  # not an HF config.json the planner knows: tokens/s only
+    gpus = plan.trainer_ranks if plan.layout != "cpu" else 0
+    peak = peak_tflops(device_name, config.trainer.precision) if gpus else None
+    return ThroughputMeter(dims=dims, num_gpus=max(gpus, 1), peak_tflops_per_gpu=peak)
+
+
 @dataclass
 class Session:
     config: ArmorConfig
@@ -68,6 +81,8 @@ class Session:
     schedule: ResetSchedule
     logger: MetricsLogger
     timers: PhaseTimers
+    meter: ThroughputMeter
+    tokenizer: object
     progress: PhaseProgress
     alpha: float
     num_minibatches: int
@@ -87,7 +102,7 @@ class Session:
         plan = plan_layout(config)
         init_ray(config, plan)
         pg, order = create_bundles(plan, config.orchestration.ray_init_timeout_s)
-        trainer = TrainerGroup(config, plan, pg, order)
+        trainer = TrainerGroup(config, plan, pg, order, str(run_dir / "profile"))
         rollout = RolloutGroup(config, plan, pg, order)
         reward = RewardGroup(config, plan)
         trainer.init()
@@ -102,7 +117,8 @@ class Session:
             dataset=dataset, val_datasets=val,
             sampler=ResumableSampler(len(dataset), config.run.seed, d.shuffle),
             schedule=ResetSchedule(r.schedule, r.every, r.until), logger=logger,
-            timers=PhaseTimers(), progress=PhaseProgress(log.progress),
+            timers=PhaseTimers(), progress=PhaseProgress(log.progress), tokenizer=tokenizer,
+            meter=make_meter(config, plan, trainer.info.get("device_name", "cpu")),
             alpha=resolve_alpha(config.algo.alpha, config.algo.group_size),
             num_minibatches=num_minibatches, state=RunState(),
         )  # fmt: skip

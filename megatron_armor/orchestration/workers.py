@@ -55,6 +55,7 @@ def node_info() -> dict[str, Any]:
         "ip": ray.util.get_node_ip_address(),
         "host": socket.gethostname(),
         "gpu_ids": [int(g) for g in ray.get_gpu_ids()],
+        "device_name": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
         "free_port": port,
         "pid": os.getpid(),
     }
@@ -63,10 +64,30 @@ def node_info() -> dict[str, Any]:
 class TrainerWorker:
     """One trainer rank: a thin picklable wrapper over ``MegatronTrainer``."""
 
-    def __init__(self, config: ArmorConfig, rank: int, world_size: int, num_threads: int = 0):
+    def __init__(
+        self,
+        config: ArmorConfig,
+        rank: int,
+        world_size: int,
+        num_threads: int = 0,
+        profile_dir: str = "",
+    ):
         set_threads(num_threads)
         self.config, self.rank, self.world_size = config, rank, world_size
         self.trainer = None
+        self.profiler = None
+        if profile_dir and config.logging.profile != "none":
+            from megatron_armor.observability.profiler import profiler_from_config
+
+            self.profiler = profiler_from_config(config.logging, rank, profile_dir)
+
+    def profile_begin(self, step: int) -> None:
+        if self.profiler is not None:
+            self.profiler.begin_step(step)
+
+    def profile_end(self, step: int) -> None:
+        if self.profiler is not None:
+            self.profiler.end_step(step)
 
     def node_info(self) -> dict[str, Any]:
         return node_info()
@@ -100,6 +121,8 @@ class TrainerWorker:
         return self.trainer.load_checkpoint(path)
 
     def close(self) -> None:
+        if self.profiler is not None:
+            self.profiler.close()
         if self.trainer is not None and hasattr(self.trainer, "close"):
             self.trainer.close()
         self.trainer = None
@@ -195,12 +218,12 @@ class RolloutWorker:
         return to_samples(items, outputs, SampleSource.REFERENCE, self.tokenizer)
 
     def update_weights(self, version: int, *shards: NamedTensors) -> int:
-        """Load the trainer's exported policy tensors (one list per exporting rank)."""
+        """Load the trainer's exported policy tensors (one list per exporting rank); returns bytes."""
         tensors = [nt for shard in shards for nt in shard]
         self.engine.update_weights(tensors, version, "policy")
         if self.keep_copies:
             self.copies["policy"] = tensors
-        return self.engine.weight_version("policy")
+        return sum(t.numel() * t.element_size() for _, t in tensors)
 
     def load_reference(self, version: int, *shards: NamedTensors) -> None:
         """Serve ``shards`` as the reference at ``version`` (start-up / resume; cache kept)."""

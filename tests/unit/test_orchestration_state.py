@@ -173,3 +173,16 @@ def test_engine_logprobs_align_with_packed_response_tokens():
     assert "rollout/anchor_logprob_absdiff_mean" not in logprob_mismatch_metrics(
         batch, [group], False
     )
+
+
+def test_orchestration_never_imports_megatron():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, megatron_armor.orchestration.loop, megatron_armor.cli.train_cmd; "
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('megatron', 'ray', "
+        "'transformer_engine', 'sglang')); print(bad); sys.exit(1 if bad else 0)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
