@@ -192,6 +192,8 @@ def load_hf_weights(model, model_dir: str, spec: HFModelSpec) -> int:
     core = unwrap(model)
     src, offset, loaded = SafetensorsDir(model_dir), layer_offset(core), 0
     for name, param in core.named_parameters():
+        if param.numel() == 0:  # TE can register empty placeholders (e.g. an unused bias)
+            continue
         pmap = map_param(name, spec, offset)
         if pmap is None:
             raise KeyError(f"megatron parameter {name!r} has no HF mapping (hf_weights.py)")
@@ -260,7 +262,9 @@ def export_hf_weights(model, spec: HFModelSpec) -> Iterator[tuple[str, torch.Ten
     offset, export = layer_offset(core), parallel.is_export_rank()
     for name, param in core.named_parameters():
         pmap = map_param(name, spec, offset)
-        if pmap is None or (name == "output_layer.weight" and spec.tie_embeddings):
+        if param.numel() == 0 or pmap is None:
+            continue
+        if name == "output_layer.weight" and spec.tie_embeddings:
             continue
         parts = _gather_tp(param) if pmap.kind != "replicated" else [param.detach()]
         if not export:
