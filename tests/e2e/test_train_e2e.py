@@ -31,7 +31,7 @@ pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[2]
 RUN_TIMEOUT_S = 420
-VOLATILE = ("timing/", "wall_time", "reward/verify_seconds")
+VOLATILE = ("timing/", "perf/", "wall_time", "reward/verify_seconds")  # wall-clock dependent
 
 
 @pytest.fixture(scope="session")
