@@ -50,21 +50,20 @@ def cluster():
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory, cluster) -> Path:
-    """``armor tiny`` artifacts (model + data) for the tiny config; ``ARMOR_TINY_DIR`` reuses a built one."""
-    given = os.environ.get("ARMOR_TINY_DIR")
-    if given:
-        assert (Path(given) / "model" / "config.json").is_file(), (
-            f"ARMOR_TINY_DIR={given}: no model/config.json"
+def tiny_dir(cluster) -> Path:
+    """The tiny model + data: ``$ARMOR_TINY_DIR`` or ``artifacts/tiny`` (shared with the e2e
+    tier), built with ``armor tiny`` when missing."""
+    path = Path(os.environ.get("ARMOR_TINY_DIR", REPO / "artifacts" / "tiny")).resolve()
+    if (
+        not (path / "model" / "config.json").is_file()
+        or not (path / "data" / "val.parquet").is_file()
+    ):
+        cmd = [sys.executable, "-m", "megatron_armor.cli", "tiny", "--out", str(path)]
+        done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, (
+            f"`armor tiny` failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
         )
-        return Path(given).resolve()
-    out = tmp_path_factory.mktemp("tiny") / "artifacts" / "tiny"
-    cmd = [sys.executable, "-m", "megatron_armor.cli", "tiny", "--out", str(out)]
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, (
-        f"`armor tiny` failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
-    )
-    return out
+    return path
 
 
 def _job_field(job_id: str, name: str) -> str:
