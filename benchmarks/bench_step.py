@@ -85,7 +85,7 @@ def print_table(results: dict[str, dict[str, float]]) -> None:
         table.add_row(name, f"{r['step']:.2f}", f"{r['step'] / dapo:.2f}",
                       *(f"{r[p]:.2f}" for p in PHASES), f"{r['gen_batches']:.1f}",
                       f"{100 * r['outside_compute_share']:.1f}%")  # fmt: skip
-    Console().print(table)
+    Console(width=200).print(table)
 
 
 def main() -> None:

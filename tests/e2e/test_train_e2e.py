@@ -56,6 +56,7 @@ class Run:
         self.log = (out / f"{name}.{time.time_ns()}.log").open("w")
         args = [
             f"run.output_dir={out}", f"run.name={name}", "run.steps=4", "run.ckpt_every=2",
+            "algo.group_size=4", "algo.ref_n=2",
             "algo.reset.every=2", "rollout.batch=4", "rollout.gen_batch=8",
             "trainer.ppo_mini_batch=2", "validation.every=2", "validation.max_problems=8",
             "validation.n_samples=2", "logging.progress=false",
