@@ -10,6 +10,7 @@ signal, ``scontrol requeue`` and ``--resume auto``. Every wait is bounded.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -146,8 +147,12 @@ def workdir(tiny_dir, tmp_path) -> Path:
     return tmp_path
 
 
-def test_sbatch_runs_the_tiny_config_to_completion(workdir):
-    job_id, job_dir = _submit(workdir, ["run.steps=2", "run.ckpt_every=2"])
+def test_sbatch_runs_the_tiny_config_to_completion_with_a_torch_profile(workdir):
+    profile = [
+        "logging.profile=torch",
+        "logging.profile_steps=[2]",
+    ]  # the trainer's trace of step 2
+    job_id, job_dir = _submit(workdir, ["run.steps=2", "run.ckpt_every=2", *profile])
     state = _wait_done(job_id, workdir, job_dir)
     report = _job_report(workdir, job_id, job_dir)
     assert state == "COMPLETED", report
@@ -157,6 +162,12 @@ def test_sbatch_runs_the_tiny_config_to_completion(workdir):
     assert "orchestration.ray_address=" in driver  # the driver used the job's own Ray head
     assert (workdir / "runs" / "tiny_cpu" / "checkpoints" / "step_000002" / "meta.json").is_file()
     assert (job_dir / f"ray-{_job_field(job_id, 'BatchHost')}.log").is_file()
+    trace = json.loads(
+        (workdir / "runs" / "tiny_cpu" / "profile" / "trace_rank0_step2.json").read_text()
+    )
+    names = {event.get("name") for event in trace["traceEvents"]}
+    assert any(str(n).startswith("aten::") for n in names)  # forward ops of the trainer rank
+    assert any(str(n).endswith("Backward0") for n in names)  # and its backward pass
 
 
 def test_sigusr1_checkpoints_requeues_and_the_requeued_job_resumes(workdir):
