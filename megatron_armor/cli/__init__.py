@@ -35,7 +35,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # Dotted overrides may follow options (`armor plan cfg --gpu-mem 80 a.b=1`).
+    overrides = [a for a in extra if "=" in a and not a.startswith("-")]
+    unknown = [a for a in extra if a not in overrides]
+    if unknown or (overrides and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(unknown or overrides)}")
+    if overrides:
+        args.overrides = list(args.overrides or []) + overrides
     return int(args.run(args) or 0)
 
 
