@@ -20,11 +20,11 @@ from megatron_armor.tiny.tokenizer import build_vocab, write_tokenizer
 
 @dataclass(frozen=True)
 class TinyModelConfig:
-    """Shape of the tiny model (defaults: ~0.9 M parameters)."""
+    """Shape of the tiny model (defaults: ~0.4 M parameters)."""
 
     hidden_size: int = 128
     """Model width."""
-    num_layers: int = 3
+    num_layers: int = 2
     """Decoder layers."""
     num_heads: int = 4
     """Attention heads (head dim = hidden_size / num_heads)."""
