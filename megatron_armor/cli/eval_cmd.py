@@ -35,6 +35,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--verifier", choices=("auto", "dapo", "math_verify"), default=None)
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--batch", type=int, default=None, help="torch engine rows decoded together")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     p.set_defaults(run=run)
 
 
@@ -82,11 +83,15 @@ def make_engine(settings: dict, args: argparse.Namespace, config: ArmorConfig):
 
         engine = SGLangEngine(args.model, config.rollout.sglang, urls=args.sglang_url or None)
         if not args.sglang_url:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
             engine.launch(colocated=False, log_dir=args.out)
         return engine
     import torch
 
     from megatron_armor.rollout.torch_engine import TorchEngine
+
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
