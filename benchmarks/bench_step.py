@@ -1,17 +1,18 @@
 """Step time of ARMOR against DAPO on the tiny CPU config, side by side in one run.
 
-Runs three short trainings through the real orchestrator (Ray, Megatron actor, embedded
-engine) with the same ``B`` and ``G``:
+Three sessions of the real orchestrator (one Ray cluster; each with its own Megatron actor,
+embedded engine and scorer) with the same ``B`` and ``G``:
 
 - ``dapo``: ``algo.anchor=none``, ``algo.ratio=standard`` (no reference samples, no ref log-probs)
 - ``armor-generate``: anchors from fresh reference samples every step
 - ``armor-cache``: anchors generated once per reference period and reused
 
-and prints the mean step time (first step excluded as warm-up; checkpoint time excluded), the
-ARMOR / DAPO ratio, the per-phase split, and the share of step time spent outside model
-compute (generation, log-prob forwards, training updates).
+Their steps are interleaved (step 1 of each, then step 2 of each, ...) so that load changes on
+a shared machine hit every variant alike. Printed: the mean step time (step 1 excluded as
+warm-up), the ratio to DAPO, the per-phase split, generation batches per step, and the share
+of step time spent outside model compute (generation, log-prob forwards, training updates).
 
-    python benchmarks/bench_step.py [--steps 4] [--tiny artifacts/tiny] [key=value ...]
+    python benchmarks/bench_step.py [--steps 5] [--tiny artifacts/tiny] [key=value ...]
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
+import time
 from pathlib import Path
 from statistics import mean
 
@@ -32,23 +34,46 @@ COMPUTE_PHASES = ("generate", "logprobs", "train")
 PHASES = ("generate", "score", "logprobs", "train", "sync", "reset")
 
 
-def run_variant(name: str, overrides: list[str], args, out: Path) -> list[dict]:
-    """Train one variant for ``args.steps`` steps; its per-step metrics records."""
+def load_variant(name: str, overrides: list[str], args, out: Path):
     from megatron_armor.config import load_config
-    from megatron_armor.observability.metrics import read_metrics
-    from megatron_armor.orchestration.loop import train
 
     tiny = Path(args.tiny)
-    config = load_config(REPO / "configs" / "tiny_cpu.yaml", [
+    return load_config(REPO / "configs" / "tiny_cpu.yaml", [
         f"run.output_dir={out}", f"run.name={name}", f"run.steps={args.steps}",
-        f"run.ckpt_every={args.steps}", "validation.every=0", "logging.progress=false",
-        "logging.tensorboard=false", f"trainer.model_path={tiny / 'model'}",
+        "validation.every=0", "logging.progress=false", "logging.tensorboard=false",
+        f"trainer.model_path={tiny / 'model'}",
         f"data.train_files=[{tiny / 'data' / 'train.parquet'}]", *overrides, *args.overrides,
     ])  # fmt: skip
-    code = train(config, "none")
-    if code != 0:
-        raise SystemExit(f"bench_step: variant {name} exited {code}")
-    return [r for r in read_metrics(out / name) if r["step"] >= 1]
+
+
+def run_interleaved(configs: dict, steps: int) -> dict[str, list[dict[str, float]]]:
+    """Start one session per variant, then run their steps round-robin; per-step timings."""
+    import ray
+
+    from megatron_armor.orchestration.anchor_rollout import AnchorRollout
+    from megatron_armor.orchestration.loop import run_step
+    from megatron_armor.orchestration.session import Session
+
+    ray.init(num_cpus=4 * len(configs), include_dashboard=False, object_store_memory=512 * 1024**2)
+    sessions, records = {}, {name: [] for name in configs}
+    try:
+        for name, cfg in configs.items():
+            sessions[name] = Session.start(cfg)
+            sessions[name].restore("none")
+        rollouts = {n: AnchorRollout(s.config, s.dataset, s.sampler, s.rollout, s.reward, None, s.timers)
+                    for n, s in sessions.items()}  # fmt: skip
+        for step in range(1, steps + 1):
+            for name, s in sessions.items():
+                start = time.perf_counter()
+                metrics = run_step(s, rollouts[name], step)
+                metrics.update(s.timers.pop_metrics(), step_s=time.perf_counter() - start)
+                records[name].append(metrics)
+                print(f"{name} step {step}: {metrics['step_s']:.2f}s", flush=True)
+    finally:
+        for s in sessions.values():
+            s.close(shutdown_ray=False)
+        ray.shutdown()
+    return records
 
 
 def summarize(records: list[dict]) -> dict[str, float]:
@@ -58,10 +83,10 @@ def summarize(records: list[dict]) -> dict[str, float]:
     def avg(key: str) -> float:
         return mean(float(r.get(key) or 0.0) for r in measured)
 
-    step = avg("timing/step_s") - avg("timing/checkpoint_s")
     out = {p: avg(f"timing/{p}_s") for p in PHASES}
-    out["step"] = step
-    out["outside_compute_share"] = 1.0 - sum(out[p] for p in COMPUTE_PHASES) / step if step else 0.0
+    out["step"] = avg("step_s")
+    compute = sum(out[p] for p in COMPUTE_PHASES)
+    out["outside_compute_share"] = 1.0 - compute / out["step"] if out["step"] else 0.0
     out["gen_batches"] = avg("anchor/gen_batches")
     return out
 
@@ -72,14 +97,15 @@ def print_table(results: dict[str, dict[str, float]]) -> None:
 
     dapo = results["dapo"]["step"]
     table = Table(title="step time on configs/tiny_cpu.yaml (same B and G)")
-    for col in (
+    cols = (
         "variant",
         "step s",
         "x DAPO",
         *(f"{p} s" for p in PHASES),
         "gen batches",
         "outside compute",
-    ):
+    )
+    for col in cols:
         table.add_column(col, justify="right")
     for name, r in results.items():
         table.add_row(name, f"{r['step']:.2f}", f"{r['step'] / dapo:.2f}",
@@ -90,7 +116,7 @@ def print_table(results: dict[str, dict[str, float]]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=4, help="steps per variant (>= 2)")
+    parser.add_argument("--steps", type=int, default=5, help="steps per variant (>= 2)")
     parser.add_argument(
         "--tiny", default=str(REPO / "artifacts" / "tiny"), help="`armor tiny` output"
     )
@@ -98,10 +124,12 @@ def main() -> None:
     args = parser.parse_args()
     if args.steps < 2:
         parser.error("--steps must be >= 2 (the first step is warm-up)")
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    for key, value in (("RAY_AUTH_MODE", "disabled"), ("RAY_USAGE_STATS_ENABLED", "0")):
+        os.environ.setdefault(key, value)
     with tempfile.TemporaryDirectory(prefix="bench-step-") as tmp:
+        configs = {name: load_variant(name, ov, args, Path(tmp)) for name, ov in VARIANTS.items()}
         results = {
-            name: summarize(run_variant(name, ov, args, Path(tmp))) for name, ov in VARIANTS.items()
+            name: summarize(recs) for name, recs in run_interleaved(configs, args.steps).items()
         }
     print_table(results)
     for name in ("armor-generate", "armor-cache"):

@@ -163,7 +163,7 @@ class Session:
         print(f"resumed from {path} at step {state.step}", flush=True)
         return state.step
 
-    def close(self) -> None:
+    def close(self, shutdown_ray: bool = True) -> None:
         """Stop the actors and Ray (best effort: a failing close must not hide the real error)."""
         import ray
 
@@ -174,4 +174,8 @@ class Session:
                 group.close()
             except Exception as err:  # noqa: BLE001 - report and keep shutting down
                 print(f"warning: closing {type(group).__name__} failed: {err}", flush=True)
-        ray.shutdown()
+        for group in (self.trainer, self.rollout, self.reward):
+            for actor in group.actors:
+                ray.kill(actor)
+        if shutdown_ray:
+            ray.shutdown()
