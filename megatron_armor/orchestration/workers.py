@@ -190,6 +190,7 @@ class RolloutWorker:
         strategy, fill = reference_strategy(config)
         self.keep_copies = "swap" in (strategy, fill)
         self.copies: dict[str, NamedTensors] = {}
+        self.counted: dict[str, float] = {}
         self.reference = make_reference_sampler(
             strategy, self.engine, weights_fn=self._weights, cache_fill=fill
         )
@@ -240,9 +241,16 @@ class RolloutWorker:
         self.reference.on_reset(version, lambda: iter(tensors))
 
     def reference_metrics(self) -> dict[str, float]:
-        """Anchor-cache counters (``anchor/cache_*``) when the cache strategy is used."""
+        """Anchor-cache hits/misses since the last call and the cache size (cache strategy only)."""
         metrics = getattr(self.reference, "metrics", None)
-        return metrics() if metrics else {}
+        if metrics is None:
+            return {}
+        out = dict(metrics())
+        for key in ("anchor/cache_hits", "anchor/cache_misses"):
+            total = out.get(key, 0.0)
+            out[key] = total - self.counted.get(key, 0.0)
+            self.counted[key] = total
+        return out
 
     def release_memory(self) -> None:
         self.engine.release_memory()

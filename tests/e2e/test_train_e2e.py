@@ -7,8 +7,9 @@ built once with ``armor tiny`` (or reused from ``$ARMOR_TINY_DIR`` / ``artifacts
 
 What is checked: a run end to end (metrics, anchors, checkpoints, plots, summary); SIGTERM
 writes a checkpoint and exits 75; ``kill -9`` mid-run then ``--resume auto`` reproduces the
-uninterrupted run's metrics; ``anchor: none | armor | filter_only`` give the group
-compositions of armor-spec §2; a reset makes the anchors come from the new reference.
+uninterrupted run's metrics (anchor cache included); ``anchor: none | armor | filter_only``
+give the group compositions of armor-spec §2; a reset makes the anchors come from the new
+reference (the cache is invalidated).
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[2]
 RUN_TIMEOUT_S = 420
+# The ARMOR runs draw anchors through the anchor cache, so the reset test also checks that a
+# reset invalidates it and the resume test that it is restored; filter_only uses fresh samples.
+CACHED = ("algo.anchor_source=cache",)
 VOLATILE = ("timing/", "perf/", "wall_time", "reward/verify_seconds")  # wall-clock dependent
 
 
@@ -148,7 +152,7 @@ def out_dir():
 @pytest.fixture(scope="module")
 def reference_run(tiny_dir, out_dir) -> Path:
     """The uninterrupted 4-step ARMOR run every other test compares against."""
-    run = Run(out_dir, "uninterrupted", tiny_dir)
+    run = Run(out_dir, "uninterrupted", tiny_dir, *CACHED)
     code = run.wait()
     assert code == 0, run.output()
     return run.run_dir
@@ -165,6 +169,7 @@ def test_short_run_end_to_end(reference_run):
             assert r.get(key) is not None, (r["step"], key)
         assert r["algo/alpha"] == pytest.approx(3 / 4) and r["anchor/kept"] == 4
     assert [r["step"] for r in records if r.get("reset/performed")] == [2, 4]
+    assert records[1]["anchor/cache_misses"] > 0 and records[3]["anchor/cache_size"] > 0
     ckpts = sorted(p.name for p in (reference_run / "checkpoints").iterdir())
     assert ckpts == ["step_000002", "step_000004"]
     for png in ("reward_vs_val.png", "kl.png", "acceptance.png", "clip.png"):
@@ -191,7 +196,7 @@ def test_reset_switches_anchor_source_to_new_reference(reference_run):
 @pytest.mark.timeout(1200)
 def test_sigterm_then_kill9_then_resume_matches_uninterrupted(reference_run, tiny_dir, out_dir):
     name = "interrupted"
-    first = Run(out_dir, name, tiny_dir)
+    first = Run(out_dir, name, tiny_dir, *CACHED)
     first.wait_for(lambda: 1 in first.steps_logged())
     first.proc.send_signal(signal.SIGTERM)
     code = first.wait()
@@ -199,12 +204,14 @@ def test_sigterm_then_kill9_then_resume_matches_uninterrupted(reference_run, tin
     saved = [int(p.name.split("_")[1]) for p in (first.run_dir / "checkpoints").glob("step_*")]
     assert saved and max(saved) == max(first.steps_logged()), first.output()  # the step it was in
 
-    second = Run(out_dir, name, tiny_dir)  # resumes; kill -9 of all its processes mid step 3
+    second = Run(
+        out_dir, name, tiny_dir, *CACHED
+    )  # resumes; kill -9 of all its processes mid step 3
     second.wait_for(lambda: (first.run_dir / "anchors" / "step_000003.jsonl").is_file())
     second.kill_group()
     assert (first.run_dir / "checkpoints" / "step_000002").is_dir()
 
-    third = Run(out_dir, name, tiny_dir)
+    third = Run(out_dir, name, tiny_dir, *CACHED)
     assert third.wait() == 0, third.output()
     expected = {r["step"]: stable(r) for r in read_metrics(reference_run)}
     got = {r["step"]: stable(r) for r in read_metrics(first.run_dir)}
