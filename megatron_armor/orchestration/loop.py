@@ -143,6 +143,10 @@ def run_step(s: Session, rollout: AnchorRollout, step: int) -> dict[str, float]:
 def run_loop(s: Session, start: int, stop: StopSignal) -> int:
     """Steps ``start + 1 .. run.steps``; returns the process exit code (0, or 75 on a signal)."""
     cfg = s.config
+    if start >= cfg.run.steps:
+        print(f"{s.run_dir} is complete at step {start} (run.steps={cfg.run.steps}); "
+              "raise run.steps to continue it", flush=True)  # fmt: skip
+        return 0
     if start == 0 and cfg.validation.every > 0:
         s.logger.log(0, {**validate(s, 0), **s.timers.pop_metrics()})
     rollout = AnchorRollout(cfg, s.dataset, s.sampler, s.rollout, s.reward,
