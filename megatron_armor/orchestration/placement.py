@@ -7,6 +7,11 @@
 - ``disaggregated``: ``trainer.world_size`` bundles for the trainer plus
   ``orchestration.rollout_gpus`` bundles for the engines.
 
+With ``rollout.backend: sglang`` one CPU actor owns the whole SGLang pool
+(``rollout.sglang.num_engines`` servers behind the router, launched as subprocesses on the
+GPUs of its node: Ray leaves ``CUDA_VISIBLE_DEVICES`` alone for an actor without GPUs); the
+GPU bundles are then the trainer's (and, disaggregated, a reservation of the rollout GPUs).
+
 Bundles are re-ordered by (node IP, GPU id) with one probe actor per bundle, so trainer rank
 order follows the hardware (ranks of a TP group share a node).
 """
@@ -42,6 +47,13 @@ class LayoutPlan:
 
 def plan_layout(config: ArmorConfig) -> LayoutPlan:
     """The actor counts and resources of ``orchestration.layout``; errors name the fix."""
+    plan = _plan_bundles(config)
+    if config.rollout.backend == "sglang" and plan.layout != "cpu":
+        plan.rollout_engines, plan.rollout_bundles, plan.rollout_gpus = 1, [], 0.0
+    return plan
+
+
+def _plan_bundles(config: ArmorConfig) -> LayoutPlan:
     orch, world = config.orchestration, config.trainer.world_size
     engines = max(config.rollout.sglang.num_engines, 1)
     if orch.layout not in LAYOUTS:

@@ -138,7 +138,7 @@ def make_engine(config: ArmorConfig, device: str):
             config.trainer.model_path, device=device, max_batch=config.rollout.engine_batch_size
         )
     if backend == "sglang":
-        from megatron_armor.rollout.sglang_engine import SGLangEngine
+        from megatron_armor.rollout.sglang.engine import SGLangEngine
 
         return SGLangEngine.from_config(config)
     raise ValueError(f"rollout.backend={backend!r}: expected 'torch' or 'sglang'")

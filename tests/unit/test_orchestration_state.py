@@ -75,6 +75,7 @@ def test_stop_signal_flags_sigterm_and_sigusr1():
 
 def test_layouts():
     cfg = ArmorConfig()
+    cfg.rollout.backend = "torch"
     cpu = plan_layout(cfg)
     assert (cpu.trainer_ranks, cpu.rollout_engines, cpu.bundles) == (1, 1, 0)
     cfg.orchestration.layout, cfg.trainer.world_size, cfg.rollout.sglang.tp = "colocated", 8, 2
@@ -83,6 +84,9 @@ def test_layouts():
     cfg.orchestration.layout, cfg.orchestration.rollout_gpus = "disaggregated", 4
     dis = plan_layout(cfg)
     assert (dis.bundles, dis.rollout_bundles, dis.trainer_bundles) == (12, [8, 10], list(range(8)))
+    cfg.rollout.backend = "sglang"  # one CPU actor owns the SGLang pool; bundles stay reserved
+    sg = plan_layout(cfg)
+    assert (sg.rollout_engines, sg.rollout_bundles, sg.bundles) == (1, [], 12)
     cfg.orchestration.rollout_gpus = 3
     with pytest.raises(ValueError, match="orchestration.rollout_gpus=3"):
         plan_layout(cfg)
@@ -184,5 +188,7 @@ def test_orchestration_never_imports_megatron():
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('megatron', 'ray', "
         "'transformer_engine', 'sglang')); print(bad); sys.exit(1 if bad else 0)"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stdout + result.stderr
