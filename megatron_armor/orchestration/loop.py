@@ -109,6 +109,12 @@ def validation_due(config: ArmorConfig, step: int) -> bool:
     return every > 0 and (step % every == 0 or step == config.run.steps)
 
 
+def checkpoint_due(config: ArmorConfig, step: int) -> bool:
+    """Every ``run.ckpt_every`` steps (0 = only at the end) and at the last step."""
+    every = config.run.ckpt_every
+    return step == config.run.steps or (every > 0 and step % every == 0)
+
+
 def run_step(s: Session, rollout: AnchorRollout, step: int) -> dict[str, float]:
     """One step of Algorithm 1; returns its metrics (without timings)."""
     s.progress.start(f"step {step} rollout", s.config.rollout.batch)
@@ -157,7 +163,7 @@ def run_loop(s: Session, start: int, stop: StopSignal) -> int:
         metrics = run_step(s, rollout, step)
         s.trainer.profile_end(step)
         metrics.update(s.meter.pop_metrics())
-        if stop.received or step % cfg.run.ckpt_every == 0 or step == cfg.run.steps:
+        if stop.received or checkpoint_due(cfg, step):
             with s.timers.phase("checkpoint"):
                 s.save(step)
         metrics.update(s.timers.pop_metrics())

@@ -192,3 +192,15 @@ def test_orchestration_never_imports_megatron():
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_checkpoint_and_validation_cadence():
+    from megatron_armor.orchestration.loop import checkpoint_due, validation_due
+
+    cfg = ArmorConfig()
+    cfg.run.steps, cfg.run.ckpt_every, cfg.validation.every = 7, 3, 2
+    assert [s for s in range(1, 8) if checkpoint_due(cfg, s)] == [3, 6, 7]
+    assert [s for s in range(1, 8) if validation_due(cfg, s)] == [2, 4, 6, 7]
+    cfg.run.ckpt_every, cfg.validation.every = 0, 0
+    assert [s for s in range(1, 8) if checkpoint_due(cfg, s)] == [7]
+    assert not any(validation_due(cfg, s) for s in range(1, 8))
