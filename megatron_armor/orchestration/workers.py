@@ -163,7 +163,7 @@ def to_samples(
                     response_text=tokenizer.decode(o.token_ids, skip_special_tokens=True),
                     ground_truth=item.ground_truth,
                     data_source=item.data_source,
-                )  # fmt: skip
+                )
                 for o in outs
             ]
         )

@@ -223,9 +223,11 @@ def test_sigterm_then_kill9_then_resume_matches_uninterrupted(reference_run, tin
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("anchor", ["none", "filter_only"])
 def test_group_composition_per_anchor_mode(anchor, reference_run, tiny_dir, out_dir):
-    ratio = "standard"
-    run = Run(out_dir, f"anchor_{anchor}", tiny_dir, f"algo.anchor={anchor}", f"algo.ratio={ratio}",
-              "run.steps=1", "validation.every=0")  # fmt: skip
+    # filter_only draws its reference samples with the `swap` strategy (reference weights loaded
+    # into the engine and the policy weights put back; the policy check below covers that).
+    extra = ["rollout.ref_strategy=swap"] if anchor == "filter_only" else []
+    run = Run(out_dir, f"anchor_{anchor}", tiny_dir, f"algo.anchor={anchor}", "algo.ratio=standard",
+              "run.steps=1", "validation.every=0", *extra)  # fmt: skip
     assert run.wait() == 0, run.output()
     kept = [x for x in anchor_lines(run.run_dir, 1) if x.get("kept")]
     assert len(kept) == 4
@@ -237,6 +239,7 @@ def test_group_composition_per_anchor_mode(anchor, reference_run, tiny_dir, out_
     assert all(x["policy_n"] == 3 and x["ref_n"] == 2 and x["anchor_len"] > 0 for x in armor)
     record = read_metrics(run.run_dir)[-1]
     assert record.get("length/anchor_mean") is None
+    assert record["rollout/policy_logprob_absdiff_max"] < 1e-3
 
 
 @pytest.mark.timeout(900)
