@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from megatron_armor.config.schema import ArmorConfig
+from megatron_armor.observability.nvtx import enable_nvtx, nvtx_range
 from megatron_armor.rollout.protocol import GenerationOutput, SamplingParams
 from megatron_armor.types import Sample, SampleSource
 
@@ -42,6 +43,12 @@ def set_threads(num_threads: int) -> None:
     """Pin torch's intra-op threads (Ray sets OMP_NUM_THREADS to the actor's CPU count)."""
     if num_threads > 0:
         torch.set_num_threads(num_threads)
+
+
+def enable_worker_nvtx(config: ArmorConfig) -> None:
+    """Mark this actor's phases for Nsight when the run is profiled with nsys/dlprof."""
+    if config.logging.profile in ("nsys", "dlprof"):
+        enable_nvtx("nvtx")
 
 
 def node_info() -> dict[str, Any]:
@@ -73,6 +80,7 @@ class TrainerWorker:
         profile_dir: str = "",
     ):
         set_threads(num_threads)
+        enable_worker_nvtx(config)
         self.config, self.rank, self.world_size = config, rank, world_size
         self.trainer = None
         self.profiler = None
@@ -103,16 +111,20 @@ class TrainerWorker:
         return self.rank
 
     def compute_logprobs(self, batch, weights: str = "policy") -> torch.Tensor | None:
-        return self.trainer.compute_logprobs(batch, weights)
+        with nvtx_range("logprobs/old" if weights == "policy" else f"logprobs/{weights}"):
+            return self.trainer.compute_logprobs(batch, weights)
 
     def train_step(self, batch, num_minibatches: int) -> dict[str, float]:
-        return self.trainer.train_step(batch, num_minibatches)
+        with nvtx_range("train"):
+            return self.trainer.train_step(batch, num_minibatches)
 
     def reset_reference(self) -> None:
-        self.trainer.reset_reference()
+        with nvtx_range("reset"):
+            self.trainer.reset_reference()
 
     def export_weights(self, weights: str = "policy") -> NamedTensors:
-        return [(name, t.detach().cpu()) for name, t in self.trainer.export_weights(weights)]
+        with nvtx_range("weight_sync"):
+            return [(n, t.detach().cpu()) for n, t in self.trainer.export_weights(weights)]
 
     def save_checkpoint(self, path: str, run_state: dict) -> None:
         self.trainer.save_checkpoint(path, run_state)
@@ -179,6 +191,7 @@ class RolloutWorker:
 
     def __init__(self, config: ArmorConfig, index: int, num_threads: int = 0):
         set_threads(num_threads)
+        enable_worker_nvtx(config)
         import ray
 
         from megatron_armor.rollout.reference import make_reference_sampler
@@ -202,7 +215,8 @@ class RolloutWorker:
 
     def generate(self, items: list, n: int, params: SamplingParams) -> list[list[Sample]]:
         """``n`` policy samples per item."""
-        outputs = self.engine.generate([it.prompt_ids for it in items], n, params, "policy")
+        with nvtx_range("rollout/policy"):
+            outputs = self.engine.generate([it.prompt_ids for it in items], n, params, "policy")
         return to_samples(items, outputs, SampleSource.POLICY, self.tokenizer)
 
     def generate_raw(
@@ -213,9 +227,10 @@ class RolloutWorker:
 
     def sample_reference(self, items: list, n: int, params: SamplingParams) -> list[list[Sample]]:
         """``n`` reference samples per item, in generation order (fresh or cached)."""
-        outputs = self.reference.sample(
-            [it.query_id for it in items], [it.prompt_ids for it in items], n, params
-        )
+        with nvtx_range("rollout/reference"):
+            outputs = self.reference.sample(
+                [it.query_id for it in items], [it.prompt_ids for it in items], n, params
+            )
         return to_samples(items, outputs, SampleSource.REFERENCE, self.tokenizer)
 
     def update_weights(self, version: int, *shards: NamedTensors) -> int:
