@@ -134,6 +134,12 @@ class TrainerGroup:
         """Object refs of every rank's exported HF tensors (non-exporting ranks give [])."""
         return [a.export_weights.remote(weights) for a in self.actors]
 
+    def stream_weights(self, version: int, targets: list[tuple[str, int]]) -> int:
+        """Distributed transport: every rank runs the export, the exporting ranks broadcast
+        into the SGLang servers ``targets``; returns the bytes sent (sum over stages)."""
+        refs = [a.stream_weights.remote(version, targets) for a in self.actors]
+        return sum(wait(refs, "weight sync (distributed transport)"))
+
     def save_checkpoint(self, path: str, run_state: dict) -> None:
         wait(
             [a.save_checkpoint.remote(path, run_state) for a in self.actors],
@@ -204,6 +210,15 @@ class RolloutGroup:
             [a.update_weights.remote(version, *export_refs) for a in self.actors], "weight sync"
         )[0]
 
+    def weight_targets(self) -> list[tuple[str, int]]:
+        """``[(server_url, tp)]`` of every engine's SGLang servers, in engine order."""
+        parts = wait([a.weight_targets.remote() for a in self.actors], "rollout weight targets")
+        return [tuple(t) for part in parts for t in part]
+
+    def set_weight_version(self, version: int) -> None:
+        """Record ``version`` on every engine after the trainer streamed the weights."""
+        wait([a.set_weight_version.remote(version) for a in self.actors], "rollout weight version")
+
     def load_reference(self, version: int, export_refs: list) -> None:
         """Push the trainer's reference weights (start-up / resume; the anchor cache is kept)."""
         wait(
@@ -249,6 +264,23 @@ class RolloutGroup:
             [a.load_state_dict.remote(s) for a, s in zip(self.actors, states, strict=True)],
             "rollout state load",
         )
+
+
+def push_policy(
+    trainer: TrainerGroup, rollout: RolloutGroup, version: int, export_refs: list | None
+) -> int:
+    """Weight sync of the policy at ``version``; returns the bytes moved per engine.
+
+    ``export_refs`` (``TrainerGroup.export_refs``) go through the object store into
+    ``RolloutGroup.update_weights``; ``None`` means ``rollout.sglang.weight_transport:
+    distributed``: the trainer ranks stream straight into the servers, then the engines
+    record the version.
+    """
+    if export_refs is not None:
+        return rollout.update_weights(version, export_refs)
+    num_bytes = trainer.stream_weights(version, rollout.weight_targets())
+    rollout.set_weight_version(version)
+    return num_bytes
 
 
 class RewardGroup:

@@ -17,7 +17,7 @@ from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.observability.nvtx import nvtx_range
 from megatron_armor.observability.summary import step_line
 from megatron_armor.orchestration.anchor_rollout import AnchorRollout, derive_seed
-from megatron_armor.orchestration.groups import RemoteEngine, RemoteScorer
+from megatron_armor.orchestration.groups import RemoteEngine, RemoteScorer, push_policy
 from megatron_armor.orchestration.run_state import EXIT_REQUEUE, StopSignal
 from megatron_armor.orchestration.session import Session
 from megatron_armor.orchestration.step_metrics import (
@@ -26,6 +26,7 @@ from megatron_armor.orchestration.step_metrics import (
     rollout_metrics,
     write_anchor_file,
 )
+from megatron_armor.orchestration.workers import uses_distributed_transport
 from megatron_armor.rollout.protocol import SamplingParams
 from megatron_armor.types import Group, TrainBatch, pack_groups
 
@@ -73,15 +74,18 @@ def train_minibatches(s: Session, batch: TrainBatch, groups: list[Group]) -> dic
 def sync_and_maybe_reset(s: Session, step: int) -> dict[str, float]:
     """Weight sync (version = step); then a reference reset if the schedule says so."""
     with s.timers.phase("sync"):
-        refs = s.trainer.export_refs("policy")
+        streamed = uses_distributed_transport(s.config)  # trainer ranks -> SGLang over NCCL
+        refs = None if streamed else s.trainer.export_refs("policy")
         if s.config.orchestration.layout == "colocated":
             s.rollout.resume_memory()
-        num_bytes = s.rollout.update_weights(step, refs)
+        num_bytes = push_policy(s.trainer, s.rollout, step, refs)
         s.state.policy_version = step
     s.meter.add_weight_sync(s.timers.seconds("sync"), num_bytes)
     if not s.schedule.should_reset(step):
         return {"reset/performed": 0.0, "reset/ref_version": float(s.state.ref_version)}
     with s.timers.phase("reset"):
+        if refs is None:  # the reference sampler takes the tensors through the object store
+            refs = s.trainer.export_refs("policy")
         s.trainer.reset_reference()
         s.rollout.reset_reference(step, refs)
         s.schedule.record_reset(step)

@@ -11,6 +11,7 @@ Every method takes and returns picklable values (lists of tensors instead of ite
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 from pathlib import Path
@@ -51,21 +52,45 @@ def enable_worker_nvtx(config: ArmorConfig) -> None:
         enable_nvtx("nvtx")
 
 
+def free_port() -> int:
+    """A TCP port that is free on this node right now."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def node_ip() -> str:
+    """This node's IP as Ray reports it (reachable from the other nodes of the cluster)."""
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
 def node_info() -> dict[str, Any]:
     """Where this worker runs: node IP, hostname, visible GPU ids, a free TCP port."""
     import ray
 
-    with socket.socket() as s:
-        s.bind(("", 0))
-        port = s.getsockname()[1]
     return {
-        "ip": ray.util.get_node_ip_address(),
+        "ip": node_ip(),
         "host": socket.gethostname(),
         "gpu_ids": [int(g) for g in ray.get_gpu_ids()],
         "device_name": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-        "free_port": port,
+        "free_port": free_port(),
         "pid": os.getpid(),
     }
+
+
+def uses_distributed_transport(config: ArmorConfig) -> bool:
+    """``rollout.sglang.weight_transport: distributed``: trainer ranks broadcast into SGLang."""
+    return (
+        config.rollout.backend == "sglang"
+        and config.rollout.sglang.weight_transport == "distributed"
+    )
+
+
+def weight_group_name(pp_stage: int) -> str:
+    """The weight-sync process group of pipeline stage ``pp_stage`` (one sender per stage)."""
+    return f"armor-weights-pp{pp_stage}"
 
 
 class TrainerWorker:
@@ -83,6 +108,7 @@ class TrainerWorker:
         enable_worker_nvtx(config)
         self.config, self.rank, self.world_size = config, rank, world_size
         self.trainer = None
+        self.sender = None  # DistributedWeightSender, created at the first distributed sync
         self.profiler = None
         if profile_dir and config.logging.profile != "none":
             from megatron_armor.observability.profiler import profiler_from_config
@@ -126,6 +152,54 @@ class TrainerWorker:
         with nvtx_range("weight_sync"):
             return [(n, t.detach().cpu()) for n, t in self.trainer.export_weights(weights)]
 
+    def stream_weights(
+        self,
+        version: int,
+        targets: list[tuple[str, int]],
+        weights: str = "policy",
+        backend: str = "nccl",
+        master_address: str | None = None,
+    ) -> int:
+        """Distributed transport: broadcast ``export_weights(weights)`` into the SGLang servers
+        ``targets`` (``[(url, tp)]``) at ``version``; returns the bytes this rank sent.
+
+        Every rank iterates the export to the end (it is collective); only the ranks whose
+        export yields tensors (TP 0 / DP 0 of each pipeline stage) send. Their sender (group
+        ``armor-weights-pp{stage}``, rendezvous on ``master_address`` — default this node's
+        IP — and a free port) is created at the first call and kept.
+        """
+        with nvtx_range("weight_sync"):
+            tensors = iter(self.trainer.export_weights(weights))
+            first = next(tensors, None)
+            if first is None:  # not an exporting rank: the export already ran to its end
+                return 0
+            sender = self._weight_sender(targets, backend, master_address)
+            return sender.send(itertools.chain([first], tensors), version)
+
+    def _weight_sender(self, targets, backend: str, master_address: str | None):
+        """The connected sender of this rank's pipeline stage (a new one if the servers changed)."""
+        from megatron_armor.rollout.sglang.distributed import DistributedWeightSender
+        from megatron_armor.trainer import parallel  # Megatron only in this process
+
+        targets = [(str(url), int(tp)) for url, tp in targets]
+        if self.sender is not None and self.sender.targets != targets:
+            self.sender.close()
+            self.sender = None
+        if self.sender is None:
+            sglang = self.config.rollout.sglang
+            sender = DistributedWeightSender(
+                targets, master_address or node_ip(), free_port(),
+                weight_group_name(parallel.pp_rank()),
+                bucket_bytes=sglang.weight_bucket_mb << 20, backend=backend,
+            )  # fmt: skip
+            try:
+                sender.connect(timeout_s=sglang.startup_timeout_s)
+            except BaseException:
+                sender.close()
+                raise
+            self.sender = sender
+        return self.sender
+
     def save_checkpoint(self, path: str, run_state: dict) -> None:
         self.trainer.save_checkpoint(path, run_state)
 
@@ -135,6 +209,9 @@ class TrainerWorker:
     def close(self) -> None:
         if self.profiler is not None:
             self.profiler.close()
+        if self.sender is not None:
+            self.sender.close()
+            self.sender = None
         if self.trainer is not None and hasattr(self.trainer, "close"):
             self.trainer.close()
         self.trainer = None
@@ -266,6 +343,14 @@ class RolloutWorker:
             out[key] = total - self.counted.get(key, 0.0)
             self.counted[key] = total
         return out
+
+    def weight_targets(self) -> list[tuple[str, int]]:
+        """``[(server_url, tp)]`` of the SGLang servers (distributed transport targets)."""
+        return [(s.url, s.tp) for s in self.engine.servers]
+
+    def set_weight_version(self, version: int) -> None:
+        """Record ``version`` after the trainer ranks streamed the weights themselves."""
+        self.engine.set_weight_version(version)
 
     def release_memory(self) -> None:
         self.engine.release_memory()

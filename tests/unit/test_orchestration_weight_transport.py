@@ -1,0 +1,109 @@
+"""``rollout.sglang.weight_transport: distributed`` from the orchestrator's trainer worker (dist
+tier): a one-rank megatron-core trainer (gloo) inside ``TrainerWorker`` streams its exported
+policy into two stand-in SGLang server processes (``test_rollout_sglang_http.py`` run as a
+script, as in ``test_rollout_sglang_dist.py``) through ``TrainerWorker.stream_weights``.
+
+Run as a script (``python this_file.py MODEL_DIR TARGETS_JSON OUT PORT``) it is the trainer rank.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.dist
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+
+
+def sibling(name: str):
+    """Another test module of this folder, by path (tests are not a package)."""
+    spec = importlib.util.spec_from_file_location(f"_armor_{name}", HERE / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def trainer_main(model_dir: str, targets_json: str, out_path: str, port: int) -> None:
+    """The trainer rank: two distributed syncs (versions 3 and 4) through one sender."""
+    from megatron_armor.config.schema import ArmorConfig
+    from megatron_armor.orchestration.workers import TrainerWorker
+
+    cfg = ArmorConfig()
+    cfg.trainer.model_path, cfg.trainer.precision = model_dir, "fp32"
+    cfg.rollout.backend, cfg.rollout.sglang.weight_transport = "sglang", "distributed"
+    cfg.rollout.sglang.startup_timeout_s = 90.0
+    targets = [tuple(t) for t in json.loads(targets_json)]
+    worker = TrainerWorker(cfg, 0, 1)
+    worker.init("127.0.0.1", port)
+    try:
+        first = worker.stream_weights(3, targets, backend="gloo")
+        sender = worker.sender
+        second = worker.stream_weights(4, targets, backend="gloo")
+        exported = dict(worker.export_weights("policy"))
+        torch.save(
+            {
+                "weights": exported,
+                "bytes": [first, second],
+                "group": sender.group_name,
+                "same_sender": worker.sender is sender,
+            },
+            out_path,
+        )
+    finally:
+        worker.close()
+
+
+@pytest.mark.timeout(300)
+def test_trainer_worker_streams_its_export_into_sglang_servers(tmp_path):
+    from megatron_armor.rollout.protocol import SamplingParams
+
+    export, stand_in = sibling("test_rollout_export"), sibling("test_rollout_sglang_dist")
+    model_dir = export.build_tiny_qwen2(tmp_path / "model")
+    servers = []
+    try:
+        for i in range(2):
+            (tmp_path / f"s{i}").mkdir()
+            servers.append(stand_in.start_server(tmp_path / f"s{i}"))
+        targets = [(stand_in.url_of(p), 1) for p in servers]
+        out = tmp_path / "out.pt"
+        cmd = [
+            sys.executable,
+            __file__,
+            model_dir,
+            json.dumps(targets),
+            str(out),
+            str(export.free_port()),
+        ]
+        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+        run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+        assert run.returncode == 0, run.stderr[-3000:]
+        result = torch.load(out)
+        weights = result["weights"]
+        total = sum(t.numel() * t.element_size() for t in weights.values())
+        assert result["bytes"] == [total, total] and result["same_sender"]
+        assert result["group"] == "armor-weights-pp0" and len(weights) > 10
+        for url, _ in targets:
+            for name, tensor in weights.items():
+                got = torch.tensor(stand_in.weights_by_name(url, name), dtype=tensor.dtype)
+                assert torch.equal(got, tensor.flatten()[:100]), name
+            engine = stand_in.engine_for(url)
+            try:
+                out_version = engine.generate([[1]], 1, SamplingParams(max_new_tokens=1))
+                assert out_version[0][0].weight_version == 4
+            finally:
+                engine.close()
+    finally:
+        for process in servers:
+            process.stop()
+
+
+if __name__ == "__main__":
+    trainer_main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]))
