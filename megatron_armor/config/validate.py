@@ -179,6 +179,31 @@ def check_reference_serving(config: ArmorConfig) -> Problems:
         )
 
 
+def check_sglang_reference(config: ArmorConfig) -> Problems:
+    """What the SGLang backend can serve today: one weight set per server pool.
+
+    The reference is loaded into the policy servers around each anchor generation (``swap``);
+    a second server pool for ``dedicated`` is not built, and the NCCL transport streams only
+    the policy from the trainer ranks.
+    """
+    a, r = config.algo, config.rollout
+    if r.backend != "sglang" or a.anchor == "none":
+        return
+    if r.ref_strategy != "swap":
+        yield (
+            f"rollout.ref_strategy={r.ref_strategy!r} with rollout.backend=sglang: SGLang servers "
+            "hold one weight set, so the reference is served by swapping; set "
+            "rollout.ref_strategy=swap (algo.anchor_source=cache still reuses anchors)"
+        )
+    if r.sglang.weight_transport == "distributed":
+        yield (
+            "rollout.sglang.weight_transport='distributed' with "
+            f"algo.anchor={a.anchor!r}: the NCCL transport streams only the policy, while "
+            "reference swaps need tensor or disk pushes; set weight_transport=tensor (colocated) "
+            "or disk, or use it for anchor-free runs (algo.anchor=none)"
+        )
+
+
 def check_parallel(config: ArmorConfig) -> Problems:
     """Parallel sizes divide the world size and the model's heads and layers."""
     t = config.trainer
@@ -274,6 +299,7 @@ RULES: list[Callable[[ArmorConfig], Problems]] = [
     check_algo_combinations,
     check_batches,
     check_reference_serving,
+    check_sglang_reference,
     check_parallel,
     check_hardware,
     check_run,

@@ -22,11 +22,16 @@ from megatron_armor.observability.metrics import MetricsLogger, truncate_metrics
 from megatron_armor.observability.throughput import ThroughputMeter, peak_tflops
 from megatron_armor.observability.timers import PhaseTimers
 from megatron_armor.orchestration import checkpoints
-from megatron_armor.orchestration.groups import RewardGroup, RolloutGroup, TrainerGroup
+from megatron_armor.orchestration.groups import (
+    RewardGroup,
+    RolloutGroup,
+    TrainerGroup,
+    push_policy,
+)
 from megatron_armor.orchestration.placement import LayoutPlan, create_bundles, init_ray, plan_layout
 from megatron_armor.orchestration.progress import PhaseProgress
 from megatron_armor.orchestration.run_state import RunState
-from megatron_armor.orchestration.workers import load_model_tokenizer
+from megatron_armor.orchestration.workers import load_model_tokenizer, uses_distributed_transport
 from megatron_armor.planner.model import load_model_dims
 
 
@@ -136,6 +141,13 @@ class Session:
         self.state.save(tmp)
         return checkpoints.commit_checkpoint(self.run_dir, tmp, step, self.config.run.keep_last)
 
+    def push_policy(self, version: int) -> None:
+        """Load the trainer's policy into the engines (over NCCL with the distributed transport)."""
+        refs = (
+            None if uses_distributed_transport(self.config) else self.trainer.export_refs("policy")
+        )
+        push_policy(self.trainer, self.rollout, version, refs)
+
     def restore(self, resume: str) -> int:
         """Load the checkpoint ``resume`` names (auto|none|PATH); returns the step to continue after."""
         path = checkpoints.resolve_resume(self.run_dir, resume)
@@ -147,7 +159,7 @@ class Session:
                     f"{existing[-1][0]}; use --resume auto, or a new run.name / run.output_dir"
                 )
             truncate_metrics(self.run_dir, -1)
-            self.rollout.update_weights(0, self.trainer.export_refs("policy"))
+            self.push_policy(0)
             self.rollout.load_reference(0, self.trainer.export_refs("ref"))
             return 0
         self.trainer.load_checkpoint(str(path / "trainer"))
@@ -155,7 +167,7 @@ class Session:
         self.sampler.load_state_dict(state.sampler)
         self.schedule.load_state_dict(state.reset)
         state.restore_rng()
-        self.rollout.update_weights(state.policy_version, self.trainer.export_refs("policy"))
+        self.push_policy(state.policy_version)
         self.rollout.load_reference(state.ref_version, self.trainer.export_refs("ref"))
         self.rollout.load_state_dicts(state.rollout)
         truncate_metrics(self.run_dir, state.step)

@@ -225,3 +225,17 @@ def test_all_problems_reported_together():
         and "algo.clip_low=2" in message
         and "rollout.gen_batch=1" in message
     )
+
+
+def test_sglang_reference_serving_rules():
+    sglang = ["rollout.backend=sglang"]
+    assert find_problems(load_config(None, [*sglang, "rollout.ref_strategy=swap"])) == []
+    message = _error(*sglang, "rollout.ref_strategy=dedicated")
+    assert "rollout.ref_strategy='dedicated'" in message and "ref_strategy=swap" in message
+    message = _error(
+        *sglang, "rollout.ref_strategy=swap", "rollout.sglang.weight_transport=distributed"
+    )
+    assert "weight_transport='distributed'" in message and "weight_transport=tensor" in message
+    anchor_free = [*sglang, "algo.anchor=none", "algo.ratio=standard"]
+    config = load_config(None, [*anchor_free, "rollout.sglang.weight_transport=distributed"])
+    assert config.rollout.sglang.weight_transport == "distributed"
