@@ -23,17 +23,7 @@ from megatron_armor.rollout.protocol import SamplingParams
 from megatron_armor.rollout.torch_engine import TorchEngine
 from megatron_armor.types import Group, Sample, pack_groups
 
-pytestmark = pytest.mark.dist
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny models: one intra-op thread is fastest, and on a shared CI box extra threads
-    only contend. Restored after the module."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = [pytest.mark.dist, pytest.mark.usefixtures("one_torch_thread")]
 
 
 REPO = Path(__file__).resolve().parents[2]

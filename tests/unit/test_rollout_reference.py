@@ -4,8 +4,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from megatron_armor.config.schema import AlgoConfig, RolloutConfig
 from megatron_armor.rollout.protocol import SamplingParams
@@ -17,17 +15,7 @@ from megatron_armor.rollout.reference import (
 )
 from megatron_armor.rollout.torch_engine import TorchEngine
 
-pytestmark = pytest.mark.unit
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny models: one intra-op thread is fastest, and on a shared CI box extra threads
-    only contend. Restored after the module."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_torch_thread")]
 
 
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11], [20]]
@@ -35,22 +23,11 @@ QIDS = ["q0", "q1", "q2"]
 PARAMS = SamplingParams(temperature=1.0, max_new_tokens=6, seed=11)
 
 
-def build_tiny_qwen2(path, seed: int) -> str:
-    torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        eos_token_id=1, pad_token_id=0, tie_word_embeddings=True,
-    )  # fmt: skip
-    Qwen2ForCausalLM(config).save_pretrained(path)
-    return str(path)
-
-
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
+def models(tmp_path_factory, tiny_qwen2):
     """``(policy_engine_dir, ref_engine_dir)`` plus frozen oracles for each."""
     root = tmp_path_factory.mktemp("ref")
-    policy_dir, ref_dir = build_tiny_qwen2(root / "pol", 0), build_tiny_qwen2(root / "ref", 1)
+    policy_dir, ref_dir = tiny_qwen2(root / "pol", 0), tiny_qwen2(root / "ref", 1)
     return {
         "policy_dir": policy_dir,
         "ref_dir": ref_dir,

@@ -5,44 +5,21 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from megatron_armor.rollout.protocol import SamplingParams
 from megatron_armor.rollout.torch_engine import TorchEngine
 
-pytestmark = pytest.mark.unit
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Tiny models: one intra-op thread is fastest, and on a shared CI box extra threads
-    only contend. Restored after the module."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_torch_thread")]
 
 
 EOS = 1
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [20]]
 
 
-def build_tiny_qwen2(path, seed: int = 0) -> str:
-    """A 2-layer Qwen2 (vocab 64, GQA, tied embeddings) saved as an HF dir at ``path``."""
-    torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        eos_token_id=EOS, pad_token_id=0, tie_word_embeddings=True,
-    )  # fmt: skip
-    Qwen2ForCausalLM(config).save_pretrained(path)
-    return str(path)
-
-
 @pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory):
+def model_dirs(tmp_path_factory, tiny_qwen2):
     root = tmp_path_factory.mktemp("tiny")
-    return build_tiny_qwen2(root / "a", seed=0), build_tiny_qwen2(root / "b", seed=1)
+    return tiny_qwen2(root / "a", seed=0), tiny_qwen2(root / "b", seed=1)
 
 
 @pytest.fixture
