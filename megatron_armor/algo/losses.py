@@ -63,8 +63,14 @@ class LossSettings:
         _check(self.kl_coef >= 0.0, "kl_coef", self.kl_coef, "use 0 (off) or a positive beta")
 
     @classmethod
-    def from_algo_config(cls, algo, ref_metrics: bool = True) -> LossSettings:
-        """Build from an ``algo`` config section (any object with the ``algo.*`` attributes)."""
+    def from_algo_config(cls, algo, ref_metrics: bool | None = None) -> LossSettings:
+        """Build from an ``algo`` config section (any object with the ``algo.*`` attributes).
+
+        ``ref_metrics`` defaults to :func:`needs_reference_logprobs`: the ``kl/*`` metrics are
+        logged exactly when the reference log-probs are computed.
+        """
+        if ref_metrics is None:
+            ref_metrics = needs_reference_logprobs(algo)
         return cls(
             ratio=algo.ratio,
             alpha=resolve_alpha(algo.alpha, algo.group_size),
@@ -77,6 +83,12 @@ class LossSettings:
             kl_estimator=algo.kl_estimator,
             ref_metrics=ref_metrics,
         )
+
+
+def needs_reference_logprobs(algo) -> bool:
+    """Whether a step needs ``lp_ref`` (armor-spec §4, §6): the mixed and off-policy ratios,
+    the KL penalty, and the reference-KL metrics of runs that sample anchors."""
+    return algo.ratio in ("mixed", "off_policy") or algo.kl_coef > 0 or algo.anchor != "none"
 
 
 def _check(ok: bool, name: str, value: float, fix: str) -> None:

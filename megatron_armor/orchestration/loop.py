@@ -13,6 +13,7 @@ import time
 import torch
 
 from megatron_armor.algo.advantages import assign_advantages
+from megatron_armor.algo.losses import needs_reference_logprobs
 from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.observability.nvtx import nvtx_range
 from megatron_armor.observability.summary import step_line
@@ -31,12 +32,6 @@ from megatron_armor.rollout.protocol import SamplingParams
 from megatron_armor.types import Group, TrainBatch, pack_groups
 
 
-def needs_reference_logprobs(config: ArmorConfig) -> bool:
-    """Reference log-probs feed the mixed / off-policy ratio, the KL penalty and the KL metrics."""
-    algo = config.algo
-    return algo.ratio in ("mixed", "off_policy") or algo.kl_coef > 0 or algo.anchor != "none"
-
-
 def minibatch_sample_ids(groups: list[Group], num_minibatches: int) -> list[list[int]]:
     """Sample indices of each mini-batch: consecutive groups, ``len(groups) / num_minibatches`` each."""
     per = len(groups) // num_minibatches
@@ -52,7 +47,7 @@ def compute_logprobs(s: Session, batch: TrainBatch) -> None:
     """Fill ``old_logprobs`` (pre-update policy) and ``ref_logprobs`` (reference) from the trainer."""
     with nvtx_range("logprobs/old"):
         batch.old_logprobs = s.trainer.compute_logprobs(batch, "policy")
-    if needs_reference_logprobs(s.config):
+    if needs_reference_logprobs(s.config.algo):
         with nvtx_range("logprobs/ref"):
             batch.ref_logprobs = s.trainer.compute_logprobs(batch, "ref")
 
@@ -65,10 +60,7 @@ def train_minibatches(s: Session, batch: TrainBatch, groups: list[Group]) -> dic
         updates.append(s.trainer.train_step(batch.select(ids), 1))
         s.progress.advance()
     s.progress.close()
-    metrics = reduce_update_metrics(updates)
-    if not needs_reference_logprobs(s.config):  # KL against a reference that was not computed
-        metrics = {k: v for k, v in metrics.items() if not k.startswith("kl/")}
-    return metrics
+    return reduce_update_metrics(updates)
 
 
 def sync_and_maybe_reset(s: Session, step: int) -> dict[str, float]:
@@ -138,7 +130,7 @@ def run_step(s: Session, rollout: AnchorRollout, step: int) -> dict[str, float]:
     s.meter.add_train(batch.seq_lengths(), s.timers.seconds("train"))
     metrics.update(rollout_metrics(result))
     metrics.update(
-        logprob_mismatch_metrics(batch, result.groups, needs_reference_logprobs(s.config))
+        logprob_mismatch_metrics(batch, result.groups, needs_reference_logprobs(s.config.algo))
     )
     metrics.update(s.rollout.reference_metrics())
     metrics.update(sync_and_maybe_reset(s, step))

@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_armor.algo.losses import needs_reference_logprobs
 from megatron_armor.config import load_config
 from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.orchestration import checkpoints
 from megatron_armor.orchestration.groups import shard
-from megatron_armor.orchestration.loop import minibatch_sample_ids, needs_reference_logprobs
+from megatron_armor.orchestration.loop import minibatch_sample_ids
 from megatron_armor.orchestration.placement import plan_layout
 from megatron_armor.orchestration.run_state import EXIT_REQUEUE, RunState, StopSignal
 from megatron_armor.orchestration.session import check_batch_sizes
@@ -126,11 +127,11 @@ def test_shard_keeps_order():
 
 def test_reference_needs_and_strategy():
     cfg = ArmorConfig()
-    assert needs_reference_logprobs(cfg)
+    assert needs_reference_logprobs(cfg.algo)
     cfg.algo.anchor, cfg.algo.ratio = "none", "standard"
-    assert not needs_reference_logprobs(cfg)
+    assert not needs_reference_logprobs(cfg.algo)
     cfg.algo.kl_coef = 0.1
-    assert needs_reference_logprobs(cfg)
+    assert needs_reference_logprobs(cfg.algo)
     cfg.rollout.ref_strategy, cfg.algo.anchor_source = "dedicated", "cache"
     assert reference_strategy(cfg) == ("cache", "dedicated")
     cfg.rollout.ref_strategy, cfg.algo.anchor_source = "swap", "generate"
