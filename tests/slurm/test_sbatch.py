@@ -171,7 +171,9 @@ def test_sbatch_runs_the_tiny_config_to_completion_with_a_torch_profile(workdir)
 
 
 def test_sigusr1_checkpoints_requeues_and_the_requeued_job_resumes(workdir):
-    steps = 4
+    # Enough steps that the signal (sent once step 1 is logged; the log is polled every 2 s)
+    # lands well before the last one, however fast a step is on the machine running this.
+    steps = 16
     job_id, job_dir = _submit(workdir, [f"run.steps={steps}", "run.ckpt_every=100"])
     driver_log = job_dir / "driver.log"
     report = lambda: _job_report(workdir, job_id, job_dir)  # noqa: E731
