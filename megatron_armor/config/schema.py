@@ -79,13 +79,35 @@ class SamplingConfig:
 
 
 @dataclass
+class SGLangRefPoolConfig:
+    """The reference servers of ``rollout.ref_strategy: dedicated`` (and of the ``cache``
+    strategy's misses): a second SGLang pool that keeps ``theta_ref`` and is synced only at
+    start-up, resume and a reference reset."""
+
+    num_engines: int = 0
+    """Reference servers (0 = as many as the policy pool)."""
+    tp: int = 0
+    """GPUs per reference server (0 = ``rollout.sglang.tp``)."""
+    mem_fraction: float = 0.0
+    """Share of each GPU's memory that a reference server claims (weights + KV cache); 0 =
+    0.2 colocated, ``rollout.sglang.mem_fraction_static`` disaggregated. Colocated, the servers
+    sit on the policy servers' GPUs and their ``--mem-fraction-static`` is derived from this
+    share (SGLang reads its fraction against the memory free when it starts)."""
+    base_port: int = 31000
+    """First HTTP port; reference server ``i`` listens on ``base_port + i``."""
+    router_port: int = 29100
+    """Router port of the reference pool (``rollout.sglang.router: true``)."""
+
+
+@dataclass
 class SGLangConfig:
     """SGLang server pool (GPU clusters only)."""
 
     tp: int = 1
     """GPUs per SGLang engine (``--tp-size``)."""
-    num_engines: int = 1
-    """Number of SGLang server processes."""
+    num_engines: int = 0
+    """Number of SGLang server processes (0 = fill the rollout GPUs: ``trainer.world_size / tp``
+    colocated, ``orchestration.rollout_gpus / tp`` disaggregated, minus the reference pool's)."""
     mem_fraction_static: float = 0.7
     """``--mem-fraction-static``."""
     base_port: int = 30000
@@ -108,6 +130,11 @@ class SGLangConfig:
     """Bucket size for weight updates."""
     extra_args: dict[str, Any] = field(default_factory=dict)
     """Extra ``sglang.launch_server`` arguments (validated against SGLang's ``ServerArgs``)."""
+    ref_pool: SGLangRefPoolConfig = field(default_factory=SGLangRefPoolConfig)
+    """The reference pool (``rollout.ref_strategy: dedicated`` or a ``cache`` filled by it)."""
+    health_check_every: int = 1
+    """Steps between health checks of the servers (0 = never): a dead server is restarted and
+    gets the current weights before it serves again."""
 
 
 @dataclass

@@ -180,27 +180,29 @@ def check_reference_serving(config: ArmorConfig) -> Problems:
 
 
 def check_sglang_reference(config: ArmorConfig) -> Problems:
-    """What the SGLang backend can serve today: one weight set per server pool.
+    """The SGLang pools (``rollout.sglang.pools``) fit the rollout GPUs, and the reference can
+    be served with the chosen weight transport.
 
-    The reference is loaded into the policy servers around each anchor generation (``swap``);
-    a second server pool for ``dedicated`` is not built, and the NCCL transport streams only
-    the policy from the trainer ranks.
+    ``swap`` reloads the policy servers from the rollout worker's copies of the pushed
+    weights, which the NCCL transport (trainer ranks -> servers) does not leave there; the
+    ``dedicated`` pool is synced by the trainer ranks themselves and works with every transport.
     """
+    from megatron_armor.rollout.reference import reference_strategy
+    from megatron_armor.rollout.sglang.pools import pool_problems
+
     a, r = config.algo, config.rollout
-    if r.backend != "sglang" or a.anchor == "none":
+    if r.backend != "sglang":
         return
-    if r.ref_strategy != "swap":
+    yield from pool_problems(config)
+    if a.anchor == "none":
+        return
+    _, fill = reference_strategy(r.ref_strategy, a.anchor_source)
+    if fill == "swap" and r.sglang.weight_transport == "distributed":
         yield (
-            f"rollout.ref_strategy={r.ref_strategy!r} with rollout.backend=sglang: SGLang servers "
-            "hold one weight set, so the reference is served by swapping; set "
-            "rollout.ref_strategy=swap (algo.anchor_source=cache still reuses anchors)"
-        )
-    if r.sglang.weight_transport == "distributed":
-        yield (
-            "rollout.sglang.weight_transport='distributed' with "
-            f"algo.anchor={a.anchor!r}: the NCCL transport streams only the policy, while "
-            "reference swaps need tensor or disk pushes; set weight_transport=tensor (colocated) "
-            "or disk, or use it for anchor-free runs (algo.anchor=none)"
+            f"rollout.ref_strategy={r.ref_strategy!r} with rollout.sglang.weight_transport="
+            "'distributed': swapping the reference into the policy servers needs tensor or disk "
+            "pushes; set rollout.ref_strategy=dedicated (a reference pool the trainer streams "
+            "into at resets), or weight_transport=tensor (colocated) / disk"
         )
 
 

@@ -21,6 +21,7 @@ from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.orchestration.placement import LayoutPlan, actor_options
 from megatron_armor.orchestration.workers import RewardWorker, RolloutWorker, TrainerWorker
 from megatron_armor.rollout.protocol import GenerationOutput, RolloutEngine, SamplingParams
+from megatron_armor.rollout.sglang.pools import uses_ref_pool
 from megatron_armor.types import Sample, TrainBatch
 
 
@@ -134,11 +135,22 @@ class TrainerGroup:
         """Object refs of every rank's exported HF tensors (non-exporting ranks give [])."""
         return [a.export_weights.remote(weights) for a in self.actors]
 
-    def stream_weights(self, version: int, targets: list[tuple[str, int]]) -> int:
-        """Distributed transport: every rank runs the export, the exporting ranks broadcast
-        into the SGLang servers ``targets``; returns the bytes sent (sum over stages)."""
-        refs = [a.stream_weights.remote(version, targets) for a in self.actors]
+    def stream_weights(
+        self,
+        version: int,
+        targets: list[tuple[str, int]],
+        weights: str = "policy",
+        pool: str = "policy",
+    ) -> int:
+        """Distributed transport: every rank runs the export of ``weights``, the exporting ranks
+        broadcast into the SGLang servers ``targets`` of ``pool``; returns the bytes sent (sum
+        over stages)."""
+        refs = [a.stream_weights.remote(version, targets, weights, pool=pool) for a in self.actors]
         return sum(wait(refs, "weight sync (distributed transport)"))
+
+    def drop_sender(self, pool: str) -> None:
+        """Forget the weight-sync groups into ``pool`` (one of its servers restarted)."""
+        wait([a.drop_sender.remote(pool) for a in self.actors], "weight-sync group reset")
 
     def save_checkpoint(self, path: str, run_state: dict) -> None:
         wait(
@@ -156,19 +168,31 @@ class TrainerGroup:
 
 
 class RolloutGroup:
-    """All rollout engines; prompts are split contiguously, engine ``i`` seeded ``seed + i``."""
+    """All rollout engines; prompts are split contiguously, engine ``i`` seeded ``seed + i``.
 
-    def __init__(self, config: ArmorConfig, plan: LayoutPlan, pg=None, order=None):
+    With SGLang one worker owns the server pools; ``server_gpus`` (``{pool: [(node_ip, gpu)]}``,
+    see ``placement.server_gpus``) says where each server goes.
+    """
+
+    def __init__(
+        self,
+        config: ArmorConfig,
+        plan: LayoutPlan,
+        pg=None,
+        order=None,
+        server_gpus: dict[str, list[tuple[str, int]]] | None = None,
+    ):
         self.actors = []
+        self.has_ref_pool = uses_ref_pool(config)
         for i in range(plan.rollout_engines):
             bundle = plan.rollout_bundles[i] if plan.rollout_bundles else None
             opts = actor_options(plan, pg, order or [], bundle, plan.rollout_gpus)
-            self.actors.append(_remote(RolloutWorker, opts).remote(config, i, plan.threads))
-        wait(
-            [a.health.remote() for a in self.actors],
-            "rollout engine start-up",
-            config.orchestration.ray_init_timeout_s,
-        )
+            args = (config, i, plan.threads, server_gpus)
+            self.actors.append(_remote(RolloutWorker, opts).remote(*args))
+        startup = config.orchestration.ray_init_timeout_s
+        if config.rollout.backend == "sglang":  # the worker waits for every server's health
+            startup = max(startup, 2 * config.rollout.sglang.startup_timeout_s)
+        wait([a.health.remote() for a in self.actors], "rollout engine start-up", startup)
 
     def _fan_out(self, method: str, items: list, *args, params: SamplingParams) -> list:
         parts = shard(items, len(self.actors))
@@ -210,14 +234,45 @@ class RolloutGroup:
             [a.update_weights.remote(version, *export_refs) for a in self.actors], "weight sync"
         )[0]
 
-    def weight_targets(self) -> list[tuple[str, int]]:
-        """``[(server_url, tp)]`` of every engine's SGLang servers, in engine order."""
-        parts = wait([a.weight_targets.remote() for a in self.actors], "rollout weight targets")
+    def weight_targets(self, pool: str = "policy") -> list[tuple[str, int]]:
+        """``[(server_url, tp)]`` of every engine's SGLang servers of ``pool``, in engine order."""
+        parts = wait([a.weight_targets.remote(pool) for a in self.actors], "rollout weight targets")
         return [tuple(t) for part in parts for t in part]
 
-    def set_weight_version(self, version: int) -> None:
+    def set_weight_version(self, version: int, pool: str = "policy") -> None:
         """Record ``version`` on every engine after the trainer streamed the weights."""
-        wait([a.set_weight_version.remote(version) for a in self.actors], "rollout weight version")
+        wait(
+            [a.set_weight_version.remote(version, pool) for a in self.actors],
+            "rollout weight version",
+        )
+
+    def reference_streamed(self, version: int, reset: bool) -> None:
+        """The trainer streamed the reference into the reference pool (NCCL transport)."""
+        wait(
+            [a.reference_streamed.remote(version, reset) for a in self.actors],
+            "rollout reference version",
+        )
+
+    def restart_dead_servers(self) -> list[dict[str, list[int]]]:
+        """Per engine, ``{pool: [server index]}`` of the SGLang servers it restarted (out of
+        rotation until :meth:`rejoin`)."""
+        return wait(
+            [a.restart_dead_servers.remote() for a in self.actors],
+            "rollout health check",
+            2 * call_timeout(),
+        )
+
+    def resync_servers(self, engine: int, pool: str, indices: list[int], export_refs: list) -> None:
+        wait(
+            self.actors[engine].resync_servers.remote(pool, indices, *export_refs),
+            "weight re-sync of restarted servers",
+        )
+
+    def rejoin(self, engine: int, pool: str, indices: list[int]) -> None:
+        wait(self.actors[engine].rejoin.remote(pool, indices), "rollout rejoin")
+
+    def pool_version(self, pool: str) -> int:
+        return wait(self.actors[0].pool_version.remote(pool), "rollout pool version")
 
     def load_reference(self, version: int, export_refs: list) -> None:
         """Push the trainer's reference weights (start-up / resume; the anchor cache is kept)."""
@@ -254,6 +309,10 @@ class RolloutGroup:
     def state_dicts(self) -> list[dict]:
         return wait([a.state_dict.remote() for a in self.actors], "rollout state")
 
+    def close(self) -> None:
+        """Stop what the engines launched (SGLang servers and routers)."""
+        wait([a.close.remote() for a in self.actors], "rollout close", 300.0)
+
     def load_state_dicts(self, states: list[dict]) -> None:
         if len(states) != len(self.actors):
             raise ValueError(
@@ -281,6 +340,51 @@ def push_policy(
     num_bytes = trainer.stream_weights(version, rollout.weight_targets())
     rollout.set_weight_version(version)
     return num_bytes
+
+
+def push_reference(
+    trainer: TrainerGroup, rollout: RolloutGroup, version: int, streamed: bool, reset: bool
+) -> None:
+    """Serve the trainer's reference weights at ``version``: at start-up / resume, or after a
+    reset (``reset``: the trainer's reference is already the policy; the anchor cache is dropped).
+
+    ``streamed`` (``weight_transport: distributed``) with a reference pool: the trainer ranks
+    broadcast straight into the reference servers. Otherwise the export goes through the
+    object store into the worker's reference sampler (swap copies, dedicated set or pool).
+    """
+    if streamed and rollout.has_ref_pool:
+        trainer.stream_weights(version, rollout.weight_targets("ref"), weights="ref", pool="ref")
+        rollout.reference_streamed(version, reset)
+        return
+    refs = trainer.export_refs("ref")
+    if reset:
+        rollout.reset_reference(version, refs)
+    else:
+        rollout.load_reference(version, refs)
+
+
+def heal_rollout(trainer: TrainerGroup, rollout: RolloutGroup, streamed: bool) -> int:
+    """Restart dead SGLang servers and give them their pool's current weights before they
+    serve again (the policy, or the reference for the reference pool); returns the count.
+
+    ``streamed``: the pool's NCCL group lost a member, so the trainer drops it and streams to
+    the whole pool in a new group; otherwise only the restarted servers get the export.
+    """
+    count = 0
+    for engine, pools in enumerate(rollout.restart_dead_servers()):
+        for pool, indices in pools.items():
+            weights = "policy" if pool == "policy" else "ref"
+            version = rollout.pool_version(pool)
+            if streamed:
+                trainer.drop_sender(pool)
+                trainer.stream_weights(version, rollout.weight_targets(pool), weights, pool)
+            else:
+                rollout.resync_servers(engine, pool, indices, trainer.export_refs(weights))
+            rollout.rejoin(engine, pool, indices)
+            print(f"rollout: restarted SGLang {pool} server(s) {indices} and re-synced their "
+                  f"weights (version {version})", flush=True)  # fmt: skip
+            count += len(indices)
+    return count
 
 
 class RewardGroup:

@@ -76,10 +76,8 @@ def sync_and_maybe_reset(s: Session, step: int) -> dict[str, float]:
     if not s.schedule.should_reset(step):
         return {"reset/performed": 0.0, "reset/ref_version": float(s.state.ref_version)}
     with s.timers.phase("reset"):
-        if refs is None:  # the reference sampler takes the tensors through the object store
-            refs = s.trainer.export_refs("policy")
         s.trainer.reset_reference()
-        s.rollout.reset_reference(step, refs)
+        s.push_reference(step, reset=True)  # the trainer's reference is now the policy
         s.schedule.record_reset(step)
         s.state.ref_version = step
     return {"reset/performed": 1.0, "reset/ref_version": float(step)}
@@ -113,6 +111,7 @@ def checkpoint_due(config: ArmorConfig, step: int) -> bool:
 
 def run_step(s: Session, rollout: AnchorRollout, step: int) -> dict[str, float]:
     """One step of Algorithm 1; returns its metrics (without timings)."""
+    restarted = s.heal_rollout(step)  # dead SGLang servers come back with current weights
     s.progress.start(f"step {step} rollout", s.config.rollout.batch)
     with s.timers.phase("rollout"):
         result = rollout.collect(step)
@@ -137,6 +136,8 @@ def run_step(s: Session, rollout: AnchorRollout, step: int) -> dict[str, float]:
     metrics.update(
         {"algo/alpha": s.alpha, "train/response_tokens": float(batch.num_response_tokens)}
     )
+    if s.config.rollout.backend == "sglang":
+        metrics["rollout/servers_restarted"] = float(restarted)
     if validation_due(s.config, step):
         metrics.update(validate(s, step))
     return metrics

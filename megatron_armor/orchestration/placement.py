@@ -7,10 +7,12 @@
 - ``disaggregated``: ``trainer.world_size`` bundles for the trainer plus
   ``orchestration.rollout_gpus`` bundles for the engines.
 
-With ``rollout.backend: sglang`` one CPU actor owns the whole SGLang pool
-(``rollout.sglang.num_engines`` servers behind the router, launched as subprocesses on the
-GPUs of its node: Ray leaves ``CUDA_VISIBLE_DEVICES`` alone for an actor without GPUs); the
-GPU bundles are then the trainer's (and, disaggregated, a reservation of the rollout GPUs).
+With ``rollout.backend: sglang`` one CPU actor owns the SGLang pools (``rollout.sglang.pools``:
+the policy servers behind their router and, for a dedicated reference, the reference servers),
+launched as subprocesses on the GPUs of its node: Ray leaves ``CUDA_VISIBLE_DEVICES`` alone for
+an actor without GPUs. The actor sits in the bundle of the first server's GPU, and each server
+gets the physical GPU id of its bundles (:func:`server_gpus`); the GPU bundles are the
+trainer's (and, disaggregated, a reservation of the rollout GPUs after them).
 
 Bundles are re-ordered by (node IP, GPU id) with one probe actor per bundle, so trainer rank
 order follows the hardware (ranks of a TP group share a node).
@@ -43,14 +45,32 @@ class LayoutPlan:
     bundles: int = 0
     trainer_bundles: list[int] = field(default_factory=list)
     rollout_bundles: list[int] = field(default_factory=list)
+    server_bundles: dict[str, list[int]] = field(default_factory=dict)
+    """SGLang: the bundle (sorted index) of each server's first GPU, per pool."""
 
 
 def plan_layout(config: ArmorConfig) -> LayoutPlan:
     """The actor counts and resources of ``orchestration.layout``; errors name the fix."""
     plan = _plan_bundles(config)
     if config.rollout.backend == "sglang" and plan.layout != "cpu":
-        plan.rollout_engines, plan.rollout_bundles, plan.rollout_gpus = 1, [], 0.0
+        from megatron_armor.rollout.sglang.pools import pool_specs
+
+        first = plan.trainer_ranks if plan.layout == "disaggregated" else 0
+        plan.server_bundles = {
+            name: [first + g for g in spec.gpu_offsets()]
+            for name, spec in pool_specs(config).items()
+        }
+        plan.rollout_engines, plan.rollout_gpus = 1, 0.0
+        plan.rollout_bundles = [plan.server_bundles["policy"][0]]
     return plan
+
+
+def server_gpus(plan: LayoutPlan, where: list[tuple[str, int]]) -> dict[str, list[tuple[str, int]]]:
+    """``{pool: [(node_ip, gpu_id)]}`` of each SGLang server's first GPU; ``where`` is
+    :func:`create_bundles`' location of every bundle in sorted order."""
+    if not where:
+        return {}
+    return {pool: [where[b] for b in bundles] for pool, bundles in plan.server_bundles.items()}
 
 
 def _plan_bundles(config: ArmorConfig) -> LayoutPlan:
@@ -76,7 +96,7 @@ def _plan_bundles(config: ArmorConfig) -> LayoutPlan:
         raise ValueError(
             f"orchestration.rollout_gpus={orch.rollout_gpus}: the disaggregated layout needs a "
             f"positive multiple of rollout.sglang.tp={tp}"
-        )
+        )  # (SGLang pools are checked by rollout.sglang.pools.pool_problems)
     engines = orch.rollout_gpus // tp
     return LayoutPlan(
         "disaggregated", world, engines, orch.num_reward_workers, trainer_gpus=1.0,
@@ -106,14 +126,15 @@ def init_ray(config: ArmorConfig, plan: LayoutPlan) -> None:
 
 
 def create_bundles(plan: LayoutPlan, timeout_s: float):
-    """A placement group of one ``{GPU: 1, CPU: 1}`` bundle per GPU, and bundle indices
-    sorted by (node IP, GPU id); ``(None, [])`` for the CPU layout."""
+    """A placement group of one ``{GPU: 1, CPU: 1}`` bundle per GPU, the bundle indices sorted
+    by (node IP, GPU id), and the (node IP, GPU id) of each in that order; ``(None, [], [])``
+    for the CPU layout."""
     import ray
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     if plan.bundles == 0:
-        return None, []
+        return None, [], []
     pg = placement_group([{"GPU": 1, "CPU": 1}] * plan.bundles, strategy="PACK")
     ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
     if not ready:
@@ -133,7 +154,7 @@ def create_bundles(plan: LayoutPlan, timeout_s: float):
     ]  # fmt: skip
     where = ray.get(refs, timeout=timeout_s)
     order = sorted(range(plan.bundles), key=lambda i: (where[i][0], where[i][1]))
-    return pg, order
+    return pg, order, [where[i] for i in order]
 
 
 def actor_options(plan: LayoutPlan, pg, order: list[int], bundle: int | None, gpus: float) -> dict:

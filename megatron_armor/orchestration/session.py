@@ -26,9 +26,17 @@ from megatron_armor.orchestration.groups import (
     RewardGroup,
     RolloutGroup,
     TrainerGroup,
+    heal_rollout,
     push_policy,
+    push_reference,
 )
-from megatron_armor.orchestration.placement import LayoutPlan, create_bundles, init_ray, plan_layout
+from megatron_armor.orchestration.placement import (
+    LayoutPlan,
+    create_bundles,
+    init_ray,
+    plan_layout,
+    server_gpus,
+)
 from megatron_armor.orchestration.progress import PhaseProgress
 from megatron_armor.orchestration.run_state import RunState
 from megatron_armor.orchestration.workers import load_model_tokenizer, uses_distributed_transport
@@ -106,9 +114,9 @@ class Session:
         val = load_val_datasets(config, tokenizer) if config.validation.every > 0 else {}
         plan = plan_layout(config)
         init_ray(config, plan)
-        pg, order = create_bundles(plan, config.orchestration.ray_init_timeout_s)
+        pg, order, where = create_bundles(plan, config.orchestration.ray_init_timeout_s)
         trainer = TrainerGroup(config, plan, pg, order, str(run_dir / "profile"))
-        rollout = RolloutGroup(config, plan, pg, order)
+        rollout = RolloutGroup(config, plan, pg, order, server_gpus(plan, where))
         reward = RewardGroup(config, plan)
         trainer.init()
         r = config.algo.reset
@@ -148,6 +156,19 @@ class Session:
         )
         push_policy(self.trainer, self.rollout, version, refs)
 
+    def push_reference(self, version: int, reset: bool = False) -> None:
+        """Serve the trainer's reference at ``version`` (start-up, resume, or a ``reset``)."""
+        streamed = uses_distributed_transport(self.config)
+        push_reference(self.trainer, self.rollout, version, streamed, reset)
+
+    def heal_rollout(self, step: int) -> int:
+        """Every ``rollout.sglang.health_check_every`` steps: restart dead SGLang servers and
+        re-sync their weights before they serve again; returns how many were restarted."""
+        every = self.config.rollout.sglang.health_check_every
+        if self.config.rollout.backend != "sglang" or every <= 0 or step % every:
+            return 0
+        return heal_rollout(self.trainer, self.rollout, uses_distributed_transport(self.config))
+
     def restore(self, resume: str) -> int:
         """Load the checkpoint ``resume`` names (auto|none|PATH); returns the step to continue after."""
         path = checkpoints.resolve_resume(self.run_dir, resume)
@@ -160,7 +181,7 @@ class Session:
                 )
             truncate_metrics(self.run_dir, -1)
             self.push_policy(0)
-            self.rollout.load_reference(0, self.trainer.export_refs("ref"))
+            self.push_reference(0)
             return 0
         self.trainer.load_checkpoint(str(path / "trainer"))
         state = RunState.load(path)
@@ -168,7 +189,7 @@ class Session:
         self.schedule.load_state_dict(state.reset)
         state.restore_rng()
         self.push_policy(state.policy_version)
-        self.rollout.load_reference(state.ref_version, self.trainer.export_refs("ref"))
+        self.push_reference(state.ref_version)
         self.rollout.load_state_dicts(state.rollout)
         truncate_metrics(self.run_dir, state.step)
         self.state = state
@@ -181,7 +202,7 @@ class Session:
 
         self.progress.close()
         self.logger.close()
-        for group in (self.trainer, self.reward):
+        for group in (self.trainer, self.rollout, self.reward):
             try:
                 group.close()
             except Exception as err:  # noqa: BLE001 - report and keep shutting down

@@ -88,9 +88,11 @@ def uses_distributed_transport(config: ArmorConfig) -> bool:
     )
 
 
-def weight_group_name(pp_stage: int) -> str:
-    """The weight-sync process group of pipeline stage ``pp_stage`` (one sender per stage)."""
-    return f"armor-weights-pp{pp_stage}"
+def weight_group_name(pp_stage: int, pool: str = "policy") -> str:
+    """The weight-sync process group of pipeline stage ``pp_stage`` into SGLang pool ``pool``
+    (one sender per stage and pool)."""
+    prefix = "armor-weights" if pool == "policy" else f"armor-{pool}-weights"
+    return f"{prefix}-pp{pp_stage}"
 
 
 class TrainerWorker:
@@ -108,7 +110,7 @@ class TrainerWorker:
         enable_worker_nvtx(config)
         self.config, self.rank, self.world_size = config, rank, world_size
         self.trainer = None
-        self.sender = None  # DistributedWeightSender, created at the first distributed sync
+        self.senders: dict = {}  # pool -> DistributedWeightSender, made at its first sync
         self.profiler = None
         if profile_dir and config.logging.profile != "none":
             from megatron_armor.observability.profiler import profiler_from_config
@@ -159,37 +161,46 @@ class TrainerWorker:
         weights: str = "policy",
         backend: str = "nccl",
         master_address: str | None = None,
+        pool: str = "policy",
     ) -> int:
         """Distributed transport: broadcast ``export_weights(weights)`` into the SGLang servers
-        ``targets`` (``[(url, tp)]``) at ``version``; returns the bytes this rank sent.
+        ``targets`` (``[(url, tp)]``) of ``pool`` at ``version``; returns the bytes this rank sent.
 
         Every rank iterates the export to the end (it is collective); only the ranks whose
-        export yields tensors (TP 0 / DP 0 of each pipeline stage) send. Their sender (group
-        ``armor-weights-pp{stage}``, rendezvous on ``master_address`` — default this node's
-        IP — and a free port) is created at the first call and kept.
+        export yields tensors (TP 0 / DP 0 of each pipeline stage) send. Their sender per pool
+        (group ``armor-weights-pp{stage}`` / ``armor-ref-weights-pp{stage}``, rendezvous on
+        ``master_address`` — default this node's IP — and a free port) is created at the first
+        call and kept.
         """
         with nvtx_range("weight_sync"):
             tensors = iter(self.trainer.export_weights(weights))
             first = next(tensors, None)
             if first is None:  # not an exporting rank: the export already ran to its end
                 return 0
-            sender = self._weight_sender(targets, backend, master_address)
+            sender = self._weight_sender(pool, targets, backend, master_address)
             return sender.send(itertools.chain([first], tensors), version)
 
-    def _weight_sender(self, targets, backend: str, master_address: str | None):
+    def drop_sender(self, pool: str) -> None:
+        """Forget ``pool``'s weight-sync group (a server of it restarted: the next sync makes a
+        new group with every server of the pool)."""
+        sender = self.senders.pop(pool, None)
+        if sender is not None:
+            sender.close()
+
+    def _weight_sender(self, pool: str, targets, backend: str, master_address: str | None):
         """The connected sender of this rank's pipeline stage (a new one if the servers changed)."""
         from megatron_armor.rollout.sglang.distributed import DistributedWeightSender
         from megatron_armor.trainer import parallel  # Megatron only in this process
 
         targets = [(str(url), int(tp)) for url, tp in targets]
-        if self.sender is not None and self.sender.targets != targets:
-            self.sender.close()
-            self.sender = None
-        if self.sender is None:
+        current = self.senders.get(pool)
+        if current is not None and current.targets != targets:
+            self.drop_sender(pool)
+        if pool not in self.senders:
             sglang = self.config.rollout.sglang
             sender = DistributedWeightSender(
                 targets, master_address or node_ip(), free_port(),
-                weight_group_name(parallel.pp_rank()),
+                weight_group_name(parallel.pp_rank(), pool),
                 bucket_bytes=sglang.weight_bucket_mb << 20, backend=backend,
             )  # fmt: skip
             try:
@@ -197,8 +208,8 @@ class TrainerWorker:
             except BaseException:
                 sender.close()
                 raise
-            self.sender = sender
-        return self.sender
+            self.senders[pool] = sender
+        return self.senders[pool]
 
     def save_checkpoint(self, path: str, run_state: dict) -> None:
         self.trainer.save_checkpoint(path, run_state)
@@ -209,16 +220,18 @@ class TrainerWorker:
     def close(self) -> None:
         if self.profiler is not None:
             self.profiler.close()
-        if self.sender is not None:
-            self.sender.close()
-            self.sender = None
+        for pool in list(self.senders):
+            self.drop_sender(pool)
         if self.trainer is not None and hasattr(self.trainer, "close"):
             self.trainer.close()
         self.trainer = None
 
 
-def make_engine(config: ArmorConfig, device: str):
-    """The rollout backend named by ``rollout.backend``."""
+def make_engine(
+    config: ArmorConfig, device: str, pool: str = "policy", gpu_ids: list[int] | None = None
+):
+    """The rollout backend named by ``rollout.backend``; for SGLang, its ``pool`` of servers
+    (``gpu_ids``: each server's first GPU on this node)."""
     backend = config.rollout.backend
     if backend == "torch":
         from megatron_armor.rollout.torch_engine import TorchEngine
@@ -229,8 +242,24 @@ def make_engine(config: ArmorConfig, device: str):
     if backend == "sglang":
         from megatron_armor.rollout.sglang.engine import SGLangEngine
 
-        return SGLangEngine.from_config(config)
+        return SGLangEngine.from_config(config, pool, gpu_ids=gpu_ids)
     raise ValueError(f"rollout.backend={backend!r}: expected 'torch' or 'sglang'")
+
+
+def local_gpu_ids(server_gpus: list[tuple[str, int]] | None, pool: str) -> list[int] | None:
+    """First GPU id of each server of ``pool``, checked to be on this node (``None``: the
+    pool's own numbering, as on a single node without a placement group)."""
+    if not server_gpus:
+        return None
+    here = node_ip()
+    away = sorted({ip for ip, _ in server_gpus if ip != here})
+    if away:
+        raise RuntimeError(
+            f"SGLang {pool} servers were placed on GPUs of {away}, but the rollout worker "
+            f"launching them runs on {here}: every SGLang server must sit on the rollout "
+            "worker's node (orchestration.gpus_per_node must hold all SGLang servers)"
+        )
+    return [gpu for _, gpu in server_gpus]
 
 
 def to_samples(
@@ -264,31 +293,59 @@ class RolloutWorker:
 
     For ``rollout.ref_strategy: swap`` the worker keeps CPU copies of the last pushed policy
     and reference tensors, which the swap sampler loads around each reference generation.
+    With SGLang and a dedicated reference (``rollout.sglang.pools``) the worker also owns the
+    reference pool (``ref_engine``), launched once the policy servers are healthy.
     """
 
-    def __init__(self, config: ArmorConfig, index: int, num_threads: int = 0):
+    def __init__(
+        self,
+        config: ArmorConfig,
+        index: int,
+        num_threads: int = 0,
+        server_gpus: dict[str, list[tuple[str, int]]] | None = None,
+    ):
         set_threads(num_threads)
         enable_worker_nvtx(config)
         import ray
 
         from megatron_armor.rollout.reference import make_reference_sampler
+        from megatron_armor.rollout.sglang.pools import uses_ref_pool
 
         device = "cuda" if ray.get_gpu_ids() and torch.cuda.is_available() else "cpu"
+        gpus = server_gpus or {}
         self.index = index
-        self.engine = make_engine(config, device)
+        self.engine = make_engine(
+            config, device, "policy", local_gpu_ids(gpus.get("policy"), "policy")
+        )
+        self.ref_engine = None
+        if uses_ref_pool(config):
+            try:
+                self.ref_engine = make_engine(
+                    config, device, "ref", local_gpu_ids(gpus.get("ref"), "ref")
+                )
+            except BaseException:
+                self.close()
+                raise
         self.tokenizer = load_model_tokenizer(config.trainer.model_path)
         strategy, fill = reference_strategy(config)
         self.keep_copies = "swap" in (strategy, fill)
         self.copies: dict[str, NamedTensors] = {}
         self.counted: dict[str, float] = {}
         self.reference = make_reference_sampler(
-            strategy, self.engine, weights_fn=self._weights, cache_fill=fill
-        )
+            strategy, self.engine, weights_fn=self._weights, ref_engine=self.ref_engine,
+            cache_fill=fill,
+        )  # fmt: skip
 
     def _weights(self, which: str) -> NamedTensors:
         if which not in self.copies:
             raise RuntimeError(f"rollout worker {self.index}: no {which!r} weights pushed yet")
         return self.copies[which]
+
+    def _pool(self, pool: str):
+        engine = self.engine if pool == "policy" else self.ref_engine
+        if engine is None:
+            raise ValueError(f"rollout worker {self.index} has no {pool!r} engine pool")
+        return engine
 
     def generate(self, items: list, n: int, params: SamplingParams) -> list[list[Sample]]:
         """``n`` policy samples per item."""
@@ -332,6 +389,15 @@ class RolloutWorker:
             self.copies["ref"] = tensors
         self.reference.on_reset(version, lambda: iter(tensors))
 
+    def reference_streamed(self, version: int, reset: bool) -> None:
+        """The trainer ranks streamed the reference into the reference pool themselves (NCCL
+        transport): record ``version``, and on a ``reset`` drop the anchor cache."""
+        self._pool("ref").set_weight_version(version)
+        if reset:
+            self.reference.on_reset(version, None)
+        else:
+            self.reference.load_reference(version, None)
+
     def reference_metrics(self) -> dict[str, float]:
         """Anchor-cache hits/misses since the last call and the cache size (cache strategy only)."""
         metrics = getattr(self.reference, "metrics", None)
@@ -344,24 +410,64 @@ class RolloutWorker:
             self.counted[key] = total
         return out
 
-    def weight_targets(self) -> list[tuple[str, int]]:
-        """``[(server_url, tp)]`` of the SGLang servers (distributed transport targets)."""
-        return [(s.url, s.tp) for s in self.engine.servers]
+    def weight_targets(self, pool: str = "policy") -> list[tuple[str, int]]:
+        """``[(server_url, tp)]`` of the SGLang servers of ``pool`` (distributed transport)."""
+        return [(s.url, s.tp) for s in self._pool(pool).servers]
 
-    def set_weight_version(self, version: int) -> None:
+    def set_weight_version(self, version: int, pool: str = "policy") -> None:
         """Record ``version`` after the trainer ranks streamed the weights themselves."""
-        self.engine.set_weight_version(version)
+        self._pool(pool).set_weight_version(version)
+
+    def pools(self) -> list[str]:
+        return ["policy"] + (["ref"] if self.ref_engine is not None else [])
 
     def release_memory(self) -> None:
-        self.engine.release_memory()
+        for pool in self.pools():
+            self._pool(pool).release_memory()
 
     def resume_memory(self) -> None:
-        self.engine.resume_memory()
+        for pool in self.pools():
+            self._pool(pool).resume_memory()
+
+    # ------------------------------------------------------------------ health (SGLang)
+    def restart_dead_servers(self) -> dict[str, list[int]]:
+        """Restart every server that is dead or unhealthy; they stay out of rotation until
+        :meth:`rejoin` (after the driver re-synced their weights). ``{pool: [server index]}``."""
+        restarted: dict[str, list[int]] = {}
+        for pool in self.pools():
+            engine = self._pool(pool)
+            if not hasattr(engine, "servers"):
+                continue  # the embedded engine lives in this process
+            dead = [s for s in engine.servers if not engine.server_healthy(s)]
+            for server in dead:
+                engine.restart_server(server)
+            if dead:
+                restarted[pool] = [s.index for s in dead]
+        return restarted
+
+    def resync_servers(self, pool: str, indices: list[int], *shards: NamedTensors) -> int:
+        """Push ``shards`` (the pool's current weights) into the restarted servers ``indices``
+        at the pool's current version (tensor / disk transport); returns the bytes per server."""
+        engine = self._pool(pool)
+        tensors = [nt for shard in shards for nt in shard]
+        engine.sync_servers(tensors, engine.weight_version(), [engine.servers[i] for i in indices])
+        return sum(t.numel() * t.element_size() for _, t in tensors)
+
+    def rejoin(self, pool: str, indices: list[int]) -> None:
+        """Put the re-synced servers ``indices`` of ``pool`` back into rotation."""
+        engine = self._pool(pool)
+        for i in indices:
+            engine.rejoin(engine.servers[i])
+
+    def pool_version(self, pool: str) -> int:
+        return self._pool(pool).weight_version()
 
     def weight_versions(self) -> dict[str, int]:
         versions = {"policy": self.engine.weight_version("policy")}
         if getattr(self.engine, "has_weights", lambda w: False)("ref"):
             versions["ref"] = self.engine.weight_version("ref")
+        if self.ref_engine is not None:
+            versions["ref"] = self.ref_engine.weight_version()
         return versions
 
     def state_dict(self) -> dict:
@@ -371,21 +477,22 @@ class RolloutWorker:
         self.reference.load_state_dict(state)
 
     def health(self) -> bool:
-        return self.engine.health()
+        return all(self._pool(pool).health() for pool in self.pools())
+
+    def close(self) -> None:
+        """Stop the engines this worker launched (SGLang servers and routers)."""
+        for engine in (getattr(self, "ref_engine", None), getattr(self, "engine", None)):
+            close = getattr(engine, "close", None)
+            if close is not None:
+                close()
 
 
 def reference_strategy(config: ArmorConfig) -> tuple[str, str]:
-    """``(strategy, cache_fill)``: ``algo.anchor_source: cache`` wraps ``rollout.ref_strategy``
-    (``swap`` | ``dedicated``) in the anchor cache (armor-spec §2)."""
-    strategy = config.rollout.ref_strategy
-    fill = strategy if strategy in ("swap", "dedicated") else "dedicated"
-    if config.algo.anchor_source == "cache" or strategy == "cache":
-        return "cache", fill
-    if config.algo.anchor_source != "generate":
-        raise ValueError(
-            f"algo.anchor_source={config.algo.anchor_source!r}: expected 'generate' or 'cache'"
-        )
-    return strategy, fill
+    """``(strategy, cache_fill)`` of ``rollout.ref_strategy`` and ``algo.anchor_source``
+    (``rollout.reference.reference_strategy``)."""
+    from megatron_armor.rollout.reference import reference_strategy as strategy_of
+
+    return strategy_of(config.rollout.ref_strategy, config.algo.anchor_source)
 
 
 class RewardWorker:

@@ -26,6 +26,7 @@ from megatron_armor.planner.memory import (
 )
 from megatron_armor.planner.model import ModelDims, load_model_dims, with_padded_vocab
 from megatron_armor.planner.rules import Finding, LayoutSpec, check_layout
+from megatron_armor.rollout.sglang.pools import PoolSpec, pool_specs
 
 USABLE_FRACTION = 0.95
 """Share of GPU memory a plan may use (allocator fragmentation, stray buffers)."""
@@ -38,6 +39,8 @@ ADVICE = {
     "grads": "raise trainer.tp or trainer.pp",
     "weights": "raise trainer.tp or trainer.pp",
     "sglang_static": "lower rollout.sglang.mem_fraction_static or use the disaggregated layout",
+    "sglang_ref": "lower rollout.sglang.ref_pool.mem_fraction, serve the reference with "
+    "rollout.ref_strategy=swap, or use the disaggregated layout",
     "runtime": "nothing to tune: this is the CUDA/NCCL runtime",
 }
 
@@ -137,6 +140,8 @@ def trainer_shape(config: ArmorConfig, dims: ModelDims) -> TrainerShape:
 
 def layout_spec(config: ArmorConfig, dims: ModelDims) -> LayoutSpec:
     t, o, r = config.trainer, config.orchestration, config.rollout
+    pools = pool_specs(config)
+    ref_gpus = pools["ref"].gpus if "ref" in pools and o.layout == "disaggregated" else 0
     return LayoutSpec(
         dims=dims,
         tp=t.tp,
@@ -150,13 +155,14 @@ def layout_spec(config: ArmorConfig, dims: ModelDims) -> LayoutSpec:
         gpus_per_node=o.gpus_per_node,
         rollout_gpus=o.rollout_gpus,
         engine_tp=r.sglang.tp,
-        num_engines=r.sglang.num_engines,
+        num_engines=pools["policy"].num_engines,
         batch=r.batch,
         gen_batch=r.gen_batch,
         ppo_mini_batch=t.ppo_mini_batch,
         group_size=config.algo.group_size,
         micro_batch_tokens=t.micro_batch_tokens,
         seq_len=config.data.max_prompt_len + r.sampling.max_new_tokens,
+        ref_engine_gpus=ref_gpus,
     )
 
 
@@ -166,14 +172,18 @@ def _worst_stage(shape: TrainerShape) -> dict[str, float]:
     return max(candidates, key=lambda terms: sum(terms.values()))
 
 
-def _engine_notes(config: ArmorConfig, engine: EngineShape, seq_len: int) -> list[Finding | str]:
+def _engine_notes(
+    config: ArmorConfig, pool: PoolSpec, engine: EngineShape, seq_len: int
+) -> list[Finding | str]:
+    key = "rollout.sglang" if pool.name == "policy" else "rollout.sglang.ref_pool"
+    share = f"{key}.mem_fraction_static" if pool.name == "policy" else f"{key}.mem_fraction"
     out: list[Finding | str] = []
     if engine.kv_pool_bytes() <= 0:
         out.append(
             Finding(
                 "error",
-                "rollout.sglang.mem_fraction_static",
-                f"{engine.mem_fraction_static}: the engine's share ({engine.static_bytes() / GiB:.1f} GiB) does not hold its weights ({engine.weight_bytes() / GiB:.1f} GiB); raise it or rollout.sglang.tp",
+                share,
+                f"{engine.mem_fraction_static}: the {pool.name} server's share ({engine.static_bytes() / GiB:.1f} GiB) does not hold its weights ({engine.weight_bytes() / GiB:.1f} GiB); raise it or {key}.tp",
             )
         )
         return out
@@ -182,17 +192,15 @@ def _engine_notes(config: ArmorConfig, engine: EngineShape, seq_len: int) -> lis
         out.append(
             Finding(
                 "error",
-                "rollout.sglang.mem_fraction_static",
-                f"the KV cache holds {tokens} tokens < one sequence ({seq_len}); raise it or rollout.sglang.tp",
+                share,
+                f"the {pool.name} server's KV cache holds {tokens} tokens < one sequence ({seq_len}); raise it or {key}.tp",
             )
         )
     a = config.algo
-    engines = config.rollout.sglang.num_engines
-    if config.orchestration.layout == "colocated":
-        engines = config.trainer.world_size // max(1, engine.tp)  # one engine per tp trainer GPUs
-    sequences = config.rollout.gen_batch * (a.group_size + a.ref_n) / max(1, engines)
+    per_query = a.group_size if pool.name == "policy" else a.ref_n
+    sequences = config.rollout.gen_batch * per_query / max(1, pool.num_engines)
     out.append(
-        f"SGLang KV cache per engine: {tokens} tokens = {tokens / seq_len:.0f} full-length sequences (a generation batch has up to {sequences:.0f} per engine)"
+        f"SGLang {pool.name} KV cache per server: {tokens} tokens = {tokens / seq_len:.0f} full-length sequences (a generation batch has up to {sequences:.0f} per server)"
     )
     return out
 
@@ -213,19 +221,23 @@ def make_plan(config: ArmorConfig, model: str | None = None, gpu_mem_gib: float 
     plan = Plan(model=dims, layout=layout, gpu_bytes=gpu_bytes, phases=phases)
     plan.findings = check_layout(layout_spec(config, dims))
     seq_len = config.data.max_prompt_len + config.rollout.sampling.max_new_tokens
-    if layout in ("colocated", "disaggregated"):
-        sg = config.rollout.sglang
-        engine = EngineShape(dims, sg.tp, sg.mem_fraction_static, gpu_bytes)
-        for item in _engine_notes(config, engine, seq_len):
-            (plan.findings if isinstance(item, Finding) else plan.notes).append(item)
-    if layout == "colocated":
+    engines = {}
+    if layout in ("colocated", "disaggregated") and config.rollout.backend == "sglang":
+        for name, pool in pool_specs(config).items():
+            engines[name] = EngineShape(dims, pool.tp, pool.share, gpu_bytes)
+            for item in _engine_notes(config, pool, engines[name], seq_len):
+                (plan.findings if isinstance(item, Finding) else plan.notes).append(item)
+    if layout == "colocated" and engines:
         resident = state_terms(shape, 0)
+        servers = len(engines)  # each released server keeps its CUDA context
         phases["rollout"] = {
             **resident,
-            "sglang_static": engine.static_bytes(),
-            "runtime": 2 * RUNTIME_BYTES,
+            "sglang_static": engines["policy"].static_bytes(),
+            "runtime": (1 + servers) * RUNTIME_BYTES,
         }
-        train["runtime"] = 2 * RUNTIME_BYTES  # the released engine keeps its CUDA context
+        if "ref" in engines:
+            phases["rollout"]["sglang_ref"] = engines["ref"].static_bytes()
+        train["runtime"] = (1 + servers) * RUNTIME_BYTES
     plan.notes.append(
         f"train micro-batch {shape.micro_batch_tokens} tokens, {shape.num_micro_batches} micro-batch(es) "
         f"per update per DP rank, dp={shape.dp}, recompute={shape.recompute}"

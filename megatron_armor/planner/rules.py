@@ -42,6 +42,8 @@ class LayoutSpec:
     group_size: int
     micro_batch_tokens: int
     seq_len: int
+    ref_engine_gpus: int = 0
+    """GPUs of the dedicated reference pool on their own (disaggregated) GPUs."""
 
 
 def _model_rules(s: LayoutSpec) -> list[Finding]:
@@ -206,12 +208,13 @@ def _placement_rules(s: LayoutSpec) -> list[Finding]:
                     f"trainer {s.world_size} + rollout {s.rollout_gpus} GPUs > {gpus} available",
                 )
             )
-        if engine_gpus != s.rollout_gpus:
+        if engine_gpus + s.ref_engine_gpus != s.rollout_gpus:
+            ref = f" + reference pool {s.ref_engine_gpus}" if s.ref_engine_gpus else ""
             out.append(
                 Finding(
                     "error",
                     "rollout.sglang.num_engines",
-                    f"tp*num_engines = {engine_gpus} != orchestration.rollout_gpus={s.rollout_gpus}",
+                    f"tp*num_engines = {engine_gpus}{ref} != orchestration.rollout_gpus={s.rollout_gpus}",
                 )
             )
     return out

@@ -49,11 +49,14 @@ class ReferenceSampler(ABC):
     ) -> list[list[GenerationOutput]]:
         """``n`` reference samples for each prompt; result ``[len(prompts)][n]``."""
 
-    def load_reference(self, version: int, named_tensors_fn: Callable[[], NamedTensors]) -> None:
-        """Make the engine serve the reference weights ``named_tensors_fn()`` as ``version``."""
+    def load_reference(
+        self, version: int, named_tensors_fn: Callable[[], NamedTensors] | None
+    ) -> None:
+        """Make the engine serve the reference weights ``named_tensors_fn()`` as ``version``
+        (``None``: the trainer already streamed them into the engine; only record it)."""
         self.ref_version = version
 
-    def on_reset(self, version: int, named_tensors_fn: Callable[[], NamedTensors]) -> None:
+    def on_reset(self, version: int, named_tensors_fn: Callable[[], NamedTensors] | None) -> None:
         """A reference reset (armor-spec §5): the policy became the reference at ``version``."""
         self.load_reference(version, named_tensors_fn)
 
@@ -94,7 +97,8 @@ class DedicatedReferenceSampler(ReferenceSampler):
         self.weights = weights
 
     def load_reference(self, version, named_tensors_fn):
-        self.engine.update_weights(named_tensors_fn(), version, self.weights)
+        if named_tensors_fn is not None:
+            self.engine.update_weights(named_tensors_fn(), version, self.weights)
         super().load_reference(version, named_tensors_fn)
 
     def sample(self, query_ids, prompts, n, params):
@@ -176,6 +180,18 @@ class CachedReferenceSampler(ReferenceSampler):
         }
 
 
+def reference_strategy(ref_strategy: str, anchor_source: str) -> tuple[str, str]:
+    """``(strategy, cache_fill)``: ``algo.anchor_source: cache`` wraps ``rollout.ref_strategy``
+    (``swap`` | ``dedicated``) in the anchor cache; ``ref_strategy: cache`` fills misses with
+    ``dedicated`` (armor-spec §2)."""
+    fill = ref_strategy if ref_strategy in ("swap", "dedicated") else "dedicated"
+    if anchor_source == "cache" or ref_strategy == "cache":
+        return "cache", fill
+    if anchor_source != "generate":
+        raise ValueError(f"algo.anchor_source={anchor_source!r}: expected 'generate' or 'cache'")
+    return ref_strategy, fill
+
+
 def make_reference_sampler(
     strategy: str,
     engine: RolloutEngine,
@@ -218,12 +234,7 @@ def make_reference_sampler(
 def reference_sampler_from_config(
     rollout_cfg, algo_cfg, engine: RolloutEngine, **kwargs
 ) -> ReferenceSampler:
-    """Sampler for ``rollout.ref_strategy`` and ``algo.anchor_source``.
-
-    ``anchor_source: cache`` with ``ref_strategy: swap|dedicated`` caches anchors and fills
-    misses with that strategy; ``ref_strategy: cache`` fills misses with ``dedicated``.
-    """
-    strategy = rollout_cfg.ref_strategy
-    if algo_cfg.anchor_source == "cache" and strategy != "cache":
-        return make_reference_sampler("cache", engine, cache_fill=strategy, **kwargs)
-    return make_reference_sampler(strategy, engine, **kwargs)
+    """Sampler for ``rollout.ref_strategy`` and ``algo.anchor_source``
+    (:func:`reference_strategy`)."""
+    strategy, fill = reference_strategy(rollout_cfg.ref_strategy, algo_cfg.anchor_source)
+    return make_reference_sampler(strategy, engine, cache_fill=fill, **kwargs)

@@ -39,7 +39,8 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def build_tiny_qwen2(path, seed: int) -> str:
+def build_tiny_qwen2(path, seed: int, init_range: float = 0.02) -> str:
+    """A random 2-layer Qwen2; a larger ``init_range`` gives peaked, model-specific logits."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
@@ -47,6 +48,7 @@ def build_tiny_qwen2(path, seed: int) -> str:
         vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
         eos_token_id=1, pad_token_id=0, bos_token_id=2, tie_word_embeddings=False,
+        initializer_range=init_range,
     )  # fmt: skip
     Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
     return str(path)
@@ -135,13 +137,52 @@ def test_router_in_front_of_two_engines(tmp_path):
     model = build_tiny_qwen2(tmp_path / "m", 0)
     cfg = SGLangConfig(num_engines=2, base_port=free_port(), router=True, router_port=free_port(),
                        mem_fraction_static=0.2, extra_args={"skip_tokenizer_init": True})  # fmt: skip
-    engine = SGLangEngine(model, cfg)
+    engine = SGLangEngine(model, cfg, gpu_ids=[i % torch.cuda.device_count() for i in range(2)])
     try:
-        engine.launch(
-            colocated=False, log_dir=str(tmp_path), gpus_per_node=torch.cuda.device_count()
-        )
+        engine.launch(colocated=False, log_dir=str(tmp_path))
         out = engine.generate(PROMPTS, 4, SamplingParams(max_new_tokens=8))
         assert [len(g) for g in out] == [4, 4, 4]
         assert all(s.finish_reason in ("stop", "length") for g in out for s in g)
     finally:
         engine.close()
+
+
+def test_dedicated_reference_pool_samples_anchors_from_reference_weights(tmp_path):
+    """Two pools on one GPU as ``rollout.ref_strategy: dedicated`` runs them colocated: the
+    policy servers on model ``a``, the reference pool (its flag derived from its share of the
+    GPU) loaded with model ``b`` by the sampler; anchors carry ``b``'s log-probs."""
+    from megatron_armor.config.schema import ArmorConfig
+    from megatron_armor.rollout.reference import make_reference_sampler
+
+    a, b = build_tiny_qwen2(tmp_path / "a", 0, 0.1), build_tiny_qwen2(tmp_path / "b", 1, 0.1)
+    config = ArmorConfig()
+    config.trainer.model_path, config.run.output_dir = a, str(tmp_path / "runs")
+    config.rollout.backend, config.rollout.ref_strategy = "sglang", "dedicated"
+    config.orchestration.layout, config.trainer.world_size = "colocated", 1
+    sg = config.rollout.sglang
+    sg.base_port, sg.router, sg.mem_fraction_static, sg.startup_timeout_s = (
+        free_port(), False, 0.3, 600,
+    )  # fmt: skip
+    sg.extra_args = {"skip_tokenizer_init": True, "dtype": "bfloat16", "disable_cuda_graph": True}
+    sg.ref_pool.base_port, sg.ref_pool.mem_fraction = free_port(), 0.2
+    policy = SGLangEngine.from_config(config, "policy")
+    try:
+        ref = SGLangEngine.from_config(config, "ref")
+        try:
+            sampler = make_reference_sampler("dedicated", policy, ref_engine=ref)
+            tensors = [(n, t.to("cuda", torch.bfloat16)) for n, t in TorchEngine(b).state_tensors()]
+            sampler.load_reference(3, lambda: iter(tensors))
+            params = SamplingParams(temperature=TEMPERATURE, max_new_tokens=16)
+            anchors = sampler.sample(["q0", "q1", "q2"], PROMPTS, 2, params)
+            assert all(s.weight_version == 3 for g in anchors for s in g)
+            mean, worst = logprob_gap(TorchEngine(b), anchors)
+            assert mean < MEAN_TOL and worst < MAX_TOL, (mean, worst)
+            own = policy.generate(PROMPTS, 2, params)  # the policy pool still serves `a`
+            mean, worst = logprob_gap(TorchEngine(a), own)
+            assert mean < MEAN_TOL and worst < MAX_TOL, (mean, worst)
+            mean_other, _ = logprob_gap(TorchEngine(a), anchors)
+            assert mean_other > 4 * max(mean, MEAN_TOL)  # the anchors are not the policy's
+        finally:
+            ref.close()
+    finally:
+        policy.close()

@@ -230,12 +230,40 @@ def test_all_problems_reported_together():
 def test_sglang_reference_serving_rules():
     sglang = ["rollout.backend=sglang"]
     assert find_problems(load_config(None, [*sglang, "rollout.ref_strategy=swap"])) == []
-    message = _error(*sglang, "rollout.ref_strategy=dedicated")
-    assert "rollout.ref_strategy='dedicated'" in message and "ref_strategy=swap" in message
+    cached = ["rollout.ref_strategy=cache", "algo.anchor_source=cache"]
+    for served in (["rollout.ref_strategy=dedicated"], cached):
+        # a reference pool streamed into by the trainer: every transport works
+        for transport in ("tensor", "distributed", "disk"):
+            overrides = [*sglang, *served, f"rollout.sglang.weight_transport={transport}"]
+            assert find_problems(load_config(None, overrides)) == []
     message = _error(
         *sglang, "rollout.ref_strategy=swap", "rollout.sglang.weight_transport=distributed"
     )
-    assert "weight_transport='distributed'" in message and "weight_transport=tensor" in message
+    assert "weight_transport='distributed'" in message and "ref_strategy=dedicated" in message
+    message = _error(
+        *sglang, "algo.anchor_source=cache", "rollout.sglang.weight_transport=distributed"
+    )  # the cache filled by swapping
+    assert "rollout.ref_strategy='swap'" in message
     anchor_free = [*sglang, "algo.anchor=none", "algo.ratio=standard"]
     config = load_config(None, [*anchor_free, "rollout.sglang.weight_transport=distributed"])
     assert config.rollout.sglang.weight_transport == "distributed"
+
+
+def test_sglang_pool_rules_name_the_settings():
+    colocated = ["rollout.backend=sglang", "orchestration.layout=colocated", "trainer.world_size=8"]
+    dedicated = [*colocated, "rollout.ref_strategy=dedicated"]
+    assert find_problems(load_config(None, dedicated)) == []
+    message = _error(*dedicated, "rollout.sglang.mem_fraction_static=0.6",
+                     "rollout.sglang.ref_pool.mem_fraction=0.4")  # fmt: skip
+    assert "mem_fraction_static=0.6 + ref_pool.mem_fraction=0.4" in message
+    message = _error(*colocated, "rollout.sglang.num_engines=9")
+    assert "need 9 GPUs but trainer.world_size=8" in message
+    message = _error(*dedicated, "rollout.sglang.ref_pool.tp=16", "orchestration.gpus_per_node=8")
+    assert "rollout.sglang.ref_pool.tp=16 > orchestration.gpus_per_node=8" in message
+    disaggregated = ["rollout.backend=sglang", "orchestration.layout=disaggregated",
+                     "trainer.world_size=4", "orchestration.rollout_gpus=4"]  # fmt: skip
+    message = _error(*disaggregated, "rollout.ref_strategy=dedicated",
+                     "rollout.sglang.num_engines=3")  # fmt: skip
+    assert "policy 3 x tp 1, ref 3 x tp 1" in message and "need 6 GPUs" in message
+    message = _error(*disaggregated, "rollout.sglang.num_engines=2")
+    assert "orchestration.rollout_gpus=4 but the SGLang servers use 2" in message

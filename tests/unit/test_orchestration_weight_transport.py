@@ -1,6 +1,7 @@
 """``rollout.sglang.weight_transport: distributed`` from the orchestrator's trainer worker (dist
 tier): a one-rank megatron-core trainer (gloo) inside ``TrainerWorker`` streams its exported
-policy into two stand-in SGLang server processes (``test_rollout_sglang_http.py`` run as a
+policy into one stand-in SGLang server process and its reference into another (the dedicated
+reference pool), each pool over its own weight-sync group (``test_rollout_sglang_http.py`` run as a
 script, as in ``test_rollout_sglang_dist.py``) through ``TrainerWorker.stream_weights``.
 
 Run as a script (``python this_file.py MODEL_DIR TARGETS_JSON OUT PORT``) it is the trainer rank.
@@ -32,7 +33,8 @@ def sibling(name: str):
 
 
 def trainer_main(model_dir: str, targets_json: str, out_path: str, port: int) -> None:
-    """The trainer rank: two distributed syncs (versions 3 and 4) through one sender."""
+    """The trainer rank: policy syncs into server 0 (versions 3 and 4, one sender), the
+    reference into server 1 (its own group), then version 5 after a dropped policy group."""
     from megatron_armor.config.schema import ArmorConfig
     from megatron_armor.orchestration.workers import TrainerWorker
 
@@ -40,20 +42,26 @@ def trainer_main(model_dir: str, targets_json: str, out_path: str, port: int) ->
     cfg.trainer.model_path, cfg.trainer.precision = model_dir, "fp32"
     cfg.rollout.backend, cfg.rollout.sglang.weight_transport = "sglang", "distributed"
     cfg.rollout.sglang.startup_timeout_s = 90.0
-    targets = [tuple(t) for t in json.loads(targets_json)]
+    policy, ref = [[tuple(t)] for t in json.loads(targets_json)]
     worker = TrainerWorker(cfg, 0, 1)
     worker.init("127.0.0.1", port)
     try:
-        first = worker.stream_weights(3, targets, backend="gloo")
-        sender = worker.sender
-        second = worker.stream_weights(4, targets, backend="gloo")
-        exported = dict(worker.export_weights("policy"))
+        sent = [worker.stream_weights(3, policy, backend="gloo")]
+        sender = worker.senders["policy"]
+        sent.append(worker.stream_weights(7, ref, "ref", backend="gloo", pool="ref"))
+        sent.append(worker.stream_weights(4, policy, backend="gloo"))
+        same_sender = worker.senders["policy"] is sender
+        groups = {pool: s.group_name for pool, s in worker.senders.items()}
+        worker.drop_sender("policy")  # a policy server restarted: a new group next time
+        sent.append(worker.stream_weights(5, policy, backend="gloo"))
         torch.save(
             {
-                "weights": exported,
-                "bytes": [first, second],
-                "group": sender.group_name,
-                "same_sender": worker.sender is sender,
+                "weights": dict(worker.export_weights("policy")),
+                "ref": dict(worker.export_weights("ref")),
+                "bytes": sent,
+                "groups": groups,
+                "same_sender": same_sender,
+                "renewed": worker.senders["policy"] is not sender,
             },
             out_path,
         )
@@ -88,16 +96,19 @@ def test_trainer_worker_streams_its_export_into_sglang_servers(tmp_path):
         result = torch.load(out)
         weights = result["weights"]
         total = sum(t.numel() * t.element_size() for t in weights.values())
-        assert result["bytes"] == [total, total] and result["same_sender"]
-        assert result["group"] == "armor-weights-pp0" and len(weights) > 10
-        for url, _ in targets:
-            for name, tensor in weights.items():
+        assert result["bytes"] == [total] * 4 and result["same_sender"] and result["renewed"]
+        assert result["groups"] == {"policy": "armor-weights-pp0", "ref": "armor-ref-weights-pp0"}
+        assert len(weights) > 10 and result["ref"].keys() == weights.keys()
+        for (url, _), expected, version in zip(
+            targets, (weights, result["ref"]), (5, 7), strict=True
+        ):
+            for name, tensor in expected.items():
                 got = torch.tensor(stand_in.weights_by_name(url, name), dtype=tensor.dtype)
                 assert torch.equal(got, tensor.flatten()[:100]), name
             engine = stand_in.engine_for(url)
             try:
                 out_version = engine.generate([[1]], 1, SamplingParams(max_new_tokens=1))
-                assert out_version[0][0].weight_version == 4
+                assert out_version[0][0].weight_version == version
             finally:
                 engine.close()
     finally:

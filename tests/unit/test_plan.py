@@ -15,6 +15,7 @@ from megatron_armor.planner.plan import make_plan
 pytestmark = pytest.mark.unit
 
 ONE_NODE = [
+    "rollout.backend=sglang",
     "orchestration.layout=colocated",
     "orchestration.nodes=1",
     "orchestration.gpus_per_node=8",
@@ -129,6 +130,7 @@ def test_layout_rules_name_the_setting():
             "trainer.world_size=80",
             "trainer.micro_batch_tokens=1024",
             "rollout.sglang.tp=3",
+            "rollout.backend=torch",  # the planner's rules, past the SGLang pool validation
         ],
     )
     plan = make_plan(config, model="qwen3-8b")
@@ -151,3 +153,22 @@ def test_cli_exit_codes_and_json(tmp_path, capsys):
     assert armor_main(["plan", str(cfg), *args, "rollout.sampling.max_new_tokens=20480"]) == 1
     assert "DOES NOT FIT" in capsys.readouterr().out
     assert armor_main(["plan", str(cfg), "--model", "nope"]) == 2
+
+
+def test_colocated_reference_pool_adds_its_share_and_is_named_when_it_decides():
+    args = [*ONE_NODE, "trainer.tp=2", "trainer.sequence_parallel=true", "trainer.recompute=true",
+            "rollout.sglang.tp=2", "rollout.sglang.mem_fraction_static=0.4",
+            "rollout.sampling.max_new_tokens=8192", "trainer.micro_batch_tokens=10240",
+            "rollout.ref_strategy=dedicated"]  # fmt: skip
+    plan = make_plan(load_config(None, args), model="qwen2.5-math-7b", gpu_mem_gib=80)
+    rollout = plan.phases["rollout"]
+    assert rollout["sglang_ref"] == pytest.approx(0.2 * 80 * GiB)  # the default colocated share
+    assert rollout["sglang_static"] == pytest.approx(0.4 * 80 * GiB)
+    assert any("SGLang ref KV cache per server" in n for n in plan.notes)
+    big = load_config(None, [*args, "rollout.sglang.ref_pool.mem_fraction=0.55"])
+    plan = make_plan(big, model="qwen2.5-math-7b", gpu_mem_gib=80)
+    assert not plan.fits and plan.largest_term[0] in ("sglang_static", "sglang_ref")
+    small = load_config(None, [*args, "rollout.sglang.ref_pool.mem_fraction=0.05"])
+    plan = make_plan(small, model="qwen2.5-math-7b", gpu_mem_gib=80)
+    errors = [str(f) for f in plan.findings if f.level == "error"]
+    assert any("rollout.sglang.ref_pool.mem_fraction" in e and "ref server" in e for e in errors)

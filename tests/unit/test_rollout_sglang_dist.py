@@ -127,3 +127,36 @@ def test_health_monitor_restarts_a_dead_server_and_resyncs_before_serving(tmp_pa
         assert monitor.check() == [] and monitor.restarts == 1
     finally:
         engine.close()
+
+
+@pytest.mark.timeout(180)
+def test_restart_without_weights_waits_out_of_rotation_until_resynced(tmp_path):
+    """The orchestrator's path (``heal_rollout``): restart, re-sync from the trainer, rejoin."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    dead, alive = start_server(tmp_path / "a"), start_server(tmp_path / "b")
+    engine = SGLangEngine(
+        "/models/tiny",
+        SGLangConfig(router=False, weight_transport="disk"),
+        urls=[url_of(dead), url_of(alive)],
+        weights_dir=str(tmp_path / "w"),
+    )
+    engine.servers[0].process, engine.servers[1].process = dead, alive
+    tensors = [("lm_head.weight", torch.randn(4, 2))]
+    try:
+        engine.update_weights(iter(tensors), version=9)
+        dead.process.kill()
+        dead.process.wait(timeout=30)
+        assert [engine.server_healthy(s) for s in engine.servers] == [False, True]
+        engine.restart_server(engine.servers[0])
+        assert engine.server_healthy(engine.servers[0]) and not engine.servers[0].serving
+        for _ in range(4):  # generation only reaches the server that still has the weights
+            out = engine.generate([[1]], 1, SamplingParams(max_new_tokens=1))
+            assert out[0][0].weight_version == 9
+        engine.sync_servers(iter(tensors), engine.weight_version(), [engine.servers[0]])
+        engine.rejoin(engine.servers[0])
+        assert engine.servers[0].serving
+        assert weights_by_name(url_of(dead), "lm_head.weight") == tensors[0][1].flatten().tolist()
+    finally:
+        engine.close()
+        alive.stop()

@@ -194,6 +194,13 @@ class StandIn:
 
         await asyncio.get_running_loop().run_in_executor(None, join)
 
+    async def destroy_weights_update_group(self, body: dict) -> None:
+        import torch.distributed as dist
+
+        if self.group is not None:
+            dist.destroy_process_group(self.group)
+            self.group = None
+
     async def update_weights_from_distributed(self, body: dict) -> None:
         import torch.distributed as dist
 
@@ -497,3 +504,111 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="stand-in SGLang server for tests")
     parser.add_argument("--port", type=int, required=True)
     web.run_app(StandIn().app(), host="127.0.0.1", port=parser.parse_args().port, print=None)
+
+
+# --------------------------------------------------------------------------- the reference pool
+def dedicated_config(layout: str = "colocated", **sglang) -> ArmorConfig:
+    config = ArmorConfig()
+    config.trainer.model_path, config.run.output_dir = "/models/tiny", "/tmp/armor-runs"
+    config.rollout.backend, config.rollout.ref_strategy = "sglang", "dedicated"
+    config.orchestration.layout, config.trainer.world_size = layout, 4
+    config.orchestration.rollout_gpus = 4 if layout == "disaggregated" else 0
+    for key, value in sglang.items():
+        setattr(config.rollout.sglang, key, value)
+    return config
+
+
+def flags_of(process: launch.ManagedProcess) -> str:
+    return " ".join(process.command[3:])
+
+
+def test_reference_pool_servers_get_their_own_ports_gpus_and_memory_share():
+    # colocated: the reference servers share the policy servers' GPUs; SGLang reads
+    # --mem-fraction-static against the memory free at its start (after the policy servers)
+    config = dedicated_config("colocated", mem_fraction_static=0.5)
+    config.rollout.sglang.ref_pool.mem_fraction = 0.25
+    policy = SGLangEngine.from_config(config, "policy", start=False)
+    ref = SGLangEngine.from_config(config, "ref", start=False)
+    try:
+        assert [s.url for s in ref.servers] == [f"http://127.0.0.1:{31000 + i}" for i in range(4)]
+        assert [s.url for s in policy.servers][0] == "http://127.0.0.1:30000"
+        p_flags = flags_of(policy.server_process(policy.servers[1], True, "/logs"))
+        r_flags = flags_of(ref.server_process(ref.servers[1], True, "/logs"))
+        assert "--mem-fraction-static 0.5 " in p_flags and "--base-gpu-id 1 " in p_flags
+        assert "--mem-fraction-static 0.5 " in r_flags  # 0.25 / (1 - 0.5): a quarter of the GPU
+        assert "--base-gpu-id 1 " in r_flags and "--port 31001" in r_flags
+        assert (
+            ref.server_process(ref.servers[1], True, "/logs").log_path == "/logs/sglang_ref_1.log"
+        )
+        assert ref.weights_dir.endswith("sglang_weights/ref")
+    finally:
+        policy.close()
+        ref.close()
+    # disaggregated: policy servers on rollout GPUs 0-1, reference servers on 2-3
+    config = dedicated_config("disaggregated", mem_fraction_static=0.8)
+    ref = SGLangEngine.from_config(config, "ref", start=False, gpu_ids=[6, 7])
+    try:
+        assert ref.pool.gpu_offsets() == [2, 3] and ref.pool.flag == 0.8
+        assert flags_of(ref.server_process(ref.servers[1], False, None)).endswith("--base-gpu-id 7")
+    finally:
+        ref.close()
+    config.rollout.ref_strategy = "swap"
+    with pytest.raises(ValueError, match="no SGLang 'ref' pool"):
+        SGLangEngine.from_config(config, "ref", start=False)
+
+
+@pytest.fixture
+def two_standins():
+    servers, threads = [], []
+    for _ in range(2):
+        server = StandIn()
+        thread = ServerThread(server.app())
+        server.url = thread.url
+        servers.append(server)
+        threads.append(thread)
+    yield servers
+    for thread in threads:
+        thread.close()
+
+
+def test_dedicated_reference_pool_serves_anchors_from_reference_weights(two_standins, tmp_path):
+    from megatron_armor.rollout.reference import make_reference_sampler
+
+    policy_server, ref_server = two_standins
+    config = dedicated_config(weight_transport="disk", router=False, num_engines=1)
+    config.rollout.sglang.ref_pool.num_engines = 1
+    config.run.output_dir = str(tmp_path)
+    policy = SGLangEngine.from_config(config, "policy", start=False)
+    ref = SGLangEngine.from_config(config, "ref", start=False)
+    policy.servers[0].url, ref.servers[0].url = policy_server.url, ref_server.url
+    theta_ref = [("lm_head.weight", torch.zeros(4, 2))]
+    theta = [("lm_head.weight", torch.ones(4, 2))]
+    try:
+        for sampler in (
+            make_reference_sampler("dedicated", policy, ref_engine=ref),
+            make_reference_sampler("cache", policy, ref_engine=ref, cache_fill="dedicated"),
+        ):
+            sampler.load_reference(0, lambda: iter(theta_ref))
+            policy.update_weights(iter(theta), version=5)
+            assert torch.equal(ref_server.weights["lm_head.weight"], theta_ref[0][1])
+            assert torch.equal(policy_server.weights["lm_head.weight"], theta[0][1])
+            before = len([c for c in policy_server.calls if c[0] == "/generate"])
+            out = sampler.sample(
+                ["q0", "q1"], [[3, 4], [5]], 2, SamplingParams(max_new_tokens=3, seed=1)
+            )
+            assert [[o.weight_version for o in g] for g in out] == [[0, 0], [0, 0]]
+            assert len([c for c in policy_server.calls if c[0] == "/generate"]) == before
+            # the same prompts on the policy servers give other tokens (version 5 != 0)
+            fresh = policy.generate([[3, 4]], 2, SamplingParams(max_new_tokens=3, seed=1))
+            assert fresh[0][0].token_ids != out[0][0].token_ids
+            sampler.on_reset(5, lambda: iter(theta))  # the policy becomes the reference
+            assert ref.weight_version() == 5 and sampler.ref_version == 5
+            assert torch.equal(ref_server.weights["lm_head.weight"], theta[0][1])
+            again = sampler.sample(["q0"], [[3, 4]], 2, SamplingParams(max_new_tokens=3, seed=1))
+            assert again[0][0].weight_version == 5  # a reset drops cached anchors too
+            ref_server.calls.clear()
+            sampler.load_reference(7, None)  # streamed by the trainer: only the version moves
+            assert sampler.ref_version == 7 and ref_server.calls == []
+    finally:
+        policy.close()
+        ref.close()

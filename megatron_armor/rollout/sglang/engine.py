@@ -4,7 +4,8 @@ its weights before it serves again.
 
 An SGLang server holds one weight set (``policy``). The reference is served by
 ``ref_strategy: swap`` (reload the same servers) or ``dedicated`` (a second
-``SGLangEngine`` pool whose ``policy`` set holds ``theta_ref``), see ``rollout.reference``.
+``SGLangEngine`` pool, ``from_config(config, pool="ref")``, whose ``policy`` set holds
+``theta_ref``), see ``rollout.reference`` and ``rollout.sglang.pools``.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from megatron_armor.rollout.sglang.client import (
     parse_generate_response,
     sample_seed,
 )
+from megatron_armor.rollout.sglang.pools import PoolSpec, pool_specs
 from megatron_armor.rollout.sglang.router import RouterAdmin
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
@@ -68,13 +70,27 @@ class SGLangEngine(RolloutEngine):
         router_url: str | None = None,
         host: str = "127.0.0.1",
         weights_dir: str | None = None,
+        pool: PoolSpec | None = None,
+        gpu_ids: list[int] | None = None,
     ) -> None:
+        """``pool`` (default: the policy pool described by ``cfg``) sets the server count, TP
+        size, memory flag and ports; ``gpu_ids`` the first GPU of each server on this node."""
         self.model_path = model_path
         self.cfg = cfg
+        self.pool = pool or PoolSpec(
+            "policy", len(urls) if urls else max(cfg.num_engines, 1), cfg.tp, cfg.mem_fraction_static,
+            cfg.mem_fraction_static, cfg.base_port, cfg.router_port, 0,
+        )  # fmt: skip
         self.host = host
         self.weights_dir = weights_dir
-        urls = urls or [f"http://{host}:{cfg.base_port + i}" for i in range(cfg.num_engines)]
-        self.servers = [EngineServer(i, url, cfg.tp) for i, url in enumerate(urls)]
+        p = self.pool
+        urls = urls or [f"http://{host}:{p.base_port + i}" for i in range(p.num_engines)]
+        self.gpu_ids = list(gpu_ids) if gpu_ids is not None else p.gpu_offsets()
+        if len(self.gpu_ids) < len(urls):
+            raise ValueError(
+                f"SGLang {p.name} pool: {len(urls)} servers but GPU ids for {len(self.gpu_ids)}"
+            )
+        self.servers = [EngineServer(i, url, p.tp) for i, url in enumerate(urls)]
         self.router_url = router_url
         self.router_process: launch.ManagedProcess | None = None
         self._version = 0
@@ -84,64 +100,77 @@ class SGLangEngine(RolloutEngine):
         self._loop.run(self._client.__aenter__())
 
     @classmethod
-    def from_config(cls, config: ArmorConfig, host: str = "127.0.0.1") -> SGLangEngine:
-        """Launch the pool described by ``config`` (``orchestration.layout: colocated`` turns on
-        SGLang's memory saver so ``release_memory`` works); disk updates go under the run dir."""
+    def from_config(
+        cls,
+        config: ArmorConfig,
+        pool: str = "policy",
+        host: str = "127.0.0.1",
+        gpu_ids: list[int] | None = None,
+        start: bool = True,
+    ) -> SGLangEngine:
+        """The ``pool`` (``policy`` | ``ref``) of ``rollout.sglang.pools.pool_specs(config)``,
+        launched unless ``start`` is false (``orchestration.layout: colocated`` turns on SGLang's
+        memory saver so ``release_memory`` works); disk updates go under the run dir."""
+        specs = pool_specs(config)
+        if pool not in specs:
+            raise ValueError(
+                f"no SGLang {pool!r} pool in this config (pools: {sorted(specs)}); the reference "
+                "pool exists for rollout.ref_strategy=dedicated (or cache filled by it)"
+            )
         run_dir = os.path.join(config.run.output_dir, config.run.name)
         engine = cls(
-            config.trainer.model_path, config.rollout.sglang, host=host,
-            weights_dir=os.path.join(run_dir, "sglang_weights"),
+            config.trainer.model_path, config.rollout.sglang, host=host, pool=specs[pool],
+            weights_dir=os.path.join(run_dir, "sglang_weights", pool), gpu_ids=gpu_ids,
         )  # fmt: skip
-        try:
-            engine.launch(
-                colocated=config.orchestration.layout == "colocated",
-                log_dir=run_dir,
-                gpus_per_node=config.orchestration.gpus_per_node,
-            )
-        except BaseException:
-            engine.close()
-            raise
+        if start:
+            try:
+                engine.launch(config.orchestration.layout == "colocated", run_dir)
+            except BaseException:
+                engine.close()
+                raise
         return engine
 
     # ------------------------------------------------------------------ lifecycle
-    def launch(
-        self, colocated: bool = True, log_dir: str | None = None, gpus_per_node: int = 8
-    ) -> None:
+    def launch(self, colocated: bool = True, log_dir: str | None = None) -> None:
         """Start every server (``colocated`` enables SGLang's memory saver) and the router."""
         launch.require_sglang()
         if log_dir:
             os.makedirs(log_dir, exist_ok=True)
         for server in self.servers:
-            server.process = self._server_process(server, colocated, log_dir, gpus_per_node)
+            server.process = self.server_process(server, colocated, log_dir)
             server.process.start(env=launch.LOGPROB_ENV)
         for server in self.servers:
             server.process.wait_healthy(self.cfg.startup_timeout_s)
         if self.cfg.router and self.router_url is None:
             self._launch_router(log_dir)
 
-    def _server_process(self, server: EngineServer, colocated: bool, log_dir, gpus_per_node: int):
+    def server_process(
+        self, server: EngineServer, colocated: bool, log_dir: str | None
+    ) -> launch.ManagedProcess:
+        """The (not yet started) ``sglang.launch_server`` process of ``server``."""
         port = int(server.url.rsplit(":", 1)[1])
         args = launch.server_args_for(
             self.model_path,
             port,
             tp=server.tp,
-            mem_fraction_static=self.cfg.mem_fraction_static,
+            mem_fraction_static=round(self.pool.flag, 4),
             host=self.host,
-            base_gpu_id=(server.index * server.tp) % gpus_per_node,
+            base_gpu_id=self.gpu_ids[server.index],
             colocated=colocated,
             extra_args=dict(self.cfg.extra_args),
         )
-        log = os.path.join(log_dir, f"sglang_{server.index}.log") if log_dir else None
+        pool = "" if self.pool.name == "policy" else f"{self.pool.name}_"
+        log = os.path.join(log_dir, f"sglang_{pool}{server.index}.log") if log_dir else None
         return launch.ManagedProcess(
             launch.build_server_command(args), f"{server.url}/health_generate", log
         )
 
     def _launch_router(self, log_dir: str | None) -> None:
-        self.router_url = f"http://{self.host}:{self.cfg.router_port}"
-        command = launch.build_router_command(
-            [s.url for s in self.servers], self.cfg.router_port, self.host
-        )
-        log = os.path.join(log_dir, "sglang_router.log") if log_dir else None
+        port = self.pool.router_port
+        self.router_url = f"http://{self.host}:{port}"
+        command = launch.build_router_command([s.url for s in self.servers], port, self.host)
+        suffix = "" if self.pool.name == "policy" else f"_{self.pool.name}"
+        log = os.path.join(log_dir, f"sglang_router{suffix}.log") if log_dir else None
         self.router_process = launch.ManagedProcess(command, f"{self.router_url}/health", log)
         self.router_process.start()
         self.router_process.wait_healthy(self.cfg.startup_timeout_s)
@@ -316,8 +345,11 @@ class SGLangEngine(RolloutEngine):
     def health(self) -> bool:
         return all(self.server_healthy(s) for s in self.servers)
 
-    def restart_server(self, server: EngineServer, weights_fn: Callable[[], NamedTensors]) -> None:
-        """Take ``server`` out of rotation, restart it, push the current weights, put it back."""
+    def restart_server(
+        self, server: EngineServer, weights_fn: Callable[[], NamedTensors] | None = None
+    ) -> None:
+        """Take ``server`` out of rotation and restart it; with ``weights_fn`` also push the
+        current weights and put it back (:meth:`rejoin`), else the caller re-syncs it first."""
         server.serving = False
         if self.router_url is not None:
             self._router_call("remove_worker", server.url)
@@ -328,7 +360,12 @@ class SGLangEngine(RolloutEngine):
         server.process.stop()
         server.process.start(env=launch.LOGPROB_ENV)
         server.process.wait_healthy(self.cfg.startup_timeout_s)
-        self.sync_servers(weights_fn(), self._version, [server])
+        if weights_fn is not None:
+            self.sync_servers(weights_fn(), self._version, [server])
+            self.rejoin(server)
+
+    def rejoin(self, server: EngineServer) -> None:
+        """Put a restarted, re-synced ``server`` back into rotation (and behind the router)."""
         if self.router_url is not None:
             self._router_call("add_worker", server.url)
         server.serving = True
