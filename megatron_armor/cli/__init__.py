@@ -23,14 +23,8 @@ SUBCOMMANDS = {
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="armor", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, module_name in SUBCOMMANDS.items():
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as e:
-            if e.name != module_name:
-                raise
-            continue  # subcommand not shipped in this build
-        module.add_parser(sub)
+    for module_name in SUBCOMMANDS.values():
+        importlib.import_module(module_name).add_parser(sub)
     return parser
 
 
