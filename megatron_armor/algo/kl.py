@@ -29,3 +29,18 @@ def kl_k3(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
     """``k3 = exp(logq - logp) - 1 - (logq - logp)`` (unbiased, non-negative)."""
     log_r = logq - logp
     return torch.expm1(log_r) - log_r
+
+
+def exact_kl(
+    logits_p: torch.Tensor, logits_q: torch.Tensor, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact ``(KL(p || q), KL(q || p))`` per row over the whole vocabulary, ``[N, V] -> [N]``,
+    with ``p = softmax(logits_p / T)`` and ``q = softmax(logits_q / T)`` (float64 math).
+
+    The reference for the vocab-parallel version in ``trainer/logprobs.py`` (armor-spec §6,
+    the per-position diagnostic of the paper's Fig. 2).
+    """
+    logp = torch.log_softmax(logits_p.double() / temperature, dim=-1)
+    logq = torch.log_softmax(logits_q.double() / temperature, dim=-1)
+    diff = logp - logq
+    return (logp.exp() * diff).sum(-1), (logq.exp() * -diff).sum(-1)

@@ -325,6 +325,13 @@ class LoggingConfig:
     """Steps to capture with the profiler."""
     profile_ranks: list[int] = field(default_factory=lambda: [0])
     """Trainer ranks that write torch.profiler traces."""
+    exact_kl_every: int = 0
+    """Steps between exact vocabulary-wide KL diagnostics (``kl/exact_*``, the paper's Fig. 2
+    view; two extra forward passes over a few samples); 0 = off."""
+    exact_kl_samples: int = 4
+    """On-policy samples per diagnostic (evenly spaced over the step's batch)."""
+    exact_kl_positions: int = 32
+    """Response positions per sample (evenly spaced along the response)."""
 
 
 @dataclass

@@ -283,7 +283,7 @@ def check_hardware(config: ArmorConfig) -> Problems:
 
 
 def check_run(config: ArmorConfig) -> Problems:
-    """Run length, checkpoint cadence, validation sampling."""
+    """Run length, checkpoint cadence, validation sampling, the exact-KL diagnostic."""
     run, val = config.run, config.validation
     yield from _bound(run.steps, run.steps >= 1, "run.steps", "must be >= 1")
     yield from _bound(
@@ -293,6 +293,16 @@ def check_run(config: ArmorConfig) -> Problems:
     yield from _bound(val.every, val.every >= 0, "validation.every", "must be >= 0 (0 = off)")
     yield from _bound(val.n_samples, val.n_samples >= 1, "validation.n_samples", "must be >= 1")
     yield from _bound(val.top_p, 0 < val.top_p <= 1, "validation.top_p", "must lie in (0, 1]")
+    log = config.logging
+    yield from _bound(
+        log.exact_kl_every,
+        log.exact_kl_every >= 0,
+        "logging.exact_kl_every",
+        "must be >= 0 (0 = off)",
+    )
+    for key in ("exact_kl_samples", "exact_kl_positions"):
+        value = getattr(log, key)
+        yield from _bound(value, value >= 1, f"logging.{key}", "must be >= 1")
 
 
 RULES: list[Callable[[ArmorConfig], Problems]] = [

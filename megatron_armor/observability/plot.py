@@ -4,8 +4,9 @@ Figures (each with the reference resets as dashed vertical lines):
 
 - ``reward_vs_val.png``: training reward (on-policy mean) against validation accuracy
   (``val/<bench>/avg@k``) — the paper's Fig. 1 view of over-optimization.
-- ``kl.png``: ``kl/reverse_k1``, ``kl/reverse_k3`` (on-policy tokens) and ``kl/forward_k1``
-  (anchor tokens).
+- ``kl.png``: ``kl/reverse_k1``, ``kl/reverse_k3`` (on-policy tokens), ``kl/forward_k1``
+  (anchor tokens) and, when ``logging.exact_kl_every`` is on, the exact vocabulary-wide
+  ``kl/exact_reverse`` / ``kl/exact_forward`` (the paper's Fig. 2 view).
 - ``acceptance.png``: ``anchor/acceptance_rate``, ``anchor/ref_acc`` and the rejection shares.
 - ``clip.png``: ``loss/clipfrac_low``, ``loss/clipfrac_high``, ``loss/dualclip_frac``.
 """
@@ -115,7 +116,13 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
         _reward_vs_val(records, out / "reward_vs_val.png", resets),
         _line_plot(
             records,
-            ("kl/reverse_k1", "kl/reverse_k3", "kl/forward_k1"),
+            (
+                "kl/reverse_k1",
+                "kl/reverse_k3",
+                "kl/forward_k1",
+                "kl/exact_reverse",
+                "kl/exact_forward",
+            ),  # fmt: skip
             "KL to the reference",
             "nats / token",
             out / "kl.png",

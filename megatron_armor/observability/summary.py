@@ -21,6 +21,7 @@ SUMMARY_ROWS: tuple[tuple[str, str, str], ...] = (
     ("clipfrac high", "loss/clipfrac_high", "{:.4f}"),
     ("KL reverse k3", "kl/reverse_k3", "{:.5f}"),
     ("KL forward k1 (anchors)", "kl/forward_k1", "{:.5f}"),
+    ("KL exact reverse", "kl/exact_reverse", "{:.5f}"),
     ("alpha", "algo/alpha", "{:.4f}"),
     ("step time (s)", "timing/step_s", "{:.1f}"),
 )

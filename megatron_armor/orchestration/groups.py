@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from megatron_armor.config.schema import ArmorConfig
-from megatron_armor.orchestration.placement import LayoutPlan, actor_options
+from megatron_armor.orchestration.placement import LayoutPlan, RolloutHost, actor_options
 from megatron_armor.orchestration.workers import RewardWorker, RolloutWorker, TrainerWorker
 from megatron_armor.rollout.protocol import GenerationOutput, RolloutEngine, SamplingParams
 from megatron_armor.rollout.sglang.pools import uses_ref_pool
@@ -118,6 +118,13 @@ class TrainerGroup:
             raise RuntimeError("no trainer rank reported log-probs (check trainer.pp / tp layout)")
         return torch.stack(parts).sum(0) if len(parts) > 1 else parts[0]
 
+    def exact_kl(self, batch: TrainBatch) -> dict[str, float]:
+        """``kl/exact_*`` at the selected tokens of ``batch`` (every rank computes the same)."""
+        import ray
+
+        ref = ray.put(batch)
+        return wait([a.exact_kl.remote(ref) for a in self.actors], "exact KL diagnostic")[0]
+
     def train_step(self, batch: TrainBatch, num_minibatches: int) -> dict[str, float]:
         """One or more optimizer updates on ``batch``; metrics of the rank that reported the most."""
         import ray
@@ -167,11 +174,30 @@ class TrainerGroup:
         wait([a.close.remote() for a in self.actors], "trainer close", 120.0)
 
 
-class RolloutGroup:
-    """All rollout engines; prompts are split contiguously, engine ``i`` seeded ``seed + i``.
+def worker_roles(hosts: list[RolloutHost], has_ref_pool: bool) -> tuple[list[int], list[int]]:
+    """Indices of the SGLang rollout workers that generate policy samples and of those that
+    sample the reference: the workers with reference servers, or with policy servers when the
+    reference is swapped into them."""
+    policy = [i for i, h in enumerate(hosts) if h.servers.get("policy")]
+    pool = "ref" if has_ref_pool else "policy"
+    reference = [i for i, h in enumerate(hosts) if h.servers.get(pool)]
+    if not policy or not reference:
+        missing = "policy" if not policy else pool
+        raise ValueError(
+            f"the SGLang rollout workers on {[h.ip for h in hosts]} hold no {missing} servers; "
+            "check rollout.sglang.num_engines and ref_pool.num_engines"
+        )
+    return policy, reference
 
-    With SGLang one worker owns the server pools; ``server_gpus`` (``{pool: [(node_ip, gpu)]}``,
-    see ``placement.server_gpus``) says where each server goes.
+
+class RolloutGroup:
+    """All rollout workers; prompts are split contiguously, worker ``i`` seeded ``seed + i``.
+
+    With the embedded engine every worker serves both the policy and the reference. With
+    SGLang there is one worker per node with servers (``placement.rollout_hosts``); a worker
+    serves the pools that have servers on its node, so policy generation is split over the
+    workers with policy servers and reference sampling over those with reference servers (the
+    policy workers themselves for ``swap``).
     """
 
     def __init__(
@@ -180,24 +206,33 @@ class RolloutGroup:
         plan: LayoutPlan,
         pg=None,
         order=None,
-        server_gpus: dict[str, list[tuple[str, int]]] | None = None,
+        hosts: list[RolloutHost] | None = None,
     ):
         self.actors = []
         self.has_ref_pool = uses_ref_pool(config)
-        for i in range(plan.rollout_engines):
-            bundle = plan.rollout_bundles[i] if plan.rollout_bundles else None
-            opts = actor_options(plan, pg, order or [], bundle, plan.rollout_gpus)
-            args = (config, i, plan.threads, server_gpus)
-            self.actors.append(_remote(RolloutWorker, opts).remote(*args))
+        if hosts:
+            for i, host in enumerate(hosts):
+                opts = actor_options(plan, pg, order or [], host.bundle, 0.0)
+                args = (config, i, plan.threads, host.servers)
+                self.actors.append(_remote(RolloutWorker, opts).remote(*args))
+            policy, reference = worker_roles(hosts, self.has_ref_pool)
+            self.policy_actors = [self.actors[i] for i in policy]
+            self.reference_actors = [self.actors[i] for i in reference]
+        else:
+            for i in range(plan.rollout_engines):
+                bundle = plan.rollout_bundles[i] if plan.rollout_bundles else None
+                opts = actor_options(plan, pg, order or [], bundle, plan.rollout_gpus)
+                self.actors.append(_remote(RolloutWorker, opts).remote(config, i, plan.threads))
+            self.policy_actors = self.reference_actors = list(self.actors)
         startup = config.orchestration.ray_init_timeout_s
         if config.rollout.backend == "sglang":  # the worker waits for every server's health
             startup = max(startup, 2 * config.rollout.sglang.startup_timeout_s)
         wait([a.health.remote() for a in self.actors], "rollout engine start-up", startup)
 
-    def _fan_out(self, method: str, items: list, *args, params: SamplingParams) -> list:
-        parts = shard(items, len(self.actors))
+    def _fan_out(self, actors: list, method: str, items: list, *args, params: SamplingParams):
+        parts = shard(items, len(actors))
         refs = []
-        for i, (actor, part) in enumerate(zip(self.actors, parts, strict=True)):
+        for i, (actor, part) in enumerate(zip(actors, parts, strict=True)):
             if part:
                 seed = None if params.seed is None else params.seed + i
                 refs.append(
@@ -209,16 +244,16 @@ class RolloutGroup:
 
     def generate(self, items: list, n: int, params: SamplingParams) -> list[list[Sample]]:
         """``n`` policy samples per prompt item, ``[len(items)][n]``."""
-        return self._fan_out("generate", items, n, params=params)
+        return self._fan_out(self.policy_actors, "generate", items, n, params=params)
 
     def sample_reference(self, items: list, n: int, params: SamplingParams) -> list[list[Sample]]:
         """``n`` reference samples per prompt item, in generation order."""
-        return self._fan_out("sample_reference", items, n, params=params)
+        return self._fan_out(self.reference_actors, "sample_reference", items, n, params=params)
 
     def generate_raw(self, prompts, n, params, weights="policy") -> list[list[GenerationOutput]]:
-        parts = shard(prompts, len(self.actors))
+        parts = shard(prompts, len(self.policy_actors))
         refs = []
-        for i, (actor, part) in enumerate(zip(self.actors, parts, strict=True)):
+        for i, (actor, part) in enumerate(zip(self.policy_actors, parts, strict=True)):
             if part:
                 seed = None if params.seed is None else params.seed + i
                 refs.append(
@@ -229,32 +264,40 @@ class RolloutGroup:
         return [row for rows in wait(refs, "rollout generation") for row in rows]
 
     def update_weights(self, version: int, export_refs: list) -> int:
-        """Weight sync: every engine loads the trainer's exported tensors at ``version``; bytes per engine."""
+        """Weight sync: every policy worker loads the trainer's exported tensors at ``version``;
+        bytes per worker."""
         return wait(
-            [a.update_weights.remote(version, *export_refs) for a in self.actors], "weight sync"
+            [a.update_weights.remote(version, *export_refs) for a in self.policy_actors],
+            "weight sync",
         )[0]
 
+    def _pool_actors(self, pool: str) -> list:
+        return self.policy_actors if pool == "policy" else self.reference_actors
+
     def weight_targets(self, pool: str = "policy") -> list[tuple[str, int]]:
-        """``[(server_url, tp)]`` of every engine's SGLang servers of ``pool``, in engine order."""
-        parts = wait([a.weight_targets.remote(pool) for a in self.actors], "rollout weight targets")
+        """``[(server_url, tp)]`` of the SGLang servers of ``pool``, in worker order."""
+        parts = wait(
+            [a.weight_targets.remote(pool) for a in self._pool_actors(pool)],
+            "rollout weight targets",
+        )
         return [tuple(t) for part in parts for t in part]
 
     def set_weight_version(self, version: int, pool: str = "policy") -> None:
-        """Record ``version`` on every engine after the trainer streamed the weights."""
+        """Record ``version`` on the workers of ``pool`` after the trainer streamed the weights."""
         wait(
-            [a.set_weight_version.remote(version, pool) for a in self.actors],
+            [a.set_weight_version.remote(version, pool) for a in self._pool_actors(pool)],
             "rollout weight version",
         )
 
     def reference_streamed(self, version: int, reset: bool) -> None:
         """The trainer streamed the reference into the reference pool (NCCL transport)."""
         wait(
-            [a.reference_streamed.remote(version, reset) for a in self.actors],
+            [a.reference_streamed.remote(version, reset) for a in self.reference_actors],
             "rollout reference version",
         )
 
     def restart_dead_servers(self) -> list[dict[str, list[int]]]:
-        """Per engine, ``{pool: [server index]}`` of the SGLang servers it restarted (out of
+        """Per worker, ``{pool: [server index]}`` of the SGLang servers it restarted (out of
         rotation until :meth:`rejoin`)."""
         return wait(
             [a.restart_dead_servers.remote() for a in self.actors],
@@ -262,30 +305,31 @@ class RolloutGroup:
             2 * call_timeout(),
         )
 
-    def resync_servers(self, engine: int, pool: str, indices: list[int], export_refs: list) -> None:
+    def resync_servers(self, worker: int, pool: str, indices: list[int], export_refs: list) -> None:
         wait(
-            self.actors[engine].resync_servers.remote(pool, indices, *export_refs),
+            self.actors[worker].resync_servers.remote(pool, indices, *export_refs),
             "weight re-sync of restarted servers",
         )
 
-    def rejoin(self, engine: int, pool: str, indices: list[int]) -> None:
-        wait(self.actors[engine].rejoin.remote(pool, indices), "rollout rejoin")
+    def rejoin(self, worker: int, pool: str, indices: list[int]) -> None:
+        wait(self.actors[worker].rejoin.remote(pool, indices), "rollout rejoin")
 
     def pool_version(self, pool: str) -> int:
-        return wait(self.actors[0].pool_version.remote(pool), "rollout pool version")
+        return wait(self._pool_actors(pool)[0].pool_version.remote(pool), "rollout pool version")
 
     def load_reference(self, version: int, export_refs: list) -> None:
         """Push the trainer's reference weights (start-up / resume; the anchor cache is kept)."""
         wait(
-            [a.load_reference.remote(version, *export_refs) for a in self.actors],
+            [a.load_reference.remote(version, *export_refs) for a in self.reference_actors],
             "rollout reference load",
         )
 
     def reference_metrics(self) -> dict[str, float]:
-        """``anchor/cache_*`` summed over engines (empty without the cache)."""
+        """``anchor/cache_*`` summed over workers (empty without the cache)."""
         out: dict[str, float] = {}
         for m in wait(
-            [a.reference_metrics.remote() for a in self.actors], "rollout reference metrics"
+            [a.reference_metrics.remote() for a in self.reference_actors],
+            "rollout reference metrics",
         ):
             for k, v in m.items():
                 out[k] = out.get(k, 0.0) + float(v)
@@ -293,7 +337,7 @@ class RolloutGroup:
 
     def reset_reference(self, version: int, export_refs: list) -> None:
         wait(
-            [a.reset_reference.remote(version, *export_refs) for a in self.actors],
+            [a.reset_reference.remote(version, *export_refs) for a in self.reference_actors],
             "rollout reference reset",
         )
 
@@ -304,23 +348,26 @@ class RolloutGroup:
         wait([a.resume_memory.remote() for a in self.actors], "rollout resume_memory")
 
     def weight_versions(self) -> list[dict[str, int]]:
-        return wait([a.weight_versions.remote() for a in self.actors], "rollout weight versions")
+        return wait(
+            [a.weight_versions.remote() for a in self.policy_actors], "rollout weight versions"
+        )
 
     def state_dicts(self) -> list[dict]:
-        return wait([a.state_dict.remote() for a in self.actors], "rollout state")
+        return wait([a.state_dict.remote() for a in self.reference_actors], "rollout state")
 
     def close(self) -> None:
-        """Stop what the engines launched (SGLang servers and routers)."""
+        """Stop what the workers launched (SGLang servers and routers)."""
         wait([a.close.remote() for a in self.actors], "rollout close", 300.0)
 
     def load_state_dicts(self, states: list[dict]) -> None:
-        if len(states) != len(self.actors):
+        actors = self.reference_actors
+        if len(states) != len(actors):
             raise ValueError(
-                f"checkpoint holds reference state of {len(states)} rollout engines, this run has "
-                f"{len(self.actors)}; resume with the same engine count"
+                f"checkpoint holds reference state of {len(states)} rollout workers, this run has "
+                f"{len(actors)}; resume with the same rollout layout"
             )
         wait(
-            [a.load_state_dict.remote(s) for a, s in zip(self.actors, states, strict=True)],
+            [a.load_state_dict.remote(s) for a, s in zip(actors, states, strict=True)],
             "rollout state load",
         )
 

@@ -22,6 +22,7 @@ from megatron_armor.orchestration.groups import RemoteEngine, RemoteScorer, push
 from megatron_armor.orchestration.run_state import EXIT_REQUEUE, StopSignal
 from megatron_armor.orchestration.session import Session
 from megatron_armor.orchestration.step_metrics import (
+    exact_kl_batch,
     logprob_mismatch_metrics,
     reduce_update_metrics,
     rollout_metrics,
@@ -50,6 +51,19 @@ def compute_logprobs(s: Session, batch: TrainBatch) -> None:
     if needs_reference_logprobs(s.config.algo):
         with nvtx_range("logprobs/ref"):
             batch.ref_logprobs = s.trainer.compute_logprobs(batch, "ref")
+
+
+def exact_kl_diagnostic(s: Session, batch: TrainBatch, step: int) -> dict[str, float]:
+    """Every ``logging.exact_kl_every`` steps: exact KL(pi_old || pi_ref) and KL(pi_ref || pi_old)
+    over the vocabulary on a few on-policy samples (before the update, like ``kl/reverse_k1``)."""
+    log = s.config.logging
+    if log.exact_kl_every <= 0 or step % log.exact_kl_every:
+        return {}
+    small = exact_kl_batch(batch, log.exact_kl_samples, log.exact_kl_positions)
+    if small is None:
+        return {}
+    with nvtx_range("logprobs/exact_kl"):
+        return s.trainer.exact_kl(small)
 
 
 def train_minibatches(s: Session, batch: TrainBatch, groups: list[Group]) -> dict[str, float]:
@@ -123,11 +137,13 @@ def run_step(s: Session, rollout: AnchorRollout, step: int) -> dict[str, float]:
         s.rollout.release_memory()
     with s.timers.phase("logprobs"):
         compute_logprobs(s, batch)
+        exact_kl = exact_kl_diagnostic(s, batch, step)
     with s.timers.phase("train"):
         metrics = train_minibatches(s, batch, result.groups)
     s.meter.add_rollout(result.generated_tokens, s.timers.seconds("generate"))
     s.meter.add_train(batch.seq_lengths(), s.timers.seconds("train"))
     metrics.update(rollout_metrics(result))
+    metrics.update(exact_kl)
     metrics.update(
         logprob_mismatch_metrics(batch, result.groups, needs_reference_logprobs(s.config.algo))
     )

@@ -7,12 +7,12 @@
 - ``disaggregated``: ``trainer.world_size`` bundles for the trainer plus
   ``orchestration.rollout_gpus`` bundles for the engines.
 
-With ``rollout.backend: sglang`` one CPU actor owns the SGLang pools (``rollout.sglang.pools``:
-the policy servers behind their router and, for a dedicated reference, the reference servers),
-launched as subprocesses on the GPUs of its node: Ray leaves ``CUDA_VISIBLE_DEVICES`` alone for
-an actor without GPUs. The actor sits in the bundle of the first server's GPU, and each server
-gets the physical GPU id of its bundles (:func:`server_gpus`); the GPU bundles are the
-trainer's (and, disaggregated, a reservation of the rollout GPUs after them).
+With ``rollout.backend: sglang`` the SGLang servers (``rollout.sglang.pools``: the policy
+servers and, for a dedicated reference, the reference servers) are launched as subprocesses by
+one rollout worker per node that holds any of them (a CPU actor placed in the bundle of that
+node's first server; Ray leaves ``CUDA_VISIBLE_DEVICES`` alone for an actor without GPUs).
+Each server gets the physical GPU id of its first bundle (:func:`rollout_hosts`); the GPU
+bundles are the trainer's (and, disaggregated, a reservation of the rollout GPUs after them).
 
 Bundles are re-ordered by (node IP, GPU id) with one probe actor per bundle, so trainer rank
 order follows the hardware (ranks of a TP group share a node).
@@ -47,6 +47,8 @@ class LayoutPlan:
     rollout_bundles: list[int] = field(default_factory=list)
     server_bundles: dict[str, list[int]] = field(default_factory=dict)
     """SGLang: the bundle (sorted index) of each server's first GPU, per pool."""
+    server_tp: dict[str, int] = field(default_factory=dict)
+    """SGLang: GPUs per server, per pool."""
 
 
 def plan_layout(config: ArmorConfig) -> LayoutPlan:
@@ -56,21 +58,47 @@ def plan_layout(config: ArmorConfig) -> LayoutPlan:
         from megatron_armor.rollout.sglang.pools import pool_specs
 
         first = plan.trainer_ranks if plan.layout == "disaggregated" else 0
+        specs = pool_specs(config)
         plan.server_bundles = {
-            name: [first + g for g in spec.gpu_offsets()]
-            for name, spec in pool_specs(config).items()
+            name: [first + g for g in spec.gpu_offsets()] for name, spec in specs.items()
         }
-        plan.rollout_engines, plan.rollout_gpus = 1, 0.0
-        plan.rollout_bundles = [plan.server_bundles["policy"][0]]
+        plan.server_tp = {name: spec.tp for name, spec in specs.items()}
+        # one worker per node with servers, known once the bundles are placed (rollout_hosts)
+        plan.rollout_engines, plan.rollout_gpus, plan.rollout_bundles = 1, 0.0, []
     return plan
 
 
-def server_gpus(plan: LayoutPlan, where: list[tuple[str, int]]) -> dict[str, list[tuple[str, int]]]:
-    """``{pool: [(node_ip, gpu_id)]}`` of each SGLang server's first GPU; ``where`` is
-    :func:`create_bundles`' location of every bundle in sorted order."""
-    if not where:
-        return {}
-    return {pool: [where[b] for b in bundles] for pool, bundles in plan.server_bundles.items()}
+@dataclass
+class RolloutHost:
+    """One SGLang rollout worker: the bundle it sits in (sorted index) and, per pool, the
+    ``(server index, first GPU id)`` of the servers it launches on its node."""
+
+    bundle: int
+    ip: str
+    servers: dict[str, list[tuple[int, int]]]
+
+
+def rollout_hosts(plan: LayoutPlan, where: list[tuple[str, int]]) -> list[RolloutHost]:
+    """One :class:`RolloutHost` per node with SGLang servers, in placement order. ``where`` is
+    :func:`create_bundles`' (node IP, GPU id) of every bundle in sorted order; a server whose
+    GPUs are not consecutive GPUs of one node is an error."""
+    if not where or not plan.server_bundles:
+        return []
+    hosts: dict[str, RolloutHost] = {}
+    for pool, bundles in plan.server_bundles.items():
+        tp = plan.server_tp[pool]
+        for index, first in enumerate(bundles):
+            span = where[first : first + tp]
+            ip, gpu = span[0]
+            if len(span) < tp or span != [(ip, gpu + k) for k in range(tp)]:
+                raise RuntimeError(
+                    f"SGLang {pool} server {index} needs {tp} consecutive GPUs of one node but "
+                    f"its bundles are {span}; make rollout.sglang.tp (or ref_pool.tp) divide "
+                    "orchestration.gpus_per_node and give the job whole nodes"
+                )
+            host = hosts.setdefault(ip, RolloutHost(first, ip, {}))
+            host.servers.setdefault(pool, []).append((index, gpu))
+    return list(hosts.values())
 
 
 def _plan_bundles(config: ArmorConfig) -> LayoutPlan:

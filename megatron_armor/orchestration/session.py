@@ -35,7 +35,7 @@ from megatron_armor.orchestration.placement import (
     create_bundles,
     init_ray,
     plan_layout,
-    server_gpus,
+    rollout_hosts,
 )
 from megatron_armor.orchestration.progress import PhaseProgress
 from megatron_armor.orchestration.run_state import RunState
@@ -116,7 +116,7 @@ class Session:
         init_ray(config, plan)
         pg, order, where = create_bundles(plan, config.orchestration.ray_init_timeout_s)
         trainer = TrainerGroup(config, plan, pg, order, str(run_dir / "profile"))
-        rollout = RolloutGroup(config, plan, pg, order, server_gpus(plan, where))
+        rollout = RolloutGroup(config, plan, pg, order, rollout_hosts(plan, where))
         reward = RewardGroup(config, plan)
         trainer.init()
         r = config.algo.reset

@@ -138,3 +138,29 @@ def write_anchor_file(run_dir: str | Path, step: int, result: RolloutResult) -> 
     tmp.write_text("\n".join(lines) + "\n")
     tmp.replace(path)
     return path
+
+
+def exact_kl_batch(batch: TrainBatch, samples: int, positions: int) -> TrainBatch | None:
+    """The few on-policy samples of ``batch`` (evenly spaced) whose ``loss_mask`` keeps only
+    ``positions`` evenly spaced response tokens each: the input of the trainer's exact-KL
+    diagnostic. ``None`` when the batch has no on-policy response token."""
+    bounds = batch.cu_seqlens.tolist()
+    on_policy = [
+        i
+        for i in range(batch.num_samples)
+        if batch.loss_mask[bounds[i] : bounds[i + 1]].any()
+        and not batch.is_anchor[bounds[i] : bounds[i + 1]].any()
+    ]
+    if not on_policy or samples < 1 or positions < 1:
+        return None
+    take = min(samples, len(on_policy))
+    ids = [on_policy[(k * len(on_policy)) // take] for k in range(take)]
+    small = batch.select(ids)
+    mask = torch.zeros_like(small.loss_mask)
+    cu = small.cu_seqlens.tolist()
+    for i in range(small.num_samples):
+        response = (small.loss_mask[cu[i] : cu[i + 1]] > 0).nonzero().squeeze(1) + cu[i]
+        keep = min(positions, len(response))
+        mask[response[[(k * len(response)) // keep for k in range(keep)]]] = 1.0
+    small.loss_mask = mask
+    return small

@@ -142,6 +142,10 @@ class TrainerWorker:
         with nvtx_range("logprobs/old" if weights == "policy" else f"logprobs/{weights}"):
             return self.trainer.compute_logprobs(batch, weights)
 
+    def exact_kl(self, batch) -> dict[str, float]:
+        with nvtx_range("logprobs/exact_kl"):
+            return self.trainer.exact_kl(batch)
+
     def train_step(self, batch, num_minibatches: int) -> dict[str, float]:
         with nvtx_range("train"):
             return self.trainer.train_step(batch, num_minibatches)
@@ -228,10 +232,13 @@ class TrainerWorker:
 
 
 def make_engine(
-    config: ArmorConfig, device: str, pool: str = "policy", gpu_ids: list[int] | None = None
+    config: ArmorConfig,
+    device: str,
+    pool: str = "policy",
+    servers: list[tuple[int, int]] | None = None,
 ):
-    """The rollout backend named by ``rollout.backend``; for SGLang, its ``pool`` of servers
-    (``gpu_ids``: each server's first GPU on this node)."""
+    """The rollout backend named by ``rollout.backend``; for SGLang, the servers ``servers``
+    (``[(index, first GPU id)]``; default: the whole pool on this node) of ``pool``."""
     backend = config.rollout.backend
     if backend == "torch":
         from megatron_armor.rollout.torch_engine import TorchEngine
@@ -240,26 +247,15 @@ def make_engine(
             config.trainer.model_path, device=device, max_batch=config.rollout.engine_batch_size
         )
     if backend == "sglang":
+        import ray
+
         from megatron_armor.rollout.sglang.engine import SGLangEngine
 
-        return SGLangEngine.from_config(config, pool, gpu_ids=gpu_ids)
+        host = node_ip() if ray.is_initialized() else "127.0.0.1"  # reachable from other nodes
+        indices = [i for i, _ in servers] if servers is not None else None
+        gpu_ids = [g for _, g in servers] if servers is not None else None
+        return SGLangEngine.from_config(config, pool, host=host, gpu_ids=gpu_ids, indices=indices)
     raise ValueError(f"rollout.backend={backend!r}: expected 'torch' or 'sglang'")
-
-
-def local_gpu_ids(server_gpus: list[tuple[str, int]] | None, pool: str) -> list[int] | None:
-    """First GPU id of each server of ``pool``, checked to be on this node (``None``: the
-    pool's own numbering, as on a single node without a placement group)."""
-    if not server_gpus:
-        return None
-    here = node_ip()
-    away = sorted({ip for ip, _ in server_gpus if ip != here})
-    if away:
-        raise RuntimeError(
-            f"SGLang {pool} servers were placed on GPUs of {away}, but the rollout worker "
-            f"launching them runs on {here}: every SGLang server must sit on the rollout "
-            "worker's node (orchestration.gpus_per_node must hold all SGLang servers)"
-        )
-    return [gpu for _, gpu in server_gpus]
 
 
 def to_samples(
@@ -302,8 +298,10 @@ class RolloutWorker:
         config: ArmorConfig,
         index: int,
         num_threads: int = 0,
-        server_gpus: dict[str, list[tuple[str, int]]] | None = None,
+        servers: dict[str, list[tuple[int, int]]] | None = None,
     ):
+        """``servers``: with SGLang, ``{pool: [(server index, first GPU id)]}`` of the servers
+        on this worker's node (``placement.rollout_hosts``); ``None`` runs every pool here."""
         set_threads(num_threads)
         enable_worker_nvtx(config)
         import ray
@@ -312,29 +310,33 @@ class RolloutWorker:
         from megatron_armor.rollout.sglang.pools import uses_ref_pool
 
         device = "cuda" if ray.get_gpu_ids() and torch.cuda.is_available() else "cpu"
-        gpus = server_gpus or {}
+        wanted_ref = uses_ref_pool(config)  # an SGLang reference pool
+        pools = ["policy", "ref"] if wanted_ref else ["policy"]
+        if servers is not None:
+            pools = [p for p in pools if servers.get(p)]
         self.index = index
-        self.engine = make_engine(
-            config, device, "policy", local_gpu_ids(gpus.get("policy"), "policy")
-        )
-        self.ref_engine = None
-        if uses_ref_pool(config):
-            try:
-                self.ref_engine = make_engine(
-                    config, device, "ref", local_gpu_ids(gpus.get("ref"), "ref")
-                )
-            except BaseException:
-                self.close()
-                raise
+        self.engine = self.ref_engine = None
+        try:
+            for pool in pools:
+                engine = make_engine(config, device, pool, (servers or {}).get(pool))
+                if pool == "policy":
+                    self.engine = engine
+                else:
+                    self.ref_engine = engine
+        except BaseException:
+            self.close()
+            raise
         self.tokenizer = load_model_tokenizer(config.trainer.model_path)
         strategy, fill = reference_strategy(config)
         self.keep_copies = "swap" in (strategy, fill)
         self.copies: dict[str, NamedTensors] = {}
         self.counted: dict[str, float] = {}
-        self.reference = make_reference_sampler(
-            strategy, self.engine, weights_fn=self._weights, ref_engine=self.ref_engine,
-            cache_fill=fill,
-        )  # fmt: skip
+        self.reference = None  # a node with only policy servers samples no reference
+        if self.ref_engine is not None or not wanted_ref:
+            self.reference = make_reference_sampler(
+                strategy, self.engine, weights_fn=self._weights, ref_engine=self.ref_engine,
+                cache_fill=fill,
+            )  # fmt: skip
 
     def _weights(self, which: str) -> NamedTensors:
         if which not in self.copies:
@@ -419,7 +421,9 @@ class RolloutWorker:
         self._pool(pool).set_weight_version(version)
 
     def pools(self) -> list[str]:
-        return ["policy"] + (["ref"] if self.ref_engine is not None else [])
+        """The pools with servers (or the embedded engine) in this worker."""
+        named = (("policy", self.engine), ("ref", self.ref_engine))
+        return [pool for pool, engine in named if engine is not None]
 
     def release_memory(self) -> None:
         for pool in self.pools():
@@ -445,27 +449,33 @@ class RolloutWorker:
                 restarted[pool] = [s.index for s in dead]
         return restarted
 
+    def _servers(self, pool: str, indices: list[int]) -> list:
+        by_index = {s.index: s for s in self._pool(pool).servers}
+        return [by_index[i] for i in indices]
+
     def resync_servers(self, pool: str, indices: list[int], *shards: NamedTensors) -> int:
         """Push ``shards`` (the pool's current weights) into the restarted servers ``indices``
         at the pool's current version (tensor / disk transport); returns the bytes per server."""
         engine = self._pool(pool)
         tensors = [nt for shard in shards for nt in shard]
-        engine.sync_servers(tensors, engine.weight_version(), [engine.servers[i] for i in indices])
+        engine.sync_servers(tensors, engine.weight_version(), self._servers(pool, indices))
         return sum(t.numel() * t.element_size() for _, t in tensors)
 
     def rejoin(self, pool: str, indices: list[int]) -> None:
         """Put the re-synced servers ``indices`` of ``pool`` back into rotation."""
         engine = self._pool(pool)
-        for i in indices:
-            engine.rejoin(engine.servers[i])
+        for server in self._servers(pool, indices):
+            engine.rejoin(server)
 
     def pool_version(self, pool: str) -> int:
         return self._pool(pool).weight_version()
 
     def weight_versions(self) -> dict[str, int]:
-        versions = {"policy": self.engine.weight_version("policy")}
-        if getattr(self.engine, "has_weights", lambda w: False)("ref"):
-            versions["ref"] = self.engine.weight_version("ref")
+        versions = {}
+        if self.engine is not None:
+            versions["policy"] = self.engine.weight_version("policy")
+            if getattr(self.engine, "has_weights", lambda w: False)("ref"):
+                versions["ref"] = self.engine.weight_version("ref")
         if self.ref_engine is not None:
             versions["ref"] = self.ref_engine.weight_version()
         return versions

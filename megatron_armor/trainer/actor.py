@@ -26,6 +26,8 @@ from megatron_armor.trainer.model import build_model, read_hf_spec
 from megatron_armor.trainer.optim import build_optimizer, wrap_ddp
 from megatron_armor.trainer.schedule import (
     LogprobSettings,
+    capture_builder,
+    exact_kl_builder,
     global_units,
     logprob_builder,
     policy_loss_builder,
@@ -138,6 +140,28 @@ class MegatronTrainer(TrainerInterface):
         for o in outputs:
             out[o["index"]] = o["logp"].float().cpu()
         return out * batch.loss_mask.float()
+
+    def exact_kl(self, batch) -> dict[str, float]:
+        """Exact ``KL(policy || ref)`` (``kl/exact_reverse``) and ``KL(ref || policy)``
+        (``kl/exact_forward``) over the whole vocabulary at the tokens of ``batch`` with
+        ``loss_mask`` set (armor-spec §6, the paper's Fig. 2 diagnostic): means, maxima and
+        ``kl/exact_positions``. Two forward passes (policy, then reference), vocab-parallel."""
+        enable_cpu_mode()  # per thread (no-op with CUDA)
+        mbs = self._micro_batches(batch)
+        self.model.eval()
+        captured: list[torch.Tensor] = []
+        with torch.no_grad():
+            run_schedule(self.model, mbs, capture_builder(captured), forward_only=True)
+            with self.store.swapped("ref"):
+                outputs = run_schedule(
+                    self.model, mbs, exact_kl_builder(self.lp, captured), forward_only=True
+                )
+        sums = reduce_metric_sums(outputs)
+        count = sums.pop("kl/exact_positions", 0.0)
+        out = {"kl/exact_positions": count}
+        for key, value in sums.items():
+            out[key] = value if key.endswith("_max") else value / max(count, 1.0)
+        return out
 
     def train_step(self, batch, num_minibatches: int) -> dict[str, float]:
         enable_cpu_mode()  # per thread (no-op with CUDA)

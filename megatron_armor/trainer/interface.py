@@ -28,6 +28,12 @@ class TrainerInterface(ABC):
         temperature. Shape ``[total]``; 0 where ``loss_mask == 0``."""
 
     @abstractmethod
+    def exact_kl(self, batch: TrainBatch) -> dict[str, float]:
+        """Exact vocabulary-wide ``KL(policy || ref)`` and ``KL(ref || policy)`` at the tokens of
+        ``batch`` with ``loss_mask`` set (``kl/exact_*`` means and maxima); every rank returns
+        the same numbers."""
+
+    @abstractmethod
     def train_step(self, batch: TrainBatch, num_minibatches: int) -> dict[str, float]:
         """One RL step: split ``batch`` (consecutive samples) into ``num_minibatches``
         mini-batches and take one optimizer update on each. ``batch.old_logprobs`` and

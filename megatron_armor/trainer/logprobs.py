@@ -111,3 +111,37 @@ def vocab_parallel_logprobs(
     return _VocabParallelLogprob.apply(
         logits, target, lo, vocab_size, float(temperature), max(int(chunk), 1), group
     )
+
+
+def vocab_parallel_exact_kl(
+    logits_p: torch.Tensor,
+    logits_q: torch.Tensor,
+    vocab_size: int,
+    temperature: float = 1.0,
+    group: dist.ProcessGroup | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact ``(KL(p || q), KL(q || p))`` per row ``[N]`` from two vocab-parallel logit slices
+    ``[N, Vp/tp]`` (this rank's columns of ``p``'s and ``q``'s logits), without gathering::
+
+        lse_p, lse_q                          (max and sum-exp all-reduced, as above)
+        KL(p || q) = sum_v p_v (z'p_v - z'q_v) - lse_p + lse_q     (partial sums all-reduced)
+
+    and symmetrically for ``KL(q || p)``; padded columns (``v >= V``) are excluded. No
+    gradients (a diagnostic, armor-spec §6); ``algo.kl.exact_kl`` is the gathered reference.
+    """
+    rank = dist.get_rank(group) if group is not None and dist.is_initialized() else 0
+    lo = rank * logits_p.shape[-1]
+    with torch.no_grad():
+        zp = _scaled_chunk(logits_p, lo, vocab_size, temperature)
+        zq = _scaled_chunk(logits_q, lo, vocab_size, temperature)
+        m = _all_reduce(
+            torch.stack([zp.max(-1).values, zq.max(-1).values]), dist.ReduceOp.MAX, group
+        )
+        ep, eq = torch.exp(zp - m[0].unsqueeze(1)), torch.exp(zq - m[1].unsqueeze(1))
+        diff = (zp - zq).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)  # padded: -inf - -inf
+        stats = torch.stack([ep.sum(-1), eq.sum(-1), (ep * diff).sum(-1), (eq * diff).sum(-1)])
+        stats = _all_reduce(stats, dist.ReduceOp.SUM, group)
+        lse_p, lse_q = m[0] + torch.log(stats[0]), m[1] + torch.log(stats[1])
+        kl_pq = stats[2] / stats[0] - lse_p + lse_q
+        kl_qp = -stats[3] / stats[1] + lse_p - lse_q
+    return kl_pq, kl_qp

@@ -19,7 +19,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron_armor.algo.losses import LossSettings, compute_policy_loss, count_units
 from megatron_armor.trainer import parallel
 from megatron_armor.trainer.batching import MicroBatch
-from megatron_armor.trainer.logprobs import vocab_parallel_logprobs
+from megatron_armor.trainer.logprobs import vocab_parallel_exact_kl, vocab_parallel_logprobs
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,36 @@ def _logprob_only(mb: MicroBatch, output, *, lp: LogprobSettings):
     return output.new_zeros(()), torch.tensor(0, dtype=torch.int, device=logp.device), data
 
 
+def selected_logit_rows(output: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+    """The logits ``[k, Vp/tp]`` that predict the tokens of ``mb`` with ``loss_mask`` set: for a
+    token at row ``r``, column ``c`` the logits at ``(r, c - 1)`` (one sample per row)."""
+    n, seq, vocab_local = output.shape
+    flat = mb.valid.reshape(-1).nonzero().squeeze(1).to(output.device)
+    chosen = flat[mb.loss_mask.to(output.device).bool()]
+    return output.reshape(n * seq, vocab_local)[chosen - 1]
+
+
+def _capture_rows(mb: MicroBatch, output, *, captured: list):
+    captured.append(selected_logit_rows(output, mb).detach().clone())
+    return output.new_zeros(()), torch.tensor(0, dtype=torch.int, device=output.device), {}
+
+
+def _exact_kl(mb: MicroBatch, output, *, lp: LogprobSettings, captured):
+    policy = next(captured)
+    ref = selected_logit_rows(output, mb)
+    group = parallel.tp_group() if parallel.tp_size() > 1 else None
+    reverse, forward = vocab_parallel_exact_kl(policy, ref, lp.vocab_size, lp.temperature, group)
+    zero = output.new_zeros((), dtype=torch.float32)
+    data = {
+        "kl/exact_reverse": reverse.sum().float(),
+        "kl/exact_forward": forward.sum().float(),
+        "kl/exact_positions": torch.tensor(float(len(reverse)), device=output.device),
+        "kl/exact_reverse_max": reverse.max().float() if len(reverse) else zero,
+        "kl/exact_forward_max": forward.max().float() if len(forward) else zero,
+    }
+    return output.new_zeros(()), torch.tensor(0, dtype=torch.int, device=output.device), data
+
+
 def make_forward_step(loss_builder):
     """A megatron ``forward_step_func`` whose ``loss_func`` is ``loss_builder(mb, output)``."""
 
@@ -107,6 +137,16 @@ def policy_loss_builder(lp: LogprobSettings, settings: LossSettings, normalizer:
 
 def logprob_builder(lp: LogprobSettings):
     return partial(_logprob_only, lp=lp)
+
+
+def capture_builder(captured: list):
+    """Keeps each micro-batch's selected logit rows (policy pass of :func:`exact_kl_builder`)."""
+    return partial(_capture_rows, captured=captured)
+
+
+def exact_kl_builder(lp: LogprobSettings, captured: list):
+    """Exact KLs between the captured (policy) rows and this pass's (reference) rows."""
+    return partial(_exact_kl, lp=lp, captured=iter(captured))
 
 
 def run_schedule(model, micro_batches: list[MicroBatch], loss_builder, forward_only: bool) -> list:

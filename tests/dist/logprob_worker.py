@@ -2,7 +2,7 @@
 
 ``python logprob_worker.py RANK WORLD PORT OUT``: every rank builds the same full logits
 ``[N, Vp]`` (padded vocabulary), keeps its vocabulary slice, computes log-probs / entropy and
-the gradient of a weighted sum, and writes them with its slice bounds to ``OUT/rank{R}.pt``.
+the gradient of a weighted sum, and the exact KLs against a second set of logits, and writes them with its slice bounds to ``OUT/rank{R}.pt``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from megatron_armor.trainer.logprobs import vocab_parallel_logprobs
+from megatron_armor.trainer.logprobs import vocab_parallel_exact_kl, vocab_parallel_logprobs
 
 N, VOCAB, PADDED, TEMPERATURE, CHUNK = 13, 37, 40, 0.8, 5
 
@@ -24,7 +24,8 @@ def full_inputs():
     logits = torch.randn(N, PADDED, generator=g, dtype=torch.float64)
     target = torch.randint(0, VOCAB, (N,), generator=g)
     weights = torch.randn(N, generator=g, dtype=torch.float64)
-    return logits, target, weights
+    other = torch.randn(N, PADDED, generator=g, dtype=torch.float64) * 2  # a second model
+    return logits, target, weights, other
 
 
 if __name__ == "__main__":
@@ -36,7 +37,7 @@ if __name__ == "__main__":
         world_size=world,
         timeout=timedelta(seconds=60),
     )
-    logits, target, weights = full_inputs()
+    logits, target, weights, other = full_inputs()
     part = PADDED // world
     lo, hi = rank * part, (rank + 1) * part
     local = logits[:, lo:hi].clone().requires_grad_(True)
@@ -44,8 +45,12 @@ if __name__ == "__main__":
         local, target, VOCAB, TEMPERATURE, CHUNK, dist.group.WORLD
     )
     (logp * weights).sum().backward()
-    torch.save(
-        {"logp": logp.detach(), "entropy": entropy, "grad": local.grad, "lo": lo, "hi": hi},
-        os.path.join(out, f"rank{rank}.pt"),
+    kl_pq, kl_qp = vocab_parallel_exact_kl(
+        logits[:, lo:hi], other[:, lo:hi], VOCAB, TEMPERATURE, dist.group.WORLD
     )
+    torch.save(
+        {"logp": logp.detach(), "entropy": entropy, "grad": local.grad, "lo": lo, "hi": hi,
+         "kl_pq": kl_pq, "kl_qp": kl_qp},
+        os.path.join(out, f"rank{rank}.pt"),
+    )  # fmt: skip
     dist.destroy_process_group()

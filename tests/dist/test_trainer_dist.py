@@ -147,7 +147,7 @@ def assert_oracle(result: dict, hf_logits: dict, models: str) -> None:
 def assert_same_training(result: dict, single: dict) -> None:
     for key in ("lp0", "lp_policy", "lp_ref", "lp_ref_after_reset"):
         torch.testing.assert_close(result[key], single[key], atol=LOGPROB_TOL, rtol=0)
-    for step in ("m1", "m2"):
+    for step in ("m1", "m2", "kl2"):  # kl2: the exact vocab-parallel KLs after two updates
         assert sorted(result[step]) == sorted(single[step])
         for k, v in single[step].items():
             assert result[step][k] == pytest.approx(v, abs=LOSS_TOL, rel=LOSS_TOL), (step, k)
@@ -161,6 +161,15 @@ def assert_reference_swaps(result: dict) -> None:
     assert not torch.allclose(result["lp_policy"], result["lp0"])
     torch.testing.assert_close(result["lp_ref"], result["lp0"], atol=1e-6, rtol=0)
     torch.testing.assert_close(result["lp_ref_after_reset"], result["lp_policy"], atol=0, rtol=0)
+    positions = result["kl2"]["kl/exact_positions"]  # every response token of the batch
+    assert positions == float((result["lp0"] != 0).sum()) > 0
+    for key in ("kl0", "kl_reset"):  # the exact KLs vanish while policy == reference
+        kl = result[key]
+        assert kl["kl/exact_positions"] == positions
+        assert abs(kl["kl/exact_reverse"]) < 1e-6 and abs(kl["kl/exact_forward_max"]) < 1e-6
+    kl = result["kl2"]
+    assert kl["kl/exact_reverse"] > 0 and kl["kl/exact_forward"] > 0
+    assert kl["kl/exact_reverse_max"] >= kl["kl/exact_reverse"]
 
 
 CPU_MODE_SCRIPT = """
@@ -198,9 +207,12 @@ def test_cpu_mode_redirects_cuda_per_thread() -> None:
 
 
 def test_vocab_parallel_logprobs_and_grad_at_tp2(tmp_path) -> None:
-    """TP=2 log-probs / entropy equal ``log_softmax`` of the gathered logits, and each rank's
-    gradient slice equals autograd's gradient on the gathered logits."""
+    """TP=2 log-probs / entropy equal ``log_softmax`` of the gathered logits, each rank's
+    gradient slice equals autograd's gradient on the gathered logits, and the vocab-parallel
+    exact KLs equal ``algo.kl.exact_kl`` of the gathered logits."""
     from logprob_worker import CHUNK, TEMPERATURE, VOCAB, full_inputs
+
+    from megatron_armor.algo.kl import exact_kl
 
     port, worker = str(free_port()), WORKER.replace("trainer_worker", "logprob_worker")
     procs = [
@@ -213,7 +225,8 @@ def test_vocab_parallel_logprobs_and_grad_at_tp2(tmp_path) -> None:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    logits, target, weights = full_inputs()
+    logits, target, weights, other = full_inputs()
+    kl_pq, kl_qp = exact_kl(logits[:, :VOCAB], other[:, :VOCAB], TEMPERATURE)
     logits.requires_grad_(True)
     lsm = torch.log_softmax(logits[:, :VOCAB] / TEMPERATURE, dim=-1)
     ref = lsm.gather(1, target[:, None]).squeeze(1)
@@ -226,6 +239,8 @@ def test_vocab_parallel_logprobs_and_grad_at_tp2(tmp_path) -> None:
             r["entropy"].double(), -(lsm.exp() * lsm).sum(-1).detach(), **tol
         )
         torch.testing.assert_close(r["grad"], logits.grad[:, r["lo"] : r["hi"]], **tol)
+        torch.testing.assert_close(r["kl_pq"].double(), kl_pq, **tol)  # exact KLs, no gather
+        torch.testing.assert_close(r["kl_qp"].double(), kl_qp, **tol)
     assert CHUNK < len(target)
 
 

@@ -100,6 +100,7 @@ def run(trainer, out: dict, ckpt: bool) -> None:
     batch.old_logprobs = perturb(lp0, batch.loss_mask, 1, 0.3)
     batch.ref_logprobs = perturb(lp0, batch.loss_mask, 2, 0.3)
     out["lp0"] = lp0
+    out["kl0"] = trainer.exact_kl(batch)  # policy == reference: zero
     out["m1"] = trainer.train_step(batch, 1)
     out["w1"] = dict(trainer.export_weights())
     if ckpt:
@@ -109,8 +110,10 @@ def run(trainer, out: dict, ckpt: bool) -> None:
     out["w2"] = dict(trainer.export_weights())
     out["lp_policy"] = full(trainer.compute_logprobs(batch, "policy"))
     out["lp_ref"] = full(trainer.compute_logprobs(batch, "ref"))
+    out["kl2"] = trainer.exact_kl(batch)
     trainer.reset_reference()
     out["lp_ref_after_reset"] = full(trainer.compute_logprobs(batch, "ref"))
+    out["kl_reset"] = trainer.exact_kl(batch)
 
 
 def resume(trainer, out: dict) -> None:

@@ -187,6 +187,12 @@ def test_reset_switches_anchor_source_to_new_reference(reference_run):
     # before the reset the reference lags the policy; right after it the reference IS the policy
     assert records[2]["kl/reverse_k1"] != 0.0
     assert records[3]["kl/reverse_k1"] == pytest.approx(0.0, abs=1e-6)
+    # the exact vocabulary-wide KLs (tiny config: every step) agree: 0 at steps 1 and 3, > 0 at 2
+    for step in (1, 3):
+        for key in ("kl/exact_reverse", "kl/exact_forward", "kl/exact_reverse_max"):
+            assert records[step][key] == pytest.approx(0.0, abs=1e-6), (step, key)
+    assert records[2]["kl/exact_reverse"] > 0 and records[2]["kl/exact_forward"] > 0
+    assert records[2]["kl/exact_positions"] > 4  # 4 samples x up to 32 response positions
     # the engine's anchor log-probs match the trainer's *current* reference (new after reset)
     for s in (1, 2, 3, 4):
         assert records[s]["rollout/anchor_logprob_absdiff_max"] < 1e-3, s

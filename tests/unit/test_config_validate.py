@@ -267,3 +267,18 @@ def test_sglang_pool_rules_name_the_settings():
     assert "policy 3 x tp 1, ref 3 x tp 1" in message and "need 6 GPUs" in message
     message = _error(*disaggregated, "rollout.sglang.num_engines=2")
     assert "orchestration.rollout_gpus=4 but the SGLang servers use 2" in message
+
+
+def test_sglang_servers_may_span_nodes_but_not_straddle_them():
+    two_nodes = ["rollout.backend=sglang", "orchestration.layout=colocated",
+                 "orchestration.nodes=2", "orchestration.gpus_per_node=8",
+                 "trainer.world_size=16", "rollout.ref_strategy=dedicated"]  # fmt: skip
+    config = load_config(None, [*two_nodes, "rollout.sglang.tp=2"])
+    assert find_problems(config) == []
+    message = _error(*two_nodes, "rollout.sglang.tp=3", "rollout.sglang.num_engines=5")
+    assert "SGLang policy server 2 would span GPUs 6-8, across nodes of 8 GPUs" in message
+    disaggregated = ["rollout.backend=sglang", "orchestration.layout=disaggregated",
+                     "orchestration.nodes=1", "trainer.world_size=6",
+                     "orchestration.rollout_gpus=4"]  # fmt: skip
+    message = _error(*disaggregated)
+    assert "trainer.world_size=6 + the SGLang servers' 4 GPUs > orchestration.nodes" in message

@@ -98,3 +98,18 @@ def test_reference_pushes_stream_into_the_reference_pool_or_go_through_the_expor
     push_reference(trainer, rollout, 40, streamed=False, reset=True)
     assert trainer.calls == [("export", "ref"), ("export", "ref")]
     assert rollout.calls == [("load", 0, ("ref-tensors",)), ("reset", 40, ("ref-tensors",))]
+
+
+def test_worker_roles_follow_the_pools_on_each_node():
+    from megatron_armor.orchestration.groups import worker_roles
+    from megatron_armor.orchestration.placement import RolloutHost
+
+    hosts = [
+        RolloutHost(8, "10.0.0.2", {"policy": [(0, 0)]}),
+        RolloutHost(10, "10.0.0.3", {"ref": [(0, 0)]}),
+        RolloutHost(12, "10.0.0.4", {"policy": [(1, 0)], "ref": [(1, 1)]}),
+    ]
+    assert worker_roles(hosts, has_ref_pool=True) == ([0, 2], [1, 2])
+    assert worker_roles(hosts[:1], has_ref_pool=False) == ([0], [0])  # swap: the policy servers
+    with pytest.raises(ValueError, match="hold no ref servers"):
+        worker_roles(hosts[:1], has_ref_pool=True)

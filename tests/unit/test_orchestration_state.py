@@ -16,7 +16,7 @@ from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.orchestration import checkpoints
 from megatron_armor.orchestration.groups import shard
 from megatron_armor.orchestration.loop import minibatch_sample_ids
-from megatron_armor.orchestration.placement import plan_layout, server_gpus
+from megatron_armor.orchestration.placement import plan_layout, rollout_hosts
 from megatron_armor.orchestration.run_state import EXIT_REQUEUE, RunState, StopSignal
 from megatron_armor.orchestration.session import check_batch_sizes
 from megatron_armor.orchestration.step_metrics import reduce_update_metrics
@@ -85,20 +85,39 @@ def test_layouts():
     cfg.orchestration.layout, cfg.orchestration.rollout_gpus = "disaggregated", 4
     dis = plan_layout(cfg)
     assert (dis.bundles, dis.rollout_bundles, dis.trainer_bundles) == (12, [8, 10], list(range(8)))
-    # one CPU actor owns the SGLang pools, in the bundle of the first server's GPU
+    # SGLang: one rollout worker per node with servers, placed once the bundles are known
     cfg.rollout.backend = "sglang"
     sg = plan_layout(cfg)
-    assert (sg.rollout_engines, sg.rollout_bundles, sg.bundles) == (1, [8], 12)
+    assert (sg.rollout_engines, sg.rollout_bundles, sg.bundles) == (1, [], 12)
     assert sg.rollout_gpus == 0.0 and sg.server_bundles == {"policy": [8, 10]}
     where = [("10.0.0.1", g) for g in range(8)] + [("10.0.0.2", g) for g in range(4)]
-    assert server_gpus(sg, where) == {"policy": [("10.0.0.2", 0), ("10.0.0.2", 2)]}
-    assert server_gpus(sg, []) == {}
+    hosts = rollout_hosts(sg, where)
+    assert [(h.bundle, h.ip, h.servers) for h in hosts] == [
+        (8, "10.0.0.2", {"policy": [(0, 0), (1, 2)]})
+    ]
+    assert rollout_hosts(sg, []) == []
+    with pytest.raises(RuntimeError, match="policy server 1 needs 2 consecutive GPUs"):
+        rollout_hosts(sg, where[:11] + [("10.0.0.3", 0)])
     # a dedicated reference: policy and reference servers share the rollout GPUs half and half
     cfg.rollout.ref_strategy, cfg.rollout.sglang.tp = "dedicated", 1
     ded = plan_layout(cfg)
     assert ded.server_bundles == {"policy": [8, 9], "ref": [10, 11]}
+    two_nodes = [("10.0.0.1", g) for g in range(8)] + [("10.0.0.2", g) for g in range(2)]
+    two_nodes += [("10.0.0.3", g) for g in range(2)]
+    hosts = rollout_hosts(ded, two_nodes)  # policy servers on one node, reference on another
+    assert [(h.ip, h.servers) for h in hosts] == [
+        ("10.0.0.2", {"policy": [(0, 0), (1, 1)]}),
+        ("10.0.0.3", {"ref": [(0, 0), (1, 1)]}),
+    ]
     cfg.orchestration.layout = "colocated"  # colocated: both pools on the trainer GPUs
-    assert plan_layout(cfg).server_bundles == {"policy": list(range(8)), "ref": list(range(8))}
+    co = plan_layout(cfg)
+    assert co.server_bundles == {"policy": list(range(8)), "ref": list(range(8))}
+    across = [("10.0.0.1", g) for g in range(4)] + [("10.0.0.2", g) for g in range(4)]
+    hosts = rollout_hosts(co, across)  # two nodes: a worker each, both pools on both
+    assert [(h.bundle, h.servers["policy"], h.servers["ref"]) for h in hosts] == [
+        (0, [(i, i) for i in range(4)], [(i, i) for i in range(4)]),
+        (4, [(i + 4, i) for i in range(4)], [(i + 4, i) for i in range(4)]),
+    ]
     cfg.orchestration.layout, cfg.rollout.ref_strategy, cfg.rollout.sglang.tp = (
         "disaggregated", "swap", 2
     )  # fmt: skip

@@ -134,13 +134,23 @@ def test_restart_without_weights_waits_out_of_rotation_until_resynced(tmp_path):
     """The orchestrator's path (``heal_rollout``): restart, re-sync from the trainer, rejoin."""
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    dead, alive = start_server(tmp_path / "a"), start_server(tmp_path / "b")
-    engine = SGLangEngine(
-        "/models/tiny",
-        SGLangConfig(router=False, weight_transport="disk"),
-        urls=[url_of(dead), url_of(alive)],
-        weights_dir=str(tmp_path / "w"),
-    )
+    dead = start_server(tmp_path / "a")
+    try:
+        alive = start_server(tmp_path / "b")
+    except BaseException:
+        dead.stop()
+        raise
+    try:
+        engine = SGLangEngine(
+            "/models/tiny",
+            SGLangConfig(router=False, weight_transport="disk"),
+            urls=[url_of(dead), url_of(alive)],
+            weights_dir=str(tmp_path / "w"),
+        )
+    except BaseException:
+        dead.stop()
+        alive.stop()
+        raise
     engine.servers[0].process, engine.servers[1].process = dead, alive
     tensors = [("lm_head.weight", torch.randn(4, 2))]
     try:
@@ -158,5 +168,4 @@ def test_restart_without_weights_waits_out_of_rotation_until_resynced(tmp_path):
         assert engine.servers[0].serving
         assert weights_by_name(url_of(dead), "lm_head.weight") == tensors[0][1].flatten().tolist()
     finally:
-        engine.close()
-        alive.stop()
+        engine.close()  # stops both processes (the engine holds them)

@@ -41,11 +41,13 @@ GroupDone = Callable[[int, list[GenerationOutput]], bool]
 
 @dataclass
 class EngineServer:
-    """One SGLang server: its URL, GPUs and (when we launched it) its process."""
+    """One SGLang server: its index in the pool, URL, first GPU on its node and (when we
+    launched it) its process."""
 
     index: int
     url: str
     tp: int
+    gpu: int = 0
     process: launch.ManagedProcess | None = None
     serving: bool = True
 
@@ -72,25 +74,38 @@ class SGLangEngine(RolloutEngine):
         weights_dir: str | None = None,
         pool: PoolSpec | None = None,
         gpu_ids: list[int] | None = None,
+        indices: list[int] | None = None,
     ) -> None:
         """``pool`` (default: the policy pool described by ``cfg``) sets the server count, TP
-        size, memory flag and ports; ``gpu_ids`` the first GPU of each server on this node."""
+        size, memory flag and ports. This engine runs the pool's servers ``indices`` (default:
+        all of them; on several nodes each node's rollout worker runs its own), listening on
+        ``host:base_port + index``, with ``gpu_ids`` their first GPUs on this node (default:
+        the pool's own numbering)."""
         self.model_path = model_path
         self.cfg = cfg
+        count = len(urls) if urls else max(cfg.num_engines, 1)
         self.pool = pool or PoolSpec(
-            "policy", len(urls) if urls else max(cfg.num_engines, 1), cfg.tp, cfg.mem_fraction_static,
-            cfg.mem_fraction_static, cfg.base_port, cfg.router_port, 0,
+            "policy", count, cfg.tp, cfg.mem_fraction_static, cfg.mem_fraction_static,
+            cfg.base_port, cfg.router_port, 0,
         )  # fmt: skip
         self.host = host
         self.weights_dir = weights_dir
         p = self.pool
-        urls = urls or [f"http://{host}:{p.base_port + i}" for i in range(p.num_engines)]
-        self.gpu_ids = list(gpu_ids) if gpu_ids is not None else p.gpu_offsets()
-        if len(self.gpu_ids) < len(urls):
+        if indices is None:
+            indices = list(range(len(urls) if urls else p.num_engines))
+        urls = urls or [f"http://{host}:{p.base_port + i}" for i in indices]
+        if gpu_ids is None:
+            offsets = p.gpu_offsets()
+            gpu_ids = [offsets[i] if i < len(offsets) else 0 for i in indices]
+        if not len(urls) == len(gpu_ids) == len(indices):
             raise ValueError(
-                f"SGLang {p.name} pool: {len(urls)} servers but GPU ids for {len(self.gpu_ids)}"
+                f"SGLang {p.name} pool: {len(indices)} server indices, {len(urls)} URLs and "
+                f"{len(gpu_ids)} GPU ids must match"
             )
-        self.servers = [EngineServer(i, url, p.tp) for i, url in enumerate(urls)]
+        self.servers = [
+            EngineServer(i, url, p.tp, gpu)
+            for i, url, gpu in zip(indices, urls, gpu_ids, strict=True)
+        ]
         self.router_url = router_url
         self.router_process: launch.ManagedProcess | None = None
         self._version = 0
@@ -107,8 +122,10 @@ class SGLangEngine(RolloutEngine):
         host: str = "127.0.0.1",
         gpu_ids: list[int] | None = None,
         start: bool = True,
+        indices: list[int] | None = None,
     ) -> SGLangEngine:
-        """The ``pool`` (``policy`` | ``ref``) of ``rollout.sglang.pools.pool_specs(config)``,
+        """The ``pool`` (``policy`` | ``ref``) of ``rollout.sglang.pools.pool_specs(config)``
+        (its servers ``indices`` on GPUs ``gpu_ids`` of this node, ``host`` its address),
         launched unless ``start`` is false (``orchestration.layout: colocated`` turns on SGLang's
         memory saver so ``release_memory`` works); disk updates go under the run dir."""
         specs = pool_specs(config)
@@ -121,6 +138,7 @@ class SGLangEngine(RolloutEngine):
         engine = cls(
             config.trainer.model_path, config.rollout.sglang, host=host, pool=specs[pool],
             weights_dir=os.path.join(run_dir, "sglang_weights", pool), gpu_ids=gpu_ids,
+            indices=indices,
         )  # fmt: skip
         if start:
             try:
@@ -155,7 +173,7 @@ class SGLangEngine(RolloutEngine):
             tp=server.tp,
             mem_fraction_static=round(self.pool.flag, 4),
             host=self.host,
-            base_gpu_id=self.gpu_ids[server.index],
+            base_gpu_id=server.gpu,
             colocated=colocated,
             extra_args=dict(self.cfg.extra_args),
         )

@@ -15,6 +15,9 @@ before the weights load; ``profile_max_num_token``: ``rest = available - total *
 sglang 0.4.x-0.5.x). The reference servers start after the policy servers are healthy, so on
 shared GPUs their flag is ``share / (1 - policy_fraction)`` to claim ``share`` of the GPU.
 
+Servers may sit on several nodes (one rollout worker per node launches that node's servers,
+``orchestration/placement.py``); a server's ``tp`` GPUs are on one node.
+
 Pure config arithmetic: no SGLang, no Ray, so the validator and the planner use it too.
 """
 
@@ -157,8 +160,17 @@ def pool_problems(config: ArmorConfig) -> list[str]:
             out.append(f"rollout.sglang.mem_fraction_static={sg.mem_fraction_static} + "
                        f"ref_pool.mem_fraction={specs['ref'].share} = {total:.2f} of each GPU "
                        f"> {MAX_SHARED_FRACTION}: the two pools share the GPUs; lower them")  # fmt: skip
-    if used > o.gpus_per_node:
-        out.append(f"the SGLang servers use {used} GPUs > orchestration.gpus_per_node="
-                   f"{o.gpus_per_node}: one rollout actor launches every server on its own node, "
-                   "so the servers must fit one node; use fewer or smaller servers")  # fmt: skip
+    base = config.trainer.world_size if o.layout == "disaggregated" else 0
+    if base + (used if o.layout == "disaggregated" else 0) > o.nodes * o.gpus_per_node:
+        out.append(f"trainer.world_size={config.trainer.world_size} + the SGLang servers' {used} "
+                   f"GPUs > orchestration.nodes * gpus_per_node = {o.nodes * o.gpus_per_node}")  # fmt: skip
+    for spec in specs.values():
+        for i, offset in enumerate(spec.gpu_offsets()):
+            first, last = base + offset, base + offset + spec.tp - 1
+            if first // o.gpus_per_node != last // o.gpus_per_node:
+                key = "rollout.sglang" if spec.name == "policy" else "rollout.sglang.ref_pool"
+                out.append(f"SGLang {spec.name} server {i} would span GPUs {first}-{last}, across "
+                           f"nodes of {o.gpus_per_node} GPUs: make {key}.tp divide "
+                           "orchestration.gpus_per_node and the GPUs before the pool")  # fmt: skip
+                break
     return out
