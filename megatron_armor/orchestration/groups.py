@@ -118,6 +118,10 @@ class TrainerGroup:
             raise RuntimeError("no trainer rank reported log-probs (check trainer.pp / tp layout)")
         return torch.stack(parts).sum(0) if len(parts) > 1 else parts[0]
 
+    def offload_train_state(self) -> None:
+        """Optimizer state to CPU, gradient buffers freed until the next update."""
+        wait([a.offload_train_state.remote() for a in self.actors], "trainer offload")
+
     def exact_kl(self, batch: TrainBatch) -> dict[str, float]:
         """``kl/exact_*`` at the selected tokens of ``batch`` (every rank computes the same)."""
         import ray

@@ -87,6 +87,8 @@ def sync_and_maybe_reset(s: Session, step: int) -> dict[str, float]:
         num_bytes = push_policy(s.trainer, s.rollout, step, refs)
         s.state.policy_version = step
     s.meter.add_weight_sync(s.timers.seconds("sync"), num_bytes)
+    if s.config.trainer.offload_train_state:  # the engines generate next: update state out
+        s.trainer.offload_train_state()
     if not s.schedule.should_reset(step):
         return {"reset/performed": 0.0, "reset/ref_version": float(s.state.ref_version)}
     with s.timers.phase("reset"):

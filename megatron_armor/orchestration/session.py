@@ -146,6 +146,8 @@ class Session:
         self.state.rollout = self.rollout.state_dicts()
         self.state.capture_rng()
         self.trainer.save_checkpoint(str(tmp / "trainer"), {"step": step})
+        if self.config.trainer.offload_train_state:  # saving brought the update state back
+            self.trainer.offload_train_state()
         self.state.save(tmp)
         return checkpoints.commit_checkpoint(self.run_dir, tmp, step, self.config.run.keep_last)
 

@@ -142,6 +142,9 @@ class TrainerWorker:
         with nvtx_range("logprobs/old" if weights == "policy" else f"logprobs/{weights}"):
             return self.trainer.compute_logprobs(batch, weights)
 
+    def offload_train_state(self) -> None:
+        self.trainer.offload_train_state()
+
     def exact_kl(self, batch) -> dict[str, float]:
         with nvtx_range("logprobs/exact_kl"):
             return self.trainer.exact_kl(batch)

@@ -6,8 +6,9 @@
 
 The plan checks the layout rules (``planner.rules``) and estimates per-GPU memory in each
 phase (``planner.memory``): ``train`` (trainer state + activations + logits; a colocated engine
-has released its memory) and ``rollout`` (trainer state + the SGLang static share when
-colocated). The verdict compares the larger phase with ``usable_fraction`` of the GPU.
+has released its memory) and ``rollout`` (trainer state — only the weights with
+``trainer.offload_train_state`` — + the SGLang static shares when colocated). The verdict
+compares the larger phase with ``usable_fraction`` of the GPU.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ ADVICE = {
     "optimizer": "set trainer.use_distributed_optimizer=true and/or raise the data-parallel size",
     "grads": "raise trainer.tp or trainer.pp",
     "weights": "raise trainer.tp or trainer.pp",
-    "sglang_static": "lower rollout.sglang.mem_fraction_static or use the disaggregated layout",
+    "sglang_static": "set trainer.offload_train_state=true, lower "
+    "rollout.sglang.mem_fraction_static, or use the disaggregated layout",
     "sglang_ref": "lower rollout.sglang.ref_pool.mem_fraction, serve the reference with "
     "rollout.ref_strategy=swap, or use the disaggregated layout",
     "runtime": "nothing to tune: this is the CUDA/NCCL runtime",
@@ -229,6 +231,8 @@ def make_plan(config: ArmorConfig, model: str | None = None, gpu_mem_gib: float 
                 (plan.findings if isinstance(item, Finding) else plan.notes).append(item)
     if layout == "colocated" and engines:
         resident = state_terms(shape, 0)
+        if config.trainer.offload_train_state:  # only the weights stay during the rollout
+            resident = {"weights": resident["weights"]}
         servers = len(engines)  # each released server keeps its CUDA context
         phases["rollout"] = {
             **resident,

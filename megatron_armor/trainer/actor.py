@@ -23,6 +23,7 @@ from megatron_armor.trainer.cpu_compat import enable_cpu_mode
 from megatron_armor.trainer.hf_weights import export_hf_weights, load_hf_weights
 from megatron_armor.trainer.interface import TrainerInterface
 from megatron_armor.trainer.model import build_model, read_hf_spec
+from megatron_armor.trainer.offload import TrainStateOffloader
 from megatron_armor.trainer.optim import build_optimizer, wrap_ddp
 from megatron_armor.trainer.schedule import (
     LogprobSettings,
@@ -84,6 +85,7 @@ class MegatronTrainer(TrainerInterface):
         load_hf_weights(model, t.model_path, self.spec)
         self.model = wrap_ddp(model, t)
         self.optimizer, self.scheduler = build_optimizer(self.model, t)
+        self.offloader = TrainStateOffloader(self.model, self.optimizer, t.precision != "fp32")
         self.store = WeightStore(self.model)
         self.store.snapshot("ref")
         self.loss_settings = LossSettings.from_algo_config(config.algo)
@@ -163,8 +165,15 @@ class MegatronTrainer(TrainerInterface):
             out[key] = value if key.endswith("_max") else value / max(count, 1.0)
         return out
 
+    def offload_train_state(self) -> None:
+        """Optimizer state to CPU and gradient buffers freed until the next update
+        (``trainer.offload_train_state``, colocated rollouts; ``offload.py``)."""
+        enable_cpu_mode()  # per thread (no-op with CUDA)
+        self.offloader.offload()
+
     def train_step(self, batch, num_minibatches: int) -> dict[str, float]:
         enable_cpu_mode()  # per thread (no-op with CUDA)
+        self.offloader.restore()
         if self.config.trainer.keep_old_weights:
             self.store.snapshot("old")  # compute_logprobs(batch, "old") after the step
         per_update = [self._update(mb) for mb in split_minibatches(batch, num_minibatches)]
@@ -185,10 +194,12 @@ class MegatronTrainer(TrainerInterface):
 
     def save_checkpoint(self, path: str, run_state: dict) -> None:
         enable_cpu_mode()  # per thread (no-op with CUDA)
+        self.offloader.restore()  # the optimizer state is saved from where it trains
         checkpoint.save_trainer(self, path, run_state)
 
     def load_checkpoint(self, path: str) -> dict:
         enable_cpu_mode()  # per thread (no-op with CUDA)
+        self.offloader.restore()
         return checkpoint.load_trainer(self, path)
 
     def close(self) -> None:

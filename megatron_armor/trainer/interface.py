@@ -28,6 +28,11 @@ class TrainerInterface(ABC):
         temperature. Shape ``[total]``; 0 where ``loss_mask == 0``."""
 
     @abstractmethod
+    def offload_train_state(self) -> None:
+        """Free what only the update needs (optimizer state, gradient buffers) until the next
+        ``train_step``, which restores it."""
+
+    @abstractmethod
     def exact_kl(self, batch: TrainBatch) -> dict[str, float]:
         """Exact vocabulary-wide ``KL(policy || ref)`` and ``KL(ref || policy)`` at the tokens of
         ``batch`` with ``loss_mask`` set (``kl/exact_*`` means and maxima); every rank returns

@@ -258,14 +258,22 @@ def test_model_parallel_matches_single(tp, pp, single, hf_logits, models, tmp_pa
     assert_reference_swaps(result)
 
 
+def assert_offloaded(result: dict) -> None:
+    """``offload_train_state`` freed the gradient buffers; the next update did not notice."""
+    assert result["grad_bytes"] > 0 and result["grad_bytes_offloaded"] == 0
+    assert torch.equal(result["lp_offloaded"], result["lp1"])
+
+
 def test_data_parallel_matches_single(single, models, tmp_path) -> None:
-    result = launch("run", str(tmp_path), models, 1, 1, 2)
+    result = launch("run", str(tmp_path), models, 1, 1, 2, extras="offload")
     assert_same_training(result, single)
+    assert_offloaded(result)
 
 
 def test_distributed_optimizer_resume_and_convert(single, models, tmp_path) -> None:
-    result = launch("run", str(tmp_path), models, 1, 1, 2, distopt=True, extras="ckpt")
+    result = launch("run", str(tmp_path), models, 1, 1, 2, distopt=True, extras="ckpt,offload")
     assert_same_training(result, single)
+    assert_offloaded(result)
     resumed = launch("resume", str(tmp_path), models, 1, 1, 2, distopt=True)
     assert resumed["step"] == 1
     assert resumed["m2"] == result["m2"]

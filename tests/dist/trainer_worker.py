@@ -3,7 +3,8 @@
 ``python trainer_worker.py MODE RANK WORLD PORT OUT MODELS TP PP DISTOPT EXTRAS``
 
 - ``run``: (1) a ``MegatronTrainer`` on the tiny Qwen2: policy log-probs, two ARMOR updates
-  (with a checkpoint after the first when EXTRAS has ``ckpt``), reference log-probs
+  (with a checkpoint after the first when EXTRAS has ``ckpt``, and the train state offloaded
+  between them when it has ``offload``), reference log-probs
   before/after ``reset_reference``, exported weights; (2) when EXTRAS has ``oracle``, for each
   tiny model, logits on fixed tokens (TP-gathered) and the exported HF tensors.
 - ``resume``: a fresh trainer loads ``OUT/ckpt`` and takes the second update again.
@@ -94,7 +95,7 @@ def oracle(models: dict[str, str]) -> dict:
     return out
 
 
-def run(trainer, out: dict, ckpt: bool) -> None:
+def run(trainer, out: dict, ckpt: bool, offload: bool = False) -> None:
     batch = make_batch()
     lp0 = full(trainer.compute_logprobs(batch, "policy"))
     batch.old_logprobs = perturb(lp0, batch.loss_mask, 1, 0.3)
@@ -106,6 +107,12 @@ def run(trainer, out: dict, ckpt: bool) -> None:
     if ckpt:
         state = {"step": 1, "old": batch.old_logprobs, "ref": batch.ref_logprobs}
         trainer.save_checkpoint(os.path.join(OUT, "ckpt"), state)
+    if offload:  # as between colocated rollouts: log-probs run on the weights alone
+        out["lp1"] = full(trainer.compute_logprobs(batch, "policy"))
+        out["grad_bytes"] = trainer.offloader.grad_bytes_resident()
+        trainer.offload_train_state()
+        out["grad_bytes_offloaded"] = trainer.offloader.grad_bytes_resident()
+        out["lp_offloaded"] = full(trainer.compute_logprobs(batch, "policy"))
     out["m2"] = trainer.train_step(batch, 1)
     out["w2"] = dict(trainer.export_weights())
     out["lp_policy"] = full(trainer.compute_logprobs(batch, "policy"))
@@ -138,7 +145,7 @@ if __name__ == "__main__":
     )
     result: dict = {}
     if mode == "run":
-        run(trainer, result, "ckpt" in extras)
+        run(trainer, result, "ckpt" in extras, "offload" in extras)
         if "oracle" in extras:
             result.update(oracle(models))
     else:

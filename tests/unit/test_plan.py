@@ -172,3 +172,21 @@ def test_colocated_reference_pool_adds_its_share_and_is_named_when_it_decides():
     plan = make_plan(small, model="qwen2.5-math-7b", gpu_mem_gib=80)
     errors = [str(f) for f in plan.findings if f.level == "error"]
     assert any("rollout.sglang.ref_pool.mem_fraction" in e and "ref server" in e for e in errors)
+
+
+def test_offloading_the_train_state_leaves_only_weights_in_the_colocated_rollout():
+    args = [*ONE_NODE, "trainer.tp=1", "rollout.sglang.tp=1",
+            "rollout.sglang.mem_fraction_static=0.6", "rollout.sampling.max_new_tokens=4096",
+            "trainer.micro_batch_tokens=8192", "trainer.recompute=true"]  # fmt: skip
+    resident = make_plan(load_config(None, args), model="qwen3-8b", gpu_mem_gib=80)
+    offloaded = make_plan(
+        load_config(None, [*args, "trainer.offload_train_state=true"]), model="qwen3-8b",
+        gpu_mem_gib=80,
+    )  # fmt: skip
+    before, after = resident.phases["rollout"], offloaded.phases["rollout"]
+    assert "grads" in before and "grads" not in after and "optimizer" not in after
+    assert after["weights"] == before["weights"]
+    assert offloaded.phases["train"] == resident.phases["train"]
+    assert sum(after.values()) < sum(before.values()) - 16 * GiB  # fp32 grads of 8B: ~33 GiB
+    assert not resident.fits and resident.peak_phase == "rollout"
+    assert offloaded.fits, offloaded.report()
