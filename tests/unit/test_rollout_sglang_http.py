@@ -441,7 +441,9 @@ def test_disk_transport_and_memory_calls(standin, tmp_path):
         engine.update_weights(iter(tensors), version=3)
         assert engine.weight_version() == 3
         assert torch.equal(standin.weights["lm_head.weight"], tensors[1][1])
-        assert engine.generate([[1]], 1, SamplingParams(max_new_tokens=1))[0][0].weight_version == 3
+        engine.update_weights(iter(tensors), version=4)  # the loaded v3 copy is removed
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["v4"]
+        assert engine.generate([[1]], 1, SamplingParams(max_new_tokens=1))[0][0].weight_version == 4
         engine.release_memory()
         engine.resume_memory(tags=["weights"])
         assert [e for e, _ in standin.calls][-2:] == [
@@ -540,7 +542,7 @@ def test_reference_pool_servers_get_their_own_ports_gpus_and_memory_share():
         assert (
             ref.server_process(ref.servers[1], True, "/logs").log_path == "/logs/sglang_ref_1.log"
         )
-        assert ref.weights_dir.endswith("sglang_weights/ref")
+        assert ref.weights_dir.endswith("sglang_weights/ref/127.0.0.1")
     finally:
         policy.close()
         ref.close()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import shutil
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -127,7 +128,8 @@ class SGLangEngine(RolloutEngine):
         """The ``pool`` (``policy`` | ``ref``) of ``rollout.sglang.pools.pool_specs(config)``
         (its servers ``indices`` on GPUs ``gpu_ids`` of this node, ``host`` its address),
         launched unless ``start`` is false (``orchestration.layout: colocated`` turns on SGLang's
-        memory saver so ``release_memory`` works); disk updates go under the run dir."""
+        memory saver so ``release_memory`` works); disk updates go under the run dir, one
+        directory per pool and node (the servers of a node read what its worker wrote)."""
         specs = pool_specs(config)
         if pool not in specs:
             raise ValueError(
@@ -137,7 +139,7 @@ class SGLangEngine(RolloutEngine):
         run_dir = os.path.join(config.run.output_dir, config.run.name)
         engine = cls(
             config.trainer.model_path, config.rollout.sglang, host=host, pool=specs[pool],
-            weights_dir=os.path.join(run_dir, "sglang_weights", pool), gpu_ids=gpu_ids,
+            weights_dir=os.path.join(run_dir, "sglang_weights", pool, host), gpu_ids=gpu_ids,
             indices=indices,
         )  # fmt: skip
         if start:
@@ -302,6 +304,7 @@ class SGLangEngine(RolloutEngine):
                 "/update_weights_from_disk",
                 lambda s: transport.disk_payload(path, version),
             )
+            self._prune_disk_versions(keep=path)
         elif kind == "distributed":
             raise ValueError(
                 "rollout.sglang.weight_transport=distributed streams from the trainer ranks: use "
@@ -329,6 +332,13 @@ class SGLangEngine(RolloutEngine):
         out = os.path.join(self.weights_dir, f"v{version}")
         save_hf_dir(named_tensors, self.model_path, out)
         return out
+
+    def _prune_disk_versions(self, keep: str) -> None:
+        """Delete the HF dirs of older pushes once the servers loaded ``keep`` (a long run
+        would otherwise leave one model copy per step on the shared filesystem)."""
+        for entry in os.scandir(self.weights_dir):
+            if entry.is_dir() and entry.name.startswith("v") and entry.path != keep:
+                shutil.rmtree(entry.path, ignore_errors=True)
 
     def _post_all(self, servers: list[EngineServer], endpoint: str, payload_fn) -> None:
         async def post_all():
