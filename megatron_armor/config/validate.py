@@ -206,6 +206,16 @@ def check_sglang_reference(config: ArmorConfig) -> Problems:
         )
 
 
+def check_offload(config: ArmorConfig) -> Problems:
+    """``trainer.offload_train_state`` frees trainer GPU memory for colocated engines."""
+    if config.trainer.offload_train_state and config.orchestration.layout == "disaggregated":
+        yield (
+            "trainer.offload_train_state=true with orchestration.layout='disaggregated': the "
+            "trainer has its GPUs to itself, so moving its state out and back every step only "
+            "costs time; set trainer.offload_train_state=false (it is for the colocated layout)"
+        )
+
+
 def check_parallel(config: ArmorConfig) -> Problems:
     """Parallel sizes divide the world size and the model's heads and layers."""
     t = config.trainer
@@ -312,6 +322,7 @@ RULES: list[Callable[[ArmorConfig], Problems]] = [
     check_batches,
     check_reference_serving,
     check_sglang_reference,
+    check_offload,
     check_parallel,
     check_hardware,
     check_run,

@@ -418,22 +418,30 @@ def heal_rollout(trainer: TrainerGroup, rollout: RolloutGroup, streamed: bool) -
     """Restart dead SGLang servers and give them their pool's current weights before they
     serve again (the policy, or the reference for the reference pool); returns the count.
 
-    ``streamed``: the pool's NCCL group lost a member, so the trainer drops it and streams to
-    the whole pool in a new group; otherwise only the restarted servers get the export.
+    Per pool with restarts, once: ``streamed`` drops the pool's NCCL group (it lost a member)
+    and streams to the whole pool under a new one; otherwise one export goes to just the
+    restarted servers of every worker.
     """
+    restarted = rollout.restart_dead_servers()  # per worker: {pool: [server index]}
     count = 0
-    for engine, pools in enumerate(rollout.restart_dead_servers()):
-        for pool, indices in pools.items():
-            weights = "policy" if pool == "policy" else "ref"
-            version = rollout.pool_version(pool)
-            if streamed:
-                trainer.drop_sender(pool)
-                trainer.stream_weights(version, rollout.weight_targets(pool), weights, pool)
-            else:
-                rollout.resync_servers(engine, pool, indices, trainer.export_refs(weights))
-            rollout.rejoin(engine, pool, indices)
-            print(f"rollout: restarted SGLang {pool} server(s) {indices} and re-synced their "
-                  f"weights (version {version})", flush=True)  # fmt: skip
+    for pool in sorted({pool for per_worker in restarted for pool in per_worker}):
+        weights = "policy" if pool == "policy" else "ref"
+        version = rollout.pool_version(pool)
+        refs = None
+        if streamed:
+            trainer.drop_sender(pool)
+            trainer.stream_weights(version, rollout.weight_targets(pool), weights, pool)
+        else:
+            refs = trainer.export_refs(weights)
+        for worker, per_worker in enumerate(restarted):
+            indices = per_worker.get(pool)
+            if not indices:
+                continue
+            if refs is not None:
+                rollout.resync_servers(worker, pool, indices, refs)
+            rollout.rejoin(worker, pool, indices)
+            print(f"rollout: restarted SGLang {pool} server(s) {indices} of worker {worker} "
+                  f"and re-synced their weights (version {version})", flush=True)  # fmt: skip
             count += len(indices)
     return count
 

@@ -82,13 +82,13 @@ def sync_and_maybe_reset(s: Session, step: int) -> dict[str, float]:
     with s.timers.phase("sync"):
         streamed = uses_distributed_transport(s.config)  # trainer ranks -> SGLang over NCCL
         refs = None if streamed else s.trainer.export_refs("policy")
+        if s.config.trainer.offload_train_state:  # before the engines take their memory back
+            s.trainer.offload_train_state()  # (runs after the export: calls are ordered)
         if s.config.orchestration.layout == "colocated":
             s.rollout.resume_memory()
         num_bytes = push_policy(s.trainer, s.rollout, step, refs)
         s.state.policy_version = step
     s.meter.add_weight_sync(s.timers.seconds("sync"), num_bytes)
-    if s.config.trainer.offload_train_state:  # the engines generate next: update state out
-        s.trainer.offload_train_state()
     if not s.schedule.should_reset(step):
         return {"reset/performed": 0.0, "reset/ref_version": float(s.state.ref_version)}
     with s.timers.phase("reset"):

@@ -120,11 +120,12 @@ def _plan_bundles(config: ArmorConfig) -> LayoutPlan:
             rollout_gpus=0.2, bundles=world, trainer_bundles=list(range(world)),
             rollout_bundles=list(range(0, world, tp)),
         )  # fmt: skip
-    if orch.rollout_gpus < tp or orch.rollout_gpus % tp:
+    sglang = config.rollout.backend == "sglang"  # its pools are checked by pool_problems
+    if not sglang and (orch.rollout_gpus < tp or orch.rollout_gpus % tp):
         raise ValueError(
             f"orchestration.rollout_gpus={orch.rollout_gpus}: the disaggregated layout needs a "
             f"positive multiple of rollout.sglang.tp={tp}"
-        )  # (SGLang pools are checked by rollout.sglang.pools.pool_problems)
+        )
     engines = orch.rollout_gpus // tp
     return LayoutPlan(
         "disaggregated", world, engines, orch.num_reward_workers, trainer_gpus=1.0,

@@ -145,9 +145,15 @@ class Session:
         self.state.reset = self.schedule.state_dict()
         self.state.rollout = self.rollout.state_dicts()
         self.state.capture_rng()
+        offload = self.config.trainer.offload_train_state
+        colocated = self.config.orchestration.layout == "colocated"
+        if offload and colocated:  # the save brings the update state back: engines step aside
+            self.rollout.release_memory()
         self.trainer.save_checkpoint(str(tmp / "trainer"), {"step": step})
-        if self.config.trainer.offload_train_state:  # saving brought the update state back
+        if offload:
             self.trainer.offload_train_state()
+            if colocated:
+                self.rollout.resume_memory()
         self.state.save(tmp)
         return checkpoints.commit_checkpoint(self.run_dir, tmp, step, self.config.run.keep_last)
 
@@ -157,6 +163,12 @@ class Session:
             None if uses_distributed_transport(self.config) else self.trainer.export_refs("policy")
         )
         push_policy(self.trainer, self.rollout, version, refs)
+
+    def offload_for_rollout(self) -> None:
+        """``trainer.offload_train_state``: the first rollout (or the first after a resume)
+        runs without the update state on the GPUs too."""
+        if self.config.trainer.offload_train_state:
+            self.trainer.offload_train_state()
 
     def push_reference(self, version: int, reset: bool = False) -> None:
         """Serve the trainer's reference at ``version`` (start-up, resume, or a ``reset``)."""
@@ -184,6 +196,7 @@ class Session:
             truncate_metrics(self.run_dir, -1)
             self.push_policy(0)
             self.push_reference(0)
+            self.offload_for_rollout()
             return 0
         self.trainer.load_checkpoint(str(path / "trainer"))
         state = RunState.load(path)
@@ -195,6 +208,7 @@ class Session:
         self.rollout.load_state_dicts(state.rollout)
         truncate_metrics(self.run_dir, state.step)
         self.state = state
+        self.offload_for_rollout()
         print(f"resumed from {path} at step {state.step}", flush=True)
         return state.step
 

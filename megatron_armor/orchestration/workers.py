@@ -234,6 +234,26 @@ class TrainerWorker:
         self.trainer = None
 
 
+def visible_index(gpu_id: int) -> int:
+    """The ``--base-gpu-id`` of Ray GPU ``gpu_id`` for a server started from this process.
+
+    Ray names GPUs by their entries in the node's ``CUDA_VISIBLE_DEVICES`` (e.g. ``4`` on a
+    Slurm node given GPUs 4-7) and leaves that variable alone for an actor without GPUs, so
+    the server inherits it and counts devices from 0 within it: map the id to its position.
+    """
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    if not visible:
+        return gpu_id
+    entries = [e.strip() for e in visible.split(",")]
+    if str(gpu_id) not in entries:
+        raise RuntimeError(
+            f"Ray placed an SGLang server on GPU {gpu_id}, which is not in this node's "
+            f"CUDA_VISIBLE_DEVICES={visible!r}; start Ray with the same visible devices as the "
+            "job (slurm/armor.sbatch does)"
+        )
+    return entries.index(str(gpu_id))
+
+
 def make_engine(
     config: ArmorConfig,
     device: str,
@@ -256,7 +276,7 @@ def make_engine(
 
         host = node_ip() if ray.is_initialized() else "127.0.0.1"  # reachable from other nodes
         indices = [i for i, _ in servers] if servers is not None else None
-        gpu_ids = [g for _, g in servers] if servers is not None else None
+        gpu_ids = [visible_index(g) for _, g in servers] if servers is not None else None
         return SGLangEngine.from_config(config, pool, host=host, gpu_ids=gpu_ids, indices=indices)
     raise ValueError(f"rollout.backend={backend!r}: expected 'torch' or 'sglang'")
 
@@ -331,6 +351,8 @@ class RolloutWorker:
             raise
         self.tokenizer = load_model_tokenizer(config.trainer.model_path)
         strategy, fill = reference_strategy(config)
+        if config.algo.anchor == "none":  # no reference samples: no reference weights either
+            strategy = fill = "none"
         self.keep_copies = "swap" in (strategy, fill)
         self.copies: dict[str, NamedTensors] = {}
         self.counted: dict[str, float] = {}

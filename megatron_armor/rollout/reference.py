@@ -35,6 +35,8 @@ WeightsFn = Callable[[str], NamedTensors]
 """``weights_fn(which)`` streams the trainer's HF-named ``which`` weights (``policy`` | ``ref``),
 e.g. ``trainer.export_weights``."""
 STRATEGIES = ("swap", "dedicated", "cache")
+"""The ``rollout.ref_strategy`` names; :func:`make_reference_sampler` also takes ``none`` (no
+anchors: versions only)."""
 
 
 class ReferenceSampler(ABC):
@@ -65,6 +67,17 @@ class ReferenceSampler(ABC):
 
     def load_state_dict(self, state: dict) -> None:
         self.ref_version = int(state["ref_version"])
+
+
+class NoReferenceSampler(ReferenceSampler):
+    """``algo.anchor: none``: the run draws no reference samples; the engines hold no
+    reference weights and only the reference version (moved by resets) is tracked."""
+
+    def sample(self, query_ids, prompts, n, params):
+        raise RuntimeError(
+            "reference samples were asked for with algo.anchor=none; set algo.anchor to "
+            "'armor' or 'filter_only' to draw them"
+        )
 
 
 class SwapReferenceSampler(ReferenceSampler):
@@ -204,8 +217,11 @@ def make_reference_sampler(
     """Build the sampler for ``rollout.ref_strategy``.
 
     ``swap`` needs ``weights_fn``; ``dedicated`` uses ``ref_engine`` (its ``policy`` set) when
-    given, else ``engine``'s ``ref`` set; ``cache`` wraps a ``cache_fill`` sampler.
+    given, else ``engine``'s ``ref`` set; ``cache`` wraps a ``cache_fill`` sampler; ``none``
+    (``algo.anchor: none``) tracks the version only.
     """
+    if strategy == "none":
+        return NoReferenceSampler(ref_version)
     if strategy == "swap":
         if weights_fn is None:
             raise ValueError(

@@ -282,3 +282,12 @@ def test_sglang_servers_may_span_nodes_but_not_straddle_them():
                      "orchestration.rollout_gpus=4"]  # fmt: skip
     message = _error(*disaggregated)
     assert "trainer.world_size=6 + the SGLang servers' 4 GPUs > orchestration.nodes" in message
+
+
+def test_offloading_the_train_state_is_for_shared_gpus():
+    ok = ["rollout.backend=sglang", "orchestration.layout=colocated", "trainer.world_size=8",
+          "trainer.offload_train_state=true"]  # fmt: skip
+    assert find_problems(load_config(None, ok)) == []
+    message = _error("trainer.offload_train_state=true", "orchestration.layout=disaggregated",
+                     "orchestration.rollout_gpus=1", "rollout.backend=sglang")  # fmt: skip
+    assert "trainer.offload_train_state=true with orchestration.layout='disaggregated'" in message

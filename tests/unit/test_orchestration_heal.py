@@ -61,24 +61,26 @@ class Rollout:
 
 
 def test_restarted_servers_get_their_pools_weights_before_rejoining():
-    trainer, rollout = Trainer(), Rollout([{"policy": [1], "ref": [0]}])
-    assert heal_rollout(trainer, rollout, streamed=False) == 2
-    assert trainer.calls == [("export", "policy"), ("export", "ref")]
+    trainer, rollout = Trainer(), Rollout([{"policy": [1], "ref": [0]}, {"policy": [4]}])
+    assert heal_rollout(trainer, rollout, streamed=False) == 3
+    assert trainer.calls == [("export", "policy"), ("export", "ref")]  # once per pool
     assert rollout.calls == [
         ("restart",),
         ("resync", 0, "policy", (1,), ("policy-tensors",)),
         ("rejoin", 0, "policy", (1,)),
+        ("resync", 1, "policy", (4,), ("policy-tensors",)),
+        ("rejoin", 1, "policy", (4,)),
         ("resync", 0, "ref", (0,), ("ref-tensors",)),
         ("rejoin", 0, "ref", (0,)),
     ]
 
 
 def test_streamed_pools_get_a_new_group_and_a_full_sync_at_their_version():
-    trainer, rollout = Trainer(), Rollout([{"ref": [1]}])
-    assert heal_rollout(trainer, rollout, streamed=True) == 1
+    trainer, rollout = Trainer(), Rollout([{"ref": [1]}, {"ref": [3]}])
+    assert heal_rollout(trainer, rollout, streamed=True) == 2
     targets = (("http://ref-0", 1), ("http://ref-1", 1))
-    assert trainer.calls == [("drop", "ref"), ("stream", 8, targets, "ref", "ref")]
-    assert rollout.calls[-1] == ("rejoin", 0, "ref", (1,))
+    assert trainer.calls == [("drop", "ref"), ("stream", 8, targets, "ref", "ref")]  # once
+    assert rollout.calls[-2:] == [("rejoin", 0, "ref", (1,)), ("rejoin", 1, "ref", (3,))]
 
 
 def test_nothing_dead_means_no_weight_traffic():
@@ -113,3 +115,26 @@ def test_worker_roles_follow_the_pools_on_each_node():
     assert worker_roles(hosts[:1], has_ref_pool=False) == ([0], [0])  # swap: the policy servers
     with pytest.raises(ValueError, match="hold no ref servers"):
         worker_roles(hosts[:1], has_ref_pool=True)
+
+
+def test_server_gpus_are_counted_within_the_visible_devices(monkeypatch):
+    from megatron_armor.orchestration.workers import visible_index
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert visible_index(5) == 5
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")  # a Slurm node's share of GPUs
+    assert [visible_index(g) for g in (4, 7)] == [0, 3]
+    with pytest.raises(RuntimeError, match="not in this node's CUDA_VISIBLE_DEVICES='4,5,6,7'"):
+        visible_index(1)
+
+
+def test_anchor_free_runs_keep_only_the_reference_version():
+    from megatron_armor.rollout.reference import NoReferenceSampler, make_reference_sampler
+
+    sampler = make_reference_sampler("none", engine=None)
+    assert isinstance(sampler, NoReferenceSampler)
+    sampler.load_reference(0, None)
+    sampler.on_reset(20, lambda: pytest.fail("no reference weights are pushed"))
+    assert sampler.state_dict() == {"ref_version": 20}
+    with pytest.raises(RuntimeError, match="algo.anchor=none"):
+        sampler.sample(["q"], [[1]], 1, None)

@@ -21,6 +21,7 @@ from megatron_armor.orchestration.run_state import EXIT_REQUEUE, RunState, StopS
 from megatron_armor.orchestration.session import check_batch_sizes
 from megatron_armor.orchestration.step_metrics import reduce_update_metrics
 from megatron_armor.orchestration.workers import reference_strategy
+from megatron_armor.rollout.sglang.pools import pool_problems
 from megatron_armor.types import Group, Sample
 
 pytestmark = pytest.mark.unit
@@ -122,6 +123,8 @@ def test_layouts():
         "disaggregated", "swap", 2
     )  # fmt: skip
     cfg.orchestration.rollout_gpus = 3
+    assert any("orchestration.rollout_gpus=3" in p for p in pool_problems(cfg))  # SGLang: pools
+    cfg.rollout.backend = "torch"  # embedded engines: rollout_gpus / tp of them
     with pytest.raises(ValueError, match="orchestration.rollout_gpus=3"):
         plan_layout(cfg)
     cfg.orchestration.layout = "mesh"

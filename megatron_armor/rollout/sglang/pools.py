@@ -151,9 +151,11 @@ def pool_problems(config: ArmorConfig) -> list[str]:
         out.append(f"the SGLang servers ({counts}) need {used} GPUs but {where}; lower "
                    "rollout.sglang.num_engines / ref_pool.num_engines or their tp")  # fmt: skip
     elif o.layout == "disaggregated" and used < gpus:
+        tps = " + ".join(f"{s.name} tp {s.tp}" for s in specs.values())
         out.append(f"orchestration.rollout_gpus={gpus} but the SGLang servers use {used}; set "
-                   "rollout.sglang.num_engines (and ref_pool.num_engines) to fill them, or 0 "
-                   "to fill them automatically")  # fmt: skip
+                   "rollout.sglang.num_engines (and ref_pool.num_engines) to use them all, or "
+                   f"make rollout_gpus a multiple of {tps} (the automatic split, num_engines: "
+                   "0, gives each policy server a reference server)")  # fmt: skip
     if "ref" in specs and o.layout == "colocated":
         total = sg.mem_fraction_static + specs["ref"].share
         if total > MAX_SHARED_FRACTION + 1e-9:
