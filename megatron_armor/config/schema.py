@@ -130,6 +130,9 @@ class SGLangConfig:
     """Bucket size for weight updates."""
     extra_args: dict[str, Any] = field(default_factory=dict)
     """Extra ``sglang.launch_server`` arguments (validated against SGLang's ``ServerArgs``)."""
+    server_module: str = "sglang.launch_server"
+    """Module started as ``python -m MODULE`` with the ``ServerArgs`` flags: a site's wrapper or
+    patched SGLang build may take its place."""
     ref_pool: SGLangRefPoolConfig = field(default_factory=SGLangRefPoolConfig)
     """The reference pool (``rollout.ref_strategy: dedicated`` or a ``cache`` filled by it)."""
     health_check_every: int = 1

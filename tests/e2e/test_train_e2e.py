@@ -54,7 +54,15 @@ def tiny_dir() -> Path:
 class Run:
     """One ``armor train`` subprocess with its own process group and Ray temp dir."""
 
-    def __init__(self, out: Path, name: str, tiny: Path, *overrides: str, resume: str = "auto"):
+    def __init__(
+        self,
+        out: Path,
+        name: str,
+        tiny: Path,
+        *overrides: str,
+        resume: str = "auto",
+        env: dict[str, str] | None = None,
+    ):
         self.run_dir = out / name
         self.ray_tmp = tempfile.mkdtemp(prefix="ar", dir="/tmp")  # short: unix socket paths
         self.log = (out / f"{name}.{time.time_ns()}.log").open("w")
@@ -69,7 +77,8 @@ class Run:
             f"data.val_files=[{tiny / 'data' / 'val.parquet'}]", *overrides,
         ]  # fmt: skip
         env = dict(os.environ, RAY_TMPDIR=self.ray_tmp, RAY_AUTH_MODE="disabled",
-                   RAY_USAGE_STATS_ENABLED="0", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")  # fmt: skip
+                   RAY_USAGE_STATS_ENABLED="0", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+                   **(env or {}))  # fmt: skip
         cmd = [sys.executable, "-m", "megatron_armor.cli", "train",
                str(REPO / "configs" / "tiny_cpu.yaml"), *args, "--resume", resume]  # fmt: skip
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self.log,
@@ -261,3 +270,61 @@ def test_tensor_parallel_trainer_matches_single_rank(reference_run, tiny_dir, ou
         assert got[key] == pytest.approx(expected[key], rel=1e-4, abs=1e-6), key
     assert got["rollout/policy_logprob_absdiff_max"] < 1e-3
     assert (run.run_dir / "checkpoints" / "step_000001" / "meta.json").is_file()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.timeout(900)
+def test_sglang_backend_with_a_reference_pool_and_a_wedged_server(tiny_dir, out_dir, tmp_path):
+    """The SGLang code path end to end on CPU. The rollout worker launches the servers as the
+    backend does, with ``rollout.sglang.server_module`` pointing at a stand-in that runs the
+    embedded engine behind SGLang's HTTP API (``sglang_standin.py``): a policy server and a
+    dedicated reference pool, disk weight sync, the reference pushed at start-up and at the
+    reset. Each server wedges (503 on /health_generate) once its weights reach version 1: the
+    health check before the next step restarts it and re-syncs it before it serves again."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    env = {
+        "PYTHONPATH": os.pathsep.join(
+            [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]
+        ),
+        "ARMOR_STANDIN_WEDGE_AT_VERSION": "1",
+        "ARMOR_STANDIN_MARK_DIR": str(marks),
+    }
+    sglang = ["rollout.backend=sglang", "rollout.sglang.server_module=sglang_standin",
+              "rollout.sglang.weight_transport=disk", "rollout.sglang.router=false",
+              "rollout.sglang.startup_timeout_s=180", "rollout.ref_strategy=dedicated",
+              f"rollout.sglang.base_port={_free_port()}",
+              f"rollout.sglang.ref_pool.base_port={_free_port()}"]  # fmt: skip
+    run = Run(out_dir, "sglang", tiny_dir, *sglang, "run.steps=3", "validation.every=3", env=env)
+    try:
+        code = run.wait()
+    finally:
+        for pid in _pids_mentioning("sglang_standin"):  # a failed run must not leave servers
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert code == 0, run.output()
+    records = {r["step"]: r for r in read_metrics(run.run_dir)}
+    # policy server wedged by step 1's sync, reference server by step 2's reset: one restart each
+    assert [records[s]["rollout/servers_restarted"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
+    assert len(list(marks.iterdir())) == 2  # both servers wedged once
+    for s in (1, 2, 3):  # the engines' log-probs are the trainer's: weights synced and re-synced
+        assert records[s]["rollout/policy_logprob_absdiff_max"] < 1e-3, s
+        assert records[s]["rollout/anchor_logprob_absdiff_max"] < 1e-3, s
+    versions = {s: {x["anchor_version"] for x in anchor_lines(run.run_dir, s) if "anchor_version" in x}
+                for s in (1, 2, 3)}  # fmt: skip
+    assert versions == {1: {0}, 2: {0}, 3: {2}}  # the reference pool follows the reset
+    assert records[3]["kl/exact_reverse"] == pytest.approx(0.0, abs=1e-6)
+    assert any(k.startswith("val/val/avg@") for k in records[3])  # validation through SGLang
+    logs = sorted(p.name for p in run.run_dir.glob("sglang*.log"))
+    assert logs == ["sglang_0.log", "sglang_ref_0.log"]
+    weights = run.run_dir / "sglang_weights"
+    assert [len(list(d.iterdir())) for d in sorted(weights.glob("*/*"))] == [1, 1]  # pruned

@@ -153,7 +153,7 @@ class SGLangEngine(RolloutEngine):
     # ------------------------------------------------------------------ lifecycle
     def launch(self, colocated: bool = True, log_dir: str | None = None) -> None:
         """Start every server (``colocated`` enables SGLang's memory saver) and the router."""
-        launch.require_sglang()
+        launch.require_sglang(self.cfg.server_module)
         if log_dir:
             os.makedirs(log_dir, exist_ok=True)
         for server in self.servers:
@@ -181,9 +181,8 @@ class SGLangEngine(RolloutEngine):
         )
         pool = "" if self.pool.name == "policy" else f"{self.pool.name}_"
         log = os.path.join(log_dir, f"sglang_{pool}{server.index}.log") if log_dir else None
-        return launch.ManagedProcess(
-            launch.build_server_command(args), f"{server.url}/health_generate", log
-        )
+        command = launch.build_server_command(args, module=self.cfg.server_module)
+        return launch.ManagedProcess(command, f"{server.url}/health_generate", log)
 
     def _launch_router(self, log_dir: str | None) -> None:
         port = self.pool.router_port

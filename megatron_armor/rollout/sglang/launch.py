@@ -92,15 +92,22 @@ def args_to_cli(args: dict[str, Any]) -> list[str]:
     return out
 
 
+DEFAULT_SERVER_MODULE = "sglang.launch_server"
+
+
 def build_server_command(
-    args: dict[str, Any], known_fields: Iterable[str] | None = None, python: str = sys.executable
+    args: dict[str, Any],
+    known_fields: Iterable[str] | None = None,
+    python: str = sys.executable,
+    module: str = DEFAULT_SERVER_MODULE,
 ) -> list[str]:
-    """``python -m sglang.launch_server ...`` for ``args`` (validated against ``known_fields``,
-    by default the installed SGLang's ``ServerArgs``; skipped only when SGLang is absent)."""
+    """``python -m sglang.launch_server ...`` (or ``module``: a site's wrapper taking the same
+    flags) for ``args``, validated against ``known_fields``, by default the installed SGLang's
+    ``ServerArgs`` (skipped only when SGLang is absent)."""
     fields = known_fields if known_fields is not None else server_arg_fields()
     if fields is not None:
         validate_server_args(args, fields)
-    return [python, "-m", "sglang.launch_server", *args_to_cli(args)]
+    return [python, "-m", module, *args_to_cli(args)]
 
 
 def build_router_command(
@@ -121,9 +128,10 @@ def build_router_command(
     ]  # fmt: skip
 
 
-def require_sglang() -> None:
-    """Fail early, with the fix, when the SGLang backend is asked for without SGLang."""
-    if server_arg_fields() is None:
+def require_sglang(module: str = DEFAULT_SERVER_MODULE) -> None:
+    """Fail early, with the fix, when the SGLang backend is asked for without SGLang (a
+    custom ``rollout.sglang.server_module`` brings its own server)."""
+    if module == DEFAULT_SERVER_MODULE and server_arg_fields() is None:
         raise RuntimeError(
             "rollout.backend=sglang needs the sglang package (GPU clusters only): "
             "pip install -r requirements-gpu.txt, or set rollout.backend=torch"

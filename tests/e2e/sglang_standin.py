@@ -1,0 +1,106 @@
+"""An SGLang server stand-in for CPU end-to-end runs, started exactly as the SGLang backend
+starts its servers: ``python -m sglang_standin --model-path DIR --host H --port P ...`` (the
+ServerArgs flags; ``rollout.sglang.server_module=sglang_standin`` with this folder on
+``PYTHONPATH``).
+
+It answers SGLang's native endpoints the run uses (``/health_generate``, ``/generate`` with
+``input_ids`` / ``sampling_params`` / ``return_logprob``, ``/update_weights_from_disk``,
+``/release_memory_occupation``, ``/resume_memory_occupation``, ``/abort_request``) with real
+samples of the HF model in ``--model-path`` drawn by the embedded engine (``TorchEngine``), so
+log-probs are exact and a run's engine-vs-trainer checks hold. One request = one sample,
+seeded by ``sampling_params.sampling_seed``.
+
+``ARMOR_STANDIN_WEDGE_AT_VERSION=V`` (with ``ARMOR_STANDIN_MARK_DIR``): once its weights
+reach version ``V``, the first process on a port answers ``/health_generate`` with 503 from
+then on — a wedged server for the health-check test; the restarted process is healthy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+from pathlib import Path
+
+import torch
+from aiohttp import web
+from safetensors.torch import load_file
+
+from megatron_armor.rollout.protocol import SamplingParams
+from megatron_armor.rollout.torch_engine import TorchEngine
+
+
+class StandInServer:
+    def __init__(self, model_path: str, port: int) -> None:
+        self.engine = TorchEngine(model_path)
+        self.port = port
+        self.version = "0"
+        self.lock = asyncio.Lock()  # one engine call at a time
+        wedge = os.environ.get("ARMOR_STANDIN_WEDGE_AT_VERSION")
+        mark_dir = os.environ.get("ARMOR_STANDIN_MARK_DIR")
+        self.mark = Path(mark_dir) / f"wedged-{port}" if mark_dir and wedge else None
+        self.wedge_at = int(wedge) if self.mark is not None and not self.mark.exists() else None
+        self.wedged = False
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=1 << 30)
+        app.router.add_get("/health_generate", self.health)
+        app.router.add_post("/generate", self.generate)
+        app.router.add_post("/update_weights_from_disk", self.update_from_disk)
+        for endpoint in ("/release_memory_occupation", "/resume_memory_occupation",
+                         "/abort_request", "/flush_cache"):  # fmt: skip
+            app.router.add_post(endpoint, self.ok)
+        return app
+
+    async def health(self, request: web.Request) -> web.Response:
+        if self.wedged:
+            return web.Response(status=503, text="wedged")
+        return web.Response(text="ok")
+
+    async def ok(self, request: web.Request) -> web.Response:
+        return web.json_response({"success": True, "message": ""})
+
+    async def generate(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        sp = body["sampling_params"]
+        params = SamplingParams(
+            temperature=sp.get("temperature", 1.0), top_p=sp.get("top_p", 1.0),
+            top_k=sp.get("top_k", -1), max_new_tokens=sp["max_new_tokens"],
+            stop_token_ids=set(sp.get("stop_token_ids", [])), seed=sp.get("sampling_seed"),
+        )  # fmt: skip
+        async with self.lock:
+            loop = asyncio.get_running_loop()
+            out = await loop.run_in_executor(
+                None, lambda: self.engine.generate([body["input_ids"]], 1, params)[0][0]
+            )
+        triples = [[lp, tok, None] for lp, tok in zip(out.logprobs, out.token_ids, strict=True)]
+        meta = {"id": body.get("rid", ""), "finish_reason": {"type": out.finish_reason},
+                "prompt_tokens": len(body["input_ids"]), "completion_tokens": len(out.token_ids),
+                "weight_version": self.version, "output_token_logprobs": triples}  # fmt: skip
+        return web.json_response({"text": "", "output_ids": out.token_ids, "meta_info": meta})
+
+    async def update_from_disk(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        tensors = load_file(os.path.join(body["model_path"], "model.safetensors"))
+        async with self.lock:
+            self.engine.update_weights(list(tensors.items()), int(body.get("weight_version", 0)))
+        self.version = str(body.get("weight_version", self.version))
+        if self.wedge_at is not None and int(self.version) >= self.wedge_at:
+            self.wedged = True
+            self.mark.touch()
+        return web.json_response({"success": True, "message": "", "num_paused_requests": 0})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-path", required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    args, _ = parser.parse_known_args()  # the other ServerArgs flags do not apply here
+    torch.set_num_threads(1)
+    server = StandInServer(args.model_path, args.port)
+    web.run_app(server.app(), host=args.host, port=args.port, print=None)
+
+
+if __name__ == "__main__":
+    main()
