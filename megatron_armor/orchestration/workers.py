@@ -166,7 +166,7 @@ class TrainerWorker:
         version: int,
         targets: list[tuple[str, int]],
         weights: str = "policy",
-        backend: str = "nccl",
+        backend: str | None = None,
         master_address: str | None = None,
         pool: str = "policy",
     ) -> int:
@@ -177,8 +177,9 @@ class TrainerWorker:
         export yields tensors (TP 0 / DP 0 of each pipeline stage) send. Their sender per pool
         (group ``armor-weights-pp{stage}`` / ``armor-ref-weights-pp{stage}``, rendezvous on
         ``master_address`` — default this node's IP — and a free port) is created at the first
-        call and kept.
+        call and kept. ``backend``: NCCL on GPUs, gloo on a CPU-only machine (tests).
         """
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         with nvtx_range("weight_sync"):
             tensors = iter(self.trainer.export_weights(weights))
             first = next(tensors, None)

@@ -5,7 +5,9 @@ ServerArgs flags; ``rollout.sglang.server_module=sglang_standin`` with this fold
 
 It answers SGLang's native endpoints the run uses (``/health_generate``, ``/generate`` with
 ``input_ids`` / ``sampling_params`` / ``return_logprob``, ``/update_weights_from_disk``,
-``/release_memory_occupation``, ``/resume_memory_occupation``, ``/abort_request``) with real
+``/init_weights_update_group`` + ``/update_weights_from_distributed`` (gloo broadcasts from the
+trainer rank) + ``/destroy_weights_update_group``, ``/release_memory_occupation``,
+``/resume_memory_occupation``, ``/abort_request``) with real
 samples of the HF model in ``--model-path`` drawn by the embedded engine (``TorchEngine``), so
 log-probs are exact and a run's engine-vs-trainer checks hold. One request = one sample,
 seeded by ``sampling_params.sampling_seed``.
@@ -23,10 +25,12 @@ import os
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from aiohttp import web
 from safetensors.torch import load_file
 
 from megatron_armor.rollout.protocol import SamplingParams
+from megatron_armor.rollout.sglang import weights as transport
 from megatron_armor.rollout.torch_engine import TorchEngine
 
 
@@ -41,12 +45,16 @@ class StandInServer:
         self.mark = Path(mark_dir) / f"wedged-{port}" if mark_dir and wedge else None
         self.wedge_at = int(wedge) if self.mark is not None and not self.mark.exists() else None
         self.wedged = False
+        self.group = None  # the trainer's weight-sync group (distributed transport)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=1 << 30)
         app.router.add_get("/health_generate", self.health)
         app.router.add_post("/generate", self.generate)
         app.router.add_post("/update_weights_from_disk", self.update_from_disk)
+        app.router.add_post("/init_weights_update_group", self.init_group)
+        app.router.add_post("/update_weights_from_distributed", self.update_from_distributed)
+        app.router.add_post("/destroy_weights_update_group", self.destroy_group)
         for endpoint in ("/release_memory_occupation", "/resume_memory_occupation",
                          "/abort_request", "/flush_cache"):  # fmt: skip
             app.router.add_post(endpoint, self.ok)
@@ -82,8 +90,47 @@ class StandInServer:
     async def update_from_disk(self, request: web.Request) -> web.Response:
         body = await request.json()
         tensors = load_file(os.path.join(body["model_path"], "model.safetensors"))
+        return await self._load(list(tensors.items()), body)
+
+    async def init_group(self, request: web.Request) -> web.Response:
+        """Join the trainer's weight-sync group (gloo on CPU; rank ``rank_offset``)."""
+        body = await request.json()
+
+        def join():
+            return transport.new_weight_sync_group(
+                body["master_address"], body["master_port"], body["rank_offset"],
+                body["world_size"], body["group_name"], body["backend"], timeout_s=120,
+            )  # fmt: skip
+
+        self.group = await asyncio.get_running_loop().run_in_executor(None, join)
+        return web.json_response({"success": True, "message": ""})
+
+    async def update_from_distributed(self, request: web.Request) -> web.Response:
+        """Receive the bucket the trainer broadcasts (``names`` / ``dtypes`` / ``shapes``)."""
+        body = await request.json()
+
+        def receive():
+            out = []
+            for name, dtype, shape in zip(
+                body["names"], body["dtypes"], body["shapes"], strict=True
+            ):
+                tensor = torch.empty(shape, dtype=getattr(torch, dtype))
+                dist.broadcast(tensor, src=0, group=self.group)
+                out.append((name, tensor))
+            return out
+
+        tensors = await asyncio.get_running_loop().run_in_executor(None, receive)
+        return await self._load(tensors, body)
+
+    async def destroy_group(self, request: web.Request) -> web.Response:
+        if self.group is not None:
+            dist.destroy_process_group(self.group)
+            self.group = None
+        return web.json_response({"success": True, "message": ""})
+
+    async def _load(self, tensors: list, body: dict) -> web.Response:
         async with self.lock:
-            self.engine.update_weights(list(tensors.items()), int(body.get("weight_version", 0)))
+            self.engine.update_weights(tensors, int(body.get("weight_version", 0)))
         self.version = str(body.get("weight_version", self.version))
         if self.wedge_at is not None and int(self.version) >= self.wedge_at:
             self.wedged = True

@@ -281,13 +281,17 @@ def _free_port() -> int:
 
 
 @pytest.mark.timeout(900)
-def test_sglang_backend_with_a_reference_pool_and_a_wedged_server(tiny_dir, out_dir, tmp_path):
+@pytest.mark.parametrize("transport", ["disk", "distributed"])
+def test_sglang_backend_with_a_reference_pool_and_a_wedged_server(
+    transport, tiny_dir, out_dir, tmp_path
+):
     """The SGLang code path end to end on CPU. The rollout worker launches the servers as the
     backend does, with ``rollout.sglang.server_module`` pointing at a stand-in that runs the
     embedded engine behind SGLang's HTTP API (``sglang_standin.py``): a policy server and a
-    dedicated reference pool, disk weight sync, the reference pushed at start-up and at the
-    reset. Each server wedges (503 on /health_generate) once its weights reach version 1: the
-    health check before the next step restarts it and re-syncs it before it serves again."""
+    dedicated reference pool, weights by disk or streamed by the trainer rank (gloo here, NCCL
+    on GPUs), the reference pushed at start-up and at the reset. Each server wedges (503 on
+    /health_generate) once its weights reach version 1: the health check before the next step
+    restarts it and re-syncs it (a new weight-sync group when streamed) before it serves."""
     marks = tmp_path / "marks"
     marks.mkdir()
     env = {
@@ -298,11 +302,12 @@ def test_sglang_backend_with_a_reference_pool_and_a_wedged_server(tiny_dir, out_
         "ARMOR_STANDIN_MARK_DIR": str(marks),
     }
     sglang = ["rollout.backend=sglang", "rollout.sglang.server_module=sglang_standin",
-              "rollout.sglang.weight_transport=disk", "rollout.sglang.router=false",
+              f"rollout.sglang.weight_transport={transport}", "rollout.sglang.router=false",
               "rollout.sglang.startup_timeout_s=180", "rollout.ref_strategy=dedicated",
               f"rollout.sglang.base_port={_free_port()}",
               f"rollout.sglang.ref_pool.base_port={_free_port()}"]  # fmt: skip
-    run = Run(out_dir, "sglang", tiny_dir, *sglang, "run.steps=3", "validation.every=3", env=env)
+    run = Run(out_dir, f"sglang_{transport}", tiny_dir, *sglang, "run.steps=3",
+              "validation.every=3", env=env)  # fmt: skip
     try:
         code = run.wait()
     finally:
@@ -327,4 +332,7 @@ def test_sglang_backend_with_a_reference_pool_and_a_wedged_server(tiny_dir, out_
     logs = sorted(p.name for p in run.run_dir.glob("sglang*.log"))
     assert logs == ["sglang_0.log", "sglang_ref_0.log"]
     weights = run.run_dir / "sglang_weights"
-    assert [len(list(d.iterdir())) for d in sorted(weights.glob("*/*"))] == [1, 1]  # pruned
+    if transport == "disk":  # one pushed version left per pool and node
+        assert [len(list(d.iterdir())) for d in sorted(weights.glob("*/*"))] == [1, 1]
+    else:  # streamed by the trainer rank: nothing written
+        assert not weights.exists() or not any(weights.rglob("*.safetensors"))
