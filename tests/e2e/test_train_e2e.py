@@ -281,15 +281,19 @@ def _free_port() -> int:
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("transport", ["disk", "distributed"])
+@pytest.mark.parametrize(
+    ("transport", "strategy"),
+    [("disk", "dedicated"), ("distributed", "dedicated"), ("disk", "swap")],
+)
 def test_sglang_backend_with_a_reference_pool_and_a_wedged_server(
-    transport, tiny_dir, out_dir, tmp_path
+    transport, strategy, tiny_dir, out_dir, tmp_path
 ):
     """The SGLang code path end to end on CPU. The rollout worker launches the servers as the
     backend does, with ``rollout.sglang.server_module`` pointing at a stand-in that runs the
     embedded engine behind SGLang's HTTP API (``sglang_standin.py``): a policy server and a
-    dedicated reference pool, weights by disk or streamed by the trainer rank (gloo here, NCCL
-    on GPUs), the reference pushed at start-up and at the reset. Each server wedges (503 on
+    dedicated reference pool (or the reference swapped into the policy server), weights by disk
+    or streamed by the trainer rank (gloo here, NCCL on GPUs), the reference pushed at start-up
+    and at the reset. Each server wedges (503 on
     /health_generate) once its weights reach version 1: the health check before the next step
     restarts it and re-syncs it (a new weight-sync group when streamed) before it serves."""
     marks = tmp_path / "marks"
@@ -303,10 +307,10 @@ def test_sglang_backend_with_a_reference_pool_and_a_wedged_server(
     }
     sglang = ["rollout.backend=sglang", "rollout.sglang.server_module=sglang_standin",
               f"rollout.sglang.weight_transport={transport}", "rollout.sglang.router=false",
-              "rollout.sglang.startup_timeout_s=180", "rollout.ref_strategy=dedicated",
+              "rollout.sglang.startup_timeout_s=180", f"rollout.ref_strategy={strategy}",
               f"rollout.sglang.base_port={_free_port()}",
               f"rollout.sglang.ref_pool.base_port={_free_port()}"]  # fmt: skip
-    run = Run(out_dir, f"sglang_{transport}", tiny_dir, *sglang, "run.steps=3",
+    run = Run(out_dir, f"sglang_{transport}_{strategy}", tiny_dir, *sglang, "run.steps=3",
               "validation.every=3", env=env)  # fmt: skip
     try:
         code = run.wait()
@@ -319,8 +323,10 @@ def test_sglang_backend_with_a_reference_pool_and_a_wedged_server(
     assert code == 0, run.output()
     records = {r["step"]: r for r in read_metrics(run.run_dir)}
     # policy server wedged by step 1's sync, reference server by step 2's reset: one restart each
-    assert [records[s]["rollout/servers_restarted"] for s in (1, 2, 3)] == [0.0, 1.0, 1.0]
-    assert len(list(marks.iterdir())) == 2  # both servers wedged once
+    pools = ["policy", "ref"] if strategy == "dedicated" else ["policy"]  # swap: one server
+    restarts = [records[s]["rollout/servers_restarted"] for s in (1, 2, 3)]
+    assert restarts == ([0.0, 1.0, 1.0] if strategy == "dedicated" else [0.0, 1.0, 0.0])
+    assert len(list(marks.iterdir())) == len(pools)  # each server wedged once
     for s in (1, 2, 3):  # the engines' log-probs are the trainer's: weights synced and re-synced
         assert records[s]["rollout/policy_logprob_absdiff_max"] < 1e-3, s
         assert records[s]["rollout/anchor_logprob_absdiff_max"] < 1e-3, s
@@ -330,9 +336,9 @@ def test_sglang_backend_with_a_reference_pool_and_a_wedged_server(
     assert records[3]["kl/exact_reverse"] == pytest.approx(0.0, abs=1e-6)
     assert any(k.startswith("val/val/avg@") for k in records[3])  # validation through SGLang
     logs = sorted(p.name for p in run.run_dir.glob("sglang*.log"))
-    assert logs == ["sglang_0.log", "sglang_ref_0.log"]
+    assert logs == ["sglang_0.log", "sglang_ref_0.log"][: len(pools)]
     weights = run.run_dir / "sglang_weights"
     if transport == "disk":  # one pushed version left per pool and node
-        assert [len(list(d.iterdir())) for d in sorted(weights.glob("*/*"))] == [1, 1]
+        assert [len(list(d.iterdir())) for d in sorted(weights.glob("*/*"))] == [1] * len(pools)
     else:  # streamed by the trainer rank: nothing written
         assert not weights.exists() or not any(weights.rglob("*.safetensors"))
