@@ -66,6 +66,21 @@ def merge_reward_stats(a: dict[str, float], b: dict[str, float]) -> dict[str, fl
     return out
 
 
+def close_groups(groups: list) -> None:
+    """Close each actor group (trainer, rollout: its SGLang servers, reward), then kill its
+    actors; best effort, so a failing close never hides the error that ended the run."""
+    import ray
+
+    for group in groups:
+        try:
+            group.close()
+        except Exception as err:  # noqa: BLE001 - report and keep shutting down
+            print(f"warning: closing {type(group).__name__} failed: {err}", flush=True)
+    for group in groups:
+        for actor in group.actors:
+            ray.kill(actor)
+
+
 def _remote(cls, options: dict):
     import ray
 
@@ -231,7 +246,21 @@ class RolloutGroup:
         startup = config.orchestration.ray_init_timeout_s
         if config.rollout.backend == "sglang":  # the worker waits for every server's health
             startup = max(startup, 2 * config.rollout.sglang.startup_timeout_s)
-        wait([a.health.remote() for a in self.actors], "rollout engine start-up", startup)
+        try:
+            wait([a.health.remote() for a in self.actors], "rollout engine start-up", startup)
+        except BaseException:
+            self._close_started()  # the workers that did start stop their servers
+            raise
+
+    def _close_started(self) -> None:
+        import ray
+
+        for actor in self.actors:
+            try:
+                ray.get(actor.close.remote(), timeout=300)
+            except Exception:  # noqa: BLE001 - a worker that failed to start has nothing to stop
+                pass
+            ray.kill(actor)
 
     def _fan_out(self, actors: list, method: str, items: list, *args, params: SamplingParams):
         parts = shard(items, len(actors))
@@ -293,10 +322,11 @@ class RolloutGroup:
             "rollout weight version",
         )
 
-    def reference_streamed(self, version: int, reset: bool) -> None:
-        """The trainer streamed the reference into the reference pool (NCCL transport)."""
+    def reference_in_place(self, version: int, reset: bool) -> None:
+        """Record reference ``version`` without sending weights: the trainer streamed them into
+        the reference pool (NCCL transport), or the run draws no reference samples."""
         wait(
-            [a.reference_streamed.remote(version, reset) for a in self.reference_actors],
+            [a.reference_in_place.remote(version, reset) for a in self.reference_actors],
             "rollout reference version",
         )
 
@@ -394,7 +424,12 @@ def push_policy(
 
 
 def push_reference(
-    trainer: TrainerGroup, rollout: RolloutGroup, version: int, streamed: bool, reset: bool
+    trainer: TrainerGroup,
+    rollout: RolloutGroup,
+    version: int,
+    streamed: bool,
+    reset: bool,
+    anchors: bool = True,
 ) -> None:
     """Serve the trainer's reference weights at ``version``: at start-up / resume, or after a
     reset (``reset``: the trainer's reference is already the policy; the anchor cache is dropped).
@@ -402,10 +437,15 @@ def push_reference(
     ``streamed`` (``weight_transport: distributed``) with a reference pool: the trainer ranks
     broadcast straight into the reference servers. Otherwise the export goes through the
     object store into the worker's reference sampler (swap copies, dedicated set or pool).
+    Without ``anchors`` (``algo.anchor: none``) nothing is sent: the engines only record the
+    version.
     """
+    if not anchors:
+        rollout.reference_in_place(version, reset)
+        return
     if streamed and rollout.has_ref_pool:
         trainer.stream_weights(version, rollout.weight_targets("ref"), weights="ref", pool="ref")
-        rollout.reference_streamed(version, reset)
+        rollout.reference_in_place(version, reset)
         return
     refs = trainer.export_refs("ref")
     if reset:

@@ -26,6 +26,7 @@ from megatron_armor.orchestration.groups import (
     RewardGroup,
     RolloutGroup,
     TrainerGroup,
+    close_groups,
     heal_rollout,
     push_policy,
     push_reference,
@@ -115,10 +116,18 @@ class Session:
         plan = plan_layout(config)
         init_ray(config, plan)
         pg, order, where = create_bundles(plan, config.orchestration.ray_init_timeout_s)
-        trainer = TrainerGroup(config, plan, pg, order, str(run_dir / "profile"))
-        rollout = RolloutGroup(config, plan, pg, order, rollout_hosts(plan, where))
-        reward = RewardGroup(config, plan)
-        trainer.init()
+        built: list = []
+        try:  # a failed start must not leave actors or SGLang servers behind
+            trainer = TrainerGroup(config, plan, pg, order, str(run_dir / "profile"))
+            built.append(trainer)
+            rollout = RolloutGroup(config, plan, pg, order, rollout_hosts(plan, where))
+            built.append(rollout)
+            reward = RewardGroup(config, plan)
+            built.append(reward)
+            trainer.init()
+        except BaseException:
+            close_groups(built)
+            raise
         r = config.algo.reset
         log = config.logging
         from omegaconf import OmegaConf
@@ -173,7 +182,8 @@ class Session:
     def push_reference(self, version: int, reset: bool = False) -> None:
         """Serve the trainer's reference at ``version`` (start-up, resume, or a ``reset``)."""
         streamed = uses_distributed_transport(self.config)
-        push_reference(self.trainer, self.rollout, version, streamed, reset)
+        anchors = self.config.algo.anchor != "none"
+        push_reference(self.trainer, self.rollout, version, streamed, reset, anchors)
 
     def heal_rollout(self, step: int) -> int:
         """Every ``rollout.sglang.health_check_every`` steps: restart dead SGLang servers and
@@ -218,13 +228,6 @@ class Session:
 
         self.progress.close()
         self.logger.close()
-        for group in (self.trainer, self.rollout, self.reward):
-            try:
-                group.close()
-            except Exception as err:  # noqa: BLE001 - report and keep shutting down
-                print(f"warning: closing {type(group).__name__} failed: {err}", flush=True)
-        for group in (self.trainer, self.rollout, self.reward):
-            for actor in group.actors:
-                ray.kill(actor)
+        close_groups([self.trainer, self.rollout, self.reward])
         if shutdown_ray:
             ray.shutdown()

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from megatron_armor.orchestration.anchor_rollout import RolloutResult
-from megatron_armor.types import Group, Sample, TrainBatch
+from megatron_armor.types import Group, Sample, SampleSource, TrainBatch
 
 
 def _mean(values: list[float]) -> float | None:
@@ -118,17 +118,24 @@ def write_anchor_file(run_dir: str | Path, step: int, result: RolloutResult) -> 
 
     Query lines: ``query_id``, ``gen_batch``, ``reason`` (accepted | all_correct | all_wrong |
     no_reference_correct), correct counts of policy and reference samples, ``kept`` (accepted
-    and among the first ``B``) and, for kept groups with an anchor, ``anchor_len``, ``anchor_score``
-    and ``anchor_version`` (the reference weight version that generated it).
+    and among the first ``B``), for kept groups ``policy_versions`` (the policy weight versions
+    that generated their on-policy samples) and, with an anchor, ``anchor_len``,
+    ``anchor_score`` and ``anchor_version`` (the reference weight version that generated it).
     """
     path = Path(run_dir) / "anchors" / f"step_{step:06d}.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
     anchors = {
         g.query_id: g.samples[g.anchor_index] for g in result.groups if g.anchor_index is not None
     }
+    policy_versions = {
+        g.query_id: sorted({s.weight_version for s in g.samples if s.source == SampleSource.POLICY})
+        for g in result.groups
+    }
     lines = [json.dumps({"type": "stats", "step": step, **result.stats.as_metrics()})]
     for record in result.records:
         record = {"type": "query", **record}
+        if record.get("kept"):
+            record["policy_versions"] = policy_versions[record["query_id"]]
         anchor = anchors.get(record["query_id"]) if record.get("kept") else None
         if anchor is not None:
             record.update(anchor_len=anchor.response_len, anchor_score=anchor.score,

@@ -330,7 +330,6 @@ class RolloutWorker:
         enable_worker_nvtx(config)
         import ray
 
-        from megatron_armor.rollout.reference import make_reference_sampler
         from megatron_armor.rollout.sglang.pools import uses_ref_pool
 
         device = "cuda" if ray.get_gpu_ids() and torch.cuda.is_available() else "cpu"
@@ -340,16 +339,21 @@ class RolloutWorker:
             pools = [p for p in pools if servers.get(p)]
         self.index = index
         self.engine = self.ref_engine = None
-        try:
-            for pool in pools:
-                engine = make_engine(config, device, pool, (servers or {}).get(pool))
-                if pool == "policy":
-                    self.engine = engine
-                else:
-                    self.ref_engine = engine
+        try:  # whatever fails, the servers already started are stopped
+            self._start(config, device, pools, servers, wanted_ref)
         except BaseException:
             self.close()
             raise
+
+    def _start(self, config, device: str, pools: list[str], servers, wanted_ref: bool) -> None:
+        from megatron_armor.rollout.reference import make_reference_sampler
+
+        for pool in pools:
+            engine = make_engine(config, device, pool, (servers or {}).get(pool))
+            if pool == "policy":
+                self.engine = engine
+            else:
+                self.ref_engine = engine
         self.tokenizer = load_model_tokenizer(config.trainer.model_path)
         strategy, fill = reference_strategy(config)
         if config.algo.anchor == "none":  # no reference samples: no reference weights either
@@ -417,10 +421,12 @@ class RolloutWorker:
             self.copies["ref"] = tensors
         self.reference.on_reset(version, lambda: iter(tensors))
 
-    def reference_streamed(self, version: int, reset: bool) -> None:
-        """The trainer ranks streamed the reference into the reference pool themselves (NCCL
-        transport): record ``version``, and on a ``reset`` drop the anchor cache."""
-        self._pool("ref").set_weight_version(version)
+    def reference_in_place(self, version: int, reset: bool) -> None:
+        """Record reference ``version`` (on a ``reset`` also drop the anchor cache) without
+        receiving weights: the trainer ranks streamed them into the reference pool (NCCL
+        transport), or the run draws no reference samples (``algo.anchor: none``)."""
+        if self.ref_engine is not None:
+            self.ref_engine.set_weight_version(version)
         if reset:
             self.reference.on_reset(version, None)
         else:

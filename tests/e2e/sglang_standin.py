@@ -10,7 +10,9 @@ trainer rank) + ``/destroy_weights_update_group``, ``/release_memory_occupation`
 ``/resume_memory_occupation``, ``/abort_request``) with real
 samples of the HF model in ``--model-path`` drawn by the embedded engine (``TorchEngine``), so
 log-probs are exact and a run's engine-vs-trainer checks hold. One request = one sample,
-seeded by ``sampling_params.sampling_seed``.
+seeded by ``sampling_params.sampling_seed``; ``--tp-size`` must be 1. Not covered by it: the
+router, the CUDA-IPC tensor transport, early aborts (the loop does not use them) and SGLang's
+own kernels (the gpu tier).
 
 ``ARMOR_STANDIN_WEDGE_AT_VERSION=V`` (with ``ARMOR_STANDIN_MARK_DIR``): once its weights
 reach version ``V``, the first process on a port answers ``/health_generate`` with 503 from
@@ -76,15 +78,16 @@ class StandInServer:
             top_k=sp.get("top_k", -1), max_new_tokens=sp["max_new_tokens"],
             stop_token_ids=set(sp.get("stop_token_ids", [])), seed=sp.get("sampling_seed"),
         )  # fmt: skip
-        async with self.lock:
+        async with self.lock:  # the sample and its version come from the same weights
             loop = asyncio.get_running_loop()
             out = await loop.run_in_executor(
                 None, lambda: self.engine.generate([body["input_ids"]], 1, params)[0][0]
             )
+            version = self.version
         triples = [[lp, tok, None] for lp, tok in zip(out.logprobs, out.token_ids, strict=True)]
         meta = {"id": body.get("rid", ""), "finish_reason": {"type": out.finish_reason},
                 "prompt_tokens": len(body["input_ids"]), "completion_tokens": len(out.token_ids),
-                "weight_version": self.version, "output_token_logprobs": triples}  # fmt: skip
+                "weight_version": version, "output_token_logprobs": triples}  # fmt: skip
         return web.json_response({"text": "", "output_ids": out.token_ids, "meta_info": meta})
 
     async def update_from_disk(self, request: web.Request) -> web.Response:
@@ -131,7 +134,7 @@ class StandInServer:
     async def _load(self, tensors: list, body: dict) -> web.Response:
         async with self.lock:
             self.engine.update_weights(tensors, int(body.get("weight_version", 0)))
-        self.version = str(body.get("weight_version", self.version))
+            self.version = str(body.get("weight_version", self.version))
         if self.wedge_at is not None and int(self.version) >= self.wedge_at:
             self.wedged = True
             self.mark.touch()
@@ -143,7 +146,10 @@ def main() -> None:
     parser.add_argument("--model-path", required=True)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--tp-size", type=int, default=1)
     args, _ = parser.parse_known_args()  # the other ServerArgs flags do not apply here
+    if args.tp_size != 1:
+        raise SystemExit(f"sglang_standin serves one process per server: --tp-size {args.tp_size}")
     torch.set_num_threads(1)
     server = StandInServer(args.model_path, args.port)
     web.run_app(server.app(), host=args.host, port=args.port, print=None)

@@ -272,12 +272,22 @@ def test_tensor_parallel_trainer_matches_single_rank(reference_run, tiny_dir, ou
     assert (run.run_dir / "checkpoints" / "step_000001" / "meta.json").is_file()
 
 
-def _free_port() -> int:
+def _server_ports(count: int) -> list[int]:
+    """Distinct free ports below the ephemeral range (Ray opens many sockets meanwhile)."""
+    import random
     import socket
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    ports: list[int] = []
+    while len(ports) < count:
+        port = random.randrange(20000, 30000)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+        if port not in ports:
+            ports.append(port)
+    return ports
 
 
 @pytest.mark.timeout(900)
@@ -298,6 +308,7 @@ def test_sglang_backend_with_a_reference_pool_and_a_wedged_server(
     restarts it and re-syncs it (a new weight-sync group when streamed) before it serves."""
     marks = tmp_path / "marks"
     marks.mkdir()
+    ports = _server_ports(2)
     env = {
         "PYTHONPATH": os.pathsep.join(
             [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]
@@ -308,19 +319,19 @@ def test_sglang_backend_with_a_reference_pool_and_a_wedged_server(
     sglang = ["rollout.backend=sglang", "rollout.sglang.server_module=sglang_standin",
               f"rollout.sglang.weight_transport={transport}", "rollout.sglang.router=false",
               "rollout.sglang.startup_timeout_s=180", f"rollout.ref_strategy={strategy}",
-              f"rollout.sglang.base_port={_free_port()}",
-              f"rollout.sglang.ref_pool.base_port={_free_port()}"]  # fmt: skip
+              f"rollout.sglang.base_port={ports[0]}",
+              f"rollout.sglang.ref_pool.base_port={ports[1]}"]  # fmt: skip
     run = Run(out_dir, f"sglang_{transport}_{strategy}", tiny_dir, *sglang, "run.steps=3",
               "validation.every=3", env=env)  # fmt: skip
-    try:
-        code = run.wait()
-    finally:
-        for pid in _pids_mentioning("sglang_standin"):  # a failed run must not leave servers
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    code = run.wait()
+    left = [pid for port in ports for pid in _pids_mentioning(f"--port {port}")]
+    for pid in left:  # this run's servers only
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     assert code == 0, run.output()
+    assert not left, "the run left its SGLang servers running"
     records = {r["step"]: r for r in read_metrics(run.run_dir)}
     # policy server wedged by step 1's sync, reference server by step 2's reset: one restart each
     pools = ["policy", "ref"] if strategy == "dedicated" else ["policy"]  # swap: one server
@@ -333,6 +344,9 @@ def test_sglang_backend_with_a_reference_pool_and_a_wedged_server(
     versions = {s: {x["anchor_version"] for x in anchor_lines(run.run_dir, s) if "anchor_version" in x}
                 for s in (1, 2, 3)}  # fmt: skip
     assert versions == {1: {0}, 2: {0}, 3: {2}}  # the reference pool follows the reset
+    for s in (1, 2, 3):  # on-policy samples come from the weights of the previous step, also
+        kept = [x for x in anchor_lines(run.run_dir, s) if x.get("kept")]  # after a restart
+        assert kept and all(x["policy_versions"] == [s - 1] for x in kept), s
     assert records[3]["kl/exact_reverse"] == pytest.approx(0.0, abs=1e-6)
     assert any(k.startswith("val/val/avg@") for k in records[3])  # validation through SGLang
     logs = sorted(p.name for p in run.run_dir.glob("sglang*.log"))

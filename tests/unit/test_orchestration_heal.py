@@ -50,8 +50,8 @@ class Rollout:
     def rejoin(self, engine, pool, indices):
         self.calls.append(("rejoin", engine, pool, tuple(indices)))
 
-    def reference_streamed(self, version, reset):
-        self.calls.append(("streamed", version, reset))
+    def reference_in_place(self, version, reset):
+        self.calls.append(("in_place", version, reset))
 
     def load_reference(self, version, refs):
         self.calls.append(("load", version, tuple(refs)))
@@ -94,12 +94,15 @@ def test_reference_pushes_stream_into_the_reference_pool_or_go_through_the_expor
     push_reference(trainer, rollout, 40, streamed=True, reset=True)
     targets = (("http://ref-0", 1), ("http://ref-1", 1))
     assert trainer.calls == [("stream", 40, targets, "ref", "ref")]
-    assert rollout.calls == [("streamed", 40, True)]
+    assert rollout.calls == [("in_place", 40, True)]
     trainer, rollout = Trainer(), Rollout([], has_ref_pool=False)
-    push_reference(trainer, rollout, 0, streamed=True, reset=False)  # e.g. anchors off
+    push_reference(trainer, rollout, 0, streamed=True, reset=False)  # no reference pool
     push_reference(trainer, rollout, 40, streamed=False, reset=True)
     assert trainer.calls == [("export", "ref"), ("export", "ref")]
     assert rollout.calls == [("load", 0, ("ref-tensors",)), ("reset", 40, ("ref-tensors",))]
+    trainer, rollout = Trainer(), Rollout([])
+    push_reference(trainer, rollout, 20, streamed=False, reset=True, anchors=False)
+    assert trainer.calls == [] and rollout.calls == [("in_place", 20, True)]  # nothing sent
 
 
 def test_worker_roles_follow_the_pools_on_each_node():

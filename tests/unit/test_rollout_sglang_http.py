@@ -279,6 +279,15 @@ def test_launch_command_uses_server_args_flags():
         launch.build_server_command({**args, "max_runing_requests": 1}, SERVER_ARGS_FIELDS)
 
 
+def test_a_custom_server_module_takes_the_same_flags():
+    args = launch.server_args_for("/m", 30001)
+    cmd = launch.build_server_command(args, SERVER_ARGS_FIELDS, python="py", module="site.serve")
+    assert cmd[:3] == ["py", "-m", "site.serve"] and "--port" in cmd
+    launch.require_sglang("json")  # an importable custom module needs no SGLang
+    with pytest.raises(RuntimeError, match="rollout.sglang.server_module='no_such_server'"):
+        launch.require_sglang("no_such_server")
+
+
 def test_router_command_and_missing_sglang():
     cmd = launch.build_router_command(["http://a:1", "http://b:2"], 29000, python="python")
     assert cmd == ["python", "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", "29000",
@@ -614,3 +623,31 @@ def test_dedicated_reference_pool_serves_anchors_from_reference_weights(two_stan
     finally:
         policy.close()
         ref.close()
+
+
+def test_stop_reaches_the_children_of_a_dead_server(tmp_path):
+    """A crashed server's leader is gone but its children (SGLang's scheduler) still hold the
+    GPU and the port: ``stop`` signals the whole process group anyway."""
+    pid_file = tmp_path / "child.pid"
+    script = f"sleep 300 & echo $! > {pid_file}; exit 0"
+    process = launch.ManagedProcess(["sh", "-c", script], "http://127.0.0.1:9/health_generate")
+    process.start()
+    process.process.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    while not pid_file.exists() or not pid_file.read_text().strip():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    child = int(pid_file.read_text())
+    os.kill(child, 0)  # alive, orphaned, in the server's process group
+    process.stop(timeout_s=10)
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{child}").exists() and "Z" not in _state(child):
+        assert time.monotonic() < deadline, "the orphaned child survived stop()"
+        time.sleep(0.05)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2]
+    except OSError:
+        return "gone"

@@ -9,6 +9,7 @@ Command-line flags are ``--`` + the ``ServerArgs`` field name with ``_`` -> ``-`
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 import signal
 import subprocess
@@ -129,9 +130,16 @@ def build_router_command(
 
 
 def require_sglang(module: str = DEFAULT_SERVER_MODULE) -> None:
-    """Fail early, with the fix, when the SGLang backend is asked for without SGLang (a
-    custom ``rollout.sglang.server_module`` brings its own server)."""
-    if module == DEFAULT_SERVER_MODULE and server_arg_fields() is None:
+    """Fail early, with the fix, when the SGLang backend is asked for without SGLang, or when
+    a custom ``rollout.sglang.server_module`` cannot be imported."""
+    if module != DEFAULT_SERVER_MODULE:
+        if importlib.util.find_spec(module) is None:
+            raise RuntimeError(
+                f"rollout.sglang.server_module={module!r} cannot be imported here; put its "
+                "folder on PYTHONPATH, or use the default 'sglang.launch_server'"
+            )
+        return
+    if server_arg_fields() is None:
         raise RuntimeError(
             "rollout.backend=sglang needs the sglang package (GPU clusters only): "
             "pip install -r requirements-gpu.txt, or set rollout.backend=torch"
@@ -151,13 +159,17 @@ class ManagedProcess:
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         # A new session: SGLang forks scheduler/detokenizer children, and stop() signals the
         # whole group this process leads (and nothing else).
-        self.process = subprocess.Popen(
-            self.command,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
-            start_new_session=True,
-        )
+        try:
+            self.process = subprocess.Popen(
+                self.command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **(env or {})},
+                start_new_session=True,
+            )
+        finally:
+            if log is not subprocess.DEVNULL:
+                log.close()  # the child holds its own descriptor
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
@@ -180,14 +192,38 @@ class ManagedProcess:
         )
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        if self.process is None or not self.alive():
+        """SIGTERM the process group this process leads, SIGKILL after ``timeout_s``. The
+        group is signalled even when the leader is already dead (a crashed server's scheduler
+        and detokenizer children would otherwise keep their GPU memory and port)."""
+        if self.process is None:
             return
-        os.killpg(self.process.pid, signal.SIGTERM)
+        pgid = self.process.pid
+        if not _signal_group(pgid, signal.SIGTERM):
+            self.process.poll()
+            return
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and _group_alive(pgid):
+            self.process.poll()  # reap the leader so it does not count as alive
+            time.sleep(0.1)
+        if _group_alive(pgid):
+            _signal_group(pgid, signal.SIGKILL)
         try:
             self.process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(timeout=timeout_s)
+            pass
+
+
+def _signal_group(pgid: int, sig: int) -> bool:
+    """Signal process group ``pgid``; False when it no longer exists."""
+    try:
+        os.killpg(pgid, sig)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def _group_alive(pgid: int) -> bool:
+    return _signal_group(pgid, 0)
 
 
 def http_ok(url: str, timeout_s: float) -> bool:
