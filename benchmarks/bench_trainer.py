@@ -35,7 +35,6 @@ import os
 import random
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -97,37 +96,19 @@ def build_hf_model(path: str, args: argparse.Namespace) -> int:
 
 def launch(argv: list[str], workdir: str) -> list[dict]:
     """Run the ``WORLD`` ranks of this script to completion (bounded); their result dicts."""
+    from megatron_armor.trainer.ranks import run_rank_processes
+
     port = str(free_port())
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
-    procs, logs = [], []
-    for rank in range(WORLD):
-        log = open(os.path.join(workdir, f"log{rank}.txt"), "w")
-        cmd = [
-            sys.executable,
-            os.path.abspath(__file__),
-            *argv,
-            "--worker",
-            str(rank),
-            port,
-            workdir,
-        ]
-        procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
-        logs.append(log)
+    commands = [
+        [sys.executable, os.path.abspath(__file__), *argv, "--worker", str(rank), port, workdir]
+        for rank in range(WORLD)
+    ]
+    logs = [os.path.join(workdir, f"log{rank}.txt") for rank in range(WORLD)]
     try:
-        deadline = time.monotonic() + TIMEOUT_S
-        for p in procs:
-            p.wait(timeout=max(deadline - time.monotonic(), 1))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for log in logs:
-            log.close()
-    for rank, p in enumerate(procs):
-        if p.returncode != 0:
-            tail = Path(workdir, f"log{rank}.txt").read_text()[-3000:]
-            raise SystemExit(f"bench_trainer: rank {rank} exited with {p.returncode}:\n{tail}")
+        run_rank_processes(commands, logs, env, TIMEOUT_S)
+    except RuntimeError as err:
+        raise SystemExit(f"bench_trainer: {err}") from None
     return [json.loads(Path(workdir, f"result{r}.json").read_text()) for r in range(WORLD)]
 
 

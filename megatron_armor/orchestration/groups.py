@@ -262,7 +262,11 @@ class RolloutGroup:
                 pass
             ray.kill(actor)
 
-    def _fan_out(self, actors: list, method: str, items: list, *args, params: SamplingParams):
+    def _fan_out(
+        self, actors: list, method: str, items: list, *args, params: SamplingParams, **kwargs
+    ):
+        """``method(part, *args, params, **kwargs)`` on each worker's contiguous part of
+        ``items`` (worker ``i`` seeded ``params.seed + i``); rows in ``items`` order."""
         parts = shard(items, len(actors))
         refs = []
         for i, (actor, part) in enumerate(zip(actors, parts, strict=True)):
@@ -270,7 +274,7 @@ class RolloutGroup:
                 seed = None if params.seed is None else params.seed + i
                 refs.append(
                     getattr(actor, method).remote(
-                        part, *args, dataclasses.replace(params, seed=seed)
+                        part, *args, dataclasses.replace(params, seed=seed), **kwargs
                     )
                 )
         return [row for rows in wait(refs, f"rollout {method}") for row in rows]
@@ -284,17 +288,9 @@ class RolloutGroup:
         return self._fan_out(self.reference_actors, "sample_reference", items, n, params=params)
 
     def generate_raw(self, prompts, n, params, weights="policy") -> list[list[GenerationOutput]]:
-        parts = shard(prompts, len(self.policy_actors))
-        refs = []
-        for i, (actor, part) in enumerate(zip(self.policy_actors, parts, strict=True)):
-            if part:
-                seed = None if params.seed is None else params.seed + i
-                refs.append(
-                    actor.generate_raw.remote(
-                        part, n, dataclasses.replace(params, seed=seed), weights
-                    )
-                )
-        return [row for rows in wait(refs, "rollout generation") for row in rows]
+        return self._fan_out(
+            self.policy_actors, "generate_raw", prompts, n, params=params, weights=weights
+        )
 
     def update_weights(self, version: int, export_refs: list) -> int:
         """Weight sync: every policy worker loads the trainer's exported tensors at ``version``;

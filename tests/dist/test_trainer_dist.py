@@ -30,6 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from tiny_models import make_models, oracle_tokens  # noqa: E402
 
+from megatron_armor.trainer.ranks import run_rank_processes  # noqa: E402
+
 pytestmark = pytest.mark.dist
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "trainer_worker.py")
@@ -55,40 +57,13 @@ def launch(
     os.makedirs(out, exist_ok=True)
     port = str(free_port())
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    logs, procs = [], []
-    for rank in range(world):
-        log = open(os.path.join(out, f"{mode}_log{rank}.txt"), "w")
-        args = [
-            sys.executable,
-            WORKER,
-            mode,
-            str(rank),
-            str(world),
-            port,
-            out,
-            models,
-            str(tp),
-            str(pp),
-            "1" if distopt else "0",
-            extras or "-",
-        ]
-        procs.append(subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env))
-        logs.append(log)
-    try:
-        for p in procs:
-            p.wait(timeout=TIMEOUT_S)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for log in logs:
-            log.close()
-    for rank, p in enumerate(procs):
-        if p.returncode != 0:
-            with open(os.path.join(out, f"{mode}_log{rank}.txt")) as f:
-                tail = f.read()[-3000:]
-            raise AssertionError(f"rank {rank} exited with {p.returncode}:\n{tail}")
+    commands = [
+        [sys.executable, WORKER, mode, str(rank), str(world), port, out, models, str(tp),
+         str(pp), "1" if distopt else "0", extras or "-"]
+        for rank in range(world)
+    ]  # fmt: skip
+    logs = [os.path.join(out, f"{mode}_log{rank}.txt") for rank in range(world)]
+    run_rank_processes(commands, logs, env, TIMEOUT_S)
     return merge(
         [torch.load(f, weights_only=False) for f in sorted(glob.glob(f"{out}/{mode}_rank*.pt"))]
     )

@@ -33,7 +33,7 @@ from megatron_armor.rollout.sglang.client import (
     parse_generate_response,
     sample_seed,
 )
-from megatron_armor.rollout.sglang.pools import PoolSpec, pool_specs
+from megatron_armor.rollout.sglang.pools import PoolSpec, policy_pool, pool_specs
 from megatron_armor.rollout.sglang.router import RouterAdmin
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
@@ -84,11 +84,7 @@ class SGLangEngine(RolloutEngine):
         the pool's own numbering)."""
         self.model_path = model_path
         self.cfg = cfg
-        count = len(urls) if urls else max(cfg.num_engines, 1)
-        self.pool = pool or PoolSpec(
-            "policy", count, cfg.tp, cfg.mem_fraction_static, cfg.mem_fraction_static,
-            cfg.base_port, cfg.router_port, 0,
-        )  # fmt: skip
+        self.pool = pool or policy_pool(cfg, len(urls) if urls else max(cfg.num_engines, 1))
         self.host = host
         self.weights_dir = weights_dir
         p = self.pool

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_armor.config.schema import ArmorConfig
+from megatron_armor.config.schema import ArmorConfig, SGLangConfig
 from megatron_armor.rollout.reference import reference_strategy
 
 POOLS = ("policy", "ref")
@@ -70,6 +70,13 @@ def uses_ref_pool(config: ArmorConfig) -> bool:
     return fill == "dedicated"  # ``dedicated`` itself, or the cache filled by it
 
 
+def policy_pool(sg: SGLangConfig, num_engines: int) -> PoolSpec:
+    """The policy pool of ``rollout.sglang`` with ``num_engines`` servers (on fresh GPUs its
+    share of memory is its ``--mem-fraction-static``)."""
+    return PoolSpec("policy", num_engines, max(sg.tp, 1), sg.mem_fraction_static,
+                    sg.mem_fraction_static, sg.base_port, sg.router_port, 0)  # fmt: skip
+
+
 def rollout_gpus(config: ArmorConfig) -> int:
     """GPUs the SGLang servers may use (see the module docstring; 0 on the CPU layout)."""
     o = config.orchestration
@@ -103,10 +110,7 @@ def pool_specs(config: ArmorConfig) -> dict[str, PoolSpec]:
         else:
             n = gpus // tp
         n = max(n, 1)
-    specs = {
-        "policy": PoolSpec("policy", n, tp, sg.mem_fraction_static, sg.mem_fraction_static,
-                           sg.base_port, sg.router_port, 0),
-    }  # fmt: skip
+    specs = {"policy": policy_pool(sg, n)}
     if ref:
         ref_n = rp.num_engines if rp.num_engines > 0 else n
         if layout == "disaggregated":
