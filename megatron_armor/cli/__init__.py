@@ -17,6 +17,7 @@ SUBCOMMANDS = {
     "convert": "megatron_armor.cli.convert_cmd",
     "plan": "megatron_armor.cli.plan_cmd",
     "plot": "megatron_armor.cli.plot_cmd",
+    "pipeline": "megatron_armor.cli.pipeline_cmd",
 }
 
 

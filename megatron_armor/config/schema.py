@@ -206,8 +206,16 @@ class TrainerConfig:
     """Peak learning rate."""
     min_lr: float = 0.0
     """Floor of the LR schedule."""
+    lr_unit: str = "rl_steps"
+    """What ``warmup_steps`` and ``lr_decay_steps`` count: ``rl_steps`` (the LR moves once per RL
+    step, as the paper's verl-based code steps its scheduler; every update of a step uses the
+    same LR) | ``updates`` (once per optimizer update, ``batch / ppo_mini_batch`` per step)."""
     warmup_steps: int = 10
-    """Linear warm-up in optimizer steps, then constant."""
+    """Linear warm-up from 0 over this many ``lr_unit``; the paper: 10 RL steps."""
+    lr_decay_style: str = "constant"
+    """After the warm-up: ``constant`` (the paper) | ``linear`` | ``cosine`` to ``min_lr``."""
+    lr_decay_steps: int = 0
+    """End of the decay in ``lr_unit`` (``linear``/``cosine``; must exceed ``warmup_steps``)."""
     weight_decay: float = 0.1
     """AdamW weight decay."""
     adam_beta1: float = 0.9
@@ -341,6 +349,46 @@ class LoggingConfig:
 
 
 @dataclass
+class KeepBestConfig:
+    """The best checkpoint by a metric, kept outside the ``keep_last`` rotation."""
+
+    metric: str = ""
+    """A logged metric (``val/aime24/avg@32``) or a ``*`` pattern averaged over the matching
+    keys (``val/*/avg@32``: the mean over benchmarks); "" = off."""
+    mode: str = "max"
+    """``max`` | ``min``: which direction is better."""
+
+
+@dataclass
+class OveroptConfig:
+    """Over-optimization detector (``observability/overopt.py``): validation stops improving
+    for ``patience`` validations while the training reward keeps rising (arXiv 2607.10481 §1,
+    §5.1); the KL to the start model is logged as a secondary signal."""
+
+    enabled: bool = False
+    """Run the detector and log ``overopt/*``."""
+    val_metric: str = "val/*/avg@4"
+    """Validation metric (or ``*`` pattern, averaged) that must keep improving."""
+    reward_metric: str = "reward/policy_mean"
+    """Training reward (every step)."""
+    kl_metric: str = "kl/exact_reverse"
+    """KL to the start model (the reference while it is never reset)."""
+    patience: int = 3
+    """Validations without a new best (by more than ``min_delta``) before it can fire."""
+    min_delta: float = 0.0
+    """A validation counts as an improvement only above ``best + min_delta``."""
+    reward_window: int = 10
+    """Steps up to the best validation that the later reward is compared with."""
+    min_reward_rise: float = 0.0
+    """Mean reward since the best validation minus the mean over ``reward_window`` steps before
+    it must exceed this."""
+    min_kl_growth: float = -1.0
+    """Also require the same growth of ``kl_metric`` above this (< 0: logged only)."""
+    stop: bool = True
+    """Checkpoint and end the run when it fires (``armor pipeline`` then starts stage 2)."""
+
+
+@dataclass
 class RunConfig:
     """Run identity, length and checkpointing."""
 
@@ -356,6 +404,8 @@ class RunConfig:
     """Checkpoint every N steps (and on SIGTERM/SIGUSR1)."""
     keep_last: int = 2
     """Complete checkpoints to keep."""
+    keep_best: KeepBestConfig = field(default_factory=KeepBestConfig)
+    """Also keep the best checkpoint by a metric (checkpointed at every new best)."""
     resume: str = "auto"
     """``auto`` (newest complete checkpoint in the run dir) | ``none`` | a checkpoint path."""
 
@@ -373,3 +423,4 @@ class ArmorConfig:
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     orchestration: OrchestrationConfig = field(default_factory=OrchestrationConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    overopt: OveroptConfig = field(default_factory=OveroptConfig)

@@ -27,6 +27,9 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "rollout.sglang.weight_transport": ("tensor", "distributed", "disk"),
     "trainer.precision": ("bf16", "fp16", "fp32"),
     "trainer.transformer_impl": ("local", "te"),
+    "trainer.lr_unit": ("rl_steps", "updates"),
+    "trainer.lr_decay_style": ("constant", "linear", "cosine"),
+    "run.keep_best.mode": ("max", "min"),
     "trainer.fp8.format": ("e4m3", "hybrid"),
     "trainer.fp8.recipe": ("delayed", "tensorwise", "mxfp8", "blockwise"),
     "data.template": ("dapo", "chat", "plain"),
@@ -315,6 +318,35 @@ def check_run(config: ArmorConfig) -> Problems:
         yield from _bound(value, value >= 1, f"logging.{key}", "must be >= 1")
 
 
+def check_lr_schedule(config: ArmorConfig) -> Problems:
+    """Warm-up and decay lengths (in ``trainer.lr_unit``)."""
+    t = config.trainer
+    yield from _bound(t.warmup_steps, t.warmup_steps >= 0, "trainer.warmup_steps", "must be >= 0")
+    if t.lr_decay_style != "constant" and t.lr_decay_steps <= t.warmup_steps:
+        yield (
+            f"trainer.lr_decay_steps={t.lr_decay_steps}: a {t.lr_decay_style} decay must end "
+            f"after the warm-up; set it above trainer.warmup_steps={t.warmup_steps}"
+        )
+
+
+def check_watchers(config: ArmorConfig) -> Problems:
+    """Keep-best and the over-optimization detector need the metrics they read."""
+    o, best = config.overopt, config.run.keep_best
+    watched = [("run.keep_best.metric", best.metric)] if best.metric else []
+    if o.enabled:
+        watched.append(("overopt.val_metric", o.val_metric))
+        yield from _bound(o.patience, o.patience >= 1, "overopt.patience", "must be >= 1")
+        yield from _bound(
+            o.reward_window, o.reward_window >= 1, "overopt.reward_window", "must be >= 1"
+        )
+    for key, metric in watched:
+        if metric.startswith("val/") and config.validation.every <= 0:
+            yield (
+                f"{key}={metric!r} needs validation; set validation.every > 0 (steps between "
+                "validations)"
+            )
+
+
 RULES: list[Callable[[ArmorConfig], Problems]] = [
     check_names,
     check_algo_numbers,
@@ -326,6 +358,8 @@ RULES: list[Callable[[ArmorConfig], Problems]] = [
     check_parallel,
     check_hardware,
     check_run,
+    check_lr_schedule,
+    check_watchers,
 ]
 
 

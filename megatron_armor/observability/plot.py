@@ -1,6 +1,7 @@
 """PNG curves of a run directory (``armor plot RUN_DIR``), drawn with matplotlib's Agg backend.
 
-Figures (each with the reference resets as dashed vertical lines):
+Figures (each with the reference resets as dashed vertical lines, and a red dotted line where
+the over-optimization detector fired, ``overopt/fired``):
 
 - ``reward_vs_val.png``: training reward (on-policy mean) against validation accuracy
   (``val/<bench>/avg@k``) — the paper's Fig. 1 view of over-optimization.
@@ -19,6 +20,7 @@ from typing import Any
 from megatron_armor.observability.metrics import read_metrics
 
 RESET_KEY = "reset/performed"
+OVEROPT_KEY = "overopt/fired"
 TRAIN_REWARD_KEYS = ("reward/policy_mean", "reward/mean")
 
 
@@ -49,6 +51,12 @@ def _mark_resets(ax, resets: list[int]) -> None:
         )
 
 
+def _mark_overopt(ax, records: list[dict[str, Any]]) -> None:
+    for step in (int(r["step"]) for r in records if r.get(OVEROPT_KEY)):
+        ax.axvline(step, color="tab:red", linestyle=":", linewidth=1.2,
+                   label="over-optimization detected")  # fmt: skip
+
+
 def _line_plot(records, keys, title, ylabel, out: Path, resets) -> Path | None:
     import matplotlib.pyplot as plt
 
@@ -63,6 +71,7 @@ def _line_plot(records, keys, title, ylabel, out: Path, resets) -> Path | None:
         plt.close(fig)
         return None
     _mark_resets(ax, resets)
+    _mark_overopt(ax, records)
     ax.set(title=title, xlabel="step", ylabel=ylabel)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -88,6 +97,7 @@ def _reward_vs_val(records, out: Path, resets) -> Path | None:
         ax2.plot(*series(records, key), color=f"C{i + 1}", marker="o", linestyle="-", label=key)
     ax2.set_ylabel("validation accuracy")
     _mark_resets(ax, resets)
+    _mark_overopt(ax, records)
     handles = ax.get_legend_handles_labels()
     handles2 = ax2.get_legend_handles_labels()
     ax.legend(handles[0] + handles2[0], handles[1] + handles2[1], fontsize=8, loc="best")

@@ -168,8 +168,15 @@ def run_loop(s: Session, start: int, stop: StopSignal) -> int:
         print(f"{s.run_dir} is complete at step {start} (run.steps={cfg.run.steps}); "
               "raise run.steps to continue it", flush=True)  # fmt: skip
         return 0
-    if start == 0 and cfg.validation.every > 0:
-        s.logger.log(0, {**validate(s, 0), **s.timers.pop_metrics()})
+    if s.watch.stopped:
+        print(f"{s.run_dir}: {s.watch.stop_line()}; nothing left to train", flush=True)
+        return 0
+    if start == 0 and cfg.validation.every > 0 and not s.state.watch:  # (not resumed at 0)
+        initial = validate(s, 0)
+        initial.update(s.watch.observe(0, initial))
+        s.logger.log(0, {**initial, **s.timers.pop_metrics()})
+        if s.watch.wants_checkpoint:  # the start model is the best so far (run.keep_best)
+            s.save(0)
     rollout = AnchorRollout(cfg, s.dataset, s.sampler, s.rollout, s.reward,
                             s.progress.rollout_update, s.timers)  # fmt: skip
     for step in range(start + 1, cfg.run.steps + 1):
@@ -178,7 +185,8 @@ def run_loop(s: Session, start: int, stop: StopSignal) -> int:
         metrics = run_step(s, rollout, step)
         s.trainer.profile_end(step)
         metrics.update(s.meter.pop_metrics())
-        if stop.received or checkpoint_due(cfg, step):
+        metrics.update(s.watch.observe(step, metrics))
+        if stop.received or checkpoint_due(cfg, step) or s.watch.wants_checkpoint:
             with s.timers.phase("checkpoint"):
                 s.save(step)
         metrics.update(s.timers.pop_metrics())
@@ -189,6 +197,9 @@ def run_loop(s: Session, start: int, stop: StopSignal) -> int:
             print(f"{stop.name}: checkpoint of step {step} written; exiting {EXIT_REQUEUE} "
                   "(requeue to resume)", flush=True)  # fmt: skip
             return EXIT_REQUEUE
+        if s.watch.stopped:
+            print(f"{s.watch.stop_line()}; checkpoint of step {step} written", flush=True)
+            return 0
     return 0
 
 

@@ -35,6 +35,8 @@ class RunState:
     sampler: dict = field(default_factory=dict)
     reset: dict = field(default_factory=dict)
     rollout: list[dict] = field(default_factory=list)
+    watch: dict = field(default_factory=dict)
+    """Keep-best and over-optimization detector state (``run_watch.py``)."""
     python_rng: Any = None
     torch_rng: Any = None
 

@@ -40,6 +40,7 @@ from megatron_armor.orchestration.placement import (
 )
 from megatron_armor.orchestration.progress import PhaseProgress
 from megatron_armor.orchestration.run_state import RunState
+from megatron_armor.orchestration.run_watch import RunWatch
 from megatron_armor.orchestration.workers import load_model_tokenizer, uses_distributed_transport
 from megatron_armor.planner.model import load_model_dims
 
@@ -101,6 +102,7 @@ class Session:
     alpha: float
     num_minibatches: int
     state: RunState
+    watch: RunWatch
 
     @classmethod
     def start(cls, config: ArmorConfig) -> Session:
@@ -142,7 +144,7 @@ class Session:
             timers=PhaseTimers(), progress=PhaseProgress(log.progress), tokenizer=tokenizer,
             meter=make_meter(config, plan, trainer.info.get("device_name", "cpu")),
             alpha=resolve_alpha(config.algo.alpha, config.algo.group_size),
-            num_minibatches=num_minibatches, state=RunState(),
+            num_minibatches=num_minibatches, state=RunState(), watch=RunWatch(config),
         )  # fmt: skip
 
     # ------------------------------------------------------------------ checkpoints
@@ -153,6 +155,7 @@ class Session:
         self.state.sampler = self.sampler.state_dict()
         self.state.reset = self.schedule.state_dict()
         self.state.rollout = self.rollout.state_dicts()
+        self.state.watch = self.watch.state_dict()
         self.state.capture_rng()
         offload = self.config.trainer.offload_train_state
         colocated = self.config.orchestration.layout == "colocated"
@@ -164,6 +167,7 @@ class Session:
             if colocated:
                 self.rollout.resume_memory()
         self.state.save(tmp)
+        self.watch.publish(self.run_dir)  # the best is protected before the rotation runs
         return checkpoints.commit_checkpoint(self.run_dir, tmp, step, self.config.run.keep_last)
 
     def push_policy(self, version: int) -> None:
@@ -212,6 +216,8 @@ class Session:
         state = RunState.load(path)
         self.sampler.load_state_dict(state.sampler)
         self.schedule.load_state_dict(state.reset)
+        self.watch.load_state_dict(state.watch)
+        self.watch.publish(self.run_dir)
         state.restore_rng()
         self.push_policy(state.policy_version)
         self.push_reference(state.ref_version)

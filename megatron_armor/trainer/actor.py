@@ -3,7 +3,7 @@
 Construction starts torch.distributed and megatron's parallel groups (``parallel.py``), builds
 this rank's ``GPTModel`` stage from ``trainer.model_path`` (``model.py``), loads its slices of
 the HF weights (``hf_weights.py``), wraps it in megatron DDP with the megatron optimizer and a
-warm-up-then-constant LR schedule (``optim.py``) and stores the reference copy
+LR schedule counted in RL steps or updates (``optim.py``) and stores the reference copy
 (``weight_store.py``). Every method is collective over all trainer ranks.
 """
 
@@ -24,7 +24,7 @@ from megatron_armor.trainer.hf_weights import export_hf_weights, load_hf_weights
 from megatron_armor.trainer.interface import TrainerInterface
 from megatron_armor.trainer.model import build_model, read_hf_spec
 from megatron_armor.trainer.offload import TrainStateOffloader
-from megatron_armor.trainer.optim import build_optimizer, wrap_ddp
+from megatron_armor.trainer.optim import advance_lr_schedule, build_optimizer, wrap_ddp
 from megatron_armor.trainer.schedule import (
     LogprobSettings,
     capture_builder,
@@ -95,6 +95,7 @@ class MegatronTrainer(TrainerInterface):
             chunk=t.logprob_chunk,
         )
         self.updates = 0
+        self.updates_per_step = config.rollout.batch // t.ppo_mini_batch
 
     # --- helpers ---------------------------------------------------------------------------
 
@@ -115,7 +116,8 @@ class MegatronTrainer(TrainerInterface):
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        self.scheduler.step(increment=1)  # update k uses the warm-up LR of step k (1-based)
+        t = self.config.trainer
+        advance_lr_schedule(self.scheduler, self.updates, self.updates_per_step, t.lr_unit)
         builder = policy_loss_builder(self.lp, self.loss_settings, normalizer)
         outputs = run_schedule(self.model, mbs, builder, forward_only=False)
         _, grad_norm, _ = self.optimizer.step()

@@ -20,6 +20,7 @@ _COPIED = (
     "generation_config.json",
     "tokenizer.json",
     "tokenizer_config.json",
+    "chat_template.jinja",
     "special_tokens_map.json",
     "vocab.json",
     "merges.txt",

@@ -21,7 +21,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_armor.config.schema import TrainerConfig
 
-# the schedule is "warm-up then constant": the decay horizon only has to exceed any run length
+# a constant schedule still needs a decay horizon past the warm-up: longer than any run
 _CONSTANT_HORIZON = 10**9
 
 
@@ -47,7 +47,7 @@ def wrap_ddp(model: torch.nn.Module, trainer: TrainerConfig) -> DistributedDataP
 
 
 def build_optimizer(ddp: DistributedDataParallel, trainer: TrainerConfig):
-    """``(optimizer, scheduler)``: Adam(W) with grad clipping, linear warm-up then constant."""
+    """``(optimizer, scheduler)``: Adam(W) with grad clipping and :func:`build_lr_scheduler`."""
     config = ddp.config
     opt_config = OptimizerConfig(
         optimizer="adam",
@@ -67,17 +67,51 @@ def build_optimizer(ddp: DistributedDataParallel, trainer: TrainerConfig):
     )
     optimizer = get_megatron_optimizer(opt_config, [ddp])
     config.grad_scale_func = optimizer.scale_loss if config.fp16 else None
-    scheduler = OptimizerParamScheduler(
+    return optimizer, build_lr_scheduler(optimizer, trainer)
+
+
+def build_lr_scheduler(optimizer, trainer: TrainerConfig) -> OptimizerParamScheduler:
+    """megatron-core's scheduler counting ``trainer.lr_unit`` (see :func:`lr_schedule_position`).
+
+    ``lr(n) = lr * n / warmup_steps`` for ``n <= warmup_steps`` (from 0), then constant, or a
+    ``linear``/``cosine`` decay to ``min_lr`` at ``n = lr_decay_steps`` (``lr_decay_style``).
+    With ``lr_unit: rl_steps`` and ``warmup_steps: 10`` this is the paper's 10-step warm-up
+    (arXiv 2607.10481, App. B) as its verl-based code runs it: a scheduler stepped once per RL
+    step, ``lr * min(1, s / 10)`` for RL step ``s`` counted from 0.
+    """
+    constant = trainer.lr_decay_style == "constant"
+    return OptimizerParamScheduler(
         optimizer,
         init_lr=0.0 if trainer.warmup_steps > 0 else trainer.lr,
         max_lr=trainer.lr,
         min_lr=trainer.min_lr,
         lr_warmup_steps=trainer.warmup_steps,
-        lr_decay_steps=_CONSTANT_HORIZON,
-        lr_decay_style="constant",
+        lr_decay_steps=_CONSTANT_HORIZON if constant else trainer.lr_decay_steps,
+        lr_decay_style=trainer.lr_decay_style,
         start_wd=trainer.weight_decay,
         end_wd=trainer.weight_decay,
         wd_incr_steps=_CONSTANT_HORIZON,
         wd_incr_style="constant",
     )
-    return optimizer, scheduler
+
+
+def lr_schedule_position(updates_done: int, updates_per_step: int, unit: str) -> int:
+    """The scheduler position for the next optimizer update.
+
+    ``unit = "rl_steps"``: RL steps completed, ``updates_done // updates_per_step`` — every
+    update of RL step ``s`` (from 0) uses ``lr(s)``. ``unit = "updates"``: the update's own
+    1-based index, ``updates_done + 1`` — the LR moves on every update.
+    """
+    if unit == "rl_steps":
+        return updates_done // updates_per_step
+    if unit == "updates":
+        return updates_done + 1
+    raise ValueError(f"trainer.lr_unit={unit!r}: use rl_steps or updates")
+
+
+def advance_lr_schedule(
+    scheduler: OptimizerParamScheduler, updates_done: int, updates_per_step: int, unit: str
+) -> None:
+    """Move ``scheduler`` to the position of the next update (sets every group's LR)."""
+    target = lr_schedule_position(updates_done, updates_per_step, unit)
+    scheduler.step(increment=target - scheduler.num_steps)

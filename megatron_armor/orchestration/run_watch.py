@@ -1,0 +1,69 @@
+"""The run's metric watchers wired into the loop: keep-best and the over-optimization stop.
+
+After each step the loop hands its metrics to :meth:`RunWatch.observe`, which returns the
+detector's ``overopt/*`` evidence to log. :attr:`RunWatch.wants_checkpoint` asks for a
+checkpoint at a new best (``run.keep_best``) and when the detector fires;
+:attr:`RunWatch.stopped` ends the run once the detector fired with ``overopt.stop``. The state
+travels in the orchestrator checkpoint (``RunState.watch``), so a resumed run keeps the same
+best and the same decision; ``checkpoints/best.json`` mirrors the best for tools
+(``armor convert --to-hf RUN best``, ``armor pipeline``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+from megatron_armor.config.schema import ArmorConfig
+from megatron_armor.observability.watchers import BestTracker, OveroptDetector
+from megatron_armor.orchestration import checkpoints
+
+
+class RunWatch:
+    """Keep-best tracker and over-optimization detector of one run (either may be off)."""
+
+    def __init__(self, config: ArmorConfig):
+        best = config.run.keep_best
+        self.best = BestTracker(best.metric, best.mode) if best.metric else None
+        self.detector = OveroptDetector(config.overopt) if config.overopt.enabled else None
+        self.stop_on_fire = config.overopt.stop
+        self.wants_checkpoint = False
+
+    def observe(self, step: int, metrics: Mapping[str, float | None]) -> dict[str, float]:
+        """Take one step's metrics; returns the ``overopt/*`` metrics to log with them."""
+        new_best = self.best is not None and self.best.observe(step, metrics)
+        evidence = self.detector.observe(step, metrics) if self.detector else {}
+        self.wants_checkpoint = new_best or bool(evidence.get("overopt/fired"))
+        return evidence
+
+    @property
+    def stopped(self) -> bool:
+        """The detector fired and ``overopt.stop`` ends the run."""
+        return bool(self.detector and self.stop_on_fire and self.detector.fired_step is not None)
+
+    def best_record(self) -> dict | None:
+        return self.best.record() if self.best else None
+
+    def publish(self, run_dir: str | Path) -> None:
+        """Mirror the best record into ``checkpoints/best.json`` (before the rotation runs)."""
+        if self.best is not None:
+            checkpoints.write_best(run_dir, self.best_record())
+
+    def state_dict(self) -> dict:
+        return {
+            "best": self.best.state_dict() if self.best else None,
+            "overopt": self.detector.state_dict() if self.detector else None,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.best is not None and state.get("best"):
+            self.best.load_state_dict(state["best"])
+        if self.detector is not None and state.get("overopt"):
+            self.detector.load_state_dict(state["overopt"])
+
+    def stop_line(self) -> str:
+        """What the run prints when the detector ended it."""
+        d = self.detector.state
+        return (f"over-optimization detected at step {d.fired_step}: "
+                f"{self.detector.config.val_metric} best {d.best_val:.4f} at step {d.best_step}, "
+                f"no new best for {d.stale} validations while the training reward rose")  # fmt: skip
