@@ -8,8 +8,10 @@ per-stage dotted overrides::
     stage1: {config: tiny_dapo.yaml, overrides: [run.steps=150]}
     stage2: {config: tiny_cpu.yaml, overrides: []}
 
-Command-line overrides: ``name=``/``output_dir=`` set the pipeline's, ``stage1.KEY=V`` and
-``stage2.KEY=V`` one stage's, any other ``KEY=V`` both stages'. The pipeline decides where the
+Command-line overrides: ``name=``, ``output_dir=``, ``stage1.config=``, ``stage2.config=`` set
+the pipeline's own keys (``stage2.config=../kl/dapo_kl_k3_beta_0.1.yaml`` swaps ARMOR for a KL
+baseline), ``stage1.KEY=V`` and ``stage2.KEY=V`` one stage's run config, any other ``KEY=V``
+both stages'. The pipeline decides where the
 stages run and what stage 2 starts from (``stage_overrides``): stage 1 in
 ``OUTPUT_DIR/NAME/stage1``, stage 2 in ``OUTPUT_DIR/NAME/stage2`` from the exported best
 checkpoint of stage 1 ``OUTPUT_DIR/NAME/stage1_best_hf`` (policy and reference alike).
@@ -28,6 +30,7 @@ from megatron_armor.config.schema import ArmorConfig
 
 BEST_HF_DIR = "stage1_best_hf"
 STAGES = ("stage1", "stage2")
+PIPELINE_KEYS = ("name", "output_dir", *(f"{s}.{k}" for s in STAGES for k in ("config", "overrides")))
 
 
 @dataclass
@@ -75,7 +78,7 @@ def split_overrides(overrides: list[str]) -> tuple[list[str], dict[str, list[str
     for item in overrides:
         key = item.split("=", 1)[0]
         stage = key.split(".", 1)[0]
-        if key in ("name", "output_dir"):
+        if key in PIPELINE_KEYS:
             own.append(item)
         elif stage in STAGES and "." in key:
             per_stage[stage].append(item.removeprefix(f"{stage}."))

@@ -257,6 +257,9 @@ class DataConfig:
     """Prompts longer than this (tokens) are dropped and counted."""
     shuffle: bool = True
     """Shuffle each epoch (deterministic from ``run.seed``)."""
+    train_limit: int = 0
+    """Train on the first N prompts of ``train_files`` only (0 = all): a small training set
+    that many epochs over-fit (the tiny pipeline's stage 1)."""
 
 
 @dataclass
@@ -354,7 +357,8 @@ class KeepBestConfig:
 
     metric: str = ""
     """A logged metric (``val/aime24/avg@32``) or a ``*`` pattern averaged over the matching
-    keys (``val/*/avg@32``: the mean over benchmarks); "" = off."""
+    keys (``val/*/avg@32``: the mean over benchmarks); ``@k`` stands for
+    ``@<validation.n_samples>``; "" = off."""
     mode: str = "max"
     """``max`` | ``min``: which direction is better."""
 
@@ -367,8 +371,9 @@ class OveroptConfig:
 
     enabled: bool = False
     """Run the detector and log ``overopt/*``."""
-    val_metric: str = "val/*/avg@4"
-    """Validation metric (or ``*`` pattern, averaged) that must keep improving."""
+    val_metric: str = "val/*/avg@k"
+    """Validation metric (or ``*`` pattern, averaged; ``@k`` = ``@<validation.n_samples>``)
+    that must keep improving."""
     reward_metric: str = "reward/policy_mean"
     """Training reward (every step)."""
     kl_metric: str = "kl/exact_reverse"

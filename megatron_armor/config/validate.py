@@ -303,6 +303,8 @@ def check_run(config: ArmorConfig) -> Problems:
         run.ckpt_every, run.ckpt_every >= 0, "run.ckpt_every", "must be >= 0 (0 = only on signals)"
     )
     yield from _bound(run.keep_last, run.keep_last >= 1, "run.keep_last", "must be >= 1")
+    limit = config.data.train_limit
+    yield from _bound(limit, limit >= 0, "data.train_limit", "must be >= 0 (0 = all prompts)")
     yield from _bound(val.every, val.every >= 0, "validation.every", "must be >= 0 (0 = off)")
     yield from _bound(val.n_samples, val.n_samples >= 1, "validation.n_samples", "must be >= 1")
     yield from _bound(val.top_p, 0 < val.top_p <= 1, "validation.top_p", "must lie in (0, 1]")

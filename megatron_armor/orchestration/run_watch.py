@@ -12,6 +12,7 @@ best and the same decision; ``checkpoints/best.json`` mirrors the best for tools
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 
 from megatron_armor.config.schema import ArmorConfig
@@ -23,9 +24,13 @@ class RunWatch:
     """Keep-best tracker and over-optimization detector of one run (either may be off)."""
 
     def __init__(self, config: ArmorConfig):
-        best = config.run.keep_best
-        self.best = BestTracker(best.metric, best.mode) if best.metric else None
-        self.detector = OveroptDetector(config.overopt) if config.overopt.enabled else None
+        best, overopt = config.run.keep_best, config.overopt
+        k = f"@{config.validation.n_samples}"  # `avg@k` names the run's validation k
+        self.best = BestTracker(best.metric.replace("@k", k), best.mode) if best.metric else None
+        self.detector = None
+        if overopt.enabled:
+            resolved = replace(overopt, val_metric=overopt.val_metric.replace("@k", k))
+            self.detector = OveroptDetector(resolved)
         self.stop_on_fire = config.overopt.stop
         self.wants_checkpoint = False
 

@@ -61,6 +61,12 @@ def check_batch_sizes(config: ArmorConfig) -> int:
     return b // mb
 
 
+def train_size(config: ArmorConfig, dataset) -> int:
+    """Prompts the sampler draws from: the first ``data.train_limit`` (0 = all)."""
+    limit = config.data.train_limit
+    return min(limit, len(dataset)) if limit > 0 else len(dataset)
+
+
 def load_val_datasets(config: ArmorConfig, tokenizer) -> dict:
     """One prompt dataset per validation file, named by the file stem."""
     out = {}
@@ -139,7 +145,7 @@ class Session:
         return cls(
             config=config, run_dir=run_dir, trainer=trainer, rollout=rollout, reward=reward,
             dataset=dataset, val_datasets=val,
-            sampler=ResumableSampler(len(dataset), config.run.seed, d.shuffle),
+            sampler=ResumableSampler(train_size(config, dataset), config.run.seed, d.shuffle),
             schedule=ResetSchedule(r.schedule, r.every, r.until), logger=logger,
             timers=PhaseTimers(), progress=PhaseProgress(log.progress), tokenizer=tokenizer,
             meter=make_meter(config, plan, trainer.info.get("device_name", "cpu")),

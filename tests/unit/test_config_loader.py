@@ -91,4 +91,10 @@ def test_save_and_reload_round_trip(tmp_path, child):
 
 @pytest.mark.parametrize("path", sorted((REPO / "configs").glob("**/*.yaml")), ids=lambda p: p.name)
 def test_repository_configs_are_valid(path):
-    load_config(path)
+    """Run configs, and pipeline files (``*pipeline*.yaml``) with both their stages."""
+    if "pipeline" in path.name:
+        from megatron_armor.config.pipeline import load_pipeline
+
+        load_pipeline(path)
+    else:
+        load_config(path)
