@@ -30,7 +30,11 @@ from megatron_armor.config.schema import ArmorConfig
 
 BEST_HF_DIR = "stage1_best_hf"
 STAGES = ("stage1", "stage2")
-PIPELINE_KEYS = ("name", "output_dir", *(f"{s}.{k}" for s in STAGES for k in ("config", "overrides")))
+PIPELINE_KEYS = (
+    "name",
+    "output_dir",
+    *(f"{s}.{k}" for s in STAGES for k in ("config", "overrides")),
+)
 
 
 @dataclass
