@@ -28,6 +28,9 @@ import pytest
 
 from megatron_armor.observability.metrics import read_metrics
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from process_group import kill_leftovers, pids_mentioning, wait_until  # noqa: E402
+
 pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[2]
@@ -91,13 +94,7 @@ class Run:
             self.cleanup()
 
     def wait_for(self, predicate, timeout: float = RUN_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout
-        while not predicate():
-            if self.proc.poll() is not None:
-                raise AssertionError(f"run exited {self.proc.returncode} early:\n{self.output()}")
-            if time.monotonic() > deadline:
-                raise AssertionError(f"condition not reached in {timeout}s:\n{self.output()}")
-            time.sleep(0.2)
+        wait_until(self.proc, predicate, timeout, self.output)
 
     def steps_logged(self) -> list[int]:
         return [r["step"] for r in read_metrics(self.run_dir)] if self.run_dir.exists() else []
@@ -113,33 +110,13 @@ class Run:
 
     def cleanup(self) -> None:
         """Kill leftovers of this run (its process group; Ray processes under its temp dir)."""
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        for pid in _pids_mentioning(self.ray_tmp):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_leftovers(self.proc, self.ray_tmp)
         shutil.rmtree(self.ray_tmp, ignore_errors=True)
         self.log.flush()
 
     def output(self) -> str:
         self.log.flush()
         return Path(self.log.name).read_text()[-6000:]
-
-
-def _pids_mentioning(text: str) -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            try:
-                if text.encode() in (entry / "cmdline").read_bytes():
-                    pids.append(int(entry.name))
-            except OSError:
-                continue
-    return pids
 
 
 def stable(record: dict) -> dict:
@@ -324,7 +301,7 @@ def test_sglang_backend_with_a_reference_pool_and_a_wedged_server(
     run = Run(out_dir, f"sglang_{transport}_{strategy}", tiny_dir, *sglang, "run.steps=3",
               "validation.every=3", env=env)  # fmt: skip
     code = run.wait()
-    left = [pid for port in ports for pid in _pids_mentioning(f"--port {port}")]
+    left = [pid for port in ports for pid in pids_mentioning(f"--port {port}")]
     for pid in left:  # this run's servers only
         try:
             os.kill(pid, signal.SIGKILL)
