@@ -76,6 +76,11 @@ class Pipeline:
         return self.root / BEST_HF_DIR
 
 
+def is_pipeline_file(path: str | Path) -> bool:
+    """A pipeline file has a top-level ``stage1:`` key (``slurm/armor.sbatch`` uses the same rule)."""
+    return any(line.startswith("stage1:") for line in Path(path).read_text().splitlines())
+
+
 def split_overrides(overrides: list[str]) -> tuple[list[str], dict[str, list[str]]]:
     """``(pipeline-level, {stage: its overrides})`` from the command line (module docstring)."""
     own, per_stage = [], {stage: [] for stage in STAGES}

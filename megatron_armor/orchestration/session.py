@@ -214,6 +214,7 @@ class Session:
                     f"{existing[-1][0]}; use --resume auto, or a new run.name / run.output_dir"
                 )
             truncate_metrics(self.run_dir, -1)
+            self.watch.publish(self.run_dir)  # no best yet (a stale best.json goes)
             self.push_policy(0)
             self.push_reference(0)
             self.offload_for_rollout()

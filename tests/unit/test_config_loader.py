@@ -91,10 +91,10 @@ def test_save_and_reload_round_trip(tmp_path, child):
 
 @pytest.mark.parametrize("path", sorted((REPO / "configs").glob("**/*.yaml")), ids=lambda p: p.name)
 def test_repository_configs_are_valid(path):
-    """Run configs, and pipeline files (``*pipeline*.yaml``) with both their stages."""
-    if "pipeline" in path.name:
-        from megatron_armor.config.pipeline import load_pipeline
+    """Run configs, and pipeline files with both their stages."""
+    from megatron_armor.config.pipeline import is_pipeline_file, load_pipeline
 
+    if is_pipeline_file(path):
         load_pipeline(path)
     else:
         load_config(path)

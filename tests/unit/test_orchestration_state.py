@@ -179,9 +179,16 @@ def test_reference_needs_and_strategy():
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[str(p.relative_to(p.parents[1])) for p in CONFIGS])
 def test_every_config_file_loads(path):
-    config = load_config(path)
-    check_batch_sizes(config)
-    plan_layout(config)
+    from megatron_armor.config.pipeline import is_pipeline_file, load_pipeline
+
+    if is_pipeline_file(path):
+        pipeline = load_pipeline(path)
+        configs = [pipeline.stage1, pipeline.stage2]
+    else:
+        configs = [load_config(path)]
+    for config in configs:
+        check_batch_sizes(config)
+        plan_layout(config)
 
 
 def test_reward_stats_merge_weights_means_and_adds_counters():
