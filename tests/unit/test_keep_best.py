@@ -4,6 +4,7 @@ run state; the pipeline's override routing. Tier: unit."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -88,3 +89,21 @@ def test_pipeline_override_routing():
     assert stage_overrides(config, "stage2") == [
         "run.output_dir=out/p", "run.name=stage2", "trainer.model_path=out/p/stage1_best_hf",
     ]  # fmt: skip
+
+
+def test_pipeline_stage1_needs_the_detector(tmp_path):
+    from megatron_armor.config import ConfigError
+    from megatron_armor.config.pipeline import load_pipeline
+
+    repo_configs = Path(__file__).resolve().parents[2] / "configs"
+    pipeline = tmp_path / "p.yaml"
+    pipeline.write_text(
+        f"name: p\noutput_dir: {tmp_path}\nstage1: {{config: {repo_configs / 'tiny_cpu.yaml'}}}\n"
+        f"stage2: {{config: {repo_configs / 'tiny_cpu.yaml'}}}\n"
+    )
+    with pytest.raises(ConfigError, match="overopt.enabled=true"):
+        load_pipeline(pipeline)
+    loaded = load_pipeline(pipeline, ["stage1.overopt.enabled=true", "name=q"])
+    assert loaded.stage1.run.keep_best.metric == "val/*/avg@k"  # the detector's metric
+    assert loaded.stage2.trainer.model_path == str(tmp_path / "q" / "stage1_best_hf")
+    assert loaded.stage1.run.output_dir == str(tmp_path / "q")
