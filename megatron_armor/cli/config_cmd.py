@@ -1,6 +1,7 @@
 """``armor config show FILE [key=value ...]``: print the resolved, validated config.
 
 ``armor config check FILE [FILE ...]`` validates several run files at once (e.g. ``configs/**``).
+A pipeline file (``armor pipeline``) shows and checks both of its stages.
 """
 
 from __future__ import annotations
@@ -8,7 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megatron_armor.config import ConfigError, load_config, to_yaml
+from megatron_armor.config import ConfigError, to_yaml
+from megatron_armor.config.pipeline import load_any
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -25,11 +27,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        config = load_config(args.file, args.overrides)
+        configs = load_any(args.file, args.overrides)
     except ConfigError as e:
         print(f"armor config: {e}", file=sys.stderr)
         return 2
-    print(to_yaml(config), end="")
+    for label, config in configs.items():
+        if len(configs) > 1:
+            print(f"# --- {label}")
+        print(to_yaml(config), end="")
     return 0
 
 
@@ -37,7 +42,7 @@ def run_check(args: argparse.Namespace) -> int:
     failed = 0
     for file in args.files:
         try:
-            load_config(file)
+            load_any(file)
         except ConfigError as e:
             failed += 1
             print(f"armor config: {e}", file=sys.stderr)

@@ -81,6 +81,14 @@ def is_pipeline_file(path: str | Path) -> bool:
     return any(line.startswith("stage1:") for line in Path(path).read_text().splitlines())
 
 
+def load_any(path: str | Path, overrides: list[str] | None = None) -> dict[str, ArmorConfig]:
+    """The run config of ``path`` as ``{"run": config}``, or a pipeline's ``{"stage1", "stage2"}``."""
+    if is_pipeline_file(path):
+        pipeline = load_pipeline(path, overrides)
+        return {"stage1": pipeline.stage1, "stage2": pipeline.stage2}
+    return {"run": load_config(path, overrides)}
+
+
 def split_overrides(overrides: list[str]) -> tuple[list[str], dict[str, list[str]]]:
     """``(pipeline-level, {stage: its overrides})`` from the command line (module docstring)."""
     own, per_stage = [], {stage: [] for stage in STAGES}
