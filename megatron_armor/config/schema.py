@@ -383,12 +383,12 @@ class OveroptConfig:
     min_delta: float = 0.0
     """A validation counts as an improvement only above ``best + min_delta``."""
     reward_window: int = 10
-    """Steps up to the best validation that the later reward is compared with."""
+    """The reward trend is fitted from this many steps before the best validation to now."""
     min_reward_rise: float = 0.0
-    """Mean reward since the best validation minus the mean over ``reward_window`` steps before
-    it must exceed this."""
+    """The least-squares line through those rewards must rise by more than this over the span
+    (``overopt/reward_rise``)."""
     min_kl_growth: float = -1.0
-    """Also require the same growth of ``kl_metric`` above this (< 0: logged only)."""
+    """Also require the same fitted rise of ``kl_metric`` above this (< 0: logged only)."""
     stop: bool = True
     """Checkpoint and end the run when it fires (``armor pipeline`` then starts stage 2)."""
 
