@@ -1,59 +1,91 @@
-"""Group-relative advantages (armor-spec §3).
+"""Group-relative advantages (armor-spec §3; QUATRO in :mod:`megatron_armor.algo.quatro`).
 
-For a group of ``G`` rewards ``R`` (the anchor included, overlong penalty included):
+Every estimator maps the rewards of ``Q`` groups of ``G`` (the anchor included, overlong
+penalty included) to advantages, ``[Q, G] -> [Q, G]`` float64, keyword hyperparameters only:
 
 - ``grpo`` (GRPO/DAPO): ``A_i = (R_i - mean(R)) / (std(R) + eps)``, unbiased std (``G - 1``).
 - ``qae`` (quantile advantage estimation): ``A_i = (R_i - Q_k(R)) / (std(R) + eps)`` with
   ``Q_k`` the ``k``-quantile under linear interpolation (numpy's default); std unchanged.
+- ``quatro``: ``A_i = (R_i - (lambda* + mu*)) / lambda*`` from the per-query KL trust region.
 
-Every response token of sample ``i`` receives ``A_i`` (done by ``types.pack_groups``).
+Each estimator's hyperparameters come from the config keys its registry entry names
+(:data:`megatron_armor.algo.registry.ADVANTAGES`). Every response token of sample ``i``
+receives ``A_i`` (done by ``types.pack_groups``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from megatron_armor.types import Group
 
 
-def _as_scores(scores: torch.Tensor) -> torch.Tensor:
+@dataclass(frozen=True)
+class AdvantageEstimator:
+    """One ``algo.advantage`` estimator: ``fn(scores[Q, G], **hparams) -> [Q, G]`` and the
+    config keys (under ``algo.``) that supply its hyperparameters, ``{kwarg: dotted key}``."""
+
+    fn: Callable[..., torch.Tensor]
+    settings: dict[str, str] = field(default_factory=dict)
+
+    def hparams(self, algo_config: Any) -> dict[str, Any]:
+        """``{kwarg: value}`` read from an ``algo`` config node (any object with the attributes)."""
+        out = {}
+        for kwarg, key in self.settings.items():
+            node = algo_config
+            for part in key.split("."):
+                node = getattr(node, part)
+            out[kwarg] = node
+        return out
+
+
+def as_group_rows(scores: torch.Tensor) -> torch.Tensor:
+    """``[G]`` or ``[Q, G]`` rewards as ``[Q, G]`` float64; needs ``G >= 2``."""
     scores = torch.as_tensor(scores)
-    if scores.dim() != 1 or scores.numel() < 2:
+    rows = scores.unsqueeze(0) if scores.dim() == 1 else scores
+    if rows.dim() != 2 or rows.shape[-1] < 2:
         raise ValueError(
-            f"advantages need a 1-D group of >= 2 rewards, got shape {tuple(scores.shape)}; "
+            f"advantages need groups of >= 2 rewards, got shape {tuple(scores.shape)}; "
             "set algo.group_size >= 2"
         )
-    return scores.to(torch.float64)
+    return rows.to(torch.float64)
 
 
-def grpo_advantages(
-    scores: torch.Tensor, quantile: float = 0.45, eps: float = 1e-6
-) -> torch.Tensor:
-    """``(R - mean(R)) / (std_unbiased(R) + eps)``; ``[G] -> [G]`` float64. ``quantile`` is unused."""
-    r = _as_scores(scores)
-    return (r - r.mean()) / (r.std(unbiased=True) + eps)
+def grpo_advantages(scores: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``(R - mean(R)) / (std_unbiased(R) + eps)`` per row; ``[Q, G] -> [Q, G]`` float64."""
+    r = as_group_rows(scores)
+    return (r - r.mean(-1, keepdim=True)) / (r.std(-1, unbiased=True, keepdim=True) + eps)
 
 
 def qae_advantages(scores: torch.Tensor, quantile: float = 0.45, eps: float = 1e-6) -> torch.Tensor:
-    """``(R - Q_k(R)) / (std_unbiased(R) + eps)`` with linear-interpolation quantile ``k``; ``[G] -> [G]``."""
+    """``(R - Q_k(R)) / (std_unbiased(R) + eps)`` per row, linear-interpolation quantile ``k``."""
     if not 0.0 <= quantile <= 1.0:
         raise ValueError(f"algo.qae_quantile={quantile}: must lie in [0, 1]")
-    r = _as_scores(scores)
-    baseline = torch.quantile(r, quantile, interpolation="linear")
-    return (r - baseline) / (r.std(unbiased=True) + eps)
+    r = as_group_rows(scores)
+    baseline = torch.quantile(r, quantile, dim=-1, keepdim=True, interpolation="linear")
+    return (r - baseline) / (r.std(-1, unbiased=True, keepdim=True) + eps)
 
 
-def compute_advantages(
-    scores: torch.Tensor, method: str = "grpo", quantile: float = 0.45, eps: float = 1e-6
-) -> torch.Tensor:
-    """Advantages ``[G]`` for one group's rewards ``[G]`` with the named ``method`` (float32)."""
-    from megatron_armor.algo.registry import get_advantage
+def compute_advantages(scores: torch.Tensor, method: str = "grpo", **hparams: Any) -> torch.Tensor:
+    """Advantages (float32, the shape of ``scores``: ``[G]`` or ``[Q, G]``) with ``method``."""
+    from megatron_armor.algo.registry import get_advantage  # registry imports this module
 
-    return get_advantage(method)(scores, quantile=quantile, eps=eps).to(torch.float32)
+    scores = torch.as_tensor(scores)
+    adv = get_advantage(method).fn(as_group_rows(scores), **hparams)
+    return adv.reshape(scores.shape).to(torch.float32)
 
 
-def assign_advantages(groups: list[Group], method: str = "grpo", quantile: float = 0.45) -> None:
-    """Set ``group.advantages`` (one float per sample, anchor included) for every group."""
+def assign_advantages(groups: list[Group], method: str = "grpo", **hparams: Any) -> None:
+    """Set ``group.advantages`` (one float per sample, anchor included) for every group;
+    groups of equal size go through the estimator together (one ``[Q, G]`` call)."""
+    by_size: dict[int, list[Group]] = {}
     for group in groups:
-        scores = torch.tensor(group.scores, dtype=torch.float64)
-        group.advantages = compute_advantages(scores, method, quantile).tolist()
+        by_size.setdefault(len(group.scores), []).append(group)
+    for same in by_size.values():
+        scores = torch.tensor([g.scores for g in same], dtype=torch.float64)
+        for group, row in zip(same, compute_advantages(scores, method, **hparams), strict=True):
+            group.advantages = row.tolist()

@@ -16,7 +16,11 @@ Group composition per mode (an :class:`AnchorMode` each, mapped by name in ``reg
 - ``none``        rule (a); group = the ``G`` policy samples; no anchor (plain DAPO).
 - ``armor``       rules (a)+(b); group = ``n_on = G - 1`` policy samples + the *first correct
                   reference response in generation order* at ``anchor_index = n_on``.
-- ``filter_only`` rules (a)+(b); group = the ``G`` policy samples; no anchor (referee control).
+- ``filter_only`` rules (a)+(b); group = the policy samples; no anchor (referee control).
+                  ``filter_policy_samples``: ``G`` (DAPO's group size; rule (a) over ``G``
+                  samples) or ``G-1`` (ARMOR's ``n_on``: rule (a) over exactly the samples ARMOR
+                  draws, and the same generation compute). The reference samples decide rule
+                  (b) only and are never part of the group.
 """
 
 from __future__ import annotations
@@ -40,6 +44,15 @@ class AnchorMode:
 NONE = AnchorMode("none", needs_reference_correct=False, inserts_anchor=False)
 ARMOR = AnchorMode("armor", needs_reference_correct=True, inserts_anchor=True)
 FILTER_ONLY = AnchorMode("filter_only", needs_reference_correct=True, inserts_anchor=False)
+
+
+def policy_samples_per_query(anchor: str, group_size: int, filter_policy_samples: str = "G") -> int:
+    """``n_on``: ``G - 1`` for ``armor`` and for ``filter_only`` with ``G-1``, else ``G``."""
+    if filter_policy_samples not in ("G", "G-1"):
+        raise ValueError(f"algo.filter_policy_samples={filter_policy_samples!r}: use 'G' or 'G-1'")
+    if anchor == "armor" or (anchor == "filter_only" and filter_policy_samples == "G-1"):
+        return group_size - 1
+    return group_size
 
 
 def first_correct(samples: list[Sample]) -> Sample | None:

@@ -12,7 +12,7 @@ from typing import TypeVar
 
 import torch
 
-from megatron_armor.algo import advantages, aggregation, anchors, kl, ratios, reset
+from megatron_armor.algo import advantages, aggregation, anchors, kl, quatro, ratios, reset
 
 RATIO_MODES: dict[str, type[ratios.StandardRatio]] = {
     "standard": ratios.StandardRatio,
@@ -22,11 +22,20 @@ RATIO_MODES: dict[str, type[ratios.StandardRatio]] = {
 }
 """``algo.ratio`` (armor-spec §4)."""
 
-ADVANTAGES: dict[str, Callable[..., torch.Tensor]] = {
-    "grpo": advantages.grpo_advantages,
-    "qae": advantages.qae_advantages,
+ADVANTAGES: dict[str, advantages.AdvantageEstimator] = {
+    "grpo": advantages.AdvantageEstimator(advantages.grpo_advantages),
+    "qae": advantages.AdvantageEstimator(advantages.qae_advantages, {"quantile": "qae_quantile"}),
+    "quatro": advantages.AdvantageEstimator(
+        quatro.quatro_advantages,
+        {
+            "delta": "quatro.delta",
+            "lambda_min": "quatro.lambda_min",
+            "lambda_max": "quatro.lambda_max",
+        },
+    ),
 }
-"""``algo.advantage`` (armor-spec §3)."""
+"""``algo.advantage`` (armor-spec §3; ``quatro``: docs/algorithm.md) and the ``algo.*`` keys of
+each estimator's hyperparameters."""
 
 AGGREGATIONS: dict[str, type[aggregation.TokenMean]] = {
     "token-mean": aggregation.TokenMean,
@@ -73,8 +82,8 @@ def get_ratio(name: str) -> ratios.StandardRatio:
     return lookup(RATIO_MODES, name, "algo.ratio")()
 
 
-def get_advantage(name: str) -> Callable[..., torch.Tensor]:
-    """The advantage function ``f(scores[G], quantile=, eps=) -> [G]`` for ``algo.advantage``."""
+def get_advantage(name: str) -> advantages.AdvantageEstimator:
+    """The estimator for ``algo.advantage`` (``.fn(scores[Q, G], **hparams) -> [Q, G]``)."""
     return lookup(ADVANTAGES, name, "algo.advantage")
 
 

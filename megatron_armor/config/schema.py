@@ -23,6 +23,18 @@ class ResetConfig:
 
 
 @dataclass
+class QuatroConfig:
+    """``algo.advantage: quatro``: the per-query KL trust region (docs/algorithm.md)."""
+
+    delta: float = 0.1
+    """Trust-region radius: ``KL(pi* || pi_old) <= delta`` per query over its sampled responses."""
+    lambda_min: float = 1.0e-3
+    """Lower clamp of the multiplier ``lambda`` (where the constraint does not bind)."""
+    lambda_max: float = 1.0e4
+    """Upper clamp of ``lambda``."""
+
+
+@dataclass
 class AlgoConfig:
     """ARMOR / DAPO algorithm switches (armor-spec §2-5)."""
 
@@ -41,9 +53,14 @@ class AlgoConfig:
     ratio: str = "mixed"
     """``standard`` | ``mixed`` | ``off_policy`` | ``static_expansion`` (armor-spec §4)."""
     advantage: str = "grpo"
-    """``grpo`` (group mean/std) | ``qae`` (quantile baseline)."""
+    """``grpo`` (group mean/std) | ``qae`` (quantile baseline) | ``quatro`` (trust-region duals)."""
     qae_quantile: float = 0.45
     """``k`` for the QAE quantile baseline."""
+    quatro: QuatroConfig = field(default_factory=QuatroConfig)
+    """Hyperparameters of ``advantage: quatro``."""
+    filter_policy_samples: str = "G"
+    """``filter_only`` on-policy samples per query: ``G`` (DAPO's group) | ``G-1`` (ARMOR's
+    ``n_on``: rule (a) over the same samples as ARMOR, the same generation compute)."""
     clip_low: float = 0.2
     """``eps_low``: lower PPO clip."""
     clip_high: float = 0.28

@@ -22,6 +22,7 @@ Problems = Iterator[str]
 # Names of settings outside algo/ (their implementations live in packages config must not import).
 CHOICES: dict[str, tuple[str, ...]] = {
     "algo.anchor_source": ("generate", "cache"),
+    "algo.filter_policy_samples": ("G", "G-1"),
     "rollout.backend": ("torch", "sglang"),
     "rollout.ref_strategy": ("swap", "dedicated", "cache"),
     "rollout.sglang.weight_transport": ("tensor", "distributed", "disk"),
@@ -100,6 +101,14 @@ def check_algo_numbers(config: ArmorConfig) -> Problems:
     yield from _bound(
         a.max_gen_batches, a.max_gen_batches >= 1, "algo.max_gen_batches", "must be >= 1"
     )
+    q = a.quatro
+    yield from _bound(q.delta, q.delta > 0, "algo.quatro.delta", "must be > 0, e.g. 0.1")
+    yield from _bound(
+        f"{q.lambda_min}, lambda_max={q.lambda_max}",
+        0 < q.lambda_min < q.lambda_max,
+        "algo.quatro.lambda_min",
+        "need 0 < lambda_min < lambda_max, e.g. 1e-3 and 1e4",
+    )
 
 
 def _bound(value, ok: bool, key: str, fix: str) -> Problems:
@@ -124,6 +133,11 @@ def check_algo_combinations(config: ArmorConfig) -> Problems:
         yield (
             "algo.ratio='mixed' with algo.anchor='filter_only': the filter-only control trains "
             "with the standard ratio (armor-spec §2); set algo.ratio=standard"
+        )
+    if a.filter_policy_samples != "G" and a.anchor != "filter_only":
+        yield (
+            f"algo.filter_policy_samples={a.filter_policy_samples!r}: only applies to "
+            f"algo.anchor='filter_only' (now {a.anchor!r}); remove it or set it to 'G'"
         )
     if a.reset.schedule in registry.RESET_SCHEDULES:
         try:

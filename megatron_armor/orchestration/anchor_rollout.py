@@ -18,7 +18,7 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_armor.algo.anchors import AcceptanceStats, select_group
+from megatron_armor.algo.anchors import AcceptanceStats, policy_samples_per_query, select_group
 from megatron_armor.observability.nvtx import nvtx_range
 from megatron_armor.observability.timers import PhaseTimers
 from megatron_armor.orchestration.groups import merge_reward_stats
@@ -36,11 +36,6 @@ def derive_seed(seed: int, step: int, batch: int, role: str) -> int:
     """A 31-bit sampling seed that depends only on ``(seed, step, batch, role)``."""
     digest = hashlib.blake2b(f"{seed}/{step}/{batch}/{role}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & 0x7FFFFFFF
-
-
-def policy_samples_per_query(anchor: str, group_size: int) -> int:
-    """``n_on = G - 1`` with an anchor (``armor``), else ``G`` (``none``, ``filter_only``)."""
-    return group_size - 1 if anchor == "armor" else group_size
 
 
 @dataclass
@@ -102,7 +97,8 @@ class AnchorRollout:
                                      max_new_tokens=s.max_new_tokens)  # fmt: skip
 
     def _generate(self, items: list, step: int, batch: int) -> tuple[list, list]:
-        n_on = policy_samples_per_query(self.algo.anchor, self.algo.group_size)
+        a = self.algo
+        n_on = policy_samples_per_query(a.anchor, a.group_size, a.filter_policy_samples)
         policy_params = dataclasses.replace(
             self.params, seed=derive_seed(self.seed, step, batch, "policy")
         )

@@ -34,10 +34,10 @@ def test_every_registered_name_resolves():
         assert registry.get_aggregation(name).name == name
     for name in registry.ANCHOR_MODES:
         assert registry.get_anchor_mode(name).name == name
-    assert set(registry.ADVANTAGES) == {"grpo", "qae"}
+    assert set(registry.ADVANTAGES) == {"grpo", "qae", "quatro"}
     assert set(registry.KL_ESTIMATORS) == {"k1", "k2", "k3"}
     assert set(registry.RESET_SCHEDULES) == {"none", "every", "every-until", "log2"}
-    assert callable(registry.get_advantage("qae")) and callable(registry.get_kl_estimator("k2"))
+    assert callable(registry.get_advantage("qae").fn) and callable(registry.get_kl_estimator("k2"))
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ import json
 
 import pytest
 
+from megatron_armor.algo.advantages import assign_advantages
 from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.data.dataset import PromptItem
 from megatron_armor.data.sampler import ResumableSampler
@@ -22,7 +23,7 @@ from megatron_armor.orchestration.anchor_rollout import (
     policy_samples_per_query,
 )
 from megatron_armor.orchestration.step_metrics import rollout_metrics, write_anchor_file
-from megatron_armor.types import Sample, SampleSource
+from megatron_armor.types import Sample, SampleSource, pack_groups
 
 pytestmark = pytest.mark.unit
 
@@ -34,6 +35,7 @@ SCRIPT = {
     "q3": (1, [False, False, False]),  # no reference correct
     "q4": (2, [True, False, False]),  # accepted; anchor = reference #0
     "q5": (1, [False, False, True]),  # accepted; anchor = reference #2
+    "q6": (3, [True, False, False]),  # all correct with n_on = 3, accepted with 4 samples
 }
 
 
@@ -67,8 +69,10 @@ class ScriptedReward:
         return {"reward/timeouts": 0.0}
 
 
-def make(anchor="armor", batch=2, gen_batch=3, max_gen_batches=4, weak_filter=False, group_size=4):
+def make(anchor="armor", batch=2, gen_batch=3, max_gen_batches=4, weak_filter=False, group_size=4,
+         filter_policy_samples="G"):  # fmt: skip
     cfg = ArmorConfig()
+    cfg.algo.filter_policy_samples = filter_policy_samples
     cfg.algo.anchor, cfg.algo.weak_filter, cfg.algo.group_size = anchor, weak_filter, group_size
     cfg.algo.ref_n, cfg.algo.max_gen_batches = 3, max_gen_batches
     cfg.rollout.batch, cfg.rollout.gen_batch = batch, gen_batch
@@ -117,6 +121,34 @@ def test_filter_only_uses_rule_b_but_inserts_no_anchor():
     assert all(s.source == SampleSource.POLICY for g in result.groups for s in g.samples)
 
 
+def test_filter_only_g_minus_1_applies_armors_acceptance_rule_to_the_same_draws():
+    """Rule (a) over ARMOR's n_on = G - 1 samples: the same accepted queries, records and
+    generation calls (seeds included) as ARMOR; the groups are ARMOR's without the anchor."""
+    armor_runner, armor_rollout = make("armor", batch=4, gen_batch=7)
+    filt_runner, filt_rollout = make("filter_only", batch=4, gen_batch=7,
+                                     filter_policy_samples="G-1")  # fmt: skip
+    armor, filt = armor_runner.collect(step=3), filt_runner.collect(step=3)
+    assert filt_rollout.calls == armor_rollout.calls
+    assert filt.records == armor.records and filt.stats.accepted_ids == armor.stats.accepted_ids
+    assert [g.query_id for g in filt.groups] == ["q0", "q4", "q5"] + ["q0"]  # next epoch
+    for f, a in zip(filt.groups, armor.groups, strict=True):
+        assert f.samples == a.samples[: a.anchor_index] and f.anchor_index is None
+    # the reference samples decided rule (b) only: none is ever trained on
+    assert all(s.source == SampleSource.POLICY for g in filt.groups for s in g.samples)
+    assign_advantages(filt.groups, "grpo")
+    assert not pack_groups(filt.groups).is_anchor.any()
+
+
+def test_filter_only_g_evaluates_rule_a_over_g_samples():
+    """With G on-policy samples q6 (3 of 4 correct) has variance and is accepted; with G - 1
+    (3 of 3 correct) it is rejected as all-correct."""
+    full, _ = make("filter_only", batch=4, gen_batch=7)
+    minus, _ = make("filter_only", batch=3, gen_batch=7, filter_policy_samples="G-1")
+    assert "q6" in full.collect(step=1).stats.accepted_ids
+    reasons = {r["query_id"]: r["reason"] for r in minus.collect(step=1).records}
+    assert reasons["q6"] == "all_correct"
+
+
 def test_weak_filter_keeps_all_wrong_groups_the_reference_solved():
     runner, _ = make("armor", batch=4, gen_batch=6, weak_filter=True)
     result = runner.collect(step=1)
@@ -149,6 +181,10 @@ def test_policy_samples_per_query():
     assert policy_samples_per_query("armor", 16) == 15
     assert policy_samples_per_query("none", 16) == 16
     assert policy_samples_per_query("filter_only", 16) == 16
+    assert policy_samples_per_query("filter_only", 16, "G-1") == 15
+    assert policy_samples_per_query("none", 16, "G-1") == 16  # only filter_only reads it
+    with pytest.raises(ValueError, match="algo.filter_policy_samples='G-2'"):
+        policy_samples_per_query("filter_only", 16, "G-2")
 
 
 def test_rollout_metrics_and_anchor_file(tmp_path):
