@@ -18,6 +18,7 @@ SUBCOMMANDS = {
     "plan": "megatron_armor.cli.plan_cmd",
     "plot": "megatron_armor.cli.plot_cmd",
     "pipeline": "megatron_armor.cli.pipeline_cmd",
+    "compare": "megatron_armor.cli.compare_cmd",
 }
 
 

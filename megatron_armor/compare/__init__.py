@@ -1,0 +1,1 @@
+"""Seeded side-by-side comparisons of named variants (``armor compare``, docs/compare.md)."""

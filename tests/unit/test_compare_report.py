@@ -1,0 +1,137 @@
+"""`armor compare` specs and reports on synthetic run directories with known answers. Tier: unit."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from megatron_armor.compare.report import build_report, write_report
+from megatron_armor.compare.runner import pending_runs, slurm_command
+from megatron_armor.compare.spec import SpecError, load_spec
+
+pytestmark = pytest.mark.unit
+
+REPO = Path(__file__).resolve().parents[2]
+VAL = "val/tiny/avg@4"
+
+
+def write_spec(tmp: Path, **extra) -> Path:
+    pq.write_table(pa.table({"x": list(range(10))}), tmp / "train.parquet")
+    spec = {"name": "synth", "output_dir": str(tmp / "runs"),
+            "config": str(REPO / "configs" / "tiny_cpu.yaml"), "seeds": [1, 2, 3],
+            "overrides": [f"data.train_files=[{tmp / 'train.parquet'}]", "run.steps=4"],
+            "variants": {"a": [], "b": ["algo.anchor=none", "algo.ratio=standard"]},
+            "pairs": [["a", "b"]], **extra}  # fmt: skip
+    path = tmp / "spec.yaml"
+    path.write_text(json.dumps(spec))  # JSON is YAML
+    return path
+
+
+def write_run(run_dir: Path, seed: int, shift: float, reset: bool) -> None:
+    """val 0.2, 0.4 + e, 0.5 + e at steps 0, 2, 4 (e = 0.01 * seed - shift); anchors on 1, 2."""
+    e = 0.01 * seed - shift
+    records = [{"step": 0, VAL: 0.2}]
+    for step in (1, 2, 3, 4):
+        r = {"step": step, "reward/policy_mean": 0.1 * step, "anchor/acceptance_rate": 0.5,
+             "kl/exact_reverse": 0.01 * step, "reset/performed": float(reset and step == 2)}  # fmt: skip
+        if step in (2, 4):
+            r[VAL] = (0.4 if step == 2 else 0.5) + e
+        records.append(r)
+    run_dir.mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    anchors = run_dir / "anchors"
+    anchors.mkdir()
+    rows = {1: [("q1", True), ("q2", False), ("q9", None)], 2: [("q2", True), ("q3", True)]}
+    for step, queries in rows.items():
+        lines = [{"type": "stats", "step": step}]
+        for qid, kept in queries:
+            reason = "all_correct" if kept is None else "accepted"
+            lines.append({"type": "query", "query_id": qid, "reason": reason, "kept": bool(kept)})
+        (anchors / f"step_{step:06d}.jsonl").write_text("\n".join(map(json.dumps, lines)) + "\n")
+
+
+@pytest.fixture
+def synth(tmp_path):
+    spec = load_spec(write_spec(tmp_path))
+    for run in spec.runs:
+        write_run(run.run_dir, run.seed, shift=0.0 if run.variant == "a" else 0.1,
+                  reset=run.variant == "a")  # fmt: skip
+    return spec
+
+
+def test_spec_expands_variants_over_seeds_with_the_same_seed_per_index(tmp_path):
+    spec = load_spec(write_spec(tmp_path))
+    assert [r.label for r in spec.runs] == [f"{v}/seed_{s}" for v in "ab" for s in (1, 2, 3)]
+    b2 = spec.runs[4]
+    assert "run.seed=2" in b2.overrides and "algo.anchor=none" in b2.overrides
+    assert b2.run_dir == tmp_path / "runs" / "synth" / "b" / "seed_2"
+    assert b2.train_args()[0].endswith("configs/tiny_cpu.yaml")
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [({"seeds": []}, "seeds=\\[\\]"), ({"pairs": [["a", "zz"]]}, "among the variants"),
+     ({"variants": {"a": ["algo.anchor=bogus"], "b": []}}, "variant 'a' \\(seed 1\\).*algo.anchor"),
+     ({"colour": 1}, "unknown top-level keys \\['colour'\\]")],
+)  # fmt: skip
+def test_bad_specs_name_the_key_and_the_fix(tmp_path, extra, match):
+    with pytest.raises(SpecError, match=match):
+        load_spec(write_spec(tmp_path, **extra))
+
+
+def test_report_summaries_have_the_known_values(synth):
+    report = build_report(synth)
+    a = report["variants"]["a"]["validation"][VAL]
+    assert a["steps"] == [0, 2, 4] and a["n_seeds"] == 3
+    np.testing.assert_allclose(a["mean"], [0.2, 0.42, 0.52])
+    assert a["summary"]["final"]["mean"] == pytest.approx(0.52)
+    assert a["summary"]["best"]["mean"] == pytest.approx(0.52)
+    # AUC of 0.2, 0.4 + e, 0.5 + e over steps 0..4: (1.5 + 3e) / 4, mean e = 0.02
+    assert a["summary"]["auc"]["mean"] == pytest.approx((1.5 + 0.06) / 4)
+    assert report["variants"]["a"]["resets"] == [2] and report["variants"]["b"]["resets"] == []
+
+
+def test_coverage_counts_distinct_accepted_and_kept_queries(synth):
+    training = build_report(synth)["variants"]["a"]["training"]
+    assert training["coverage_accepted"]["mean"] == pytest.approx([0.2, 0.3])  # q1 q2 | + q3
+    assert training["coverage_trained"]["mean"] == pytest.approx([0.1, 0.3])  # q1 | + q2 q3
+    assert training["kl_to_ref"]["metric_key"] == "kl/exact_reverse"
+    assert training["train_reward"]["final"]["mean"] == pytest.approx(0.4)
+
+
+def test_paired_comparison_of_a_constant_gap(synth):
+    pairs = [p for p in build_report(synth)["pairs"] if p["metric"] == VAL]
+    assert {p["summary"] for p in pairs} == {"final", "best", "auc"}
+    final = next(p for p in pairs if p["summary"] == "final")
+    assert (final["a"], final["b"], final["n"]) == ("a", "b", 3)
+    assert final["mean_diff"] == pytest.approx(0.1)
+    assert (final["ci_low"], final["ci_high"]) == pytest.approx((0.1, 0.1))
+    assert final["p_value"] == pytest.approx(0.25) and final["min_p_value"] == 0.25
+
+
+def test_write_report_puts_markdown_json_and_pngs_in_one_folder(synth, tmp_path):
+    out = write_report(synth, "armor compare spec.yaml", tmp_path / "report")
+    names = {p.name for p in out.iterdir()}
+    assert {"report.json", "report.md", "val_tiny_avg4.png", "coverage_accepted.png"} <= names
+    md = (out / "report.md").read_text()
+    assert "armor compare spec.yaml" in md and "n = 3" in md and "0.250" in md
+    assert "0.520 [" in md  # final mean with its interval
+
+
+def test_pending_runs_skip_done_runs_and_the_array_lists_the_rest(synth):
+    done = synth.runs[0].run_dir / "checkpoints" / "step_000004"
+    done.mkdir(parents=True)
+    (done / "meta.json").write_text("{}")
+    pending = pending_runs(synth)
+    assert [i for i, _, _ in pending] == [1, 2, 3, 4, 5]
+    assert all(status == "partial" for _, _, status in pending)
+    cmd = slurm_command(Path("spec.yaml"), synth, ["--partition=gpu"])
+    assert cmd[1] == "--array=1,2,3,4,5" and cmd[-3:-1] == [
+        "--partition=gpu",
+        str(Path("slurm/compare_array.sbatch")),
+    ]
