@@ -4,8 +4,8 @@ Without options: run every unfinished ``(variant, seed)`` locally, one after ano
 (finished runs are skipped, interrupted ones resume), then write the report. ``--report``:
 only the report, from whatever the runs logged. ``--status``: the runs and where they stand.
 ``--slurm``: submit the unfinished runs as one Slurm array job (``slurm/compare_array.sbatch``;
-extra ``sbatch`` options after ``--``). ``--task-args I``: the ``armor train`` arguments of
-array task ``I`` (used by the array script). See docs/compare.md.
+extra ``sbatch`` options after ``--``; task ``I`` runs ``slurm_tasks/I.args`` under the run root).
+See docs/compare.md.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     mode.add_argument("--report", action="store_true", help="only write the report")
     mode.add_argument("--status", action="store_true", help="list the runs and their state")
     mode.add_argument("--slurm", action="store_true", help="submit unfinished runs as an array")
-    mode.add_argument("--task-args", type=int, metavar="I", help="print run I's train arguments")
     p.add_argument("--out", default=None, help="report folder (default: <run root>/report)")
     p.add_argument("sbatch_args", nargs="*", help="after --: extra sbatch options for --slurm")
     p.set_defaults(run=run)
@@ -38,19 +37,10 @@ def _status(spec) -> int:
     return 0
 
 
-def _task_args(spec, index: int) -> int:
-    if not 0 <= index < len(spec.runs):
-        print(f"armor compare: --task-args {index}: the spec has runs 0..{len(spec.runs) - 1}",
-              file=sys.stderr)  # fmt: skip
-        return 2
-    print("\n".join(spec.runs[index].train_args()))
-    return 0
-
-
-def _slurm(spec_path: str, spec, sbatch_args: list[str]) -> int:
+def _slurm(spec, sbatch_args: list[str]) -> int:
     from megatron_armor.compare.runner import slurm_command
 
-    cmd = slurm_command(Path(spec_path).resolve(), spec, sbatch_args)
+    cmd = slurm_command(spec, sbatch_args)
     if cmd is None:
         print("armor compare: every run is done; nothing to submit")
         return 0
@@ -77,10 +67,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.status:
         return _status(spec)
-    if args.task_args is not None:
-        return _task_args(spec, args.task_args)
     if args.slurm:
-        return _slurm(args.spec, spec, args.sbatch_args)
+        return _slurm(spec, args.sbatch_args)
     if not args.report:
         from megatron_armor.compare.runner import run_local
 

@@ -85,11 +85,22 @@ def run_local(spec: CompareSpec, echo=print) -> int:
     return 0
 
 
-def slurm_command(spec_path: Path, spec: CompareSpec, sbatch_args: list[str]) -> list[str] | None:
-    """``sbatch --array=<unfinished indices> ... slurm/compare_array.sbatch SPEC`` (None: all done)."""
-    indices = [str(i) for i, _, _ in pending_runs(spec)]
+def write_task_args(spec: CompareSpec, indices: list[int]) -> Path:
+    """``<run root>/slurm_tasks/<i>.args``: run ``i``'s ``armor train`` arguments, one a line."""
+    out = spec.root / "slurm_tasks"
+    out.mkdir(parents=True, exist_ok=True)
+    for i in indices:
+        (out / f"{i}.args").write_text("\n".join(spec.runs[i].train_args()) + "\n")
+    return out
+
+
+def slurm_command(spec: CompareSpec, sbatch_args: list[str]) -> list[str] | None:
+    """``sbatch --array=<unfinished indices> ... slurm/compare_array.sbatch ARGS_DIR`` with the
+    task arguments written; ``None`` when every run is done."""
+    indices = [i for i, _, _ in pending_runs(spec)]
     if not indices:
         return None
+    args_dir = write_task_args(spec, indices).resolve()
     script = Path(os.environ.get("ARMOR_ROOT", ".")) / "slurm" / "compare_array.sbatch"
-    return ["sbatch", f"--array={','.join(indices)}", f"--job-name=cmp-{spec.name}",
-            *sbatch_args, str(script), str(spec_path)]  # fmt: skip
+    return ["sbatch", f"--array={','.join(map(str, indices))}", f"--job-name=cmp-{spec.name}",
+            *sbatch_args, str(script), str(args_dir)]  # fmt: skip

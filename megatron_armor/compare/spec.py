@@ -20,6 +20,7 @@ Paths are relative to the spec file. Run ``(variant, seed)`` lives in
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -139,8 +140,10 @@ def load_spec(path: str | Path, check_configs: bool = True) -> CompareSpec:
     return spec
 
 
+@functools.lru_cache(maxsize=256)
 def run_config(run: RunSpec):
-    """The validated :class:`ArmorConfig` of one run (errors name the variant and seed)."""
+    """The validated :class:`ArmorConfig` of one run (errors name the variant and seed; cached:
+    treat it as read-only)."""
     try:
         return load_config(run.config, list(run.overrides))
     except ConfigError as e:

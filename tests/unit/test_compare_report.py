@@ -130,8 +130,8 @@ def test_pending_runs_skip_done_runs_and_the_array_lists_the_rest(synth):
     pending = pending_runs(synth)
     assert [i for i, _, _ in pending] == [1, 2, 3, 4, 5]
     assert all(status == "partial" for _, _, status in pending)
-    cmd = slurm_command(Path("spec.yaml"), synth, ["--partition=gpu"])
-    assert cmd[1] == "--array=1,2,3,4,5" and cmd[-3:-1] == [
-        "--partition=gpu",
-        str(Path("slurm/compare_array.sbatch")),
-    ]
+    cmd = slurm_command(synth, ["--partition=gpu"])
+    assert cmd[:2] == ["sbatch", "--array=1,2,3,4,5"] and cmd[-3] == "--partition=gpu"
+    assert cmd[-2].endswith("slurm/compare_array.sbatch")
+    args = (Path(cmd[-1]) / "4.args").read_text().splitlines()
+    assert args == synth.runs[4].train_args() and not (Path(cmd[-1]) / "0.args").exists()

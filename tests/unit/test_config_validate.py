@@ -38,6 +38,13 @@ def test_defaults_are_valid():
         (["algo.dual_clip_c=1"], ["algo.dual_clip_c=1", "> 1"]),
         (["algo.log_ratio_clamp=0"], ["algo.log_ratio_clamp=0", "> 0"]),
         (["algo.kl_coef=-0.1"], ["algo.kl_coef=-0.1", ">= 0"]),
+        (["algo.quatro.delta=0"], ["algo.quatro.delta=0", "> 0"]),
+        (["algo.quatro.lambda_min=1e5"], ["algo.quatro.lambda_min=100000.0", "lambda_max"]),
+        (["algo.filter_policy_samples=G-1"], ["algo.filter_policy_samples='G-1'", "filter_only"]),
+        (
+            ["algo.anchor=filter_only", "algo.ratio=standard", "algo.filter_policy_samples=G-2"],
+            ["algo.filter_policy_samples='G-2'", "'G-1'"],
+        ),
         (["algo.qae_quantile=2"], ["algo.qae_quantile=2", "[0, 1]"]),
         (["algo.max_gen_batches=0"], ["algo.max_gen_batches=0", ">= 1"]),
         (["rollout.batch=8", "rollout.gen_batch=4"], ["rollout.gen_batch=4", ">= rollout.batch=8"]),

@@ -1,0 +1,144 @@
+"""e2e tier: `armor compare` on a 2-variant x 2-seed tiny spec, killed and resumed.
+
+Variants: the referee's filter control with ARMOR's ``n_on = G - 1`` on-policy samples, and
+DAPO with QUATRO's advantage (so QUATRO trains end to end here). Each run is 2 steps with a
+checkpoint every step. The comparison is ``kill -9``-ed (its whole process group and its Ray
+processes) once the second run has written its step-1 checkpoint; the rerun skips the
+finished first run, resumes the second from that checkpoint, runs the rest and writes the
+report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+from test_train_e2e import REPO, _pids_mentioning, tiny_dir  # noqa: F401 (fixture)
+
+from megatron_armor.observability.metrics import read_metrics
+
+pytestmark = pytest.mark.e2e
+
+TIMEOUT_S = 600
+
+
+def write_spec(out: Path, tiny: Path) -> Path:
+    spec = {
+        "name": "e2e", "output_dir": str(out), "config": str(REPO / "configs" / "tiny_cpu.yaml"),
+        "seeds": [1, 2],
+        "overrides": [
+            "run.steps=2", "run.ckpt_every=1", "algo.group_size=4", "algo.ref_n=2",
+            "algo.reset.schedule=none", "rollout.batch=4", "rollout.gen_batch=8",
+            "trainer.ppo_mini_batch=4", "validation.every=2", "validation.max_problems=8",
+            "validation.n_samples=2", "logging.progress=false", "logging.exact_kl_every=1",
+            f"trainer.model_path={tiny / 'model'}",
+            f"data.train_files=[{tiny / 'data' / 'train.parquet'}]",
+            f"data.val_files=[{tiny / 'data' / 'val.parquet'}]",
+        ],
+        "variants": {
+            "filter_g1": ["algo.anchor=filter_only", "algo.ratio=standard",
+                          "algo.filter_policy_samples=G-1"],
+            "quatro": ["algo.anchor=none", "algo.ratio=standard", "algo.advantage=quatro"],
+        },
+        "pairs": [["filter_g1", "quatro"]],
+    }  # fmt: skip
+    path = out / "spec.yaml"
+    path.write_text(json.dumps(spec))
+    return path
+
+
+class Compare:
+    """One `armor compare` subprocess in its own process group and Ray temp dir."""
+
+    def __init__(self, spec: Path, log: Path):
+        self.ray_tmp = tempfile.mkdtemp(prefix="arc", dir="/tmp")
+        self.log = log
+        env = dict(os.environ, RAY_TMPDIR=self.ray_tmp, RAY_AUTH_MODE="disabled",
+                   RAY_USAGE_STATS_ENABLED="0", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+                   PYTHONPATH=str(REPO))  # fmt: skip
+        cmd = [sys.executable, "-m", "megatron_armor.cli", "compare", str(spec)]
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log.open("w"),
+                                     stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+
+    def wait_for(self, predicate) -> None:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not predicate():
+            assert self.proc.poll() is None, f"compare exited early:\n{self.output()}"
+            assert time.monotonic() < deadline, f"not reached in {TIMEOUT_S}s:\n{self.output()}"
+            time.sleep(0.5)
+
+    def kill(self) -> None:
+        """``kill -9`` of the comparison, its `armor train` child and their Ray processes."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=60)
+        for pid in _pids_mentioning(self.ray_tmp):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        shutil.rmtree(self.ray_tmp, ignore_errors=True)
+
+    def output(self) -> str:
+        return self.log.read_text()[-8000:]
+
+
+def query_ids_of_first_batch(run_dir: Path) -> list[str]:
+    lines = (run_dir / "anchors" / "step_000001.jsonl").read_text().splitlines()
+    rows = [json.loads(x) for x in lines]
+    return [r["query_id"] for r in rows if r.get("type") == "query" and r["gen_batch"] == 0]
+
+
+@pytest.mark.timeout(2 * TIMEOUT_S)
+def test_compare_runs_resumes_after_kill_and_reports(tiny_dir):  # noqa: F811
+    out = Path(tempfile.mkdtemp(prefix="armor-compare-e2e-"))
+    try:
+        spec = write_spec(out, tiny_dir)
+        root = out / "e2e"
+        second = root / "filter_g1" / "seed_2"
+        first = Compare(spec, out / "first.log")
+        first.wait_for(lambda: (second / "checkpoints" / "step_000001" / "meta.json").is_file())
+        first.kill()
+        assert (root / "filter_g1" / "seed_1" / "checkpoints" / "step_000002").is_dir()
+        assert not (second / "checkpoints" / "step_000002").exists()
+
+        rerun = Compare(spec, out / "rerun.log")
+        assert rerun.proc.wait(timeout=TIMEOUT_S) == 0, rerun.output()
+        rerun.kill()  # Ray leftovers, if any
+        log = rerun.output()
+        assert "filter_g1/seed_1" not in log.split("filter_g1/seed_2")[0], log  # skipped
+        assert "filter_g1/seed_2: resuming" in log and "quatro/seed_2: done" in log
+
+        steps = [r["step"] for r in read_metrics(second)]
+        assert steps == [0, 1, 2], steps  # resumed after step 1, nothing repeated
+        for variant in ("filter_g1", "quatro"):
+            for seed in (1, 2):
+                run = root / variant / f"seed_{seed}"
+                assert (run / "checkpoints" / "step_000002" / "meta.json").is_file()
+        # same data order per seed across variants; filter_g1 draws G - 1 on-policy samples
+        f1, q1 = root / "filter_g1" / "seed_1", root / "quatro" / "seed_1"
+        assert query_ids_of_first_batch(f1) == query_ids_of_first_batch(q1)
+        rows = [
+            json.loads(x) for x in (f1 / "anchors" / "step_000001.jsonl").read_text().splitlines()
+        ]
+        assert {r["policy_n"] for r in rows if r.get("type") == "query"} == {3}
+        quatro = read_metrics(q1)[-1]
+        assert quatro["reward/advantage_abs_mean"] > 0 and quatro["train/updates"] == 1
+
+        report = json.loads((root / "report" / "report.json").read_text())
+        assert set(report["variants"]) == {"filter_g1", "quatro"}
+        assert {p["n"] for p in report["pairs"]} == {2}
+        assert (root / "report" / "report.md").is_file()
+        assert list((root / "report").glob("val_*.png"))
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
