@@ -1,6 +1,7 @@
 """Run a comparison: each ``(variant, seed)`` is an independent, resumable ``armor train`` run.
 
-Locally the runs go one after another in child processes (``armor train ... --resume auto``):
+Locally the runs go one after another (seed-major: every variant of a seed, then the next
+seed) in child processes (``armor train ... --resume auto``):
 a finished run (a checkpoint of its last step) is skipped, an interrupted one resumes from its
 newest checkpoint. A SIGTERM/SIGINT to ``armor compare`` is passed to the running child, which
 checkpoints and exits 75; the comparison then stops (rerun it to continue). On Slurm the
@@ -29,6 +30,12 @@ def pending_runs(spec: CompareSpec) -> list[tuple[int, RunSpec, str]]:
         if status != "done":
             out.append((index, run, status))
     return out
+
+
+def seed_major(spec: CompareSpec, run: RunSpec) -> tuple[int, int]:
+    """Local order: every variant of the first seed, then of the next (early partial results
+    already compare all variants)."""
+    return spec.seeds.index(run.seed), spec.variants.index(run.variant)
 
 
 def train_command(run: RunSpec) -> list[str]:
@@ -67,7 +74,7 @@ def run_local(spec: CompareSpec, echo=print) -> int:
     forward = _Forward()
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        for _, run, status in pending_runs(spec):
+        for _, run, status in sorted(pending_runs(spec), key=lambda p: seed_major(spec, p[1])):
             echo(f"armor compare: {run.label}: {'resuming' if status == 'partial' else 'starting'}")
             code = run_one(run, forward)
             if forward.received is not None:

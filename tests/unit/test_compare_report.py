@@ -73,6 +73,12 @@ def test_spec_expands_variants_over_seeds_with_the_same_seed_per_index(tmp_path)
     assert b2.train_args()[0].endswith("configs/tiny_cpu.yaml")
 
 
+@pytest.mark.parametrize("path", sorted((REPO / "configs" / "compare").glob("*.yaml")), ids=str)
+def test_repository_specs_are_valid(path):
+    spec = load_spec(path)  # every run's config loaded and validated
+    assert len(spec.seeds) >= 3 and len(spec.variants) == 5 and spec.pairs
+
+
 @pytest.mark.parametrize(
     "extra, match",
     [({"seeds": []}, "seeds=\\[\\]"), ({"pairs": [["a", "zz"]]}, "among the variants"),
