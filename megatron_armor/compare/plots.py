@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from megatron_armor.observability.plot import save_figure
+
 TRAINING_TITLES = {
     "train_reward": "training reward (every on-policy sample, before the filter)",
     "train_acc": "training accuracy (every on-policy sample)",
@@ -36,14 +38,7 @@ def _plot(curves: dict[str, dict], resets: dict[str, list[int]], title: str, out
         ax.fill_between(c["steps"], c["low"], c["high"], color=color, alpha=0.2, linewidth=0)
         for step in resets.get(variant, []):
             ax.axvline(step, color=color, linestyle=":", linewidth=0.8)
-    ax.set_title(title + " — mean and 95% interval across seeds", fontsize=9)
-    ax.set_xlabel("step")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(fig, ax, out, f"{title}\n(mean and 95% interval across seeds)", "", 7)
 
 
 def plot_report(report: dict, out_dir: Path) -> list[Path]:

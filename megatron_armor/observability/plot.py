@@ -72,9 +72,16 @@ def _line_plot(records, keys, title, ylabel, out: Path, resets) -> Path | None:
         return None
     _mark_resets(ax, resets)
     _mark_overopt(ax, records)
+    return save_figure(fig, ax, out, title, ylabel)
+
+
+def save_figure(fig, ax, out: Path, title: str, ylabel: str = "", legend_size: int = 8) -> Path:
+    """Title, step axis, grid and legend on ``ax``; ``fig`` written to ``out`` and closed."""
+    import matplotlib.pyplot as plt
+
     ax.set(title=title, xlabel="step", ylabel=ylabel)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=legend_size)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)

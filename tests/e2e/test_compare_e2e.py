@@ -13,17 +13,17 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
-from test_train_e2e import REPO, _pids_mentioning, tiny_dir  # noqa: F401 (fixture)
 
 from megatron_armor.observability.metrics import read_metrics
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from test_train_e2e import REPO, Run, tiny_dir  # noqa: E402, F401 (tiny_dir: a fixture)
 
 pytestmark = pytest.mark.e2e
 
@@ -55,42 +55,19 @@ def write_spec(out: Path, tiny: Path) -> Path:
     return path
 
 
-class Compare:
-    """One `armor compare` subprocess in its own process group and Ray temp dir."""
+class Compare(Run):
+    """One `armor compare` subprocess in its own process group and Ray temp dir (``Run``'s
+    waiting, ``kill -9`` and clean-up)."""
 
-    def __init__(self, spec: Path, log: Path):
+    def __init__(self, spec: Path, log: Path):  # noqa: D107 (Run.__init__ starts a train run)
         self.ray_tmp = tempfile.mkdtemp(prefix="arc", dir="/tmp")
-        self.log = log
+        self.log = log.open("w")
         env = dict(os.environ, RAY_TMPDIR=self.ray_tmp, RAY_AUTH_MODE="disabled",
                    RAY_USAGE_STATS_ENABLED="0", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                    PYTHONPATH=str(REPO))  # fmt: skip
         cmd = [sys.executable, "-m", "megatron_armor.cli", "compare", str(spec)]
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log.open("w"),
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self.log,
                                      stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
-
-    def wait_for(self, predicate) -> None:
-        deadline = time.monotonic() + TIMEOUT_S
-        while not predicate():
-            assert self.proc.poll() is None, f"compare exited early:\n{self.output()}"
-            assert time.monotonic() < deadline, f"not reached in {TIMEOUT_S}s:\n{self.output()}"
-            time.sleep(0.5)
-
-    def kill(self) -> None:
-        """``kill -9`` of the comparison, its `armor train` child and their Ray processes."""
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait(timeout=60)
-        for pid in _pids_mentioning(self.ray_tmp):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        shutil.rmtree(self.ray_tmp, ignore_errors=True)
-
-    def output(self) -> str:
-        return self.log.read_text()[-8000:]
 
 
 def query_ids_of_first_batch(run_dir: Path) -> list[str]:
@@ -107,14 +84,15 @@ def test_compare_runs_resumes_after_kill_and_reports(tiny_dir):  # noqa: F811
         root = out / "e2e"
         second = root / "quatro" / "seed_1"
         first = Compare(spec, out / "first.log")
-        first.wait_for(lambda: (second / "checkpoints" / "step_000001" / "meta.json").is_file())
-        first.kill()
+        first.wait_for(
+            lambda: (second / "checkpoints" / "step_000001" / "meta.json").is_file(), TIMEOUT_S
+        )
+        first.kill_group()
         assert (root / "filter_g1" / "seed_1" / "checkpoints" / "step_000002").is_dir()
         assert not (second / "checkpoints" / "step_000002").exists()
 
         rerun = Compare(spec, out / "rerun.log")
-        assert rerun.proc.wait(timeout=TIMEOUT_S) == 0, rerun.output()
-        rerun.kill()  # Ray leftovers, if any
+        assert rerun.wait(timeout=TIMEOUT_S) == 0, rerun.output()
         log = rerun.output()
         assert "filter_g1/seed_1" not in log, log  # finished before the kill: skipped
         assert "quatro/seed_1: resuming" in log and "quatro/seed_2: done" in log
