@@ -101,9 +101,12 @@ def read_run(run_dir: Path, num_queries: int) -> RunSeries:
     return RunSeries(series, reset_steps(records), sources)
 
 
-def collect_variant(spec: CompareSpec, variant: str) -> Curves:
-    """Stack every seed's curves of ``variant`` on the union of their steps."""
-    runs = spec.runs_of(variant)
+def collect_variant(spec: CompareSpec, variant: str) -> Curves | None:
+    """Stack the curves of every seed of ``variant`` that logged a step, on the union of their
+    steps (``None`` when no seed has started)."""
+    runs = [r for r in spec.runs_of(variant) if read_metrics(r.run_dir)]
+    if not runs:
+        return None
     num_queries = count_rows(list(run_config(runs[0]).data.train_files))
     per_seed = [read_run(run.run_dir, num_queries) for run in runs]
     curves = Curves(seeds=[r.seed for r in runs])

@@ -73,7 +73,7 @@ def variant_entry(curves: Curves, val_keys: list[str]) -> dict:
 def pair_entries(spec: CompareSpec, variants: dict[str, dict], val_keys: list[str]) -> list[dict]:
     """Paired tests of ``A - B`` on every validation metric and summary."""
     out = []
-    for a, b in spec.pairs:
+    for a, b in [p for p in spec.pairs if set(p) <= set(variants)]:
         for key in val_keys:
             va, vb = variants[a]["validation"].get(key), variants[b]["validation"].get(key)
             if va is None or vb is None:
@@ -93,7 +93,8 @@ def pair_entries(spec: CompareSpec, variants: dict[str, dict], val_keys: list[st
 
 def build_report(spec: CompareSpec, command: str = "") -> dict:
     """The report as a JSON-able dict (also the input of the markdown and the plots)."""
-    curves = {v: collect_variant(spec, v) for v in spec.variants}
+    collected = {v: collect_variant(spec, v) for v in spec.variants}
+    curves = {v: c for v, c in collected.items() if c is not None}
     val_keys = sorted({k for c in curves.values() for k in c.values if k.startswith("val/")})
     variants = {v: variant_entry(c, val_keys) for v, c in curves.items()}
     return {"name": spec.name, "command": command, "seeds": list(spec.seeds),

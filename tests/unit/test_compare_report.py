@@ -141,3 +141,19 @@ def test_pending_runs_skip_done_runs_and_the_array_lists_the_rest(synth):
     assert cmd[-2].endswith("slurm/compare_array.sbatch")
     args = (Path(cmd[-1]) / "4.args").read_text().splitlines()
     assert args == synth.runs[4].train_args() and not (Path(cmd[-1]) / "0.args").exists()
+
+
+def test_partial_comparisons_report_the_seeds_that_ran(synth, tmp_path):
+    """Seeds not started yet are left out (and pairs use the shared seeds); a variant without
+    any started seed is absent."""
+    import shutil
+
+    shutil.rmtree(synth.runs[5].run_dir)  # b / seed 3
+    report = build_report(synth)
+    assert report["variants"]["b"]["seeds"] == [1, 2]
+    assert {p["n"] for p in report["pairs"]} == {2}
+    for run in synth.runs_of("a"):
+        shutil.rmtree(run.run_dir)
+    report = build_report(synth)
+    assert set(report["variants"]) == {"b"} and report["pairs"] == []
+    write_report(synth, out_dir=tmp_path / "partial")  # renders without the missing variant
