@@ -46,7 +46,10 @@ def _training_table(report: dict) -> list[str]:
 
 def _pairs_table(report: dict) -> list[str]:
     if not report["pairs"]:
-        return ["No paired comparisons (`pairs:` in the spec)."]
+        return [
+            "No paired comparisons: none in the spec (`pairs:`), or fewer than 2 seeds that "
+            "both variants of a pair have run."
+        ]
     n = min(p["n"] for p in report["pairs"])
     lines = [
         f"Paired over seeds (same seed = same data order); A - B per seed, mean, 95% percentile "
@@ -71,6 +74,9 @@ def render_markdown(report: dict, figures: list[str]) -> str:
             f"{report['confidence']:.0%} Student-t interval in brackets; few seeds give wide "
             "intervals. AUC is the area under the validation curve divided by the step span.",
             ""]  # fmt: skip
+    if report.get("unfinished"):
+        head += [f"**Unfinished runs** (their logged steps are included, or they are absent if "
+                 f"they never started): {', '.join(report['unfinished'])}.", ""]  # fmt: skip
     if report.get("command"):
         head += ["Command:", "", "```bash", report["command"], "```", ""]
     body = ["## Validation", "", *_validation_tables(report), "## Training", "",

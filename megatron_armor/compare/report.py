@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from megatron_armor.compare.collect import TRAINING_KEYS, Curves, collect_variant
-from megatron_armor.compare.spec import CompareSpec
+from megatron_armor.compare.spec import CompareSpec, run_config, run_status
 from megatron_armor.compare.stats import curve_summary, paired_test, seed_band
 
 CONFIDENCE = 0.95
@@ -97,9 +97,10 @@ def build_report(spec: CompareSpec, command: str = "") -> dict:
     curves = {v: c for v, c in collected.items() if c is not None}
     val_keys = sorted({k for c in curves.values() for k in c.values if k.startswith("val/")})
     variants = {v: variant_entry(c, val_keys) for v, c in curves.items()}
+    unfinished = [r.label for r in spec.runs if run_status(r, run_config(r).run.steps) != "done"]
     return {"name": spec.name, "command": command, "seeds": list(spec.seeds),
             "confidence": CONFIDENCE, "validation_metrics": val_keys, "variants": variants,
-            "pairs": pair_entries(spec, variants, val_keys)}  # fmt: skip
+            "pairs": pair_entries(spec, variants, val_keys), "unfinished": unfinished}  # fmt: skip
 
 
 def write_report(spec: CompareSpec, command: str = "", out_dir: Path | None = None) -> Path:

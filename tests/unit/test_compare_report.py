@@ -156,4 +156,6 @@ def test_partial_comparisons_report_the_seeds_that_ran(synth, tmp_path):
         shutil.rmtree(run.run_dir)
     report = build_report(synth)
     assert set(report["variants"]) == {"b"} and report["pairs"] == []
-    write_report(synth, out_dir=tmp_path / "partial")  # renders without the missing variant
+    assert report["unfinished"] == [r.label for r in synth.runs]  # no last-step checkpoints
+    out = write_report(synth, out_dir=tmp_path / "partial")  # renders without the variant
+    assert "**Unfinished runs**" in (out / "report.md").read_text()
