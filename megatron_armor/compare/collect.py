@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron_armor.compare.spec import CompareSpec, run_config
+from megatron_armor.compare.spec import CompareSpec, run_config, run_status
 from megatron_armor.observability.metrics import read_metrics
 from megatron_armor.observability.plot import reset_steps
 
@@ -29,9 +29,11 @@ TRAINING_KEYS = {
 
 @dataclass
 class Curves:
-    """One variant: ``steps[T]`` and ``values[S, T]`` (NaN where a seed lacks the step) per key."""
+    """One variant: ``steps[T]`` and ``values[S, T]`` (NaN where a seed lacks the step) per key;
+    ``finished[S]``: the seed's run reached its last step (only those enter final/best/AUC)."""
 
     seeds: list[int]
+    finished: list[bool] = field(default_factory=list)
     steps: dict[str, np.ndarray] = field(default_factory=dict)
     values: dict[str, np.ndarray] = field(default_factory=dict)
     resets: list[int] = field(default_factory=list)
@@ -109,7 +111,8 @@ def collect_variant(spec: CompareSpec, variant: str) -> Curves | None:
         return None
     num_queries = count_rows(list(run_config(runs[0]).data.train_files))
     per_seed = [read_run(run.run_dir, num_queries) for run in runs]
-    curves = Curves(seeds=[r.seed for r in runs])
+    curves = Curves(seeds=[r.seed for r in runs],
+                    finished=[run_status(r, run_config(r).run.steps) == "done" for r in runs])  # fmt: skip
     for name in sorted({k for run in per_seed for k in run.series}):
         steps = sorted({s for run in per_seed for s in run.series.get(name, {})})
         curves.steps[name] = np.array(steps, dtype=np.int64)

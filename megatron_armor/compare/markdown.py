@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 
-def _ci(entry: dict, digits: int = 3) -> str:
+def _ci(entry: dict | None, digits: int = 3) -> str:
+    if entry is None:
+        return "—"
     if entry["n"] < 2:
         return f"{entry['mean']:.{digits}f}"
     return f"{entry['mean']:.{digits}f} [{entry['low']:.{digits}f}, {entry['high']:.{digits}f}]"
@@ -12,14 +14,15 @@ def _ci(entry: dict, digits: int = 3) -> str:
 def _validation_tables(report: dict) -> list[str]:
     lines = []
     for key in report["validation_metrics"]:
-        lines += [f"### `{key}`", "", "| variant | n | final | best | AUC (time-average) |",
+        lines += [f"### `{key}`", "", "| variant | n finished | final | best | AUC (time-average) |",
                   "|---|---|---|---|---|"]  # fmt: skip
         for variant, entry in report["variants"].items():
             curve = entry["validation"].get(key)
             if curve is not None:
                 s = curve["summary"]
-                lines.append(f"| {variant} | {curve['n_seeds']} | {_ci(s['final'])} | "
-                             f"{_ci(s['best'])} | {_ci(s['auc'])} |")  # fmt: skip
+                lines.append(f"| {variant} | {len(curve['per_seed']['seeds'])} | "
+                             f"{_ci(s.get('final'))} | {_ci(s.get('best'))} | "
+                             f"{_ci(s.get('auc'))} |")  # fmt: skip
         lines.append("")
     return lines
 
@@ -34,7 +37,7 @@ def _training_table(report: dict) -> list[str]:
     lines = ["| variant | " + " | ".join(c[2] for c in cols) + " |",
              "|---|" + "---|" * len(cols)]  # fmt: skip
     for variant, entry in report["variants"].items():
-        cells = [_ci(entry["training"][n][field]) if n in entry["training"] else "—"
+        cells = [_ci(entry["training"].get(n, {}).get(field))
                  for n, field, _ in cols]  # fmt: skip
         lines.append(f"| {variant} | " + " | ".join(cells) + " |")
     keys = {e["training"]["kl_to_ref"]["metric_key"]

@@ -31,11 +31,14 @@ def _band_dict(values: np.ndarray) -> dict[str, float]:
             "n": band.n}  # fmt: skip
 
 
-def per_seed_summaries(curves: Curves, key: str) -> dict[str, list[float]]:
-    """``{final|best|auc: [one value per seed]}`` over the steps each seed logged."""
-    out: dict[str, list[float]] = {s: [] for s in SUMMARIES}
-    for row in curves.values[key]:
+def per_seed_summaries(curves: Curves, key: str) -> dict[str, list]:
+    """``{seeds: [...], final|best|auc: [one value per finished seed]}``."""
+    out: dict[str, list] = {"seeds": [], **{s: [] for s in SUMMARIES}}
+    for seed, done, row in zip(curves.seeds, curves.finished, curves.values[key], strict=True):
         ok = ~np.isnan(row)
+        if not done or not ok.any():
+            continue
+        out["seeds"].append(seed)
         summary = curve_summary(curves.steps[key][ok], row[ok])
         for s in SUMMARIES:
             out[s].append(summary[s])
@@ -49,8 +52,8 @@ def curve_entry(curves: Curves, key: str, with_summaries: bool) -> dict:
              "low": band.low.tolist(), "high": band.high.tolist(), "n_seeds": band.n}  # fmt: skip
     if with_summaries:
         seeds = per_seed_summaries(curves, key)
-        entry["per_seed"] = {"seeds": curves.seeds, **seeds}
-        entry["summary"] = {s: _band_dict(seeds[s]) for s in SUMMARIES}
+        entry["per_seed"] = seeds
+        entry["summary"] = {s: _band_dict(seeds[s]) for s in SUMMARIES if seeds[s]}
     return entry
 
 
@@ -60,10 +63,12 @@ def variant_entry(curves: Curves, val_keys: list[str]) -> dict:
     for name in (*TRAINING_KEYS, *COVERAGE):
         if name in curves.values:
             entry = curve_entry(curves, name, with_summaries=False)
-            finals = [row[~np.isnan(row)][-1] for row in curves.values[name]]
-            means = [np.nanmean(row) for row in curves.values[name]]
-            entry.update(final=_band_dict(finals), mean_over_steps=_band_dict(means),
-                         metric_key=curves.sources.get(name, name))  # fmt: skip
+            rows = [r for r, done in zip(curves.values[name], curves.finished, strict=True) if done]
+            finals = [row[~np.isnan(row)][-1] for row in rows]
+            means = [np.nanmean(row) for row in rows]
+            if rows:
+                entry.update(final=_band_dict(finals), mean_over_steps=_band_dict(means))
+            entry["metric_key"] = curves.sources.get(name, name)
             training[name] = entry
     return {"seeds": curves.seeds, "resets": curves.resets,
             "validation": {k: curve_entry(curves, k, True) for k in val_keys if k in curves.values},

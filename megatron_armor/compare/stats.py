@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -61,10 +62,12 @@ def seed_band(values: np.ndarray, confidence: float = 0.95) -> Band:
     """The t-interval band of ``values[S, T]`` (seeds x steps; NaN = missing, ignored per step)."""
     v = np.atleast_2d(np.asarray(values, dtype=np.float64))
     n = np.sum(~np.isnan(v), axis=0)
-    mean = np.nanmean(v, axis=0)
+    with warnings.catch_warnings():  # steps with 0 or 1 seed: NaN spread, no interval below
+        warnings.simplefilter("ignore", RuntimeWarning)
+        mean = np.nanmean(v, axis=0)
+        sd = np.nanstd(v, axis=0, ddof=1)
     if v.shape[0] < 2:
         return Band(mean, mean.copy(), mean.copy(), int(v.shape[0]))
-    sd = np.nanstd(v, axis=0, ddof=1)
     t = np.array([t_quantile((1 + confidence) / 2, int(k) - 1) if k >= 2 else np.nan for k in n])
     half = np.where(n >= 2, t * sd / np.sqrt(np.maximum(n, 1)), 0.0)
     return Band(mean, mean - half, mean + half, int(n.min()))

@@ -43,6 +43,9 @@ def write_run(run_dir: Path, seed: int, shift: float, reset: bool) -> None:
             r[VAL] = (0.4 if step == 2 else 0.5) + e
         records.append(r)
     run_dir.mkdir(parents=True)
+    last = run_dir / "checkpoints" / "step_000004"  # finished: a checkpoint of the last step
+    last.mkdir(parents=True)
+    (last / "meta.json").write_text("{}")
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     anchors = run_dir / "anchors"
     anchors.mkdir()
@@ -130,9 +133,10 @@ def test_write_report_puts_markdown_json_and_pngs_in_one_folder(synth, tmp_path)
 
 
 def test_pending_runs_skip_done_runs_and_the_array_lists_the_rest(synth):
-    done = synth.runs[0].run_dir / "checkpoints" / "step_000004"
-    done.mkdir(parents=True)
-    (done / "meta.json").write_text("{}")
+    import shutil
+
+    for run in synth.runs[1:]:
+        shutil.rmtree(run.run_dir / "checkpoints")
     pending = pending_runs(synth)
     assert [i for i, _, _ in pending] == [1, 2, 3, 4, 5]
     assert all(status == "partial" for _, _, status in pending)
@@ -148,14 +152,17 @@ def test_partial_comparisons_report_the_seeds_that_ran(synth, tmp_path):
     any started seed is absent."""
     import shutil
 
-    shutil.rmtree(synth.runs[5].run_dir)  # b / seed 3
+    shutil.rmtree(synth.runs[5].run_dir)  # b / seed 3: not started
+    shutil.rmtree(synth.runs[4].run_dir / "checkpoints")  # b / seed 2: unfinished
     report = build_report(synth)
-    assert report["variants"]["b"]["seeds"] == [1, 2]
-    assert {p["n"] for p in report["pairs"]} == {2}
+    b = report["variants"]["b"]["validation"][VAL]
+    assert report["variants"]["b"]["seeds"] == [1, 2] and b["n_seeds"] == 2  # in the band
+    assert b["per_seed"]["seeds"] == [1] and b["summary"]["final"]["n"] == 1  # not summarised
+    assert report["pairs"] == []  # one finished seed shared
+    assert report["unfinished"] == ["b/seed_2", "b/seed_3"]
     for run in synth.runs_of("a"):
         shutil.rmtree(run.run_dir)
     report = build_report(synth)
     assert set(report["variants"]) == {"b"} and report["pairs"] == []
-    assert report["unfinished"] == [r.label for r in synth.runs]  # no last-step checkpoints
     out = write_report(synth, out_dir=tmp_path / "partial")  # renders without the variant
     assert "**Unfinished runs**" in (out / "report.md").read_text()
