@@ -79,7 +79,9 @@ def test_spec_expands_variants_over_seeds_with_the_same_seed_per_index(tmp_path)
 @pytest.mark.parametrize("path", sorted((REPO / "configs" / "compare").glob("*.yaml")), ids=str)
 def test_repository_specs_are_valid(path):
     spec = load_spec(path)  # every run's config loaded and validated
-    assert len(spec.seeds) >= 3 and len(spec.variants) == 5 and spec.pairs
+    assert spec.runs and all(r.run_dir.parent.parent == spec.root for r in spec.runs)
+    if path.stem.startswith("referee_filter"):
+        assert len(spec.seeds) >= 3 and len(spec.variants) == 5 and spec.pairs
 
 
 @pytest.mark.parametrize(
