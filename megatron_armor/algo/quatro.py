@@ -66,6 +66,8 @@ def solve_lambda(
         gap = kl_to_uniform(r, lam) - delta  # decreasing in u
         lo = torch.where(gap > 0, u, lo)
         hi = torch.where(gap > 0, hi, u)
+        if ((gap.abs() < 1e-13) | (hi - lo < 1e-13)).all():
+            break
         slope = kl_slope(r, lam) * lam  # d gap / d u
         newton = u - gap / torch.where(slope < 0, slope, torch.full_like(slope, -1.0))
         inside = (slope < 0) & (newton > lo) & (newton < hi)
