@@ -30,7 +30,11 @@ from megatron_armor.rollout.sglang.client import (
     SGLangClient,
     SGLangError,
     generate_payload,
+    init_weights_update_group_payload,
     parse_generate_response,
+    update_weights_from_disk_payload,
+    update_weights_from_distributed_payload,
+    update_weights_from_tensor_payload,
 )
 from megatron_armor.rollout.sglang.engine import SGLangEngine
 from megatron_armor.rollout.sglang.router import RouterAdmin
@@ -331,22 +335,26 @@ def test_payloads_match_sglang_fields():
         and body["sampling_params"]["sampling_seed"] == 123
     )
     bucket = [("a", torch.zeros(2, 3, dtype=torch.bfloat16)), ("b", torch.zeros(4))]
-    dist_body = transport.distributed_payload(bucket, 9, "g")
+    dist_body = update_weights_from_distributed_payload(
+        **transport.bucket_metadata(bucket), version=9, group_name="g"
+    )
     assert set(dist_body) <= ENDPOINT_FIELDS["/update_weights_from_distributed"]
     assert dist_body["dtypes"] == ["bfloat16", "float32"] and dist_body["shapes"] == [[2, 3], [4]]
     assert dist_body["weight_version"] == "9"
     assert (
-        set(transport.init_group_payload("h", 1, 1, 2, "g"))
+        set(init_weights_update_group_payload("h", 1, 1, 2, "g"))
         == ENDPOINT_FIELDS["/init_weights_update_group"] - set()
     )
-    assert set(transport.disk_payload("/p", 1)) <= ENDPOINT_FIELDS["/update_weights_from_disk"]
-    tensor_body = transport.tensor_payload("blob", 3, tp_size=2)
+    assert (
+        set(update_weights_from_disk_payload("/p", 1))
+        <= ENDPOINT_FIELDS["/update_weights_from_disk"]
+    )
+    tensor_body = update_weights_from_tensor_payload("blob", 3, tp_size=2)
     assert set(tensor_body) <= ENDPOINT_FIELDS["/update_weights_from_tensor"]
     assert tensor_body["serialized_named_tensors"] == ["blob", "blob"]
     assert tensor_body["load_format"] == "flattened_bucket"
-    if launch.server_arg_fields() is None:
-        with pytest.raises(RuntimeError, match="weight_transport=tensor needs the sglang package"):
-            transport.serialize_bucket(bucket)
+    with pytest.raises(ValueError, match="weight_transport=tensor got CPU tensors"):
+        transport.serialize_bucket(bucket)
 
 
 def test_buckets_respect_size_and_order():

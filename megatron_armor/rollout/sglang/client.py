@@ -8,6 +8,10 @@ Request / response formats (SGLang ``GenerateReqInput`` and ``SamplingParams``):
 - ``POST /abort_request`` ``{"rid": str, "abort_all": bool}`` (``AbortReq``).
 - Weight and memory endpoints answer ``{"success": bool, "message": str}`` (HTTP 400 on failure).
 
+Every request body is built by a pure ``*_payload`` function below, named after its endpoint;
+``tests/unit/test_sglang_contract.py`` checks each against the request class of the pinned
+SGLang wheel (``sglang.srt.managers.io_struct``), where unknown keys are silently ignored.
+
 Reliability: at most ``max_concurrency`` requests in flight; connection errors, timeouts and
 HTTP 5xx are retried ``max_retries`` times with exponential backoff (a timed-out generation
 is aborted by ``rid`` first so the server does not keep decoding it); HTTP 4xx is an error
@@ -73,6 +77,79 @@ def generate_payload(
         "sampling_params": sampling_params_payload(params, seed),
         "return_logprob": True,
     }
+
+
+def abort_payload(rid: str | None) -> dict[str, Any]:
+    """Body of ``POST /abort_request`` (``AbortReq``): one request by ``rid``, or all."""
+    return {"rid": rid or "", "abort_all": rid is None}
+
+
+def update_weights_from_tensor_payload(serialized: str, version: int, tp_size: int) -> dict:
+    """Body of ``/update_weights_from_tensor`` (``UpdateWeightsFromTensorReqInput``) for one
+    serialized bucket (base64 text of ``MultiprocessingSerializer``): one copy per TP rank of
+    the server, ``load_format='flattened_bucket'``."""
+    return {
+        "serialized_named_tensors": [serialized] * tp_size,
+        "load_format": "flattened_bucket",
+        "flush_cache": True,
+        "weight_version": str(version),
+    }
+
+
+def update_weights_from_distributed_payload(
+    names: list[str], dtypes: list[str], shapes: list[list[int]], version: int, group_name: str
+) -> dict:
+    """Body of ``/update_weights_from_distributed`` (``UpdateWeightsFromDistributedReqInput``):
+    the receivers allocate ``names[i]`` as ``dtypes[i]`` (``'bfloat16'``) of ``shapes[i]``."""
+    return {
+        "names": list(names),
+        "dtypes": list(dtypes),
+        "shapes": [list(shape) for shape in shapes],
+        "group_name": group_name,
+        "flush_cache": True,
+        "weight_version": str(version),
+    }
+
+
+def init_weights_update_group_payload(
+    master_address: str,
+    master_port: int,
+    rank_offset: int,
+    world_size: int,
+    group_name: str,
+    backend: str = "nccl",
+) -> dict:
+    """Body of ``/init_weights_update_group`` (``InitWeightsUpdateGroupReqInput``)."""
+    return {
+        "master_address": master_address,
+        "master_port": master_port,
+        "rank_offset": rank_offset,
+        "world_size": world_size,
+        "group_name": group_name,
+        "backend": backend,
+    }
+
+
+def destroy_weights_update_group_payload(group_name: str) -> dict:
+    """Body of ``/destroy_weights_update_group`` (``DestroyWeightsUpdateGroupReqInput``)."""
+    return {"group_name": group_name}
+
+
+def update_weights_from_disk_payload(model_path: str, version: int) -> dict:
+    """Body of ``/update_weights_from_disk`` (``UpdateWeightFromDiskReqInput``)."""
+    return {"model_path": model_path, "weight_version": str(version)}
+
+
+def release_memory_occupation_payload() -> dict:
+    """Body of ``/release_memory_occupation`` (``ReleaseMemoryOccupationReqInput``): no
+    ``tags`` releases weights and KV cache."""
+    return {}
+
+
+def resume_memory_occupation_payload(tags: list[str] | None) -> dict:
+    """Body of ``/resume_memory_occupation`` (``ResumeMemoryOccupationReqInput``); ``tags``
+    in ``weights``, ``kv_cache`` (``None``: all)."""
+    return {"tags": tags}
 
 
 def parse_generate_response(body: dict[str, Any], fallback_version: int) -> GenerationOutput:
@@ -170,7 +247,7 @@ class SGLangClient:
 
     async def abort(self, url: str, rid: str | None = None) -> None:
         """``POST /abort_request``: one request by ``rid``, or all when ``rid`` is ``None``."""
-        payload = {"rid": rid or "", "abort_all": rid is None}
+        payload = abort_payload(rid)
         try:
             await self._post_once(url, "/abort_request", payload, self.settings.control_timeout_s)
         except (*RETRYABLE, SGLangError):

@@ -16,7 +16,14 @@ from collections.abc import Iterable
 import torch
 
 from megatron_armor.rollout.sglang import weights as transport
-from megatron_armor.rollout.sglang.client import ClientSettings, EventLoopThread, SGLangClient
+from megatron_armor.rollout.sglang.client import (
+    ClientSettings,
+    EventLoopThread,
+    SGLangClient,
+    destroy_weights_update_group_payload,
+    init_weights_update_group_payload,
+    update_weights_from_distributed_payload,
+)
 
 
 class DistributedWeightSender:
@@ -76,7 +83,7 @@ class DistributedWeightSender:
             future.result(timeout=timeout_s)
 
     def _init_payload(self, offset: int) -> dict:
-        return transport.init_group_payload(
+        return init_weights_update_group_payload(
             self.master_address,
             self.master_port,
             offset,
@@ -96,7 +103,9 @@ class DistributedWeightSender:
             raise RuntimeError("DistributedWeightSender.send before connect()")
         sent = 0
         for bucket in transport.iter_buckets(named_tensors, self.bucket_bytes):
-            payload = transport.distributed_payload(bucket, version, self.group_name)
+            payload = update_weights_from_distributed_payload(
+                **transport.bucket_metadata(bucket), version=version, group_name=self.group_name
+            )
             pending = [
                 self._loop.submit(
                     self._client.post(url, "/update_weights_from_distributed", payload)
@@ -114,7 +123,7 @@ class DistributedWeightSender:
         import torch.distributed as dist
 
         if self.group is not None:
-            body = {"group_name": self.group_name}
+            body = destroy_weights_update_group_payload(self.group_name)
             pending = [
                 self._loop.submit(self._client.post(url, "/destroy_weights_update_group", body))
                 for url, _ in self.targets

@@ -31,7 +31,11 @@ from megatron_armor.rollout.sglang.client import (
     generate_payload,
     new_rid,
     parse_generate_response,
+    release_memory_occupation_payload,
+    resume_memory_occupation_payload,
     sample_seed,
+    update_weights_from_disk_payload,
+    update_weights_from_tensor_payload,
 )
 from megatron_armor.rollout.sglang.pools import PoolSpec, policy_pool, pool_specs
 from megatron_armor.rollout.sglang.router import RouterAdmin
@@ -289,7 +293,9 @@ class SGLangEngine(RolloutEngine):
                 self._post_all(
                     servers,
                     "/update_weights_from_tensor",
-                    lambda s, blob=serialized: transport.tensor_payload(blob, version, s.tp),
+                    lambda s, blob=serialized: update_weights_from_tensor_payload(
+                        blob, version, s.tp
+                    ),
                 )
                 del keepalive  # every server has copied the bucket
         elif kind == "disk":
@@ -297,7 +303,7 @@ class SGLangEngine(RolloutEngine):
             self._post_all(
                 servers,
                 "/update_weights_from_disk",
-                lambda s: transport.disk_payload(path, version),
+                lambda s: update_weights_from_disk_payload(path, version),
             )
             self._prune_disk_versions(keep=path)
         elif kind == "distributed":
@@ -315,7 +321,7 @@ class SGLangEngine(RolloutEngine):
         self._post_all(
             self.servers,
             "/update_weights_from_disk",
-            lambda s: transport.disk_payload(model_path, version),
+            lambda s: update_weights_from_disk_payload(model_path, version),
         )
         self._version = int(version)
 
@@ -354,11 +360,19 @@ class SGLangEngine(RolloutEngine):
     # ------------------------------------------------------------------ memory / health
     def release_memory(self) -> None:
         """``/release_memory_occupation`` (weights + KV cache) on every server (colocated mode)."""
-        self._post_all(self.servers, "/release_memory_occupation", lambda s: {})
+        self._post_all(
+            self.servers,
+            "/release_memory_occupation",
+            lambda s: release_memory_occupation_payload(),
+        )
 
     def resume_memory(self, tags: list[str] | None = None) -> None:
         """``/resume_memory_occupation``; ``tags`` in ``weights``, ``kv_cache`` (``None``: all)."""
-        self._post_all(self.servers, "/resume_memory_occupation", lambda s: {"tags": tags})
+        self._post_all(
+            self.servers,
+            "/resume_memory_occupation",
+            lambda s: resume_memory_occupation_payload(tags),
+        )
 
     def server_healthy(self, server: EngineServer) -> bool:
         if server.process is not None and not server.process.alive():

@@ -3,7 +3,8 @@
 Command-line flags are ``--`` + the ``ServerArgs`` field name with ``_`` -> ``-`` (SGLang's
 ``ServerArgs.add_cli_args`` convention); booleans are ``store_true`` flags, lists are
 ``nargs='+'``. When SGLang is importable every key is checked against the fields of
-``sglang.srt.server_args.ServerArgs`` before anything starts.
+``sglang.srt.server_args.ServerArgs`` before anything starts; ``tests/unit/test_sglang_contract.py``
+checks the generated flags against the pinned SGLang wheel's command line.
 """
 
 from __future__ import annotations
@@ -27,12 +28,20 @@ LOGPROB_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "false"}
 
 
 def server_arg_fields() -> set[str] | None:
-    """Field names of SGLang's ``ServerArgs`` dataclass, or ``None`` when SGLang is absent."""
+    """Field names of SGLang's ``ServerArgs``, or ``None`` when SGLang is absent."""
     try:
         from sglang.srt.server_args import ServerArgs
     except ImportError:
         return None
-    return {f.name for f in dataclasses.fields(ServerArgs)}
+    return record_field_names(ServerArgs)
+
+
+def record_field_names(cls: type) -> set[str]:
+    """Field names of a dataclass or a ``msgspec.Struct`` (``ServerArgs`` is a dataclass up to
+    SGLang 0.5.x's middle releases and a ``msgspec`` struct assembled from namespaces after)."""
+    if dataclasses.is_dataclass(cls):
+        return {f.name for f in dataclasses.fields(cls)}
+    return set(cls.__struct_fields__)
 
 
 def validate_server_args(args: dict[str, Any], known_fields: Iterable[str]) -> None:

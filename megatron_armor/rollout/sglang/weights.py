@@ -53,42 +53,26 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def distributed_payload(
-    bucket: list[tuple[str, torch.Tensor]], version: int, group_name: str
-) -> dict:
-    """Body of ``/update_weights_from_distributed`` (``UpdateWeightsFromDistributedReqInput``)."""
+def bucket_metadata(bucket: list[tuple[str, torch.Tensor]]) -> dict:
+    """``names``/``dtypes``/``shapes`` of ``bucket`` for ``/update_weights_from_distributed``."""
     return {
         "names": [name for name, _ in bucket],
         "dtypes": [dtype_name(t.dtype) for _, t in bucket],
         "shapes": [list(t.shape) for _, t in bucket],
-        "group_name": group_name,
-        "flush_cache": True,
-        "weight_version": str(version),
     }
 
 
-def init_group_payload(
-    master_address: str,
-    master_port: int,
-    rank_offset: int,
-    world_size: int,
-    group_name: str,
-    backend: str = "nccl",
-) -> dict:
-    """Body of ``/init_weights_update_group`` (``InitWeightsUpdateGroupReqInput``)."""
-    return {
-        "master_address": master_address,
-        "master_port": master_port,
-        "rank_offset": rank_offset,
-        "world_size": world_size,
-        "group_name": group_name,
-        "backend": backend,
-    }
-
-
-def disk_payload(model_path: str, version: int) -> dict:
-    """Body of ``/update_weights_from_disk`` (``UpdateWeightFromDiskReqInput``)."""
-    return {"model_path": model_path, "weight_version": str(version)}
+def require_cuda_tensors(bucket: list[tuple[str, torch.Tensor]]) -> None:
+    """The tensor transport hands CUDA IPC handles to the server. A CPU tensor would be
+    pickled as a file descriptor shared through this process's ``resource_sharer``, which an
+    independent server process cannot authenticate against, so it is refused here."""
+    on_cpu = [name for name, tensor in bucket if not tensor.is_cuda]
+    if on_cpu:
+        raise ValueError(
+            f"rollout.sglang.weight_transport=tensor got CPU tensors ({on_cpu[:3]}...): it "
+            "sends CUDA IPC handles, which need the weights on a GPU of the server's node; "
+            "use weight_transport=distributed or disk without a colocated GPU"
+        )
 
 
 def _sglang_serialization():
@@ -111,21 +95,11 @@ def serialize_bucket(bucket: list[tuple[str, torch.Tensor]]) -> tuple[str, torch
     """Pack ``bucket`` into a ``FlattenedTensorBucket`` and serialize it (SGLang's
     ``MultiprocessingSerializer``: CUDA IPC handles for GPU tensors). Returns the string and
     the flat buffer, which the caller keeps alive until every server has answered."""
+    require_cuda_tensors(bucket)
     serializer, bucket_cls = _sglang_serialization()
     flat = bucket_cls(named_tensors=bucket)
     data = {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()}
     return serializer.serialize(data, output_str=True), data["flattened_tensor"]
-
-
-def tensor_payload(serialized: str, version: int, tp_size: int) -> dict:
-    """Body of ``/update_weights_from_tensor`` (``UpdateWeightsFromTensorReqInput``) for one
-    serialized bucket: one copy per TP rank of the server, ``load_format='flattened_bucket'``."""
-    return {
-        "serialized_named_tensors": [serialized] * tp_size,
-        "load_format": "flattened_bucket",
-        "flush_cache": True,
-        "weight_version": str(version),
-    }
 
 
 def new_weight_sync_group(
