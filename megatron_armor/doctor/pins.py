@@ -91,7 +91,9 @@ def read_ranges(*paths: Path) -> dict[str, Requirement]:
 def fetch_wheel(name: str, version: str, timeout_s: float = 300.0) -> Path:
     """The unpacked wheel ``name==version`` for the container's platform, from the cache or
     PyPI (``pip download --no-deps``). Raises :class:`PinsUnavailable` naming the fix."""
-    target = cache_dir() / f"{canonicalize_name(name)}-{version}-cp{CONTAINER_PYTHON.replace('.', '')}"
+    target = (
+        cache_dir() / f"{canonicalize_name(name)}-{version}-cp{CONTAINER_PYTHON.replace('.', '')}"
+    )
     if (target / ".complete").exists():
         return target
     download = target.with_name(target.name + ".download")

@@ -1,7 +1,11 @@
-# H100 nodes with InfiniBand (8 GPUs, 8 HCAs), NGC PyTorch container through pyxis/enroot.
+# H100 nodes with InfiniBand (8 GPUs, 8 HCAs), the project's container (docker/Dockerfile: the
+# pinned SGLang / torch / TE / megatron-core stack) through pyxis/enroot. Build it and import it
+# once as a squashfs (docs/gpu.md):
+#   docker build -f docker/Dockerfile -t megatron-armor:gpu . &&
+#   enroot import -o $ARMOR_ROOT/megatron-armor-gpu.sqsh dockerd://megatron-armor:gpu
 # Adjust the image, mounts, interface and HCA names to the site (see docs/slurm.md).
 export ARMOR_LAUNCHER=${ARMOR_LAUNCHER:-pyxis}
-export ARMOR_CONTAINER_IMAGE=${ARMOR_CONTAINER_IMAGE:-nvcr.io#nvidia/pytorch:25.01-py3}
+export ARMOR_CONTAINER_IMAGE=${ARMOR_CONTAINER_IMAGE:-$ARMOR_ROOT/megatron-armor-gpu.sqsh}
 export ARMOR_CONTAINER_MOUNTS=${ARMOR_CONTAINER_MOUNTS:-$ARMOR_ROOT:$ARMOR_ROOT}
 export ARMOR_PYXIS_ARGS=${ARMOR_PYXIS_ARGS:---no-container-mount-home}
 export ARMOR_PYTHON=${ARMOR_PYTHON:-python}

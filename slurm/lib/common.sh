@@ -52,7 +52,7 @@ set_srun_words() {
   # Callers run "${SRUN[@]}" cmd ... as a simple command, so that $! is srun itself.
   SRUN=(srun --overlap --nodes=1 --ntasks=1 --nodelist="$1")
   if [ "${ARMOR_LAUNCHER:-none}" = pyxis ]; then
-    [ -n "${ARMOR_CONTAINER_IMAGE:-}" ] || die "ARMOR_LAUNCHER=pyxis needs ARMOR_CONTAINER_IMAGE (e.g. nvcr.io#nvidia/pytorch:25.01-py3 or a .sqsh file)"
+    [ -n "${ARMOR_CONTAINER_IMAGE:-}" ] || die "ARMOR_LAUNCHER=pyxis needs ARMOR_CONTAINER_IMAGE (a .sqsh file of docker/Dockerfile, see docs/gpu.md)"
     SRUN+=(--container-image="$ARMOR_CONTAINER_IMAGE" --container-workdir="$ARMOR_ROOT")
     [ -z "${ARMOR_CONTAINER_MOUNTS:-}" ] || SRUN+=(--container-mounts="$ARMOR_CONTAINER_MOUNTS")
     # shellcheck disable=SC2206
