@@ -19,6 +19,7 @@ SUBCOMMANDS = {
     "plot": "megatron_armor.cli.plot_cmd",
     "pipeline": "megatron_armor.cli.pipeline_cmd",
     "compare": "megatron_armor.cli.compare_cmd",
+    "doctor": "megatron_armor.cli.doctor_cmd",
 }
 
 

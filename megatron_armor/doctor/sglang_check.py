@@ -1,0 +1,138 @@
+"""The SGLang check of ``armor doctor``: a real ``sglang.launch_server`` on a tiny model, one
+weight update through the configured ``rollout.sglang.weight_transport`` (new random weights,
+version 1), one generation, and its log-probs against the trainer's.
+
+Server and trainer run in fp32 so the two log-probs of each token agree to
+:data:`LOGPROB_TOLERANCE`; a generation still under the old weights would be off by whole nats,
+and its ``weight_version`` would not be ``1``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+
+from megatron_armor.config.schema import ArmorConfig
+from megatron_armor.doctor import node, probes
+from megatron_armor.doctor.report import CheckFailed, NotApplicable
+from megatron_armor.rollout.protocol import SamplingParams
+from megatron_armor.rollout.sglang import client, launch
+from megatron_armor.rollout.sglang import weights as transport
+
+LOGPROB_TOLERANCE = 1e-2
+SAMPLES = 4
+STARTUP_TIMEOUT_S = 300
+
+
+def sglang_round_trip(config: ArmorConfig) -> str:
+    if not torch.cuda.is_available():
+        raise NotApplicable(node.NO_CUDA)
+    if config.rollout.backend != "sglang":
+        raise NotApplicable(f"rollout.backend={config.rollout.backend}: this config runs no SGLang")
+    if importlib.util.find_spec("sglang") is None:
+        raise CheckFailed("sglang is not installed", "pip install -r requirements-gpu.txt")
+    kind = config.rollout.sglang.weight_transport
+    with tempfile.TemporaryDirectory(prefix="armor-doctor-sglang-") as tmp:
+        first = probes.build_tiny_model(str(Path(tmp) / "v0"), seed=0)
+        second = probes.build_tiny_model(str(Path(tmp) / "v1"), seed=1)
+        server, url = start_server(first, kind, Path(tmp) / "server.log")
+        try:
+            push_weights(url, kind, second)
+            samples, server_lp, versions = generate(url)
+        finally:
+            server.stop()
+        trainer_lp = trainer_logprobs(config, second, samples)
+    if set(versions) != {1}:
+        raise CheckFailed(f"generations report weight versions {versions}, not 1",
+                          f"the {kind} weight update did not reach the server; see its log")  # fmt: skip
+    gap = max(abs(a - b) for a, b in zip(server_lp, trainer_lp, strict=True))
+    if not gap < LOGPROB_TOLERANCE:
+        raise CheckFailed(
+            f"server and trainer log-probs differ by up to {gap:.4f} nats",
+            "check SGLANG_RETURN_ORIGINAL_LOGPROB=false and the HF<->Megatron weight mapping",
+        )
+    return f"transport {kind}: {len(server_lp)} tokens, max |server - trainer| log-prob {gap:.2e}"
+
+
+def start_server(model_dir: str, kind: str, log: Path) -> tuple[launch.ManagedProcess, str]:
+    port = node.free_port()
+    args = launch.server_args_for(
+        model_dir, port, mem_fraction_static=0.2, colocated=kind == "tensor",
+        extra_args={"skip_tokenizer_init": True, "dtype": "float32"},
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    server = launch.ManagedProcess(
+        launch.build_server_command(args), f"{url}/health_generate", str(log)
+    )
+    server.start(env=launch.LOGPROB_ENV)
+    try:
+        server.wait_healthy(STARTUP_TIMEOUT_S)
+    except Exception:
+        server.stop()
+        raise
+    return server, url
+
+
+def push_weights(url: str, kind: str, model_dir: str) -> None:
+    """Version 1 of the weights, from ``model_dir``, through ``kind`` (every body names it)."""
+    from safetensors.torch import load_file
+
+    tensors = sorted(load_file(str(Path(model_dir) / "model.safetensors"), device="cuda").items())
+    if kind == "disk":
+        _post(
+            url, "/update_weights_from_disk", client.update_weights_from_disk_payload(model_dir, 1)
+        )
+    elif kind == "tensor":
+        serialized, keepalive = transport.serialize_bucket(tensors)
+        body = client.update_weights_from_tensor_payload(serialized, 1, tp_size=1)
+        _post(url, "/update_weights_from_tensor", body)
+        del keepalive
+    else:
+        _stream(url, tensors)
+
+
+def _stream(url: str, tensors: list[tuple[str, torch.Tensor]]) -> None:
+    from megatron_armor.rollout.sglang.distributed import DistributedWeightSender
+
+    sender = DistributedWeightSender([(url, 1)], "127.0.0.1", node.free_port(), "armor-doctor")
+    try:
+        sender.connect(timeout_s=120)
+        sender.send(tensors, version=1, timeout_s=120)
+    finally:
+        sender.close()
+
+
+def _post(url: str, endpoint: str, body: dict) -> dict:
+    loop = client.EventLoopThread()
+    sglang = client.SGLangClient()
+    try:
+        loop.run(sglang.__aenter__())
+        return loop.run(sglang.post(url, endpoint, body), timeout_s=300)
+    finally:
+        loop.run(sglang.__aexit__(None, None, None))
+        loop.close()
+
+
+def generate(url: str) -> tuple[list, list[float], list[int]]:
+    """``SAMPLES`` samples of one prompt: ``[[prompt, response]]``, log-probs, versions."""
+    prompt = [2, 5, 9, 17]
+    params = SamplingParams(temperature=1.0, max_new_tokens=12, stop_token_ids=(1,))
+    samples, logprobs, versions = [], [], []
+    for i in range(SAMPLES):
+        body = _post(url, "/generate", client.generate_payload(prompt, params, client.new_rid(), i))
+        out = client.parse_generate_response(body, fallback_version=-1)
+        samples.append([prompt, out.token_ids])
+        logprobs += out.logprobs
+        versions.append(out.weight_version)
+    return samples, logprobs, versions
+
+
+def trainer_logprobs(config: ArmorConfig, model_dir: str, samples: list) -> list[float]:
+    settings = node.trainer_settings(config) | {"precision": "fp32", "fp8": {"enabled": False}}
+    spec = {"model_dir": model_dir, "port": node.free_port(), "samples": samples,
+            "trainer": settings, "temperature": 1.0}  # fmt: skip
+    return node.run_probe(["trainer", json.dumps(spec)], timeout_s=300)["logprobs"]
