@@ -13,8 +13,10 @@ from __future__ import annotations
 import email.parser
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,9 +104,19 @@ def fetch_wheel(name: str, version: str, timeout_s: float = 300.0) -> Path:
     wheels = sorted(download.glob("*.whl"))
     if not wheels:
         raise PinsUnavailable(f"pip download {name}=={version} gave no wheel in {download}")
+    staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
     with zipfile.ZipFile(wheels[0]) as archive:
-        archive.extractall(target)
-    (target / ".complete").write_text(wheels[0].name)
+        archive.extractall(staging)
+    (staging / ".complete").write_text(wheels[0].name)
+    try:
+        staging.rename(target)  # atomic: a concurrent fetch sees all of it or nothing
+    except OSError:  # another process finished first (or a partial dir of a killed run)
+        if not (target / ".complete").exists():
+            shutil.rmtree(target)
+            staging.rename(target)
+        else:
+            shutil.rmtree(staging)
+    shutil.rmtree(download, ignore_errors=True)  # the unpacked copy is what is read
     return target
 
 

@@ -5,6 +5,7 @@ pins of requirements.txt, requirements-gpu.txt and requirements-gpu-build.txt.""
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 
 import pytest
@@ -58,8 +59,8 @@ def test_the_container_installs_the_pinned_files():
 
 def test_unreachable_index_fails_with_the_fix(tmp_path, monkeypatch):
     monkeypatch.setenv("ARMOR_CACHE", str(tmp_path))
-    monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")
-    monkeypatch.setenv("PIP_FIND_LINKS", "")
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)  # no site index / find-links
+    monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")  # nothing listens there
     monkeypatch.setenv("PIP_RETRIES", "0")
     with pytest.raises(pins.PinsUnavailable, match="check the network / PIP_INDEX_URL"):
         pins.fetch_wheel("sglang-router", "0.3.2", timeout_s=60)
