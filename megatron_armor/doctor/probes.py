@@ -22,8 +22,9 @@ import torch
 TINY_VOCAB = 128
 
 
-def build_tiny_model(path: str, seed: int = 0) -> str:
-    """A 2-layer Qwen2 (vocab 128, hidden 64) saved as an HF dir at ``path``."""
+def build_tiny_model(path: str, seed: int = 0, logit_scale: float = 1.0) -> str:
+    """A 2-layer Qwen2 (vocab 128, hidden 64) saved as an HF dir at ``path``; its output layer
+    is multiplied by ``logit_scale`` (> 1: log-probs spread over several nats)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -34,7 +35,10 @@ def build_tiny_model(path: str, seed: int = 0) -> str:
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
         eos_token_id=1, pad_token_id=0, bos_token_id=2, tie_word_embeddings=False,
     )  # fmt: skip
-    Qwen2ForCausalLM(config).save_pretrained(path)
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(logit_scale)
+    model.save_pretrained(path)
     return path
 
 

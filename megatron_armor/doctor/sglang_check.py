@@ -2,9 +2,10 @@
 weight update through the configured ``rollout.sglang.weight_transport`` (new random weights,
 version 1), one generation, and its log-probs against the trainer's.
 
-Server and trainer run in fp32 so the two log-probs of each token agree to
-:data:`LOGPROB_TOLERANCE`; a generation still under the old weights would be off by whole nats,
-and its ``weight_version`` would not be ``1``.
+The server runs bf16 kernels and the trainer fp32, so per-token log-probs agree to
+:data:`MEAN_TOLERANCE` on average and :data:`MAX_TOLERANCE` at worst. The new weights have a
+sharpened output layer (log-probs spread over several nats), so a generation still under the
+old weights would be off by whole nats; its ``weight_version`` would not be ``1`` either.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from megatron_armor.rollout.protocol import SamplingParams
 from megatron_armor.rollout.sglang import client, launch
 from megatron_armor.rollout.sglang import weights as transport
 
-LOGPROB_TOLERANCE = 1e-2
+MEAN_TOLERANCE, MAX_TOLERANCE = 0.05, 0.5
 SAMPLES = 4
 STARTUP_TIMEOUT_S = 300
 
@@ -38,8 +39,8 @@ def sglang_round_trip(config: ArmorConfig) -> str:
     kind = config.rollout.sglang.weight_transport
     with tempfile.TemporaryDirectory(prefix="armor-doctor-sglang-") as tmp:
         first = probes.build_tiny_model(str(Path(tmp) / "v0"), seed=0)
-        second = probes.build_tiny_model(str(Path(tmp) / "v1"), seed=1)
-        server, url = start_server(first, kind, Path(tmp) / "server.log")
+        second = probes.build_tiny_model(str(Path(tmp) / "v1"), seed=1, logit_scale=25.0)
+        server, url = start_server(first, kind, Path(tmp) / "server.log", server_gpu(kind))
         try:
             push_weights(url, kind, second)
             samples, server_lp, versions = generate(url)
@@ -49,20 +50,39 @@ def sglang_round_trip(config: ArmorConfig) -> str:
     if set(versions) != {1}:
         raise CheckFailed(f"generations report weight versions {versions}, not 1",
                           f"the {kind} weight update did not reach the server; see its log")  # fmt: skip
-    gap = max(abs(a - b) for a, b in zip(server_lp, trainer_lp, strict=True))
-    if not gap < LOGPROB_TOLERANCE:
+    gaps = [abs(a - b) for a, b in zip(server_lp, trainer_lp, strict=True)]
+    mean, worst = sum(gaps) / len(gaps), max(gaps)
+    if not (mean < MEAN_TOLERANCE and worst < MAX_TOLERANCE):
         raise CheckFailed(
-            f"server and trainer log-probs differ by up to {gap:.4f} nats",
+            f"server and trainer log-probs differ by {mean:.3f} nats on average, {worst:.3f} at most",
             "check SGLANG_RETURN_ORIGINAL_LOGPROB=false and the HF<->Megatron weight mapping",
         )
-    return f"transport {kind}: {len(server_lp)} tokens, max |server - trainer| log-prob {gap:.2e}"
+    return (
+        f"transport {kind}: {len(gaps)} tokens, |server - trainer| log-prob mean {mean:.3f}, "
+        f"max {worst:.3f} nats"
+    )
 
 
-def start_server(model_dir: str, kind: str, log: Path) -> tuple[launch.ManagedProcess, str]:
+def server_gpu(kind: str) -> int:
+    """The server's GPU: the trainer's (0) when colocated; another one for ``distributed``,
+    whose NCCL group cannot hold two ranks on one device."""
+    if kind != "distributed":
+        return 0
+    if torch.cuda.device_count() < 2:
+        raise NotApplicable(
+            "weight_transport=distributed streams between GPUs (trainer and servers on "
+            "different devices); this node has one"
+        )
+    return 1
+
+
+def start_server(
+    model_dir: str, kind: str, log: Path, gpu: int
+) -> tuple[launch.ManagedProcess, str]:
     port = node.free_port()
     args = launch.server_args_for(
-        model_dir, port, mem_fraction_static=0.2, colocated=kind == "tensor",
-        extra_args={"skip_tokenizer_init": True, "dtype": "float32"},
+        model_dir, port, mem_fraction_static=0.2, base_gpu_id=gpu, colocated=kind == "tensor",
+        extra_args={"skip_tokenizer_init": True, "dtype": "bfloat16"},
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     server = launch.ManagedProcess(
