@@ -25,7 +25,12 @@ from megatron_armor.rollout.sglang.pools import pool_problems
 from megatron_armor.types import Group, Sample
 
 pytestmark = pytest.mark.unit
-CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").rglob("*.yaml"))
+# configs/compare/ holds `armor compare` specs (tested with them), not run configs.
+CONFIGS = sorted(
+    p
+    for p in (Path(__file__).resolve().parents[2] / "configs").rglob("*.yaml")
+    if p.parent.name != "compare"
+)
 
 
 def _save(run_dir, step, keep=2):
