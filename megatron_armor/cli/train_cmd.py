@@ -1,6 +1,8 @@
 """``armor train CONFIG [key=value ...] [--resume auto|none|PATH]``: run ARMOR end to end.
 
-Exit codes: 0 done; 2 bad config; 75 (``EX_TEMPFAIL``) a SIGTERM/SIGUSR1 arrived, the
+Exit codes: 0 done; 2 bad config or input file (named before Ray starts: config values, the
+model directory, the tokenizer, the data files), a run directory in use by another run, or no
+resumable checkpoint; 75 (``EX_TEMPFAIL``) a SIGTERM/SIGUSR1 arrived, the
 current step finished and a checkpoint was written — requeue the job and it resumes
 (``--resume auto`` is the default); anything else is a failure.
 """
@@ -44,15 +46,21 @@ def finish(run_dir) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        config = load_config(args.config, args.overrides)
+        config = load_config(args.config, args.overrides, check_inputs=True)
     except ConfigError as e:
         print(f"armor train: {e}", file=sys.stderr)
         return 2
+    from megatron_armor.orchestration.checkpoints import CheckpointError
     from megatron_armor.orchestration.loop import train
+    from megatron_armor.orchestration.run_lock import RunDirLocked
     from megatron_armor.orchestration.run_state import EXIT_REQUEUE
     from megatron_armor.orchestration.session import run_dir_of
 
-    code = train(config, args.resume or config.run.resume)
+    try:
+        code = train(config, args.resume or config.run.resume)
+    except (RunDirLocked, CheckpointError) as e:
+        print(f"armor train: {e}", file=sys.stderr)
+        return 2
     if code == 0 and not args.no_summary:
         finish(run_dir_of(config))
     elif code == EXIT_REQUEUE:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
@@ -19,13 +20,26 @@ class ConfigError(ValueError):
     """A config problem; the message names the key, the value and the fix."""
 
 
+def _load_yaml(path: Path):
+    """``OmegaConf.load`` with YAML errors (syntax, duplicate keys) as ``file:line:column``."""
+    try:
+        return OmegaConf.load(path)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(
+            f"{where}: YAML error: {problem}; fix the file (each key may appear once per section)"
+        ) from None
+
+
 def _read_yaml(path: Path, depth: int = 0):
     """The YAML at ``path`` merged over its ``base:`` parent (one level, resolved recursively)."""
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     if depth > 8:
         raise ConfigError(f"{path}: `base:` chain deeper than 8 files; is there a cycle?")
-    node = OmegaConf.load(path)
+    node = _load_yaml(path)
     if not OmegaConf.is_dict(node):
         raise ConfigError(
             f"{path}: top level must be a mapping of sections, got {type(node).__name__}"
@@ -55,8 +69,14 @@ def _merge(schema, node, where: str):
         raise ConfigError(f"{where}: {e}") from None
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> ArmorConfig:
-    """Resolve ``path`` (and its ``base:``) plus dotted ``overrides`` into a validated config."""
+def load_config(
+    path: str | Path | None = None,
+    overrides: list[str] | None = None,
+    check_inputs: bool = False,
+) -> ArmorConfig:
+    """Resolve ``path`` (and its ``base:``) plus dotted ``overrides`` into a validated config;
+    ``check_inputs`` also checks the model directory and data files it names
+    (``config/inputs.py``: ``armor train`` does, before anything starts)."""
     cfg = OmegaConf.structured(ArmorConfig)
     if path is not None:
         for file, node in _read_yaml(Path(path).resolve()):
@@ -64,10 +84,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     for item in overrides or []:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like `section.key=value`")
-        cfg = _merge(cfg, OmegaConf.from_dotlist([item]), f"override {item!r}")
+        try:
+            node = OmegaConf.from_dotlist([item])
+        except (OmegaConfBaseException, yaml.YAMLError) as e:
+            raise ConfigError(f"override {item!r}: cannot be parsed ({e})") from None
+        cfg = _merge(cfg, node, f"override {item!r}")
     config: ArmorConfig = OmegaConf.to_object(cfg)
     try:
-        validate(config)
+        validate(config, inputs=check_inputs)
     except ValueError as e:
         raise ConfigError(f"{path or '<defaults>'}: {e}") from None
     return config

@@ -263,7 +263,12 @@ def read_hf_config(model_path: str) -> dict | None:
     path = Path(model_path) / "config.json"
     if not path.is_file():
         return None
-    cfg = json.loads(path.read_text())
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return None  # named by the input check (config/inputs.py)
+    if not isinstance(cfg, dict):
+        return None
     return cfg.get("text_config", cfg) if isinstance(cfg.get("text_config"), dict) else cfg
 
 
@@ -322,6 +327,12 @@ def check_run(config: ArmorConfig) -> Problems:
     yield from _bound(val.every, val.every >= 0, "validation.every", "must be >= 0 (0 = off)")
     yield from _bound(val.n_samples, val.n_samples >= 1, "validation.n_samples", "must be >= 1")
     yield from _bound(val.top_p, 0 < val.top_p <= 1, "validation.top_p", "must lie in (0, 1]")
+    yield from _bound(
+        val.temperature,
+        val.temperature > 0,
+        "validation.temperature",
+        "must be > 0 (sampling; 0 would silently decode greedily), e.g. 1.0",
+    )
     log = config.logging
     yield from _bound(
         log.exact_kl_every,
@@ -363,6 +374,46 @@ def check_watchers(config: ArmorConfig) -> Problems:
             )
 
 
+def check_sizes(config: ArmorConfig) -> Problems:
+    """Learning rate, budgets, worker counts and timeouts (each a positive number)."""
+    t, r, o = config.trainer, config.reward, config.orchestration
+    yield from _bound(t.lr, t.lr > 0, "trainer.lr", "must be > 0, e.g. 1e-6")
+    yield from _bound(
+        t.min_lr, 0 <= t.min_lr <= t.lr, "trainer.min_lr", "must lie in [0, trainer.lr]"
+    )
+    yield from _bound(
+        t.micro_batch_tokens,
+        t.micro_batch_tokens >= 1,
+        "trainer.micro_batch_tokens",
+        "must be >= 1 token per micro-batch, e.g. 4096",
+    )
+    yield from _bound(t.grad_clip, t.grad_clip >= 0, "trainer.grad_clip", "must be >= 0 (0 = off)")
+    yield from _bound(
+        config.rollout.engine_batch_size,
+        config.rollout.engine_batch_size >= 1,
+        "rollout.engine_batch_size",
+        "must be >= 1 sequence decoded together, e.g. 64",
+    )
+    yield from _bound(
+        config.data.max_prompt_len,
+        config.data.max_prompt_len >= 1,
+        "data.max_prompt_len",
+        "must be >= 1",
+    )
+    yield from _bound(
+        r.timeout_s, r.timeout_s > 0, "reward.timeout_s", "must be > 0 seconds, e.g. 5"
+    )
+    yield from _bound(
+        r.num_workers, r.num_workers >= 1, "reward.num_workers", "must be >= 1 process"
+    )
+    for key in ("nodes", "gpus_per_node", "num_reward_workers"):
+        value = getattr(o, key)
+        yield from _bound(value, value >= 1, f"orchestration.{key}", "must be >= 1")
+    yield from _bound(
+        o.rollout_gpus, o.rollout_gpus >= 0, "orchestration.rollout_gpus", "must be >= 0"
+    )
+
+
 RULES: list[Callable[[ArmorConfig], Problems]] = [
     check_names,
     check_algo_numbers,
@@ -376,17 +427,23 @@ RULES: list[Callable[[ArmorConfig], Problems]] = [
     check_run,
     check_lr_schedule,
     check_watchers,
+    check_sizes,
 ]
 
 
-def find_problems(config: ArmorConfig) -> list[str]:
-    """All problems of ``config`` (empty when it is valid)."""
-    return [msg for rule in RULES for msg in rule(config)]
+def find_problems(config: ArmorConfig, inputs: bool = False) -> list[str]:
+    """All problems of ``config`` (empty when it is valid); with ``inputs`` also those of the
+    files it names (model directory, tokenizer, data: ``config/inputs.py``)."""
+    from megatron_armor.config.inputs import check_inputs
+
+    rules = RULES + [check_inputs] if inputs else RULES
+    return [msg for rule in rules for msg in rule(config)]
 
 
-def validate(config: ArmorConfig) -> None:
-    """Raise ``ValueError`` listing every inconsistent setting of ``config``."""
-    problems = find_problems(config)
+def validate(config: ArmorConfig, inputs: bool = False) -> None:
+    """Raise ``ValueError`` listing every inconsistent setting of ``config`` (and, with
+    ``inputs``, every unusable file it names)."""
+    problems = find_problems(config, inputs)
     if len(problems) == 1:
         raise ValueError(problems[0])
     if problems:

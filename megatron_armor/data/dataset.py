@@ -125,6 +125,10 @@ def read_table(source: str) -> Any:
             )
         if path.stat().st_size == 0:
             raise ValueError(f"{source}: the file is empty")
+        if fmt == "parquet" and _parquet_rows(path) == 0:
+            raise ValueError(
+                f"{source}: the file has no rows; point the setting at a file with data"
+            )
         try:
             return datasets.load_dataset(fmt, data_files=str(path), split="train")
         except Exception as e:  # arrow/json errors come in many types; name the file
@@ -139,6 +143,16 @@ def read_table(source: str) -> Any:
             f"{source}: not a local file, and loading it as a hub dataset failed ({e}); "
             "pass a local parquet/jsonl path, or `owner/name[:split]` where a network exists"
         ) from e
+
+
+def _parquet_rows(path: Path) -> int:
+    """Row count from the parquet footer (``datasets`` fails obscurely on 0-row files)."""
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(path).metadata.num_rows
+    except Exception as e:  # noqa: BLE001 - arrow raises many types; name the file
+        raise ValueError(f"{path}: cannot be read as parquet ({type(e).__name__}: {e})") from e
 
 
 def _source_stem(source: str) -> str:
@@ -164,14 +178,23 @@ def _parse_file(source: str) -> tuple[list[RawRow], list[BadRow], int]:
             index += 1
     if not good:
         reasons = Counter(b.reason for b in bad).most_common(3)
+        first = ", ".join(f"row {b.row_id}: {b.reason}" for b in bad[:LOGGED_BAD_ROWS])
         raise ValueError(
-            f"{source}: none of its {index} rows is usable ({schema.kind} schema); "
-            f"most common problems: {reasons}"
+            f"{source}: none of its {index} rows is usable ({schema.kind} schema); first: "
+            f"{first}; most common problems: {reasons}; fix those rows or drop the file"
         )
     if bad:
         first = ", ".join(f"{b.row_id} ({b.reason})" for b in bad[:LOGGED_BAD_ROWS])
         logger.warning("%s: skipped %d of %d bad rows; first: %s", source, len(bad), index, first)
     return good, bad, index
+
+
+def check_data_file(source: str) -> int:
+    """Read and validate ``source`` without tokenizing it (the up-front input check); returns
+    the number of usable rows; raises ``ValueError``/``FileNotFoundError`` naming the file and
+    the first bad rows when none is usable."""
+    good, _, _ = _parse_file(source)
+    return len(good)
 
 
 def _batch_rows(batch: dict[str, list[Any]]) -> Iterator[dict[str, Any]]:

@@ -23,6 +23,7 @@ a :class:`BadRow`; the loader skips, counts and logs it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,8 +95,11 @@ def last_boxed(text: str) -> str | None:
 
 
 def _answer_string(value: Any) -> str | None:
-    """An answer value as a non-empty string: str as is, int/float converted, else ``None``."""
+    """An answer value as a non-empty string: str as is, int/finite float converted, else
+    ``None`` (a NaN/None answer — a missing cell — is never turned into the string "nan")."""
     if isinstance(value, bool):
+        return None
+    if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, int | float):
         return str(value)
@@ -148,7 +152,7 @@ def parse_dapo_row(row: dict[str, Any], index: int, default_source: str) -> RawR
         return BadRow(row_id, "reward_model is not a dict")
     answer = _answer_string(reward.get("ground_truth"))
     if answer is None:
-        return BadRow(row_id, "reward_model.ground_truth is missing, empty or not a string")
+        return BadRow(row_id, "reward_model.ground_truth is missing, NaN, empty or not a string")
     source = _data_source(row, default_source)
     if source is None:
         return BadRow(row_id, "data_source is not a non-empty string")
@@ -168,7 +172,7 @@ def parse_benchmark_row(
         raw_answer = last_boxed(raw_answer)
     answer = _answer_string(raw_answer)
     if answer is None:
-        return BadRow(row_id, f"{schema.answer_column} is missing, empty or of the wrong type")
+        return BadRow(row_id, f"{schema.answer_column} is missing, NaN, empty or of the wrong type")
     source = _data_source(row, default_source)
     if source is None:
         return BadRow(row_id, "data_source is not a non-empty string")

@@ -1,13 +1,19 @@
-"""Atomic, rotating run checkpoints: ``run_dir/checkpoints/step_XXXXXX``.
+"""Atomic, verified, rotating run checkpoints: ``run_dir/checkpoints/step_XXXXXX``.
 
-A checkpoint is written into ``.tmp-step_XXXXXX`` and renamed when complete (a rename is
-atomic on POSIX file systems), so a kill during a save never leaves a partial directory that
-``--resume auto`` would pick up. Layout of one checkpoint::
+A checkpoint is written into ``.tmp-step_XXXXXX``; its last file is ``manifest.json`` (every
+file's size, and the SHA-256 of the small ones), then the directory is renamed into place (a
+rename is atomic on POSIX file systems). Layout of one checkpoint::
 
     step_000010/
       trainer/             model, optimizer, scheduler, reference weights, trainer RNG
       orchestrator.pt      RunState: step, sampler, RNG, reset schedule, anchor cache, versions
       meta.json            step and wall time (human-readable)
+      manifest.json        written last: {"step", "files": {relative path: {"size", "sha256"?}}}
+
+``--resume auto`` takes the newest checkpoint whose manifest matches the files on disk and
+whose ``orchestrator.pt`` loads with the safe loader; it prints why it skipped newer ones and
+never deletes them. Rotation (:func:`rotate`) runs only after the new checkpoint is complete
+and counts complete checkpoints only. See docs/orchestration.md ("Checkpoints").
 
 ``run.keep_best`` adds ``checkpoints/best.json`` (``{"step", "metric", "value", "mode"}``): the
 checkpoint it names is kept outside the ``keep_last`` rotation until a better one replaces it.
@@ -15,14 +21,24 @@ checkpoint it names is kept outside the ``keep_last`` rotation until a better on
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
 BEST_FILE = "best.json"
+TMP_PREFIX = ".tmp-"
+MANIFEST = "manifest.json"
+CHECKSUM_MAX_BYTES = 16 * 1024**2  # files up to this size get a SHA-256 in the manifest
+SPACE_MARGIN = 1.1  # free space needed before a save: 1.1 x the previous checkpoint's size
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written or resumed from; the message names the path and the fix."""
 
 
 def checkpoint_root(run_dir: str | Path) -> Path:
@@ -33,17 +49,69 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:06d}"
 
 
-def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints ``(step, path)``, oldest first (temp dirs are ignored)."""
+def step_dirs(run_dir: str | Path) -> list[tuple[int, Path]]:
+    """Every ``step_XXXXXX`` directory ``(step, path)``, complete or not, oldest first."""
     root = checkpoint_root(run_dir)
     if not root.is_dir():
         return []
     found = []
     for path in root.iterdir():
         match = STEP_DIR.match(path.name)
-        if match and path.is_dir() and (path / "meta.json").is_file():
+        if match and path.is_dir():
             found.append((int(match.group(1)), path))
     return sorted(found)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _describe(path: Path) -> dict:
+    size = path.stat().st_size
+    entry: dict = {"size": size}
+    if size <= CHECKSUM_MAX_BYTES:
+        entry["sha256"] = _sha256(path)
+    return entry
+
+
+def write_manifest(checkpoint_dir: Path, step: int) -> Path:
+    """Record every file of ``checkpoint_dir`` (size; SHA-256 when small). Written last."""
+    files = {
+        str(p.relative_to(checkpoint_dir)): _describe(p)
+        for p in sorted(checkpoint_dir.rglob("*"))
+        if p.is_file() and p.name != MANIFEST
+    }
+    out = checkpoint_dir / MANIFEST
+    out.write_text(json.dumps({"step": step, "files": files}, indent=1))
+    return out
+
+
+def manifest_problem(checkpoint_dir: Path) -> str | None:
+    """Why ``checkpoint_dir`` is incomplete or damaged (``None`` when its manifest matches)."""
+    try:
+        files = json.loads((checkpoint_dir / MANIFEST).read_text())["files"]
+    except FileNotFoundError:
+        return f"no {MANIFEST} (the save did not finish)"
+    except (ValueError, KeyError, TypeError) as e:
+        return f"{MANIFEST} unreadable ({e})"
+    for name, entry in files.items():
+        path = checkpoint_dir / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != entry["size"]:
+            return f"{name} has {path.stat().st_size} bytes, the manifest says {entry['size']}"
+        if "sha256" in entry and _sha256(path) != entry["sha256"]:
+            return f"{name} does not match its checksum"
+    return None
+
+
+def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints ``(step, path)`` (manifest present and matching), oldest first."""
+    return [(s, p) for s, p in step_dirs(run_dir) if manifest_problem(p) is None]
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
@@ -52,41 +120,116 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return found[-1][1] if found else None
 
 
-def resolve_resume(run_dir: str | Path, resume: str) -> Path | None:
-    """Map ``--resume auto|none|PATH`` to a checkpoint directory (or ``None`` = fresh start)."""
+Loader = Callable[[Path], object]
+
+
+def newest_loadable(run_dir: str | Path, load: Loader) -> Path | None:
+    """The newest checkpoint that is complete and that ``load`` accepts; prints why it skipped
+    each newer one (skipped directories are left on disk for inspection)."""
+    for step, path in reversed(step_dirs(run_dir)):
+        problem = manifest_problem(path)
+        if problem is None:
+            try:
+                load(path)
+                return path
+            except Exception as e:  # noqa: BLE001 - any load failure means "try the older one"
+                problem = f"cannot be loaded ({type(e).__name__}: {str(e).splitlines()[0]})"
+        print(f"resume: skipping {path} (step {step}): {problem}; left on disk", flush=True)
+    return None
+
+
+def resolve_resume(run_dir: str | Path, resume: str, load: Loader) -> Path | None:
+    """Map ``--resume auto|none|PATH`` to a checkpoint directory (``None`` = fresh start).
+
+    ``load`` is the orchestrator's state loader (``RunState.load``): a checkpoint it refuses
+    is not resumable."""
     if resume == "none":
         return None
     if resume == "auto":
-        return latest_checkpoint(run_dir)
+        return newest_loadable(run_dir, load)
     path = Path(resume)
-    if not (path / "meta.json").is_file():
-        raise FileNotFoundError(
-            f"--resume {resume}: not a complete checkpoint directory (no meta.json); "
-            f"use --resume auto to pick the newest under {checkpoint_root(run_dir)}"
+    if not path.is_dir():
+        raise CheckpointError(
+            f"--resume {resume}: no such checkpoint directory; use --resume auto to pick the "
+            f"newest complete one under {checkpoint_root(run_dir)}"
         )
+    problem = manifest_problem(path)
+    if problem is not None:
+        raise CheckpointError(
+            f"--resume {resume}: not a complete checkpoint: {problem}; use --resume auto to "
+            f"pick the newest complete one under {checkpoint_root(run_dir)}"
+        )
+    load(path)
     return path
 
 
+def remove_stale_temps(run_dir: str | Path) -> list[Path]:
+    """Delete ``.tmp-*`` directories left by saves that were killed (call with the run lock held)."""
+    root = checkpoint_root(run_dir)
+    stale = sorted(p for p in root.glob(f"{TMP_PREFIX}*")) if root.is_dir() else []
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+        print(f"removed {path} (left by an interrupted save)", flush=True)
+    return stale
+
+
+def directory_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def check_free_space(run_dir: str | Path, step: int) -> None:
+    """Raise :class:`CheckpointError` when the file system cannot hold another checkpoint the
+    size of the previous one (x :data:`SPACE_MARGIN`); nothing is checked before the first."""
+    previous = latest_checkpoint(run_dir)
+    if previous is None:
+        return
+    need = int(directory_bytes(previous) * SPACE_MARGIN)
+    root = checkpoint_root(run_dir)
+    free = shutil.disk_usage(root).free
+    if free < need:
+        raise CheckpointError(
+            f"not enough free space for the checkpoint of step {step}: about {need / 2**30:.2f} "
+            f"GiB needed ({previous.name} is {need / SPACE_MARGIN / 2**30:.2f} GiB), "
+            f"{free / 2**30:.2f} GiB free under {root}; free space there or lower run.keep_last "
+            f"(the existing checkpoints are intact)"
+        )
+
+
 def begin_checkpoint(run_dir: str | Path, step: int) -> Path:
-    """A fresh, empty temp directory to write the checkpoint of ``step`` into."""
-    tmp = checkpoint_root(run_dir) / f".tmp-{step_dir_name(step)}"
+    """A fresh, empty temp directory to write the checkpoint of ``step`` into (after checking
+    that the file system has room for it)."""
+    root = checkpoint_root(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    check_free_space(run_dir, step)
+    tmp = root / f"{TMP_PREFIX}{step_dir_name(step)}"
     if tmp.exists():
         shutil.rmtree(tmp)  # left over from a save that was killed
-    tmp.mkdir(parents=True)
+    tmp.mkdir()
     return tmp
 
 
+def rotate(run_dir: str | Path, keep_last: int) -> list[Path]:
+    """Delete all but the newest ``keep_last`` complete checkpoints, sparing the best one
+    (:func:`protected_steps`); returns what it deleted. Incomplete directories are neither
+    counted nor deleted."""
+    kept = protected_steps(run_dir)
+    older = list_checkpoints(run_dir)[: -max(keep_last, 1)]
+    doomed = [path for step, path in older if step not in kept]
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    return doomed
+
+
 def commit_checkpoint(run_dir: str | Path, tmp: Path, step: int, keep_last: int) -> Path:
-    """Mark ``tmp`` complete, rename it to ``step_XXXXXX`` and delete all but the newest ``keep_last``."""
+    """Mark ``tmp`` complete (meta, then the manifest), rename it to ``step_XXXXXX``, then
+    :func:`rotate`."""
     (tmp / "meta.json").write_text(json.dumps({"step": step, "time": time.time()}))
+    write_manifest(tmp, step)
     final = checkpoint_root(run_dir) / step_dir_name(step)
     if final.exists():  # same step saved twice (e.g. periodic + signal): keep the newest
         shutil.rmtree(final)
     tmp.rename(final)
-    kept = protected_steps(run_dir)
-    for old_step, old in list_checkpoints(run_dir)[: -max(keep_last, 1)]:
-        if old_step not in kept:
-            shutil.rmtree(old, ignore_errors=True)
+    rotate(run_dir, keep_last)
     return final
 
 

@@ -212,9 +212,9 @@ def train(config: ArmorConfig, resume: str = "auto") -> int:
     stop = StopSignal().install()
     session = None
     try:
-        session = Session.start(config)
+        session = Session.start(config, resume)
         stop.install()
-        start = session.restore(resume)
+        start = session.restore()
         return run_loop(session, start, stop)
     finally:
         stop.restore()

@@ -13,6 +13,7 @@ script can ``scontrol requeue`` the job.
 
 from __future__ import annotations
 
+import pickle
 import random
 import signal
 from dataclasses import dataclass, field
@@ -27,7 +28,9 @@ STATE_FILE = "orchestrator.pt"
 
 @dataclass
 class RunState:
-    """The orchestrator's part of a checkpoint (plain, picklable values)."""
+    """The orchestrator's part of a checkpoint, in types the safe loader accepts (ints, floats,
+    strings, lists, tuples, dicts, tensors): ``torch.load(weights_only=True)`` never runs code
+    from a checkpoint file."""
 
     step: int = 0
     policy_version: int = 0
@@ -41,12 +44,13 @@ class RunState:
     torch_rng: Any = None
 
     def capture_rng(self) -> None:
-        self.python_rng = random.getstate()
+        self.python_rng = random.getstate()  # (version, tuple of 625 ints, gauss or None)
         self.torch_rng = torch.get_rng_state()
 
     def restore_rng(self) -> None:
         if self.python_rng is not None:
-            random.setstate(self.python_rng)
+            version, internal, gauss = self.python_rng
+            random.setstate((int(version), tuple(internal), gauss))
         if self.torch_rng is not None:
             torch.set_rng_state(self.torch_rng)
 
@@ -57,12 +61,22 @@ class RunState:
 
     @classmethod
     def load(cls, checkpoint_dir: str | Path) -> RunState:
+        """The state saved in ``checkpoint_dir``; a file that needs more than the safe loader
+        (a crafted or foreign pickle) is refused with :class:`pickle.UnpicklingError`."""
         path = Path(checkpoint_dir) / STATE_FILE
         if not path.is_file():
             raise FileNotFoundError(
                 f"{path} missing: {checkpoint_dir} is not an orchestrator checkpoint"
             )
-        return cls(**torch.load(path, weights_only=False))
+        try:
+            saved = torch.load(path, weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise pickle.UnpicklingError(
+                f"{path} holds objects the safe loader (torch.load weights_only=True) refuses: "
+                f"{str(e).splitlines()[0]}; it was not written by this version of the recipe "
+                "(or was tampered with): resume from another checkpoint"
+            ) from None
+        return cls(**saved)
 
 
 class StopSignal:

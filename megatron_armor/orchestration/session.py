@@ -14,7 +14,6 @@ from pathlib import Path
 
 from megatron_armor.algo.ratios import resolve_alpha
 from megatron_armor.algo.reset import ResetSchedule
-from megatron_armor.config.loader import save_config
 from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.data.dataset import load_prompt_dataset
 from megatron_armor.data.sampler import ResumableSampler
@@ -39,6 +38,8 @@ from megatron_armor.orchestration.placement import (
     rollout_hosts,
 )
 from megatron_armor.orchestration.progress import PhaseProgress
+from megatron_armor.orchestration.run_dir import open_run_dir
+from megatron_armor.orchestration.run_lock import RunLock
 from megatron_armor.orchestration.run_state import RunState
 from megatron_armor.orchestration.run_watch import RunWatch
 from megatron_armor.orchestration.workers import load_model_tokenizer, uses_distributed_transport
@@ -109,14 +110,27 @@ class Session:
     num_minibatches: int
     state: RunState
     watch: RunWatch
+    lock: RunLock
+    resume_from: Path | None
 
     @classmethod
-    def start(cls, config: ArmorConfig) -> Session:
+    def start(cls, config: ArmorConfig, resume: str = "auto") -> Session:
+        """Lock the run directory and decide the resume checkpoint (``--resume
+        auto|none|PATH``, see ``run_dir.py``), then start everything for the next step."""
+        run_dir = run_dir_of(config)
+        lock, resume_from = open_run_dir(config, run_dir, resume)
+        try:
+            session = cls._start(config, run_dir)
+        except BaseException:
+            lock.release()
+            raise
+        session.lock, session.resume_from = lock, resume_from
+        return session
+
+    @classmethod
+    def _start(cls, config: ArmorConfig, run_dir: Path) -> Session:
         """Everything up and ready for step 1 (or the resumed step)."""
         num_minibatches = check_batch_sizes(config)
-        run_dir = run_dir_of(config)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(config, run_dir)
         tokenizer = load_model_tokenizer(config.trainer.model_path)
         d = config.data
         dataset = load_prompt_dataset(d.train_files, tokenizer, d.template, d.max_prompt_len)
@@ -150,7 +164,8 @@ class Session:
             timers=PhaseTimers(), progress=PhaseProgress(log.progress), tokenizer=tokenizer,
             meter=make_meter(config, plan, trainer.info.get("device_name", "cpu")),
             alpha=resolve_alpha(config.algo.alpha, config.algo.group_size),
-            num_minibatches=num_minibatches, state=RunState(), watch=RunWatch(config),
+            num_minibatches=num_minibatches, state=RunState(), watch=RunWatch(config), lock=None,
+            resume_from=None,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ checkpoints
@@ -203,16 +218,11 @@ class Session:
             return 0
         return heal_rollout(self.trainer, self.rollout, uses_distributed_transport(self.config))
 
-    def restore(self, resume: str) -> int:
-        """Load the checkpoint ``resume`` names (auto|none|PATH); returns the step to continue after."""
-        path = checkpoints.resolve_resume(self.run_dir, resume)
+    def restore(self) -> int:
+        """Load the checkpoint chosen at start-up (or start fresh); returns the step to
+        continue after."""
+        path = self.resume_from
         if path is None:
-            existing = checkpoints.list_checkpoints(self.run_dir)
-            if existing:
-                raise FileExistsError(
-                    f"--resume none but {self.run_dir} already holds checkpoints up to step "
-                    f"{existing[-1][0]}; use --resume auto, or a new run.name / run.output_dir"
-                )
             truncate_metrics(self.run_dir, -1)
             self.watch.publish(self.run_dir)  # no best yet (a stale best.json goes)
             self.push_policy(0)
@@ -244,3 +254,5 @@ class Session:
         close_groups([self.trainer, self.rollout, self.reward])
         if shutdown_ray:
             ray.shutdown()
+        if self.lock is not None:
+            self.lock.release()

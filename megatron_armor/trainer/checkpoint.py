@@ -9,6 +9,9 @@ Layout of ``path`` (the caller writes it inside a temporary directory and rename
       rng/rank_R.pt    torch / CUDA / Python / NumPy RNG states of global rank R
       run_state.pt     the orchestrator's ``run_state`` dict (written by global rank 0)
 
+Every file is read back with ``torch.load(weights_only=True)`` (megatron's ``common.pt``
+too, torch's default), so a checkpoint cannot run code when it is loaded.
+
 The reference weights are saved through the model's own sharded state dict (keys prefixed
 ``reference.``), so they reshard like the model (a resume may change TP/PP).
 """
@@ -69,11 +72,14 @@ def _sharded_state(trainer, is_loading: bool) -> dict:
 
 
 def _rng_state() -> dict:
+    """RNG states in types ``torch.load(weights_only=True)`` accepts (NumPy's key array as an
+    int64 tensor)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
     return {
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss],
     }
 
 
@@ -81,8 +87,10 @@ def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if state["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    version, internal, gauss = state["python"]
+    random.setstate((int(version), tuple(internal), gauss))
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), int(pos), int(has_gauss), gauss))
 
 
 def _materialize_optimizer_state(optimizer) -> None:
@@ -147,5 +155,5 @@ def load_trainer(trainer, path: str) -> dict:
     trainer.updates = int(loaded["updates"])
     rng_file = os.path.join(path, "rng", f"rank_{parallel.global_rank()}.pt")
     if os.path.exists(rng_file):
-        _set_rng_state(torch.load(rng_file, weights_only=False))
-    return torch.load(os.path.join(path, "run_state.pt"), weights_only=False)
+        _set_rng_state(torch.load(rng_file, weights_only=True))
+    return torch.load(os.path.join(path, "run_state.pt"), weights_only=True)

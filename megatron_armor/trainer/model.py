@@ -23,11 +23,11 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_armor.config.inputs import SUPPORTED_ARCHITECTURES
 from megatron_armor.config.schema import FP8Config, TrainerConfig
 from megatron_armor.trainer import parallel
 
 VOCAB_PAD_MULTIPLE = 128
-SUPPORTED_ARCHITECTURES = ("qwen2", "qwen3", "llama")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 

@@ -45,12 +45,16 @@ def test_checkpoints_rotate_and_ignore_partial_saves(tmp_path):
     assert [s for s, _ in checkpoints.list_checkpoints(tmp_path)] == [2, 3]
     checkpoints.begin_checkpoint(tmp_path, 4)  # a save killed before its rename
     assert checkpoints.latest_checkpoint(tmp_path).name == "step_000003"
-    assert checkpoints.resolve_resume(tmp_path, "auto").name == "step_000003"
-    assert checkpoints.resolve_resume(tmp_path, "none") is None
+    assert checkpoints.resolve_resume(tmp_path, "auto", _accept).name == "step_000003"
+    assert checkpoints.resolve_resume(tmp_path, "none", _accept) is None
     final = _save(tmp_path, 4)  # the stale temp dir is replaced
     assert (final / "payload").read_text() == "4"
-    with pytest.raises(FileNotFoundError, match="--resume auto"):
-        checkpoints.resolve_resume(tmp_path, str(tmp_path / "nowhere"))
+    with pytest.raises(checkpoints.CheckpointError, match="--resume auto"):
+        checkpoints.resolve_resume(tmp_path, str(tmp_path / "nowhere"), _accept)
+
+
+def _accept(path):
+    return path
 
 
 def test_run_state_roundtrip_restores_rng(tmp_path):

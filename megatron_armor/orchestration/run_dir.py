@@ -1,0 +1,102 @@
+"""Opening a run directory before anything starts: lock, clean-up, resume decision, config.
+
+:func:`open_run_dir` runs before Ray and the actors start, in this order:
+
+1. take the run's lock (:class:`~megatron_armor.orchestration.run_lock.RunLock`; a second
+   run on the directory is refused);
+2. delete ``checkpoints/.tmp-*`` left by interrupted saves;
+3. decide where to resume from (``--resume auto|none|PATH``; the newest complete checkpoint
+   whose ``orchestrator.pt`` the safe loader accepts);
+4. write ``config.yaml`` — on a fresh start only. A resumed run keeps the original and appends
+   the settings it changed to ``resumes.jsonl`` (``{"step", "time", "changed": {key: [old,
+   new]}}``), so ``config.yaml`` always describes the run that made the checkpoints.
+
+The config was validated by ``load_config`` before this runs, so a refused config never
+touches the directory.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from megatron_armor.config.loader import save_config
+from megatron_armor.config.schema import ArmorConfig
+from megatron_armor.orchestration import checkpoints
+from megatron_armor.orchestration.run_lock import RunLock
+from megatron_armor.orchestration.run_state import RunState
+
+CONFIG_FILE = "config.yaml"
+RESUMES_FILE = "resumes.jsonl"
+
+
+def _flat(tree, prefix: str = "") -> dict:
+    """``{"section.key": value}`` of a nested dict (lists are values)."""
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def config_changes(saved_yaml: Path, config: ArmorConfig) -> dict[str, list]:
+    """Settings of ``config`` that differ from the run's ``config.yaml``: ``{key: [old, new]}``."""
+    old = _flat(OmegaConf.to_container(OmegaConf.load(saved_yaml)))
+    new = _flat(OmegaConf.to_container(OmegaConf.structured(config)))
+    return {k: [old.get(k), v] for k, v in sorted(new.items()) if old.get(k) != v}
+
+
+def record_resume(run_dir: Path, config: ArmorConfig, step: int) -> dict[str, list]:
+    """Append the resumed run's changed settings to ``resumes.jsonl``; returns them."""
+    saved = run_dir / CONFIG_FILE
+    if not saved.is_file():  # a checkpoint without the config of its run: record this one
+        save_config(config, run_dir)
+        return {}
+    changed = config_changes(saved, config)
+    with (run_dir / RESUMES_FILE).open("a") as f:
+        f.write(json.dumps({"step": step, "time": time.time(), "changed": changed}) + "\n")
+    return changed
+
+
+def decide_resume(run_dir: Path, resume: str) -> Path | None:
+    """The checkpoint to resume from (``None`` = fresh start); ``--resume none`` in a directory
+    with checkpoints is refused (it would overwrite them)."""
+    path = checkpoints.resolve_resume(run_dir, resume, RunState.load)
+    existing = checkpoints.step_dirs(run_dir)
+    if path is None and existing and resume == "none":
+        raise checkpoints.CheckpointError(
+            f"--resume none but {run_dir} already holds checkpoints up to step "
+            f"{existing[-1][0]}; use --resume auto, or a new run.name / run.output_dir"
+        )
+    if path is None and existing:  # auto, and every checkpoint was skipped (reasons above)
+        raise checkpoints.CheckpointError(
+            f"--resume auto: none of the {len(existing)} checkpoints under "
+            f"{checkpoints.checkpoint_root(run_dir)} can be resumed (see above); move them "
+            "away to start over, or pass --resume PATH to a good copy"
+        )
+    return path
+
+
+def open_run_dir(config: ArmorConfig, run_dir: Path, resume: str) -> tuple[RunLock, Path | None]:
+    """Lock ``run_dir``, clean it, decide the resume checkpoint, record the config (see the
+    module docstring); the lock is released again if any of it fails."""
+    lock = RunLock(run_dir).acquire()
+    try:
+        checkpoints.remove_stale_temps(run_dir)
+        path = decide_resume(run_dir, resume)
+        if path is None:
+            save_config(config, run_dir)
+        else:
+            changed = record_resume(run_dir, config, RunState.load(path).step)
+            if changed:
+                print(f"resume: settings changed since the run started: {sorted(changed)} "
+                      f"(recorded in {run_dir / RESUMES_FILE})", flush=True)  # fmt: skip
+    except BaseException:
+        lock.release()
+        raise
+    return lock, path
