@@ -5,6 +5,8 @@ directory; ``HF_DIR`` the HF model the run started from (architecture, tokenizer
 ``armor convert --to-hf RUN_DIR best --out DIR`` names a checkpoint of a run instead: ``best``
 (``run.keep_best``), ``latest`` or a step; ``--model`` and ``--precision`` then default to the
 run's ``config.yaml``.
+With a checkpoint path, ``--precision`` defaults to the ``trainer.precision`` in the
+``config.yaml`` of the run above it; the written ``config.json`` names the tensors' dtype.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--precision",
         default=None,
         choices=("bf16", "fp16", "fp32"),
-        help="trainer.precision of the run (default with NAME: the run's, else bf16)",
+        help="trainer.precision of the run (default: read from the run's config.yaml)",
     )
     p.set_defaults(run=run)
 
@@ -41,7 +43,7 @@ def resolve_source(args: argparse.Namespace) -> tuple[str, str, str]:
         if args.model is None:
             raise ValueError("--model HF_DIR is needed with a checkpoint path (or give a run "
                              "directory and a name: --to-hf RUN_DIR best)")  # fmt: skip
-        return args.to_hf, args.model, args.precision or "bf16"
+        return args.to_hf, args.model, args.precision or run_precision(args.to_hf)
     from omegaconf import OmegaConf
 
     from megatron_armor.orchestration.checkpoints import named_checkpoint
@@ -53,6 +55,20 @@ def resolve_source(args: argparse.Namespace) -> tuple[str, str, str]:
     if not model:
         raise ValueError(f"{saved} missing: pass --model HF_DIR (the model the run started from)")
     return str(checkpoint), model, args.precision or trainer.get("precision", "bf16")
+
+
+def run_precision(checkpoint: str) -> str:
+    """``trainer.precision`` from the ``config.yaml`` of the run that wrote ``checkpoint``."""
+    from omegaconf import OmegaConf
+
+    path = Path(checkpoint).resolve()
+    for run_dir in (path.parent.parent, path.parent.parent.parent):  # step_X/ or step_X/trainer/
+        if (run_dir / "config.yaml").is_file():
+            return str(OmegaConf.load(run_dir / "config.yaml").trainer.precision)
+    raise ValueError(
+        f"--to-hf {checkpoint}: no config.yaml of its run found above it; pass --precision "
+        "(the run's trainer.precision: bf16, fp16 or fp32)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

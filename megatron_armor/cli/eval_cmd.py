@@ -39,9 +39,37 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
-def pick(value, default):
-    """The command-line ``value`` when given, else the config ``default``."""
-    return default if value is None else value
+# command-line option -> the config setting it overrides (validated like a training config)
+OPTION_SETTINGS = {
+    "k": "validation.n_samples",
+    "temperature": "validation.temperature",
+    "top_p": "validation.top_p",
+    "max_new_tokens": "rollout.sampling.max_new_tokens",
+    "template": "data.template",
+    "max_prompt_len": "data.max_prompt_len",
+    "max_problems": "validation.max_problems",
+    "verifier": "reward.verifier",
+    "backend": "rollout.backend",
+    "batch": "rollout.engine_batch_size",
+}
+
+
+def eval_config(args: argparse.Namespace) -> ArmorConfig:
+    """``--config`` (or the defaults) with the command-line options as overrides, through the
+    same validation as ``armor train``; the model directory and benchmark files are checked
+    up front too (``config/inputs.py``). Raises :class:`ConfigError` naming the option."""
+    from megatron_armor.config.inputs import input_problems
+
+    overrides = [
+        f"{key}={getattr(args, option)}"
+        for option, key in OPTION_SETTINGS.items()
+        if getattr(args, option) is not None
+    ]
+    config = load_config(args.config, overrides)
+    problems = input_problems("--model", args.model, {"--data": args.data})
+    if problems:
+        raise ConfigError("; ".join(problems))
+    return config
 
 
 def eval_settings(args: argparse.Namespace, config: ArmorConfig) -> dict:
@@ -49,15 +77,15 @@ def eval_settings(args: argparse.Namespace, config: ArmorConfig) -> dict:
     v, s = config.validation, config.rollout.sampling
     return {
         "model": args.model,
-        "backend": pick(args.backend, config.rollout.backend),
-        "k": pick(args.k, v.n_samples),
-        "temperature": pick(args.temperature, v.temperature),
-        "top_p": pick(args.top_p, v.top_p),
-        "max_new_tokens": pick(args.max_new_tokens, s.max_new_tokens),
-        "template": pick(args.template, config.data.template),
-        "max_prompt_len": pick(args.max_prompt_len, config.data.max_prompt_len),
-        "max_problems": pick(args.max_problems, v.max_problems),
-        "verifier": pick(args.verifier, config.reward.verifier),
+        "backend": config.rollout.backend,
+        "k": v.n_samples,
+        "temperature": v.temperature,
+        "top_p": v.top_p,
+        "max_new_tokens": s.max_new_tokens,
+        "template": config.data.template,
+        "max_prompt_len": config.data.max_prompt_len,
+        "max_problems": v.max_problems,
+        "verifier": config.reward.verifier,
         "seed": args.seed,
     }
 
@@ -99,7 +127,7 @@ def make_engine(settings: dict, args: argparse.Namespace, config: ArmorConfig):
         args.model,
         device=device,
         dtype=dtype,
-        max_batch=pick(args.batch, config.rollout.engine_batch_size),
+        max_batch=config.rollout.engine_batch_size,
     )
 
 
@@ -111,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
     from megatron_armor.rollout.protocol import SamplingParams
 
     try:
-        config = load_config(args.config) if args.config else ArmorConfig()
+        config = eval_config(args)
     except ConfigError as e:
         print(f"armor eval: {e}", file=sys.stderr)
         return 2

@@ -33,6 +33,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        if not args.gpu_mem_gib > 0:
+            raise ValueError(
+                f"--gpu-mem-gib={args.gpu_mem_gib:g}: must be the memory of one GPU in GiB, > 0 "
+                "(e.g. 80 for an H100, 141 for an H200)"
+            )
         config = load_config(args.file, args.overrides)
         plan = make_plan(config, model=args.model, gpu_mem_gib=args.gpu_mem_gib)
     except (ConfigError, ValueError) as e:

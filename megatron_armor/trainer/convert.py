@@ -3,20 +3,21 @@
 Runs in one process (TP=1, PP=1 on gloo or one GPU): builds the model from the original HF
 ``config.json``, loads the ``model`` (or ``reference``) weights from the checkpoint's
 ``dist_checkpointing`` directory — which reshards from whatever TP/PP it was saved with — and
-writes the exported HF tensors as ``model.safetensors`` next to a copy of the config and
-tokenizer files.
+writes the exported HF tensors as ``model.safetensors`` next to a copy of the tokenizer files
+and of ``config.json`` whose ``torch_dtype`` (``dtype``) names the dtype of those tensors.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
 
 from megatron_armor.config.schema import TrainerConfig
 
+HF_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 _COPIED = (
-    "config.json",
     "generation_config.json",
     "tokenizer.json",
     "tokenizer_config.json",
@@ -82,4 +83,17 @@ def convert_to_hf(
     for name in _COPIED:
         if os.path.exists(os.path.join(model_dir, name)):
             shutil.copy(os.path.join(model_dir, name), os.path.join(out_dir, name))
+    write_hf_config(model_dir, out_dir, HF_DTYPE_NAMES[precision])
     return len(tensors)
+
+
+def write_hf_config(model_dir: str, out_dir: str, dtype: str) -> None:
+    """``model_dir/config.json`` with ``torch_dtype`` (and ``dtype``, its newer name) set to
+    the dtype of the written tensors."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["torch_dtype"] = dtype
+    if "dtype" in cfg:
+        cfg["dtype"] = dtype
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)

@@ -18,6 +18,7 @@ compares what the ranks wrote with the single-process run and with HF transforme
 from __future__ import annotations
 
 import glob
+import json
 import os
 import socket
 import subprocess
@@ -290,4 +291,6 @@ def assert_convert_reproduces(result: dict, models: str, tmp: str) -> None:
         assert sorted(converted) == sorted(tensors)
         for k, v in tensors.items():
             assert torch.equal(converted[k], v), (weights, k)
-        assert os.path.exists(os.path.join(out, "config.json"))
+        with open(os.path.join(out, "config.json")) as f:  # says what the tensors are
+            assert json.load(f)["torch_dtype"] == "float32"
+        assert {v.dtype for v in converted.values()} == {torch.float32}

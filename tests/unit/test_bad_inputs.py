@@ -1,0 +1,162 @@
+"""Unit tier: every bad input is named before anything starts (docs/troubleshooting.md).
+
+One row per bad input: the ``armor`` command line (run as a subprocess, like a user would),
+the expected message fragment. Each must exit 2 with that fragment on stderr and must not
+have started Ray (its temp dir, ``RAY_TMPDIR``, stays empty). The fixture is a well-formed
+model directory and data set that each row breaks in one place.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from safetensors.torch import save_file
+
+pytestmark = pytest.mark.unit
+
+REPO = Path(__file__).resolve().parents[2]
+TINY_CONFIG = {
+    "model_type": "qwen2", "hidden_size": 32, "intermediate_size": 64,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "vocab_size": 64, "max_position_embeddings": 128, "torch_dtype": "float32",
+}  # fmt: skip
+
+
+def _model_dir(path: Path, config: dict | str | None = TINY_CONFIG, tokenizer: bool = True) -> Path:
+    path.mkdir(parents=True)
+    if config is not None:
+        text = config if isinstance(config, str) else json.dumps(config)
+        (path / "config.json").write_text(text)
+    if tokenizer:
+        (path / "tokenizer.json").write_text(json.dumps({"version": "1.0", "model": {}}))
+    save_file({"model.embed_tokens.weight": torch.zeros(64, 32)}, str(path / "model.safetensors"))
+    return path
+
+
+def _parquet(path: Path, answers: list) -> Path:
+    rows = len(answers)
+    table = pa.table({"problem": [f"{i} + 1 = ?" for i in range(rows)], "answer": answers})
+    pq.write_table(table, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> dict[str, Path]:
+    """A good model dir and data file, and one broken copy of each kind."""
+    root = tmp_path_factory.mktemp("inputs")
+    out = {
+        "model": _model_dir(root / "model"),
+        "no_config": _model_dir(root / "no_config", config=None),
+        "bad_json": _model_dir(root / "bad_json", config='{"model_type": "qwen2",\n  "x": }'),
+        "no_tokenizer": _model_dir(root / "no_tokenizer", tokenizer=False),
+        "gpt2": _model_dir(root / "gpt2", config={**TINY_CONFIG, "model_type": "gpt2"}),
+        "data": _parquet(root / "train.parquet", [str(i + 1) for i in range(8)]),
+        "nan": _parquet(root / "nan.parquet", [math.nan, None, math.nan]),
+        "empty": root / "empty.parquet",
+        "csv": root / "train.csv",
+        "syntax": root / "syntax.yaml",
+        "duplicate": root / "duplicate.yaml",
+        "locked": root / "runs",
+    }
+    pq.write_table(pa.table({"problem": pa.array([], pa.string()), "answer": pa.array([], pa.string())}),
+                   out["empty"])  # fmt: skip
+    out["csv"].write_text("problem,answer\n1 + 1,2\n")
+    out["syntax"].write_text("base: configs/tiny_cpu.yaml\nrun:\n  steps: [3\n  name: x\n")
+    out["duplicate"].write_text("run:\n  steps: 3\n  seed: 1\n  steps: 4\n")
+    lock = out["locked"] / "busy" / ".lock"  # a live run (this test process) holds the dir
+    lock.parent.mkdir(parents=True)
+    lock.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": 0}))
+    return out
+
+
+def train(*overrides: str, config: str = "configs/tiny_cpu.yaml") -> list[str]:
+    base = ["train", config, "trainer.model_path={model}", "data.train_files=[{data}]",
+            "data.val_files=[{data}]", "run.output_dir={runs}"]  # fmt: skip
+    return base + list(overrides)
+
+
+def evaluate(*options: str) -> list[str]:
+    return ["eval", "--model", "{model}", "--data", "{data}", "--out", "{runs}/eval", *options]
+
+
+# (case id, armor arguments with {placeholders}, fragment the error must contain)
+CASES = [
+    ("yaml_syntax", train(config="{syntax}"), "syntax.yaml:4:"),
+    ("yaml_duplicate_key", train(config="{duplicate}"), "duplicate.yaml:4:"),
+    ("unknown_key", train("trainer.lrr=1"), "unknown key `trainer.lrr`"),
+    ("negative_lr", train("trainer.lr=-1"), "trainer.lr=-1.0: must be > 0"),
+    ("reward_timeout", train("reward.timeout_s=-1"), "reward.timeout_s=-1.0: must be > 0"),
+    ("reward_workers", train("reward.num_workers=0"), "reward.num_workers=0: must be >= 1"),
+    ("engine_batch", train("rollout.engine_batch_size=0"), "rollout.engine_batch_size=0"),
+    ("micro_batch_tokens", train("trainer.micro_batch_tokens=0"), "trainer.micro_batch_tokens=0"),
+    ("val_temperature", train("validation.temperature=0"), "validation.temperature=0.0: must be > 0"),
+    ("steps", train("run.steps=0"), "run.steps=0: must be >= 1"),
+    ("minibatch", train("rollout.batch=3", "trainer.ppo_mini_batch=2"), "must divide rollout.batch=3"),
+    ("nan_answers", train("data.train_files=[{nan}]"), "row 0: answer is missing, NaN"),
+    ("zero_rows", train("data.train_files=[{empty}]"), "empty.parquet: the file has no rows"),
+    ("missing_data", train("data.train_files=[{runs}/nope.parquet]"), "nope.parquet: data file not found"),
+    ("csv_data", train("data.train_files=[{csv}]"), "unsupported file type '.csv'"),
+    ("no_config_json", train("trainer.model_path={no_config}"), "no config.json in it"),
+    ("bad_config_json", train("trainer.model_path={bad_json}"), "config.json: invalid JSON at line 2"),
+    ("no_tokenizer", train("trainer.model_path={no_tokenizer}"), "no tokenizer"),
+    ("unsupported_arch", train("trainer.model_path={gpt2}"), "model_type='gpt2' is not supported"),
+    ("local_path_missing", train("trainer.model_path={runs}/no_model"), "no_model': no such directory"),
+    ("hub_name", train("trainer.model_path=Qwen/Qwen2.5-Math-7B"), "never fetched from the hub"),
+    ("run_dir_in_use", train("run.output_dir={locked}", "run.name=busy"), "in use by another run"),
+    ("resume_path_missing", train("--resume", "{runs}/nowhere"), "no such checkpoint directory"),
+    ("eval_temperature", evaluate("--temperature", "-1"), "validation.temperature=-1.0"),
+    ("eval_k", evaluate("--k", "0"), "validation.n_samples=0"),
+    ("eval_model_missing", ["eval", "--model", "{runs}/m", "--data", "{data}"], "--model="),
+    ("eval_nan_answers", ["eval", "--model", "{model}", "--data", "{nan}"], "row 0: answer is"),
+    ("plan_gpus_per_node", ["plan", "configs/tiny_cpu.yaml", "orchestration.gpus_per_node=0"],
+     "orchestration.gpus_per_node=0: must be >= 1"),
+    ("plan_gpu_mem", ["plan", "configs/tiny_cpu.yaml", "--gpu-mem", "-80"], "--gpu-mem-gib=-80"),
+]  # fmt: skip
+
+
+PARALLEL = 4  # the rows run concurrently (each is one short, mostly import-bound process)
+
+
+def _run_case(case_id: str, args: list[str], inputs: dict[str, Path], root: Path) -> dict:
+    runs, ray_tmp = root / case_id / "runs", root / case_id / "ray"
+    ray_tmp.mkdir(parents=True)
+    fill = {k: str(v) for k, v in inputs.items()} | {"runs": str(runs)}
+    cmd = [sys.executable, "-m", "megatron_armor.cli", *(a.format(**fill) for a in args)]
+    env = dict(os.environ, RAY_TMPDIR=str(ray_tmp), HF_HUB_OFFLINE="0")  # no hub lookup either
+    start = time.perf_counter()
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    return {"code": done.returncode, "stderr": done.stderr, "stdout": done.stdout, "fill": fill,
+            "seconds": time.perf_counter() - start, "ray": sorted(p.name for p in ray_tmp.iterdir())}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def outcomes(inputs, tmp_path_factory) -> dict[str, dict]:
+    """Every row of :data:`CASES` run once, :data:`PARALLEL` at a time."""
+    root = tmp_path_factory.mktemp("cases")
+    with ThreadPoolExecutor(PARALLEL) as pool:
+        futures = {c[0]: pool.submit(_run_case, c[0], c[1], inputs, root) for c in CASES}
+        return {case_id: f.result() for case_id, f in futures.items()}
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(
+    ("case_id", "fragment"), [(c[0], c[2]) for c in CASES], ids=[c[0] for c in CASES]
+)
+def test_bad_input_is_named_before_anything_starts(case_id, fragment, outcomes):
+    got = outcomes[case_id]
+    assert got["code"] == 2, (got["code"], got["stderr"][-3000:], got["stdout"][-2000:])
+    assert fragment.format(**got["fill"]) in got["stderr"], got["stderr"][-3000:]
+    assert "Traceback" not in got["stderr"]
+    assert not got["ray"], f"Ray was started ({got['seconds']:.1f}s in): {got['ray']}"
