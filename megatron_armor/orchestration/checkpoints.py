@@ -208,6 +208,16 @@ def begin_checkpoint(run_dir: str | Path, step: int) -> Path:
     return tmp
 
 
+def set_aside_or_replace(final: Path) -> None:
+    """Make room for a new checkpoint of the same step: a complete one (the step saved twice,
+    e.g. periodic + signal) is replaced; one that resume skipped is kept for inspection as
+    ``step_XXXXXX.skipped-<time>`` (no longer a checkpoint name)."""
+    if manifest_problem(final) is None:
+        shutil.rmtree(final)
+    else:
+        final.rename(final.with_name(f"{final.name}.skipped-{int(time.time())}"))
+
+
 def rotate(run_dir: str | Path, keep_last: int) -> list[Path]:
     """Delete all but the newest ``keep_last`` complete checkpoints, sparing the best one
     (:func:`protected_steps`); returns what it deleted. Incomplete directories are neither
@@ -226,8 +236,8 @@ def commit_checkpoint(run_dir: str | Path, tmp: Path, step: int, keep_last: int)
     (tmp / "meta.json").write_text(json.dumps({"step": step, "time": time.time()}))
     write_manifest(tmp, step)
     final = checkpoint_root(run_dir) / step_dir_name(step)
-    if final.exists():  # same step saved twice (e.g. periodic + signal): keep the newest
-        shutil.rmtree(final)
+    if final.exists():
+        set_aside_or_replace(final)
     tmp.rename(final)
     rotate(run_dir, keep_last)
     return final

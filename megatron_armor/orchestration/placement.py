@@ -21,6 +21,7 @@ order follows the hardware (ranks of a TP group share a node).
 from __future__ import annotations
 
 import os
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -134,19 +135,42 @@ def _plan_bundles(config: ArmorConfig) -> LayoutPlan:
     )  # fmt: skip
 
 
+LOOPBACK = "127.0.0.1"
+
+
+def use_token_auth(starting_local: bool) -> None:
+    """Ray token authentication unless ``RAY_AUTH_MODE`` is set explicitly (``disabled`` is
+    honoured, never chosen here). A local cluster gets a fresh random token for this run in the
+    environment its processes inherit; joining a cluster uses the token it was started with
+    (``RAY_AUTH_TOKEN`` / ``RAY_AUTH_TOKEN_PATH``, see slurm/armor.sbatch)."""
+    mode = os.environ.setdefault("RAY_AUTH_MODE", "token")
+    has_token = os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")
+    if mode == "token" and starting_local and not has_token:
+        os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+
+
 def init_ray(config: ArmorConfig, plan: LayoutPlan) -> None:
-    """Connect to ``orchestration.ray_address`` or start a small local Ray (no dashboard)."""
+    """Connect to ``orchestration.ray_address`` or start a small local Ray (no dashboard).
+
+    A local Ray is a single-node cluster: its node IP is the loopback address, so GCS, raylet,
+    object manager and workers listen on 127.0.0.1 only (Ray binds to loopback when the node IP
+    is loopback; ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` keeps Ray from replacing 127.0.0.1 by
+    the node's network address). Multi-node runs join a cluster the launch scripts started on
+    the node IPs. Token authentication is on in both cases (:func:`use_token_auth`)."""
     import ray
 
     if ray.is_initialized():
         return
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if config.orchestration.ray_address:
+    local = not config.orchestration.ray_address
+    use_token_auth(starting_local=local)
+    if not local:
         ray.init(address=config.orchestration.ray_address, log_to_driver=True)
         return
-    kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True}
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True,
+                              "_node_ip_address": LOOPBACK}  # fmt: skip
     if plan.layout == "cpu":
         actors = plan.trainer_ranks + plan.rollout_engines + plan.reward_workers
         kwargs.update(num_cpus=max(int(actors * plan.cpus_per_actor) + 1, 2), num_gpus=0,
