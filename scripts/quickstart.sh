@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
 bash scripts/bootstrap.sh
-export RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export RAY_USAGE_STATS_ENABLED=0 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 TINY=${ARMOR_TINY_DIR:-artifacts/tiny}
 if [ ! -f "$TINY/model/config.json" ] || [ ! -f "$TINY/data/val.parquet" ]; then
   .venv/bin/armor tiny --out "$TINY"

@@ -8,5 +8,5 @@ bash scripts/bootstrap.sh
 if [ -x slurm/ci/install_slurm.sh ]; then
   bash slurm/ci/install_slurm.sh || echo "test.sh: Slurm could not be installed; slurm tier will report it" >&2
 fi
-export RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export RAY_USAGE_STATS_ENABLED=0 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 exec .venv/bin/python -m pytest "$@"
