@@ -12,7 +12,7 @@ samples of the HF model in ``--model-path`` drawn by the embedded engine (``Torc
 log-probs are exact and a run's engine-vs-trainer checks hold. One request = one sample,
 seeded by ``sampling_params.sampling_seed``; ``--tp-size`` must be 1. Not covered by it: the
 router, the CUDA-IPC tensor transport, early aborts (the loop does not use them) and SGLang's
-own kernels (the gpu tier).
+own kernels (the gpu tier). ``--api-key`` is enforced like SGLang's.
 
 ``ARMOR_STANDIN_WEDGE_AT_VERSION=V`` (with ``ARMOR_STANDIN_MARK_DIR``): once its weights
 reach version ``V``, the first process on a port answers ``/health_generate`` with 503 from
@@ -36,10 +36,25 @@ from megatron_armor.rollout.sglang import weights as transport
 from megatron_armor.rollout.torch_engine import TorchEngine
 
 
+def api_key_middleware(api_key: str):
+    """SGLang's ``--api-key`` check (``add_api_key_middleware`` in sglang.srt.utils): every
+    path but ``/health*`` and ``/metrics`` needs ``Authorization: Bearer KEY``, else 401."""
+
+    @web.middleware
+    async def check(request: web.Request, handler):
+        open_path = request.path.startswith(("/health", "/metrics"))
+        if not open_path and request.headers.get("Authorization") != f"Bearer {api_key}":
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
+
+    return check
+
+
 class StandInServer:
-    def __init__(self, model_path: str, port: int) -> None:
+    def __init__(self, model_path: str, port: int, api_key: str = "") -> None:
         self.engine = TorchEngine(model_path)
         self.port = port
+        self.api_key = api_key
         self.version = "0"
         self.lock = asyncio.Lock()  # one engine call at a time
         wedge = os.environ.get("ARMOR_STANDIN_WEDGE_AT_VERSION")
@@ -50,7 +65,8 @@ class StandInServer:
         self.group = None  # the trainer's weight-sync group (distributed transport)
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=1 << 30)
+        middlewares = [api_key_middleware(self.api_key)] if self.api_key else []
+        app = web.Application(client_max_size=1 << 30, middlewares=middlewares)
         app.router.add_get("/health_generate", self.health)
         app.router.add_post("/generate", self.generate)
         app.router.add_post("/update_weights_from_disk", self.update_from_disk)
@@ -147,11 +163,12 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--tp-size", type=int, default=1)
+    parser.add_argument("--api-key", default="")
     args, _ = parser.parse_known_args()  # the other ServerArgs flags do not apply here
     if args.tp_size != 1:
         raise SystemExit(f"sglang_standin serves one process per server: --tp-size {args.tp_size}")
     torch.set_num_threads(1)
-    server = StandInServer(args.model_path, args.port)
+    server = StandInServer(args.model_path, args.port, args.api_key)
     web.run_app(server.app(), host=args.host, port=args.port, print=None)
 
 

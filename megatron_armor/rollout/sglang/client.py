@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -193,6 +193,8 @@ class ClientSettings:
     backoff_s: float = 0.5
     control_timeout_s: float = 600.0
     """Timeout of weight / memory / abort calls."""
+    api_key: str = field(default="", repr=False)
+    """The servers' ``--api-key`` (sent as ``Authorization: Bearer KEY``; never printed)."""
 
 
 class SGLangClient:
@@ -204,7 +206,11 @@ class SGLangClient:
         self._slots: asyncio.Semaphore | None = None
 
     async def __aenter__(self) -> SGLangClient:
-        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        key = self.settings.api_key
+        headers = {"Authorization": f"Bearer {key}"} if key else None
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), headers=headers
+        )
         self._slots = asyncio.Semaphore(self.settings.max_concurrency)
         return self
 

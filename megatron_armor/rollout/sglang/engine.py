@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import secrets
 import shutil
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -57,11 +58,12 @@ class EngineServer:
     serving: bool = True
 
 
-def client_settings(cfg: SGLangConfig) -> ClientSettings:
+def client_settings(cfg: SGLangConfig, api_key: str = "") -> ClientSettings:
     return ClientSettings(
         max_concurrency=cfg.max_concurrency,
         request_timeout_s=cfg.request_timeout_s,
         max_retries=cfg.max_retries,
+        api_key=api_key,
     )
 
 
@@ -92,6 +94,7 @@ class SGLangEngine(RolloutEngine):
         self.host = host
         self.weights_dir = weights_dir
         p = self.pool
+        urls_given = bool(urls)
         if indices is None:
             indices = list(range(len(urls) if urls else p.num_engines))
         urls = urls or [f"http://{host}:{p.base_port + i}" for i in indices]
@@ -109,10 +112,12 @@ class SGLangEngine(RolloutEngine):
         ]
         self.router_url = router_url
         self.router_process: launch.ManagedProcess | None = None
+        # servers this engine launches answer only its own random key (a new one per run)
+        self._api_key = "" if router_url or urls_given else secrets.token_urlsafe(32)
         self._version = 0
         self._round_robin = itertools.count()
         self._loop = EventLoopThread()
-        self._client = SGLangClient(client_settings(cfg))
+        self._client = SGLangClient(client_settings(cfg, self._api_key))
         self._loop.run(self._client.__aenter__())
 
     @classmethod
@@ -178,6 +183,7 @@ class SGLangEngine(RolloutEngine):
             base_gpu_id=server.gpu,
             colocated=colocated,
             extra_args=dict(self.cfg.extra_args),
+            api_key=self._api_key,
         )
         pool = "" if self.pool.name == "policy" else f"{self.pool.name}_"
         log = os.path.join(log_dir, f"sglang_{pool}{server.index}.log") if log_dir else None
@@ -187,7 +193,9 @@ class SGLangEngine(RolloutEngine):
     def _launch_router(self, log_dir: str | None) -> None:
         port = self.pool.router_port
         self.router_url = f"http://{self.host}:{port}"
-        command = launch.build_router_command([s.url for s in self.servers], port, self.host)
+        command = launch.build_router_command(
+            [s.url for s in self.servers], port, self.host, api_key=self._api_key
+        )
         suffix = "" if self.pool.name == "policy" else f"_{self.pool.name}"
         log = os.path.join(log_dir, f"sglang_router{suffix}.log") if log_dir else None
         self.router_process = launch.ManagedProcess(command, f"{self.router_url}/health", log)

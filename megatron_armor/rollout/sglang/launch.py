@@ -66,10 +66,14 @@ def server_args_for(
     base_gpu_id: int = 0,
     colocated: bool = False,
     extra_args: dict[str, Any] | None = None,
+    api_key: str = "",
 ) -> dict[str, Any]:
     """``ServerArgs`` fields for one engine; ``colocated`` turns on ``enable_memory_saver``
-    (needed by ``/release_memory_occupation``). ``extra_args`` override the rest."""
-    args: dict[str, Any] = {
+    (needed by ``/release_memory_occupation``); ``api_key`` makes the server answer only
+    requests with ``Authorization: Bearer KEY`` (SGLang exempts ``/health*`` and ``/metrics``).
+    ``extra_args`` override the rest."""
+    args: dict[str, Any] = {"api_key": api_key} if api_key else {}
+    args |= {
         "model_path": model_path,
         "host": host,
         "port": port,
@@ -126,8 +130,10 @@ def build_router_command(
     host: str = "127.0.0.1",
     policy: str = "cache_aware",
     python: str = sys.executable,
+    api_key: str = "",
 ) -> list[str]:
-    """``python -m sglang_router.launch_router --host H --port P --worker-urls U... --policy X``."""
+    """``python -m sglang_router.launch_router --host H --port P --worker-urls U... --policy X``
+    (``--api-key KEY``: the key the router sends to the workers)."""
     if not worker_urls:
         raise ValueError("rollout.sglang.router needs at least one engine URL")
     if policy not in ROUTER_POLICIES:
@@ -135,7 +141,7 @@ def build_router_command(
     return [
         python, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port),
         "--worker-urls", *worker_urls, "--policy", policy,
-    ]  # fmt: skip
+    ] + (["--api-key", api_key] if api_key else [])  # fmt: skip
 
 
 def require_sglang(module: str = DEFAULT_SERVER_MODULE) -> None:
@@ -165,7 +171,7 @@ class ManagedProcess:
         self.process: subprocess.Popen | None = None
 
     def start(self, env: dict[str, str] | None = None) -> None:
-        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        log = _private_log(self.log_path) if self.log_path else subprocess.DEVNULL
         # A new session: SGLang forks scheduler/detokenizer children, and stop() signals the
         # whole group this process leads (and nothing else).
         try:
@@ -220,6 +226,12 @@ class ManagedProcess:
             self.process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             pass
+
+
+def _private_log(path: str):
+    """``path`` opened for appending, readable by its owner only (SGLang prints its server
+    arguments, the API key among them, at start-up)."""
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab")
 
 
 def _signal_group(pgid: int, sig: int) -> bool:
