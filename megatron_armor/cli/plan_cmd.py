@@ -1,7 +1,8 @@
 """``armor plan CONFIG [key=value ...] [--model NAME|DIR] [--gpu-mem-gib 80]``: preflight check.
 
 Prints per-GPU memory per phase (weights, grads, optimizer, activations, logits, SGLang share),
-the layout-rule findings and a verdict naming the largest term. Exit code 0 when the plan
+the size of one checkpoint and the disk peak during a save, the layout-rule findings and a
+verdict naming the largest term. Exit code 0 when the plan
 fits, 1 when it does not (or a rule fails), 2 on a config/model error: run it before sbatch.
 """
 
@@ -59,6 +60,8 @@ def _as_dict(plan) -> dict:
         "largest_term": name,
         "largest_term_gib": size / 2**30,
         "fits": plan.fits,
+        "checkpoint_gib": plan.checkpoint_bytes / 2**30,
+        "checkpoint_peak_gib": plan.checkpoint_peak_bytes / 2**30,
         "findings": [str(f) for f in plan.findings],
         "verdict": plan.verdict(),
     }

@@ -50,7 +50,7 @@ class TrainerShape:
     logprob_chunk: int = 1024
 
 
-def _param_bytes(precision: str) -> int:
+def param_bytes(precision: str) -> int:
     return 4 if precision == "fp32" else 2
 
 
@@ -73,7 +73,7 @@ def state_terms(shape: TrainerShape, stage: int) -> dict[str, float]:
     adam = 8 if shape.precision == "fp32" else 12
     shards = shape.dp * shape.cp if shape.distributed_optimizer else 1
     return {
-        "weights": params * _param_bytes(shape.precision),
+        "weights": params * param_bytes(shape.precision),
         "grads": params * 4,
         "optimizer": params * adam / shards,
     }
@@ -101,7 +101,7 @@ def activation_bytes(shape: TrainerShape, stage: int) -> float:
     """Activations kept for backward on a rank of ``stage``."""
     stored, full = activation_elements_per_token_layer(shape)
     tokens = shape.micro_batch_tokens / shape.cp
-    elem = _param_bytes(shape.precision)
+    elem = param_bytes(shape.precision)
     in_flight = in_flight_micro_batches(shape) if stage == 0 else 1
     kept = in_flight * (shape.dims.layers / shape.pp) * tokens * stored * elem
     if shape.recompute:
@@ -114,7 +114,7 @@ def logits_bytes(shape: TrainerShape) -> float:
     tokens = shape.micro_batch_tokens / shape.cp
     vocab_shard = shape.dims.vocab / shape.tp
     chunk = min(tokens, shape.logprob_chunk)
-    return tokens * vocab_shard * _param_bytes(shape.precision) + 2 * chunk * vocab_shard * 4
+    return tokens * vocab_shard * param_bytes(shape.precision) + 2 * chunk * vocab_shard * 4
 
 
 def trainer_train_terms(shape: TrainerShape, stage: int) -> dict[str, float]:

@@ -22,6 +22,7 @@ from megatron_armor.planner.memory import (
     EngineShape,
     GiB,
     TrainerShape,
+    param_bytes,
     state_terms,
     trainer_train_terms,
 )
@@ -57,6 +58,11 @@ class Plan:
     phases: dict[str, dict[str, float]]
     findings: list[Finding] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    checkpoint_bytes: float = 0.0
+    """One run checkpoint on disk (:func:`checkpoint_disk`)."""
+    checkpoint_peak_bytes: float = 0.0
+    """Checkpoints on disk while a save runs: ``run.keep_last`` complete ones plus the new one
+    (rotation deletes only after it is complete)."""
 
     @property
     def peak_phase(self) -> str:
@@ -108,6 +114,10 @@ class Plan:
             lines.append(f"{phase} phase: {total:.2f} GiB per {unit}")
             for name, size in sorted(terms.items(), key=lambda kv: -kv[1]):
                 lines.append(f"  {name:<14} {size / GiB:8.2f} GiB")
+        lines.append(
+            f"checkpoints: {self.checkpoint_bytes / GiB:.1f} GiB each, "
+            f"{self.checkpoint_peak_bytes / GiB:.1f} GiB on disk at the peak of a save"
+        )
         lines += [str(f) for f in self.findings] + [f"note: {n}" for n in self.notes]
         lines.append(self.verdict())
         return "\n".join(lines)
@@ -207,6 +217,20 @@ def _engine_notes(
     return out
 
 
+def checkpoint_disk(config: ArmorConfig, dims: ModelDims) -> tuple[float, float]:
+    """(bytes of one checkpoint, bytes on disk at the peak of a save).
+
+    One checkpoint holds the policy and the reference weights (``trainer.precision`` bytes per
+    parameter each) and the optimizer state (Adam moments, plus fp32 master weights unless the
+    run is fp32: 12 or 8 bytes per parameter), ``P * (2 * w + adam)``; the orchestrator state
+    (anchor cache, RNG) is small next to it. A save writes the new checkpoint before rotation
+    deletes the oldest, so ``run.keep_last + 1`` are on disk at the peak."""
+    params = dims.total_params()
+    adam = 8 if config.trainer.precision == "fp32" else 12
+    size = params * (2 * param_bytes(config.trainer.precision) + adam)
+    return size, size * (config.run.keep_last + 1)
+
+
 def make_plan(config: ArmorConfig, model: str | None = None, gpu_mem_gib: float = 80.0) -> Plan:
     """The plan for ``config``; ``model`` (preset / HF dir) defaults to ``trainer.model_path``."""
     source = model or config.trainer.model_path
@@ -221,6 +245,7 @@ def make_plan(config: ArmorConfig, model: str | None = None, gpu_mem_gib: float 
         train.pop("runtime")  # no CUDA context on the CPU path
     phases = {"train": train}
     plan = Plan(model=dims, layout=layout, gpu_bytes=gpu_bytes, phases=phases)
+    plan.checkpoint_bytes, plan.checkpoint_peak_bytes = checkpoint_disk(config, dims)
     plan.findings = check_layout(layout_spec(config, dims))
     seq_len = config.data.max_prompt_len + config.rollout.sampling.max_new_tokens
     engines = {}

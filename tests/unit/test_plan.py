@@ -190,3 +190,19 @@ def test_offloading_the_train_state_leaves_only_weights_in_the_colocated_rollout
     assert sum(after.values()) < sum(before.values()) - 16 * GiB  # fp32 grads of 8B: ~33 GiB
     assert not resident.fits and resident.peak_phase == "rollout"
     assert offloaded.fits, offloaded.report()
+
+
+def test_checkpoint_size_and_save_peak_on_disk():
+    """Policy + reference weights (bf16) + Adam with fp32 masters: 16 bytes per parameter;
+    keep_last complete checkpoints plus the one being written."""
+    from megatron_armor.config.schema import ArmorConfig
+    from megatron_armor.planner.plan import checkpoint_disk
+
+    config = ArmorConfig()
+    config.run.keep_last = 2
+    params = PRESETS["qwen2.5-math-7b"].total_params()
+    size, peak = checkpoint_disk(config, PRESETS["qwen2.5-math-7b"])
+    assert size == params * 16 and peak == 3 * size
+    assert 120e9 < size < 125e9  # ~122 GB for the paper's 7.6 B model
+    config.trainer.precision = "fp32"
+    assert checkpoint_disk(config, PRESETS["qwen2.5-math-7b"])[0] == params * 16  # 2 * 4 + 8
