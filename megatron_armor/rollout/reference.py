@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
-from dataclasses import asdict
 
 import torch
 
@@ -67,6 +66,29 @@ class ReferenceSampler(ABC):
 
     def load_state_dict(self, state: dict) -> None:
         self.ref_version = int(state["ref_version"])
+
+
+def _as_list(values) -> list:
+    """A tensor (or, from older checkpoints, a list) as a Python list."""
+    return values.tolist() if isinstance(values, torch.Tensor) else list(values)
+
+
+def _output_tensors(output: GenerationOutput) -> dict:
+    return {
+        "token_ids": torch.tensor(output.token_ids, dtype=torch.int32),
+        "logprobs": torch.tensor(output.logprobs, dtype=torch.float64),
+        "finish_reason": output.finish_reason,
+        "weight_version": int(output.weight_version),
+    }
+
+
+def _output_from(saved: dict) -> GenerationOutput:
+    return GenerationOutput(
+        token_ids=_as_list(saved["token_ids"]),
+        logprobs=_as_list(saved["logprobs"]),
+        finish_reason=saved["finish_reason"],
+        weight_version=int(saved["weight_version"]),
+    )
 
 
 class NoReferenceSampler(ReferenceSampler):
@@ -170,17 +192,21 @@ class CachedReferenceSampler(ReferenceSampler):
         super().load_reference(version, named_tensors_fn)
 
     def state_dict(self) -> dict:
+        """The cache as tensors (token ids int32 ``[len]``, log-probs float64 ``[len]`` — the
+        Python floats exactly), so a checkpoint stores 4 / 8 bytes per token and loads with
+        ``torch.load(weights_only=True)``."""
         cache = {
-            q: {"prompt": p, "outputs": [asdict(o) for o in outs]}
+            q: {"prompt": torch.tensor(p, dtype=torch.int32),
+                "outputs": [_output_tensors(o) for o in outs]}
             for q, (p, outs) in self.cache.items()
-        }
+        }  # fmt: skip
         return {"ref_version": self.ref_version, "cache": cache, "inner": self.inner.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         self.inner.load_state_dict(state["inner"])
         self.cache = {
-            q: (list(e["prompt"]), [GenerationOutput(**o) for o in e["outputs"]])
+            q: (_as_list(e["prompt"]), [_output_from(o) for o in e["outputs"]])
             for q, e in state["cache"].items()
         }
 

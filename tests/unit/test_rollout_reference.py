@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import io
+
 import pytest
+import torch
 
 from megatron_armor.config.schema import AlgoConfig, RolloutConfig
 from megatron_armor.rollout.protocol import SamplingParams
@@ -118,12 +121,17 @@ def test_cache_state_dict_round_trip_keeps_anchors_and_version(models):
     sampler = make_reference_sampler("cache", engine)
     sampler.load_reference(5, models["ref"].state_tensors)
     first = sampler.sample(QIDS, PROMPTS, 2, PARAMS)
-    state = sampler.state_dict()
+    buffer = io.BytesIO()  # through a checkpoint file: tensors only, the safe loader reads it
+    torch.save(sampler.state_dict(), buffer)
+    buffer.seek(0)
+    state = torch.load(buffer, weights_only=True)
+    assert all(isinstance(e["prompt"], torch.Tensor) for e in state["cache"].values())
     restored = make_reference_sampler("cache", TorchEngine(models["policy_dir"]))
     restored.load_state_dict(state)
     assert restored.ref_version == 5 and restored.inner.ref_version == 5
     again = restored.sample(QIDS, PROMPTS, 2, PARAMS)  # all hits: no engine call needed
     assert [[s.token_ids for s in g] for g in again] == [[s.token_ids for s in g] for g in first]
+    assert [[s.logprobs for s in g] for g in again] == [[s.logprobs for s in g] for g in first]
     assert restored.metrics()["anchor/cache_misses"] == 0.0
     with pytest.raises(ValueError, match="different prompt"):
         restored.sample(["q0"], [[9, 9]], 2, PARAMS)
