@@ -58,8 +58,8 @@ def run_interleaved(configs: dict, steps: int) -> dict[str, list[dict[str, float
     sessions, records = {}, {name: [] for name in configs}
     try:
         for name, cfg in configs.items():
-            sessions[name] = Session.start(cfg)
-            sessions[name].restore("none")
+            sessions[name] = Session.start(cfg, "none")
+            sessions[name].restore()
         rollouts = {n: AnchorRollout(s.config, s.dataset, s.sampler, s.rollout, s.reward, None, s.timers)
                     for n, s in sessions.items()}  # fmt: skip
         for step in range(1, steps + 1):
