@@ -50,6 +50,9 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"armor train: {e}", file=sys.stderr)
         return 2
+    from megatron_armor.orchestration.placement import ray_environment
+
+    ray_environment(config)  # before Ray is imported (it reads some settings at import)
     from megatron_armor.orchestration.checkpoints import CheckpointError
     from megatron_armor.orchestration.loop import train
     from megatron_armor.orchestration.run_lock import RunDirLocked

@@ -149,26 +149,38 @@ def use_token_auth(starting_local: bool) -> None:
         os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
 
 
-def init_ray(config: ArmorConfig, plan: LayoutPlan) -> None:
-    """Connect to ``orchestration.ray_address`` or start a small local Ray (no dashboard).
-
-    A local Ray is a single-node cluster: its node IP is the loopback address, so GCS, raylet,
-    object manager and workers listen on 127.0.0.1 only (Ray binds to loopback when the node IP
-    is loopback; ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` keeps Ray from replacing 127.0.0.1 by
-    the node's network address). Multi-node runs join a cluster the launch scripts started on
-    the node IPs. Token authentication is on in both cases (:func:`use_token_auth`)."""
-    import ray
-
-    if ray.is_initialized():
-        return
+def ray_environment(config: ArmorConfig) -> None:
+    """The environment Ray's processes inherit; call it before ``import ray`` where possible
+    (``armor train`` does), since Ray reads some of it at import. A local Ray gets token auth
+    (:func:`use_token_auth`) and ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, which keeps Ray from
+    replacing the loopback node IP by the node's network address."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     local = not config.orchestration.ray_address
     use_token_auth(starting_local=local)
-    if not local:
+    if local:
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+
+def init_ray(config: ArmorConfig, plan: LayoutPlan) -> None:
+    """Connect to ``orchestration.ray_address`` or start a small local Ray (no dashboard).
+
+    A local Ray is a single-node cluster whose node IP is the loopback address, so GCS,
+    raylet, object manager and workers listen on 127.0.0.1 only (Ray binds its servers to
+    loopback when the node IP is loopback). Multi-node runs join a cluster the launch scripts
+    started on the node IPs. Token authentication is on in both cases (:func:`use_token_auth`).
+    """
+    ray_environment(config)
+    import ray
+    from ray._private import ray_constants
+
+    if ray.is_initialized():
+        return
+    if config.orchestration.ray_address:
         ray.init(address=config.orchestration.ray_address, log_to_driver=True)
         return
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    if os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0":
+        ray_constants.ENABLE_RAY_CLUSTER = False  # read at import, maybe before the line above
     kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True,
                               "_node_ip_address": LOOPBACK}  # fmt: skip
     if plan.layout == "cpu":
