@@ -60,7 +60,7 @@ def eval_config(args: argparse.Namespace) -> ArmorConfig:
     up front too (``config/inputs.py``). Raises :class:`ConfigError` naming the option."""
     from megatron_armor.config.inputs import input_problems
 
-    overrides = [
+    overrides = ["reward.overlong.enabled=false"] + [  # evaluation scores without the penalty
         f"{key}={getattr(args, option)}"
         for option, key in OPTION_SETTINGS.items()
         if getattr(args, option) is not None
