@@ -21,7 +21,12 @@ PORT=${ARMOR_RAY_PORT:-$(free_port)}
 LOG_DIR=${ARMOR_LOG_DIR:-runs/launch-$$}
 TEMP_DIR=${ARMOR_RAY_TEMP_DIR:-/tmp/ray-armor-$$}
 mkdir -p "$LOG_DIR"
-export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled} RAY_USAGE_STATS_ENABLED=0
+export RAY_AUTH_MODE=${RAY_AUTH_MODE:-token} RAY_USAGE_STATS_ENABLED=0
+if [ "$RAY_AUTH_MODE" = token ] && [ -z "${RAY_AUTH_TOKEN:-}${RAY_AUTH_TOKEN_PATH:-}" ]; then
+  # a token for this head only (mode 0600), read by the head and the driver
+  export RAY_AUTH_TOKEN_PATH="$LOG_DIR/ray_auth_token"
+  (umask 077; od -An -tx1 -N32 /dev/urandom | tr -d ' \n' > "$RAY_AUTH_TOKEN_PATH")
+fi
 IP=$("$ARMOR_PYTHON" -c 'import ray._private.services as s; print(s.get_node_ip_address())')
 RAY_PID="" DRIVER_PID="" GOT_SIGNAL=""
 
