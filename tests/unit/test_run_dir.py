@@ -143,3 +143,22 @@ def test_second_writer_is_refused_and_a_stale_lock_taken_over(tmp_path, capsys):
     assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
     lock.release()
     assert not (tmp_path / LOCK_FILE).exists()
+
+
+def test_convert_reads_the_run_precision_and_writes_a_matching_config(tmp_path):
+    from megatron_armor.cli.convert_cmd import run_precision
+    from megatron_armor.config import save_config
+    from megatron_armor.trainer.convert import write_hf_config
+
+    config = ArmorConfig()
+    config.trainer.precision = "fp32"
+    save_config(config, tmp_path / "run")
+    step = tmp_path / "run" / "checkpoints" / "step_000001"
+    (step / "trainer").mkdir(parents=True)
+    assert run_precision(str(step)) == run_precision(str(step / "trainer")) == "fp32"
+    with pytest.raises(ValueError, match="pass --precision"):
+        run_precision(str(tmp_path / "elsewhere" / "a" / "b"))
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16"}))
+    write_hf_config(str(tmp_path / "model"), str(tmp_path), "float32")
+    assert json.loads((tmp_path / "config.json").read_text())["torch_dtype"] == "float32"
