@@ -350,7 +350,7 @@ class _Exec:
 
 def _run_pids(run: Run) -> set[int]:
     """The run's processes: its process group and every process under its Ray temp dir."""
-    pids = set(_pids_mentioning(run.ray_tmp))
+    pids = set(pids_mentioning(run.ray_tmp))
     for entry in Path("/proc").iterdir():
         try:
             if entry.name.isdigit() and os.getpgid(int(entry.name)) == run.proc.pid:
