@@ -13,6 +13,7 @@ import pytest
 from megatron_armor.compare.report import build_report, write_report
 from megatron_armor.compare.runner import pending_runs, slurm_command
 from megatron_armor.compare.spec import SpecError, load_spec
+from megatron_armor.orchestration.checkpoints import write_manifest
 
 pytestmark = pytest.mark.unit
 
@@ -46,6 +47,7 @@ def write_run(run_dir: Path, seed: int, shift: float, reset: bool) -> None:
     last = run_dir / "checkpoints" / "step_000004"  # finished: a checkpoint of the last step
     last.mkdir(parents=True)
     (last / "meta.json").write_text("{}")
+    write_manifest(last, 4)  # complete: its manifest is written last
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     anchors = run_dir / "anchors"
     anchors.mkdir()
