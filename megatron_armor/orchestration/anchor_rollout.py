@@ -1,24 +1,37 @@
 """Phase 1 of a step — anchor rollout with rejection sampling (armor-spec §2, Algorithm 1 l. 3-19).
 
-Per generation batch of ``rollout.gen_batch`` queries: ``n_on`` policy samples per query and,
-for ``armor`` / ``filter_only``, ``algo.ref_n`` reference samples per query (same sampling
-settings); score them all; :func:`~megatron_armor.algo.anchors.select_group` accepts or
-rejects each query. Batches are drawn until ``rollout.batch`` (``B``) groups are accepted,
-the first ``B`` are kept, and after ``algo.max_gen_batches`` batches without enough groups
-the step fails with the acceptance statistics and the settings that would help.
+Per generation batch: ``n_on`` policy samples per query, scored; then, for ``armor`` /
+``filter_only``, ``algo.ref_n`` reference samples (same sampling settings) only for the
+queries whose on-policy group passes rule (a) — the others are rejected whatever the
+reference does, so sampling it for them would be wasted — scored too;
+:func:`~megatron_armor.algo.anchors.select_group` accepts or rejects each query. Batches
+are drawn until ``rollout.batch`` (``B``) groups are accepted, the first ``B`` are kept, and
+after ``algo.max_gen_batches`` batches without enough groups the step fails with the
+acceptance statistics and the settings that would help.
 
-Sampling seeds are ``derive_seed(run.seed, step, batch, role)``, so regenerating a step after
-a resume draws exactly the same samples.
+The first batch of a step has ``rollout.gen_batch`` queries; each follow-up batch is sized to
+the shortfall (:func:`followup_size`: the missing groups over the acceptance rate seen so far
+this step, at least :data:`FOLLOWUP_FLOOR` of ``gen_batch``, at most ``gen_batch``).
+
+Sampling seeds are ``derive_seed(run.seed, step, batch, role)`` and batch sizes depend only on
+the samples drawn, so regenerating a step after a resume draws exactly the same samples.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_armor.algo.anchors import AcceptanceStats, policy_samples_per_query, select_group
+from megatron_armor.algo.anchors import (
+    AcceptanceStats,
+    acceptance_reason,
+    policy_samples_per_query,
+    select_group,
+)
+from megatron_armor.algo.registry import get_anchor_mode
 from megatron_armor.observability.nvtx import nvtx_range
 from megatron_armor.observability.timers import PhaseTimers
 from megatron_armor.orchestration.groups import merge_reward_stats
@@ -26,6 +39,9 @@ from megatron_armor.rollout.protocol import SamplingParams
 from megatron_armor.types import Group, Sample
 
 REFERENCE_MODES = ("armor", "filter_only")
+FOLLOWUP_FLOOR = 0.25
+"""Smallest follow-up generation batch, as a fraction of ``rollout.gen_batch`` (a tiny batch
+would pay a whole round of engine latency for a few queries)."""
 
 
 class AcceptanceError(RuntimeError):
@@ -49,6 +65,26 @@ class RolloutResult:
     reward_stats: dict[str, float] = field(default_factory=dict)
     generated_tokens: int = 0
     """Response tokens generated this step (policy + reference, fresh or cached)."""
+
+
+def followup_size(gen_batch: int, need: int, accepted: int, seen: int) -> int:
+    """Queries in the next generation batch of a step: ``ceil((need - accepted) / rate)`` with
+    ``rate = accepted / seen`` this step, clamped to ``[ceil(FOLLOWUP_FLOOR * gen_batch),
+    gen_batch]``; the first batch (``seen == 0``) and a step with nothing accepted yet get a
+    whole ``gen_batch``. Deterministic in its arguments (exact resume)."""
+    if seen == 0 or accepted == 0:
+        return gen_batch
+    floor = max(1, math.ceil(FOLLOWUP_FLOOR * gen_batch))
+    wanted = math.ceil((need - accepted) * seen / accepted)
+    return max(floor, min(gen_batch, wanted))
+
+
+def passes_rule_a(policy: list[Sample], mode: str, weak_filter: bool) -> bool:
+    """Whether a query's on-policy group passes rule (a), so its acceptance depends on the
+    reference (rule (b)): with no reference samples, exactly those queries are rejected for
+    ``no_reference_correct``."""
+    reason = acceptance_reason(policy, [], get_anchor_mode(mode), weak_filter)
+    return reason == "no_reference_correct"
 
 
 def acceptance_error(stats: AcceptanceStats, need: int, algo, rollout) -> AcceptanceError:
@@ -96,25 +132,37 @@ class AnchorRollout:
         self.params = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                                      max_new_tokens=s.max_new_tokens)  # fmt: skip
 
-    def _generate(self, items: list, step: int, batch: int) -> tuple[list, list]:
+    def _params(self, step: int, batch: int, role: str) -> SamplingParams:
+        return dataclasses.replace(self.params, seed=derive_seed(self.seed, step, batch, role))
+
+    def _generate(self, items: list, step: int, batch: int) -> tuple[list, list, dict]:
+        """Policy samples of ``items``, scored; then reference samples, scored, for the items
+        that pass rule (a) (``[]`` for the others). Returns ``(policy, reference, stats)``."""
         a = self.algo
         n_on = policy_samples_per_query(a.anchor, a.group_size, a.filter_policy_samples)
-        policy_params = dataclasses.replace(
-            self.params, seed=derive_seed(self.seed, step, batch, "policy")
-        )
-        with nvtx_range("rollout/policy"):
-            policy = self.rollout.generate(items, n_on, policy_params)
+        with self.timers.phase("generate"), nvtx_range("rollout/policy"):
+            policy = self.rollout.generate(items, n_on, self._params(step, batch, "policy"))
+        with self.timers.phase("score"):
+            stats = self.reward.score([s for row in policy for s in row])
+        reference: list[list[Sample]] = [[] for _ in items]
         if self.algo.anchor not in REFERENCE_MODES:
-            return policy, [[] for _ in items]
-        ref_params = dataclasses.replace(
-            self.params, seed=derive_seed(self.seed, step, batch, "reference")
-        )
-        with nvtx_range("rollout/reference"):
-            return policy, self.rollout.sample_reference(items, self.algo.ref_n, ref_params)
-
-    def _score(self, policy: list[list[Sample]], reference: list[list[Sample]]) -> dict[str, float]:
-        flat = [s for rows in (policy, reference) for row in rows for s in row]
-        return self.reward.score(flat)
+            return policy, reference, stats
+        wanted = [
+            i for i, row in enumerate(policy)
+            if passes_rule_a(row, self.algo.anchor, self.algo.weak_filter)
+        ]  # fmt: skip
+        if not wanted:
+            return policy, reference, stats
+        params = self._params(step, batch, "reference")
+        with self.timers.phase("generate"), nvtx_range("rollout/reference"):
+            drawn = self.rollout.sample_reference(
+                [items[i] for i in wanted], self.algo.ref_n, params
+            )
+        with self.timers.phase("score"):
+            ref_stats = self.reward.score([s for row in drawn for s in row])
+        for i, row in zip(wanted, drawn, strict=True):
+            reference[i] = row
+        return policy, reference, merge_reward_stats(stats, ref_stats)
 
     def _accept(self, items, policy, reference, gen_batch: int, result: RolloutResult) -> None:
         for item, pol, ref in zip(items, policy, reference, strict=True):
@@ -139,11 +187,10 @@ class AnchorRollout:
         need = self.rollout_cfg.batch
         result = RolloutResult(groups=[], stats=AcceptanceStats())
         for gen_batch in range(self.algo.max_gen_batches):
-            items = [self.dataset[i] for i in self.sampler.next_indices(self.rollout_cfg.gen_batch)]
-            with self.timers.phase("generate"):
-                policy, reference = self._generate(items, step, gen_batch)
-            with self.timers.phase("score"):
-                stats = self._score(policy, reference)
+            size = followup_size(self.rollout_cfg.gen_batch, need, result.stats.accepted,
+                                 result.stats.queries_seen)  # fmt: skip
+            items = [self.dataset[i] for i in self.sampler.next_indices(size)]
+            policy, reference, stats = self._generate(items, step, gen_batch)
             result.reward_stats = merge_reward_stats(result.reward_stats, stats)
             result.stats.add_generation_batch()
             result.policy_samples.extend(s for row in policy for s in row)

@@ -20,9 +20,12 @@ from megatron_armor.orchestration.anchor_rollout import (
     AcceptanceError,
     AnchorRollout,
     derive_seed,
+    followup_size,
     policy_samples_per_query,
 )
 from megatron_armor.orchestration.step_metrics import rollout_metrics, write_anchor_file
+from megatron_armor.rollout.protocol import GenerationOutput
+from megatron_armor.rollout.reference import CachedReferenceSampler, ReferenceSampler
 from megatron_armor.types import Sample, SampleSource, pack_groups
 
 pytestmark = pytest.mark.unit
@@ -70,13 +73,13 @@ class ScriptedReward:
 
 
 def make(anchor="armor", batch=2, gen_batch=3, max_gen_batches=4, weak_filter=False, group_size=4,
-         filter_policy_samples="G"):  # fmt: skip
+         filter_policy_samples="G", queries=tuple(SCRIPT)):  # fmt: skip
     cfg = ArmorConfig()
     cfg.algo.filter_policy_samples = filter_policy_samples
     cfg.algo.anchor, cfg.algo.weak_filter, cfg.algo.group_size = anchor, weak_filter, group_size
     cfg.algo.ref_n, cfg.algo.max_gen_batches = 3, max_gen_batches
     cfg.rollout.batch, cfg.rollout.gen_batch = batch, gen_batch
-    items = [PromptItem(q, [1, 2, 3], q, "1", "tiny") for q in SCRIPT]
+    items = [PromptItem(q, [1, 2, 3], q, "1", "tiny") for q in queries]
     rollout = ScriptedRollout()
     sampler = ResumableSampler(len(items), seed=0, shuffle=False)
     return AnchorRollout(cfg, items, sampler, rollout, ScriptedReward()), rollout
@@ -101,7 +104,10 @@ def test_armor_groups_are_n_on_policy_plus_first_correct_reference():
     assert [r["query_id"] for r in kept] == ["q0", "q4"] and [r["query_id"] for r in surplus] == [
         "q5"
     ]
-    assert rollout.calls[0][:3] == ("policy", 3, 3) and rollout.calls[1][:3] == ("reference", 3, 3)
+    # the reference is sampled only for queries that pass rule (a): q0 of q0-q2, then q3-q5
+    assert [c[:3] for c in rollout.calls] == [
+        ("policy", 3, 3), ("reference", 1, 3), ("policy", 3, 3), ("reference", 3, 3)
+    ]  # fmt: skip
 
 
 def test_none_is_dapo_dynamic_sampling_without_reference():
@@ -203,3 +209,73 @@ def test_rollout_metrics_and_anchor_file(tmp_path):
     kept = [x for x in lines[1:] if x.get("kept")]
     assert [(x["query_id"], x["anchor_len"]) for x in kept] == [("q0", 11), ("q4", 10)]
     assert len(lines) == 1 + 6
+
+
+def test_followup_batches_are_sized_to_the_shortfall_with_a_floor():
+    assert followup_size(24, 16, 0, 0) == 24  # first batch: a whole gen_batch
+    assert followup_size(24, 16, 0, 24) == 24  # nothing accepted yet: no rate to go by
+    assert followup_size(24, 16, 12, 24) == 8  # 4 missing at rate 1/2
+    assert followup_size(24, 16, 15, 20) == 6  # 1 missing at rate 3/4: the floor, 24 / 4
+    assert followup_size(24, 16, 2, 24) == 24  # 14 missing at rate 1/12: capped at gen_batch
+    # rule (a) alone: 4 of q0..q5 accepted, 1 missing -> ceil(1 * 6 / 4) = 2 queries (q6, q0)
+    runner, rollout = make("none", batch=5, gen_batch=6)
+    result = runner.collect(step=1)
+    assert [c[:2] for c in rollout.calls] == [("policy", 6), ("policy", 2)]
+    assert [g.query_id for g in result.groups] == ["q0", "q3", "q4", "q5", "q6"]
+
+
+def test_weak_filter_samples_the_reference_for_all_wrong_groups_too():
+    runner, rollout = make("armor", batch=1, gen_batch=3, weak_filter=True)
+    runner.collect(step=1)
+    assert [c[:2] for c in rollout.calls] == [("policy", 3), ("reference", 2)]  # q0 and q2
+
+
+class ScriptedReferencePool(ReferenceSampler):
+    """Fresh reference draws for the anchor cache: correctness from :data:`SCRIPT`, lengths
+    that encode the draw number, so a cached sample is recognisable."""
+
+    def __init__(self):
+        super().__init__()
+        self.draws = 0
+
+    def sample(self, query_ids, prompts, n, params):
+        self.draws += 1
+        return [[GenerationOutput([5 if SCRIPT[q][1][i] else 6] * (10 + self.draws), [0.0],
+                                  "stop", self.ref_version) for i in range(n)]
+                for q in query_ids]  # fmt: skip
+
+
+class CachedRollout(ScriptedRollout):
+    """Policy samples as :class:`ScriptedRollout`; reference samples through the anchor cache."""
+
+    def __init__(self):
+        super().__init__()
+        self.cache = CachedReferenceSampler(ScriptedReferencePool())
+
+    def sample_reference(self, items, n, params):
+        self.calls.append(("reference", len(items), n, params.seed))
+        outs = self.cache.sample([it.query_id for it in items], [it.prompt_ids for it in items],
+                                 n, params)  # fmt: skip
+        return [[Sample(query_id=it.query_id, prompt_ids=it.prompt_ids, response_ids=o.token_ids,
+                        source=SampleSource.REFERENCE,
+                        response_text="right" if o.token_ids[0] == 5 else "wrong") for o in row]
+                for it, row in zip(items, outs, strict=True)]  # fmt: skip
+
+
+def test_anchor_cache_hits_queries_that_recur_within_a_reset_period():
+    """6 queries, 3 per step: each recurs every 2 steps; a reset every 4 steps. Only the
+    rule-(a) passers q0, q3, q4, q5 look the reference up: steps 1-2 miss (first sight),
+    steps 3-4 hit; the reset at step 4 empties the cache, so steps 5-6 miss again."""
+    runner, rollout = make(
+        "armor", batch=1, gen_batch=3, queries=("q0", "q1", "q2", "q3", "q4", "q5")
+    )
+    rollout = runner.rollout = CachedRollout()
+    anchors = {}
+    for step in range(1, 7):
+        result = runner.collect(step)
+        anchors[step] = result.groups[0].samples[-1].response_len
+        if step == 4:
+            rollout.cache.on_reset(4, None)
+    m = rollout.cache.metrics()
+    assert (m["anchor/cache_hits"], m["anchor/cache_misses"]) == (4.0, 8.0)
+    assert anchors[3] == anchors[1] and anchors[5] != anchors[1]  # cached, then fresh again
