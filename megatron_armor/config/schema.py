@@ -339,6 +339,10 @@ class OrchestrationConfig:
     """Existing Ray cluster address ("" = start a local one)."""
     ray_init_timeout_s: float = 120.0
     """Seconds to wait for Ray and the actors to come up."""
+    threads_per_actor: int = 0
+    """Torch CPU threads of each trainer rank, rollout worker and reward worker; 0 = the
+    node's cores divided by the actors placed on it (never more threads than cores,
+    ``placement.threads_per_actor``)."""
 
 
 @dataclass

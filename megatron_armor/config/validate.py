@@ -343,6 +343,10 @@ def check_run(config: ArmorConfig) -> Problems:
     for key in ("exact_kl_samples", "exact_kl_positions"):
         value = getattr(log, key)
         yield from _bound(value, value >= 1, f"logging.{key}", "must be >= 1")
+    threads = config.orchestration.threads_per_actor
+    yield from _bound(
+        threads, threads >= 0, "orchestration.threads_per_actor", "must be >= 0 (0 = auto)"
+    )
 
 
 def check_lr_schedule(config: ArmorConfig) -> Problems:

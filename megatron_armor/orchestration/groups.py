@@ -488,7 +488,7 @@ class RewardGroup:
     def __init__(self, config: ArmorConfig, plan: LayoutPlan):
         opts = actor_options(plan, None, [], None, 0.0)
         self.actors = [
-            _remote(RewardWorker, opts).remote(config, 1)
+            _remote(RewardWorker, opts).remote(config, plan.threads)
             for _ in range(max(plan.reward_workers, 1))
         ]
 

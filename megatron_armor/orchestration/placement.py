@@ -16,6 +16,12 @@ bundles are the trainer's (and, disaggregated, a reservation of the rollout GPUs
 
 Bundles are re-ordered by (node IP, GPU id) with one probe actor per bundle, so trainer rank
 order follows the hardware (ranks of a TP group share a node).
+
+Threads: every trainer rank, rollout worker and reward worker runs
+:func:`threads_per_actor` torch threads — the node's cores divided by the actors placed on
+it (at least one), or ``orchestration.threads_per_actor`` — so the actors of a node never
+run more threads than it has cores (OpenMP threads spin-wait; oversubscribed, they slow
+every phase down, docs/orchestration.md "Threads").
 """
 
 from __future__ import annotations
@@ -52,6 +58,36 @@ class LayoutPlan:
     """SGLang: GPUs per server, per pool."""
 
 
+def node_cores() -> int:
+    """The cores this process may run on (its CPU affinity; all cores where unknown)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def actors_per_node(plan: LayoutPlan, gpus_per_node: int) -> int:
+    """CPU-using actors on the busiest node: all of them for ``cpu``; else the most trainer
+    ranks and rollout workers whose bundles share a node (bundle ``b`` on node
+    ``b // gpus_per_node``; an SGLang rollout worker counts on every node) plus every reward
+    worker (placed without a bundle, possibly all on one node)."""
+    rewards = max(plan.reward_workers, 1)
+    if plan.layout == "cpu":
+        return plan.trainer_ranks + plan.rollout_engines + rewards
+    per_node: dict[int, int] = {}
+    for b in plan.trainer_bundles + plan.rollout_bundles:
+        per_node[b // gpus_per_node] = per_node.get(b // gpus_per_node, 0) + 1
+    sglang_worker = 0 if plan.rollout_bundles else 1
+    return max(per_node.values(), default=0) + sglang_worker + rewards
+
+
+def threads_per_actor(cores: int, actors: int, override: int = 0) -> int:
+    """Torch threads per actor: ``override`` if set, else ``max(1, cores // actors)``."""
+    if override > 0:
+        return override
+    return max(1, cores // max(actors, 1))
+
+
 def plan_layout(config: ArmorConfig) -> LayoutPlan:
     """The actor counts and resources of ``orchestration.layout``; errors name the fix."""
     plan = _plan_bundles(config)
@@ -66,6 +102,10 @@ def plan_layout(config: ArmorConfig) -> LayoutPlan:
         plan.server_tp = {name: spec.tp for name, spec in specs.items()}
         # one worker per node with servers, known once the bundles are placed (rollout_hosts)
         plan.rollout_engines, plan.rollout_gpus, plan.rollout_bundles = 1, 0.0, []
+    orch = config.orchestration
+    plan.threads = threads_per_actor(
+        node_cores(), actors_per_node(plan, orch.gpus_per_node), orch.threads_per_actor
+    )
     return plan
 
 
@@ -108,8 +148,7 @@ def _plan_bundles(config: ArmorConfig) -> LayoutPlan:
     if orch.layout not in LAYOUTS:
         raise ValueError(f"orchestration.layout={orch.layout!r}: expected one of {LAYOUTS}")
     if orch.layout == "cpu":
-        return LayoutPlan("cpu", world, 1, orch.num_reward_workers, cpus_per_actor=0.5,
-                          threads=os.cpu_count() or 1)  # fmt: skip
+        return LayoutPlan("cpu", world, 1, orch.num_reward_workers, cpus_per_actor=0.5)
     tp = config.rollout.sglang.tp
     if orch.layout == "colocated":
         if world % tp:

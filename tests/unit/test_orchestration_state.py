@@ -13,7 +13,8 @@ import torch
 from megatron_armor.algo.losses import needs_reference_logprobs
 from megatron_armor.config import load_config
 from megatron_armor.config.schema import ArmorConfig
-from megatron_armor.orchestration import checkpoints
+from megatron_armor.config.validate import find_problems
+from megatron_armor.orchestration import checkpoints, placement
 from megatron_armor.orchestration.groups import shard
 from megatron_armor.orchestration.loop import minibatch_sample_ids
 from megatron_armor.orchestration.placement import plan_layout, rollout_hosts
@@ -257,3 +258,20 @@ def test_checkpoint_and_validation_cadence():
     cfg.run.ckpt_every, cfg.validation.every = 0, 0
     assert [s for s in range(1, 8) if checkpoint_due(cfg, s)] == [7]
     assert not any(validation_due(cfg, s) for s in range(1, 8))
+
+
+def test_threads_never_exceed_the_cores_of_a_node(monkeypatch):
+    cfg = ArmorConfig()
+    cfg.rollout.backend = "torch"
+    monkeypatch.setattr(placement, "node_cores", lambda: 2)
+    assert plan_layout(cfg).threads == 1  # trainer + rollout + reward on 2 cores
+    monkeypatch.setattr(placement, "node_cores", lambda: 64)
+    assert plan_layout(cfg).threads == 21  # 64 // 3
+    cfg.orchestration.layout, cfg.trainer.world_size, cfg.rollout.sglang.tp = "colocated", 16, 2
+    cfg.orchestration.gpus_per_node = 8  # a node: 8 trainer ranks, 4 engines, 1 reward worker
+    assert placement.actors_per_node(plan_layout(cfg), 8) == 13
+    assert plan_layout(cfg).threads == 4
+    cfg.orchestration.threads_per_actor = 3
+    assert plan_layout(cfg).threads == 3
+    cfg.orchestration.threads_per_actor = -1
+    assert "orchestration.threads_per_actor" in " ".join(find_problems(cfg))
