@@ -31,6 +31,7 @@ from megatron_armor.trainer.schedule import (
     exact_kl_builder,
     global_units,
     logprob_builder,
+    padding_fraction,
     policy_loss_builder,
     reduce_metric_sums,
     run_schedule,
@@ -100,14 +101,17 @@ class MegatronTrainer(TrainerInterface):
     # --- helpers ---------------------------------------------------------------------------
 
     def _micro_batches(self, batch):
+        """This rank's micro-batches: bucketed by length; packed (``thd``, no padding) with
+        Transformer Engine, padded ``[n, L]`` with the local spec (CPU)."""
         t = self.config.trainer
         # sequence parallelism splits L over TP; FP8 GEMMs need token counts divisible by 16
         pad = math.lcm(
             t.tp if t.sequence_parallel else 1, FP8_TOKEN_MULTIPLE if t.fp8.enabled else 1
         )
         return plan_micro_batches(
-            batch, parallel.dp_rank(), parallel.dp_size(), t.micro_batch_tokens, pad
-        )
+            batch, parallel.dp_rank(), parallel.dp_size(), t.micro_batch_tokens, pad,
+            packed=t.transformer_impl == "te",
+        )  # fmt: skip
 
     def _update(self, minibatch) -> dict[str, float]:
         """One optimizer update on one mini-batch; metrics reduced over DP."""
@@ -128,6 +132,7 @@ class MegatronTrainer(TrainerInterface):
         metrics["loss/objective"] = objective
         metrics["loss/grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
         metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
+        metrics["train/padding_fraction"] = padding_fraction(mbs)
         return metrics
 
     # --- TrainerInterface ------------------------------------------------------------------

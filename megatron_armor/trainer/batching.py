@@ -3,18 +3,28 @@
 1. Data-parallel shard: samples are assigned to DP ranks balanced by tokens (longest first,
    each to the rank with the fewest tokens so far; deterministic, so every rank computes the
    same assignment from the same full batch). Each shard keeps the batch order.
-2. Micro-batches: consecutive samples of the shard, as many as fit ``micro_batch_tokens``
-   *padded* tokens (``rows * longest row``); a longer sample forms its own micro-batch.
-3. Layout: each micro-batch is a right-padded ``[n, L]`` batch (one sample per row, positions
-   from 0), so causal attention is exactly per-sample attention and RoPE positions restart per
-   sample, with every megatron-core attention implementation (the local spec does not take
-   packed sequences). Per-token training data stays packed ``[T]`` (only real tokens, in row
-   order) with ``token_index`` pointing back into the full batch.
+2. Buckets: the shard's samples sorted by length (ties by sample id; deterministic), so a
+   micro-batch holds samples of similar length and little padding.
+3. Micro-batches: consecutive samples of that order, as many as fit ``micro_batch_tokens``
+   tokens — *padded* tokens (``rows * longest row``) in the padded layout, real tokens in the
+   packed one; a longer sample forms its own micro-batch.
+4. Layout, padded (every attention implementation; the CPU path): a right-padded ``[n, L]``
+   batch (one sample per row, positions from 0), so causal attention is exactly per-sample
+   attention and RoPE positions restart per sample. Packed (``thd``, Transformer Engine):
+   one ``[1, T]`` row of the samples back to back with ``cu_seqlens`` (megatron-core's
+   ``PackedSeqParams``), positions restarting per sample, no padding but the few tokens that
+   round ``T`` up to ``pad_multiple`` (a segment of their own). Per-token training data stays
+   packed ``[T]`` (only real tokens, in order) with ``token_index`` pointing back into the
+   full batch.
+
+The loss does not depend on the micro-batching: its normalizer is global (``schedule.py``)
+and every per-sample quantity stays within one micro-batch.
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +51,29 @@ class MicroBatch:
     """``[T]`` int64, 0-based row of each packed token."""
     token_index: torch.Tensor
     """``[T]`` int64, position of each packed token in the full batch."""
+    cu_seqlens: torch.Tensor | None = None
+    """Packed layout only: ``[n + 1]`` int32 segment boundaries in the ``[1, T]`` row (a last
+    segment of padding when ``T`` was rounded up); ``None`` for the padded layout."""
+
+    @property
+    def packed(self) -> bool:
+        return self.cu_seqlens is not None
+
+    @property
+    def max_seqlen(self) -> int:
+        """The longest segment (packed) or row (padded)."""
+        if self.cu_seqlens is None:
+            return self.seq_len
+        return int((self.cu_seqlens[1:] - self.cu_seqlens[:-1]).max())
+
+    def sample_starts(self) -> torch.Tensor:
+        """``[n, L]`` bool: the first position of each sample (its log-prob is defined as 0)."""
+        starts = torch.zeros_like(self.valid)
+        if self.cu_seqlens is None:
+            starts[:, 0] = True
+        else:
+            starts[0, self.cu_seqlens[:-1].long()] = True
+        return starts
 
     @property
     def num_rows(self) -> int:
@@ -62,23 +95,47 @@ def shard_samples(lengths: list[int], dp_size: int) -> list[list[int]]:
     return [sorted(s) for s in shards]
 
 
-def split_micro_batches(ids: list[int], lengths: list[int], budget: int) -> list[list[int]]:
-    """Consecutive groups of ``ids`` with ``len(group) * max(length) <= budget`` (or one sample)."""
+def bucket_by_length(ids: list[int], lengths: list[int]) -> list[int]:
+    """``ids`` sorted by ``(length, id)``: neighbours have similar lengths (deterministic)."""
+    return sorted(ids, key=lambda i: (lengths[i], i))
+
+
+def split_micro_batches(
+    ids: list[int], lengths: list[int], budget: int, packed: bool = False
+) -> list[list[int]]:
+    """Consecutive groups of ``ids`` costing at most ``budget`` tokens (or one sample each):
+    ``len(group) * max(length)`` padded, ``sum(length)`` packed."""
     if budget <= 0:
         raise ValueError(f"trainer.micro_batch_tokens={budget}: must be > 0")
     groups: list[list[int]] = []
     current: list[int] = []
-    longest = 0
+    total = longest = 0
     for i in ids:
-        new_longest = max(longest, lengths[i])
-        if current and (len(current) + 1) * new_longest > budget:
+        new_total, new_longest = total + lengths[i], max(longest, lengths[i])
+        cost = new_total if packed else (len(current) + 1) * new_longest
+        if current and cost > budget:
             groups.append(current)
-            current, new_longest = [], lengths[i]
+            current, new_total, new_longest = [], lengths[i], lengths[i]
         current.append(i)
-        longest = new_longest
+        total, longest = new_total, new_longest
     if current:
         groups.append(current)
     return groups
+
+
+def _token_data(batch: TrainBatch, ids: list[int], lengths: list[int]) -> dict:
+    """The packed ``[T]`` per-token fields of samples ``ids`` (in that order)."""
+    bounds = batch.cu_seqlens.tolist()
+    index = torch.cat([torch.arange(bounds[i], bounds[i + 1]) for i in ids])
+    return {
+        "loss_mask": batch.loss_mask[index].float(),
+        "advantages": batch.advantages[index].float(),
+        "old_logprobs": batch.old_logprobs[index].float(),
+        "ref_logprobs": batch.ref_logprobs[index].float(),
+        "is_anchor": batch.is_anchor[index].bool(),
+        "sample_index": torch.repeat_interleave(torch.arange(len(ids)), torch.tensor(lengths)),
+        "token_index": index,
+    }
 
 
 def build_micro_batch(batch: TrainBatch, ids: list[int], pad_multiple: int = 1) -> MicroBatch:
@@ -91,20 +148,41 @@ def build_micro_batch(batch: TrainBatch, ids: list[int], pad_multiple: int = 1) 
     for row, i in enumerate(ids):
         tokens[row, : lengths[row]] = batch.tokens[bounds[i] : bounds[i + 1]]
         valid[row, : lengths[row]] = True
-    index = torch.cat([torch.arange(bounds[i], bounds[i + 1]) for i in ids])
-    lengths_t = torch.tensor(lengths)
     return MicroBatch(
         tokens=tokens,
         position_ids=torch.arange(seq).unsqueeze(0).expand(len(ids), seq).contiguous(),
         valid=valid,
-        loss_mask=batch.loss_mask[index].float(),
-        advantages=batch.advantages[index].float(),
-        old_logprobs=batch.old_logprobs[index].float(),
-        ref_logprobs=batch.ref_logprobs[index].float(),
-        is_anchor=batch.is_anchor[index].bool(),
-        sample_index=torch.repeat_interleave(torch.arange(len(ids)), lengths_t),
-        token_index=index,
+        **_token_data(batch, ids, lengths),
     )
+
+
+def build_packed_micro_batch(
+    batch: TrainBatch, ids: list[int], pad_multiple: int = 1
+) -> MicroBatch:
+    """The packed ``[1, T]`` (``thd``) layout of samples ``ids``: ``cu_seqlens`` over the
+    samples, plus one padding segment when ``T`` is rounded up to ``pad_multiple``."""
+    bounds = batch.cu_seqlens.tolist()
+    lengths = [bounds[i + 1] - bounds[i] for i in ids]
+    real = sum(lengths)
+    total = -(-real // pad_multiple) * pad_multiple
+    segments = lengths + ([total - real] if total > real else [])
+    tokens = torch.zeros(1, total, dtype=torch.long)
+    tokens[0, :real] = torch.cat([batch.tokens[bounds[i] : bounds[i + 1]] for i in ids])
+    valid = torch.zeros(1, total, dtype=torch.bool)
+    valid[0, :real] = True
+    return MicroBatch(
+        tokens=tokens,
+        position_ids=torch.cat([torch.arange(n) for n in segments]).unsqueeze(0),
+        valid=valid,
+        cu_seqlens=torch.tensor([0, *itertools.accumulate(segments)], dtype=torch.int32),
+        **_token_data(batch, ids, lengths),
+    )
+
+
+def padding_counts(micro_batches: list[MicroBatch]) -> tuple[int, int]:
+    """``(real tokens, computed positions)`` of ``micro_batches`` (padding = the difference)."""
+    real = sum(int(mb.valid.sum()) for mb in micro_batches)
+    return real, sum(mb.num_rows * mb.seq_len for mb in micro_batches)
 
 
 def plan_micro_batches(
@@ -113,24 +191,29 @@ def plan_micro_batches(
     dp_size: int,
     micro_batch_tokens: int,
     pad_multiple: int = 1,
+    packed: bool = False,
+    bucket: bool = True,
 ) -> list[MicroBatch]:
-    """This DP rank's micro-batches of ``batch``.
+    """This DP rank's micro-batches of ``batch``: bucketed by length (``bucket``; off only to
+    compare with batch order), padded ``[n, L]`` or ``packed`` ``[1, T]``.
 
     A rank that receives no sample (fewer samples than DP ranks) gets one micro-batch of
     sample 0 with its loss mask zeroed, so the collective schedule still runs; it adds nothing
     to the loss, the gradients or the counts.
     """
+    build = build_packed_micro_batch if packed else build_micro_batch
     lengths = batch.seq_lengths()
     if not lengths:
         raise ValueError("empty TrainBatch: no samples to train on")
     ids = shard_samples(lengths, dp_size)[dp_rank]
     if not ids:
-        mb = build_micro_batch(batch, [0], pad_multiple)
+        mb = build(batch, [0], pad_multiple)
         mb.loss_mask = torch.zeros_like(mb.loss_mask)
         mb.is_anchor = torch.zeros_like(mb.is_anchor)
         return [mb]
-    groups = split_micro_batches(ids, lengths, micro_batch_tokens)
-    return [build_micro_batch(batch, g, pad_multiple) for g in groups]
+    order = bucket_by_length(ids, lengths) if bucket else ids
+    groups = split_micro_batches(order, lengths, micro_batch_tokens, packed)
+    return [build(batch, g, pad_multiple) for g in groups]
 
 
 def split_minibatches(batch: TrainBatch, num_minibatches: int) -> list[TrainBatch]:

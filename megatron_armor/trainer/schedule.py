@@ -14,11 +14,12 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_armor.algo.losses import LossSettings, compute_policy_loss, count_units
 from megatron_armor.trainer import parallel
-from megatron_armor.trainer.batching import MicroBatch
+from megatron_armor.trainer.batching import MicroBatch, padding_counts
 from megatron_armor.trainer.logprobs import vocab_parallel_exact_kl, vocab_parallel_logprobs
 
 
@@ -40,7 +41,8 @@ def token_logprobs(
     """Packed ``(logp [T], entropy [T])`` of ``mb``'s tokens from logits ``[n, L, Vp/tp]``.
 
     ``logp[t] = log p(x_t | x_<t)`` comes from the logits at position ``t - 1`` of the same
-    row; the first token of each sample gets 0 (it has ``loss_mask == 0``).
+    row; the first token of each sample (``mb.sample_starts()``, also inside a packed row)
+    gets 0 (it has ``loss_mask == 0``).
     """
     n, seq, vocab_local = output.shape
     nxt = torch.zeros_like(mb.tokens)
@@ -54,8 +56,9 @@ def token_logprobs(
         parallel.tp_group() if parallel.tp_size() > 1 else None,
     )
     zero = logp.new_zeros(n, 1)
-    logp = torch.cat([zero, logp.view(n, seq)[:, :-1]], dim=1)
-    entropy = torch.cat([zero, entropy.view(n, seq)[:, :-1]], dim=1)
+    starts = mb.sample_starts().to(output.device)
+    logp = torch.cat([zero, logp.view(n, seq)[:, :-1]], dim=1).masked_fill(starts, 0.0)
+    entropy = torch.cat([zero, entropy.view(n, seq)[:, :-1]], dim=1).masked_fill(starts, 0.0)
     valid = mb.valid.to(output.device)
     return logp[valid], entropy[valid]
 
@@ -119,13 +122,24 @@ def _exact_kl(mb: MicroBatch, output, *, lp: LogprobSettings, captured):
     return output.new_zeros(()), torch.tensor(0, dtype=torch.int, device=output.device), data
 
 
+def packed_seq_params(mb: MicroBatch, device) -> PackedSeqParams | None:
+    """megatron-core's ``PackedSeqParams`` (``qkv_format='thd'``) of a packed micro-batch:
+    the same ``cu_seqlens`` for queries and keys (self-attention); ``None`` when padded."""
+    if not mb.packed:
+        return None
+    cu = mb.cu_seqlens.to(device=device, dtype=torch.int32)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                           max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen)  # fmt: skip
+
+
 def make_forward_step(loss_builder):
     """A megatron ``forward_step_func`` whose ``loss_func`` is ``loss_builder(mb, output)``."""
 
     def forward_step(data_iterator, model):
         mb: MicroBatch = next(data_iterator)
         dev = parallel.collective_device()
-        output = model(mb.tokens.to(dev), mb.position_ids.to(dev), None)
+        output = model(mb.tokens.to(dev), mb.position_ids.to(dev), None,
+                       packed_seq_params=packed_seq_params(mb, dev))  # fmt: skip
         return output, partial(loss_builder, mb)
 
     return forward_step
@@ -171,6 +185,17 @@ def global_units(micro_batches: list[MicroBatch], loss_agg: str) -> float:
     if parallel.dp_size() > 1:
         dist.all_reduce(total, group=parallel.dp_group())
     return float(total.item())
+
+
+def padding_fraction(micro_batches: list[MicroBatch]) -> float:
+    """``train/padding_fraction``: padded positions over all computed positions, summed over
+    micro-batches and DP ranks (0 in the packed layout but for rounding to ``pad_multiple``)."""
+    real, slots = padding_counts(micro_batches)
+    total = torch.tensor([float(real), float(slots)], device=parallel.collective_device())
+    if parallel.dp_size() > 1:
+        dist.all_reduce(total, group=parallel.dp_group())
+    real_sum, slot_sum = total.tolist()
+    return 1.0 - real_sum / slot_sum if slot_sum else 0.0
 
 
 def reduce_metric_sums(outputs: list[dict]) -> dict[str, float]:
