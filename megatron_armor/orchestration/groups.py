@@ -87,6 +87,14 @@ def _remote(cls, options: dict):
     return ray.remote(cls).options(**options)
 
 
+def _sum_parts(parts: list) -> torch.Tensor:
+    """The per-token result of the trainer ranks: the sum of the reporting ranks' parts."""
+    parts = [p for p in parts if p is not None]
+    if not parts:
+        raise RuntimeError("no trainer rank reported log-probs (check trainer.pp / tp layout)")
+    return torch.stack(parts).sum(0) if len(parts) > 1 else parts[0]
+
+
 class TrainerGroup:
     """All trainer ranks (``trainer.world_size``)."""
 
@@ -128,29 +136,44 @@ class TrainerGroup:
         parts = wait(
             [a.compute_logprobs.remote(ref, weights) for a in self.actors], f"{weights} log-probs"
         )
-        parts = [p for p in parts if p is not None]
-        if not parts:
-            raise RuntimeError("no trainer rank reported log-probs (check trainer.pp / tp layout)")
-        return torch.stack(parts).sum(0) if len(parts) > 1 else parts[0]
+        return _sum_parts(parts)
 
     def offload_train_state(self) -> None:
         """Optimizer state to CPU, gradient buffers freed until the next update."""
         wait([a.offload_train_state.remote() for a in self.actors], "trainer offload")
 
-    def exact_kl(self, batch: TrainBatch) -> dict[str, float]:
-        """``kl/exact_*`` at the selected tokens of ``batch`` (every rank computes the same)."""
+    def place(self, batch: TrainBatch):
+        """``batch`` in the object store once, for several calls (:meth:`train_step`)."""
         import ray
 
-        ref = ray.put(batch)
-        return wait([a.exact_kl.remote(ref) for a in self.actors], "exact KL diagnostic")[0]
+        return ray.put(batch)
 
-    def train_step(self, batch: TrainBatch, num_minibatches: int) -> dict[str, float]:
-        """One or more optimizer updates on ``batch``; metrics of the rank that reported the most."""
-        import ray
-
-        ref = ray.put(batch)
+    def step_logprobs(
+        self, batch: TrainBatch, with_ref: bool, kl_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
+        """One call per step: old log-probs, reference log-probs (``with_ref``) ``[total]``
+        (sums of the reporting ranks' parts) and the exact-KL diagnostic at ``kl_mask``."""
+        ref = self.place(batch)
         results = wait(
-            [a.train_step.remote(ref, num_minibatches) for a in self.actors], "train step"
+            [a.step_logprobs.remote(ref, with_ref, kl_mask) for a in self.actors],
+            "step log-probs",
+        )
+        old = _sum_parts([r[0] for r in results])
+        reference = _sum_parts([r[1] for r in results]) if with_ref else None
+        return old, reference, results[0][2]
+
+    def train_step(
+        self, batch, num_minibatches: int, sample_ids: list[int] | None = None
+    ) -> dict[str, float]:
+        """One or more optimizer updates on ``batch`` (a :class:`TrainBatch`, or the object
+        ref of :meth:`place` with the mini-batch's ``sample_ids``); metrics of the rank that
+        reported the most."""
+        import ray
+
+        ref = batch if isinstance(batch, ray.ObjectRef) else ray.put(batch)
+        results = wait(
+            [a.train_step.remote(ref, num_minibatches, sample_ids) for a in self.actors],
+            "train step",
         )
         return max(results, key=len)
 

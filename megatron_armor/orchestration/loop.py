@@ -23,7 +23,7 @@ from megatron_armor.orchestration.groups import RemoteEngine, RemoteScorer, push
 from megatron_armor.orchestration.run_state import EXIT_REQUEUE, StopSignal
 from megatron_armor.orchestration.session import Session
 from megatron_armor.orchestration.step_metrics import (
-    exact_kl_batch,
+    exact_kl_mask,
     logprob_mismatch_metrics,
     reduce_update_metrics,
     rollout_metrics,
@@ -45,34 +45,37 @@ def minibatch_sample_ids(groups: list[Group], num_minibatches: int) -> list[list
     return out
 
 
-def compute_logprobs(s: Session, batch: TrainBatch) -> None:
-    """Fill ``old_logprobs`` (pre-update policy) and ``ref_logprobs`` (reference) from the trainer."""
-    with nvtx_range("logprobs/old"):
-        batch.old_logprobs = s.trainer.compute_logprobs(batch, "policy")
-    if needs_reference_logprobs(s.config.algo):
-        with nvtx_range("logprobs/ref"):
-            batch.ref_logprobs = s.trainer.compute_logprobs(batch, "ref")
+def compute_logprobs(s: Session, batch: TrainBatch, step: int) -> dict[str, float]:
+    """Fill ``old_logprobs`` (pre-update policy) and ``ref_logprobs`` (reference) from the
+    trainer in one call, which also computes the exact-KL diagnostic when it is due."""
+    with nvtx_range("logprobs/step"):
+        old, ref, exact_kl = s.trainer.step_logprobs(
+            batch, needs_reference_logprobs(s.config.algo), exact_kl_tokens(s, batch, step)
+        )
+    batch.old_logprobs = old
+    if ref is not None:
+        batch.ref_logprobs = ref
+    return exact_kl
 
 
-def exact_kl_diagnostic(s: Session, batch: TrainBatch, step: int) -> dict[str, float]:
-    """Every ``logging.exact_kl_every`` steps: exact KL(pi_old || pi_ref) and KL(pi_ref || pi_old)
-    over the vocabulary on a few on-policy samples (before the update, like ``kl/reverse_k1``)."""
+def exact_kl_tokens(s: Session, batch: TrainBatch, step: int) -> torch.Tensor | None:
+    """Every ``logging.exact_kl_every`` steps, the tokens of the exact KL(pi_old || pi_ref)
+    and KL(pi_ref || pi_old) diagnostic over the vocabulary: a few on-policy samples, before
+    the update (like ``kl/reverse_k1``); else ``None``."""
     log = s.config.logging
     if log.exact_kl_every <= 0 or step % log.exact_kl_every:
-        return {}
-    small = exact_kl_batch(batch, log.exact_kl_samples, log.exact_kl_positions)
-    if small is None:
-        return {}
-    with nvtx_range("logprobs/exact_kl"):
-        return s.trainer.exact_kl(small)
+        return None
+    return exact_kl_mask(batch, log.exact_kl_samples, log.exact_kl_positions)
 
 
 def train_minibatches(s: Session, batch: TrainBatch, groups: list[Group]) -> dict[str, float]:
-    """One optimizer update per mini-batch of ``trainer.ppo_mini_batch`` queries."""
+    """One optimizer update per mini-batch of ``trainer.ppo_mini_batch`` queries; the batch
+    goes into the object store once and each call names its mini-batch's samples."""
     s.progress.start("train", s.num_minibatches)
+    placed = s.trainer.place(batch)
     updates = []
     for ids in minibatch_sample_ids(groups, s.num_minibatches):
-        updates.append(s.trainer.train_step(batch.select(ids), 1))
+        updates.append(s.trainer.train_step(placed, 1, ids))
         s.progress.advance()
     s.progress.close()
     return reduce_update_metrics(updates)
@@ -141,8 +144,7 @@ def run_step(s: Session, rollout: AnchorRollout, step: int) -> dict[str, float]:
     if s.config.orchestration.layout == "colocated":
         s.rollout.release_memory()
     with s.timers.phase("logprobs"):
-        compute_logprobs(s, batch)
-        exact_kl = exact_kl_diagnostic(s, batch, step)
+        exact_kl = compute_logprobs(s, batch, step)
     with s.timers.phase("train"):
         metrics = train_minibatches(s, batch, result.groups)
     s.meter.add_rollout(result.generated_tokens, s.timers.seconds("generate"))

@@ -147,10 +147,10 @@ def write_anchor_file(run_dir: str | Path, step: int, result: RolloutResult) -> 
     return path
 
 
-def exact_kl_batch(batch: TrainBatch, samples: int, positions: int) -> TrainBatch | None:
-    """The few on-policy samples of ``batch`` (evenly spaced) whose ``loss_mask`` keeps only
-    ``positions`` evenly spaced response tokens each: the input of the trainer's exact-KL
-    diagnostic. ``None`` when the batch has no on-policy response token."""
+def exact_kl_mask(batch: TrainBatch, samples: int, positions: int) -> torch.Tensor | None:
+    """``[total]`` bool over ``batch``: ``positions`` evenly spaced response tokens of each of
+    a few evenly spaced on-policy samples — the tokens of the trainer's exact-KL diagnostic.
+    ``None`` when the batch has no on-policy response token."""
     bounds = batch.cu_seqlens.tolist()
     on_policy = [
         i
@@ -161,13 +161,24 @@ def exact_kl_batch(batch: TrainBatch, samples: int, positions: int) -> TrainBatc
     if not on_policy or samples < 1 or positions < 1:
         return None
     take = min(samples, len(on_policy))
-    ids = [on_policy[(k * len(on_policy)) // take] for k in range(take)]
-    small = batch.select(ids)
-    mask = torch.zeros_like(small.loss_mask)
-    cu = small.cu_seqlens.tolist()
-    for i in range(small.num_samples):
-        response = (small.loss_mask[cu[i] : cu[i + 1]] > 0).nonzero().squeeze(1) + cu[i]
+    mask = torch.zeros(batch.num_tokens, dtype=torch.bool)
+    for i in (on_policy[(k * len(on_policy)) // take] for k in range(take)):
+        response = (batch.loss_mask[bounds[i] : bounds[i + 1]] > 0).nonzero().squeeze(1) + bounds[i]
         keep = min(positions, len(response))
-        mask[response[[(k * len(response)) // keep for k in range(keep)]]] = 1.0
-    small.loss_mask = mask
+        mask[response[[(k * len(response)) // keep for k in range(keep)]]] = True
+    return mask
+
+
+def exact_kl_batch(batch: TrainBatch, samples: int, positions: int) -> TrainBatch | None:
+    """The samples of :func:`exact_kl_mask` as a batch of their own whose ``loss_mask`` keeps
+    only the diagnostic's tokens (the input of ``trainer.exact_kl``)."""
+    mask = exact_kl_mask(batch, samples, positions)
+    if mask is None:
+        return None
+    bounds = batch.cu_seqlens.tolist()
+    ids = [i for i in range(batch.num_samples) if mask[bounds[i] : bounds[i + 1]].any()]
+    small = batch.select(ids)
+    small.loss_mask = torch.cat([mask[bounds[i] : bounds[i + 1]] for i in ids]).to(
+        batch.loss_mask.dtype
+    )
     return small

@@ -145,12 +145,19 @@ class TrainerWorker:
     def offload_train_state(self) -> None:
         self.trainer.offload_train_state()
 
-    def exact_kl(self, batch) -> dict[str, float]:
-        with nvtx_range("logprobs/exact_kl"):
-            return self.trainer.exact_kl(batch)
+    def step_logprobs(self, batch, with_ref: bool, kl_mask=None):
+        """Old (+ reference) log-probs and the exact-KL diagnostic of a step, one call."""
+        with nvtx_range("logprobs/step"):
+            return self.trainer.step_logprobs(batch, with_ref, kl_mask)
 
-    def train_step(self, batch, num_minibatches: int) -> dict[str, float]:
+    def train_step(
+        self, batch, num_minibatches: int, sample_ids: list[int] | None = None
+    ) -> dict[str, float]:
+        """Updates on ``batch`` (its samples ``sample_ids`` when given: the driver places the
+        step's batch in the object store once and names each mini-batch by its samples)."""
         with nvtx_range("train"):
+            if sample_ids is not None:
+                batch = batch.select(sample_ids)
             return self.trainer.train_step(batch, num_minibatches)
 
     def reset_reference(self) -> None:

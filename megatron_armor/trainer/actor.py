@@ -31,6 +31,7 @@ from megatron_armor.trainer.schedule import (
     exact_kl_builder,
     global_units,
     logprob_builder,
+    logprob_kl_builder,
     padding_fraction,
     policy_loss_builder,
     reduce_metric_sums,
@@ -63,6 +64,15 @@ def check_supported_layout(trainer: TrainerConfig) -> None:
             "torch-norm fallback does not support it); set transformer_impl=te or "
             "sequence_parallel=false"
         )
+
+
+def exact_kl_means(sums: dict[str, float]) -> dict[str, float]:
+    """``kl/exact_*`` sums over the diagnostic's positions -> means (maxima stay maxima)."""
+    count = sums.pop("kl/exact_positions", 0.0)
+    out = {"kl/exact_positions": count}
+    for key, value in sums.items():
+        out[key] = value if key.endswith("_max") else value / max(count, 1.0)
+    return out
 
 
 class MegatronTrainer(TrainerInterface):
@@ -143,12 +153,48 @@ class MegatronTrainer(TrainerInterface):
         self.model.eval()
         with self.store.swapped(weights), torch.no_grad():
             outputs = run_schedule(self.model, mbs, logprob_builder(self.lp), forward_only=True)
+        return self._gather_logprobs(outputs, batch)
+
+    def _gather_logprobs(self, outputs: list[dict], batch) -> torch.Tensor | None:
+        """The ``[total]`` log-probs of ``batch`` (zero off the loss mask) from a log-prob
+        pass's outputs; ``None`` on ranks that do not report."""
         if not parallel.is_reporting_rank():
             return None
         out = torch.zeros(batch.num_tokens)
         for o in outputs:
             out[o["index"]] = o["logp"].float().cpu()
         return out * batch.loss_mask.float()
+
+    def step_logprobs(self, batch, with_ref: bool, kl_mask: torch.Tensor | None = None):
+        """The log-prob work of a step in one call: ``(old, ref, exact_kl)``.
+
+        ``old``: policy log-probs (one pass over ``batch``); ``ref``: reference log-probs when
+        ``with_ref`` (a second pass), else ``None``; ``exact_kl``: with ``kl_mask`` (``[total]``,
+        the diagnostic's tokens), the ``kl/exact_*`` metrics of :meth:`exact_kl` from the logit
+        rows of those tokens in the policy pass and the reference pass — which then runs only
+        over the micro-batches holding such tokens when ``with_ref`` is off. ``{}`` without."""
+        enable_cpu_mode()  # per thread (no-op with CUDA)
+        mbs = self._micro_batches(batch)
+        self.model.eval()
+        captured: list[torch.Tensor] = []
+        with torch.no_grad():
+            outputs = run_schedule(
+                self.model, mbs, logprob_kl_builder(self.lp, kl_mask, captured, None), True
+            )
+            old = self._gather_logprobs(outputs, batch)
+            if not with_ref and kl_mask is None:
+                return old, None, {}
+            keep = [i for i, mb in enumerate(mbs) if with_ref or kl_mask[mb.token_index].any()]
+            keep = keep or [0]  # every rank runs the collective schedule
+            compare = [captured[i] for i in keep] if captured else []
+            builder = logprob_kl_builder(self.lp, kl_mask, [], compare)
+            with self.store.swapped("ref"):
+                ref_outputs = run_schedule(self.model, [mbs[i] for i in keep], builder, True)
+        ref = self._gather_logprobs(ref_outputs, batch) if with_ref else None
+        if kl_mask is None:
+            return old, ref, {}
+        kl_outputs = [{k: v for k, v in o.items() if k.startswith("kl/")} for o in ref_outputs]
+        return old, ref, exact_kl_means(reduce_metric_sums(kl_outputs))
 
     def exact_kl(self, batch) -> dict[str, float]:
         """Exact ``KL(policy || ref)`` (``kl/exact_reverse``) and ``KL(ref || policy)``
@@ -165,12 +211,7 @@ class MegatronTrainer(TrainerInterface):
                 outputs = run_schedule(
                     self.model, mbs, exact_kl_builder(self.lp, captured), forward_only=True
                 )
-        sums = reduce_metric_sums(outputs)
-        count = sums.pop("kl/exact_positions", 0.0)
-        out = {"kl/exact_positions": count}
-        for key, value in sums.items():
-            out[key] = value if key.endswith("_max") else value / max(count, 1.0)
-        return out
+        return exact_kl_means(reduce_metric_sums(outputs))
 
     def offload_train_state(self) -> None:
         """Optimizer state to CPU and gradient buffers freed until the next update

@@ -39,6 +39,15 @@ class TrainerInterface(ABC):
         the same numbers."""
 
     @abstractmethod
+    def step_logprobs(
+        self, batch: TrainBatch, with_ref: bool, kl_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, dict[str, float]]:
+        """A step's log-prob work in one call: ``compute_logprobs(batch, "policy")``,
+        ``compute_logprobs(batch, "ref")`` when ``with_ref`` (else ``None``), and ``exact_kl``
+        at the tokens flagged by ``kl_mask`` (``[total]``; ``{}`` when ``None``), reusing the
+        policy pass for the diagnostic."""
+
+    @abstractmethod
     def train_step(self, batch: TrainBatch, num_minibatches: int) -> dict[str, float]:
         """One RL step: split ``batch`` (consecutive samples) into ``num_minibatches``
         mini-batches and take one optimizer update on each. ``batch.old_logprobs`` and

@@ -92,12 +92,16 @@ def _logprob_only(mb: MicroBatch, output, *, lp: LogprobSettings):
     return output.new_zeros(()), torch.tensor(0, dtype=torch.int, device=logp.device), data
 
 
-def selected_logit_rows(output: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
-    """The logits ``[k, Vp/tp]`` that predict the tokens of ``mb`` with ``loss_mask`` set: for a
-    token at row ``r``, column ``c`` the logits at ``(r, c - 1)`` (one sample per row)."""
+def selected_logit_rows(
+    output: torch.Tensor, mb: MicroBatch, select: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The logits ``[k, Vp/tp]`` that predict the tokens of ``mb`` flagged by ``select``
+    (``[T]``, default ``mb.loss_mask``): for a token at row ``r``, column ``c`` the logits at
+    ``(r, c - 1)`` (a selected token is never the first of its sample)."""
     n, seq, vocab_local = output.shape
+    select = mb.loss_mask if select is None else select
     flat = mb.valid.reshape(-1).nonzero().squeeze(1).to(output.device)
-    chosen = flat[mb.loss_mask.to(output.device).bool()]
+    chosen = flat[select.to(output.device).bool()]
     return output.reshape(n * seq, vocab_local)[chosen - 1]
 
 
@@ -106,20 +110,41 @@ def _capture_rows(mb: MicroBatch, output, *, captured: list):
     return output.new_zeros(()), torch.tensor(0, dtype=torch.int, device=output.device), {}
 
 
-def _exact_kl(mb: MicroBatch, output, *, lp: LogprobSettings, captured):
-    policy = next(captured)
-    ref = selected_logit_rows(output, mb)
+def exact_kl_sums(policy_rows, ref_rows, lp: LogprobSettings, device) -> dict[str, torch.Tensor]:
+    """Sums and maxima of the exact KLs (both ways) between matching logit rows."""
     group = parallel.tp_group() if parallel.tp_size() > 1 else None
-    reverse, forward = vocab_parallel_exact_kl(policy, ref, lp.vocab_size, lp.temperature, group)
-    zero = output.new_zeros((), dtype=torch.float32)
-    data = {
+    reverse, forward = vocab_parallel_exact_kl(
+        policy_rows, ref_rows, lp.vocab_size, lp.temperature, group
+    )
+    zero = torch.zeros((), dtype=torch.float32, device=device)
+    return {
         "kl/exact_reverse": reverse.sum().float(),
         "kl/exact_forward": forward.sum().float(),
-        "kl/exact_positions": torch.tensor(float(len(reverse)), device=output.device),
+        "kl/exact_positions": torch.tensor(float(len(reverse)), device=device),
         "kl/exact_reverse_max": reverse.max().float() if len(reverse) else zero,
         "kl/exact_forward_max": forward.max().float() if len(forward) else zero,
     }
+
+
+def _exact_kl(mb: MicroBatch, output, *, lp: LogprobSettings, captured):
+    data = exact_kl_sums(next(captured), selected_logit_rows(output, mb), lp, output.device)
     return output.new_zeros(()), torch.tensor(0, dtype=torch.int, device=output.device), data
+
+
+def _logprob_kl(mb: MicroBatch, output, *, lp: LogprobSettings, kl_mask, captured: list, compare):
+    """Log-probs of ``mb``; with ``kl_mask`` (``[total]`` over the full batch) also the logit
+    rows of the selected tokens: kept (``captured`` list, policy pass) or compared with the
+    kept ones (``compare``, reference pass) into ``kl/exact_*`` sums."""
+    _, units, data = _logprob_only(mb, output, lp=lp)
+    if kl_mask is None:
+        return output.new_zeros(()), units, data
+    with torch.no_grad():
+        rows = selected_logit_rows(output, mb, kl_mask[mb.token_index])
+        if compare is None:
+            captured.append(rows.clone())
+        else:
+            data.update(exact_kl_sums(next(compare), rows, lp, output.device))
+    return output.new_zeros(()), units, data
 
 
 def packed_seq_params(mb: MicroBatch, device) -> PackedSeqParams | None:
@@ -151,6 +176,14 @@ def policy_loss_builder(lp: LogprobSettings, settings: LossSettings, normalizer:
 
 def logprob_builder(lp: LogprobSettings):
     return partial(_logprob_only, lp=lp)
+
+
+def logprob_kl_builder(lp: LogprobSettings, kl_mask, captured: list, compare: list | None):
+    """Log-probs, plus the exact-KL rows of ``kl_mask``: appended to ``captured`` (policy
+    pass, ``compare=None``) or compared with ``compare``'s rows, one entry per micro-batch
+    (reference pass)."""
+    return partial(_logprob_kl, lp=lp, kl_mask=kl_mask, captured=captured,
+                   compare=None if compare is None else iter(compare))  # fmt: skip
 
 
 def capture_builder(captured: list):

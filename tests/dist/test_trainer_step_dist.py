@@ -1,0 +1,138 @@
+"""Dist tier: a step's trainer work as the loop now does it, against the plain way.
+
+One megatron-core trainer rank (gloo, CPU, padded layout) in a subprocess, bounded:
+
+- Bucketing micro-batches by length leaves one update's loss and gradients as they were (the
+  normalizer is global; per-sample terms stay within a micro-batch): the same ARMOR
+  mini-batch goes through the forward-backward schedule as batch-order micro-batches and as
+  length-bucketed ones, for ``token-mean`` and ``seq-mean-token-mean``; the loss and every
+  parameter's gradient agree to float tolerance while the bucketed micro-batches pad less.
+- ``step_logprobs`` (one call: old + reference log-probs + the exact-KL diagnostic reusing
+  the policy pass) equals ``compute_logprobs`` twice and ``exact_kl`` on the diagnostic's
+  own batch, after an update moved the policy away from the reference; with ``with_ref``
+  off it returns no reference log-probs but the same diagnostic.
+
+Run as a script (``python this_file.py MODEL_DIR OUT PORT``) it is the trainer rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from tiny_models import make_batch, make_models, perturb  # noqa: E402
+
+from megatron_armor.trainer.ranks import run_rank_processes  # noqa: E402
+
+pytestmark = pytest.mark.dist
+
+LOSS_TOL = 1e-5  # relative: the same sums in another order
+BUDGET = 40  # tokens per micro-batch: make_batch()'s 8 samples (5-16 tokens) need several
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean")
+
+
+def one_update(trainer, batch, bucket: bool, loss_agg: str) -> dict:
+    """Loss and gradients of one forward-backward pass over ``batch`` (no optimizer step)."""
+    from megatron_armor.trainer.batching import padding_counts, plan_micro_batches
+    from megatron_armor.trainer.schedule import global_units, policy_loss_builder, run_schedule
+
+    mbs = plan_micro_batches(batch, 0, 1, BUDGET, bucket=bucket)
+    settings = dataclasses.replace(trainer.loss_settings, loss_agg=loss_agg)
+    builder = policy_loss_builder(trainer.lp, settings, global_units(mbs, loss_agg))
+    trainer.model.train()
+    trainer.model.zero_grad_buffer()
+    outputs = run_schedule(trainer.model, mbs, builder, forward_only=False)
+    return {
+        "loss": sum(float(o["loss/objective"]) for o in outputs),
+        "grads": {n: p.main_grad.detach().clone() for n, p in trainer.model.named_parameters()},
+        "order": [mb.token_index.tolist() for mb in mbs],
+        "padding": padding_counts(mbs),
+    }
+
+
+def step_logprobs_vs_plain(trainer, batch) -> dict:
+    from megatron_armor.orchestration.step_metrics import exact_kl_batch, exact_kl_mask
+
+    mask = exact_kl_mask(batch, 3, 4)
+    return {
+        "one_call": trainer.step_logprobs(batch, True, mask),
+        "no_ref": trainer.step_logprobs(batch, False, mask),
+        "plain": (
+            trainer.compute_logprobs(batch, "policy"),
+            trainer.compute_logprobs(batch, "ref"),
+            trainer.exact_kl(exact_kl_batch(batch, 3, 4)),
+        ),
+    }
+
+
+def trainer_main(model_dir: str, out: str, port: int) -> None:
+    from megatron_armor.config.schema import ArmorConfig
+    from megatron_armor.trainer.actor import MegatronTrainer
+
+    cfg = ArmorConfig()
+    cfg.trainer.model_path, cfg.trainer.precision = model_dir, "fp32"
+    cfg.algo.ratio, cfg.algo.group_size = "mixed", 4
+    cfg.rollout.sampling.temperature = 0.9
+    trainer = MegatronTrainer(cfg, 0, 1, "127.0.0.1", port)
+    try:
+        batch = make_batch()
+        logprobs = trainer.compute_logprobs(batch)
+        batch.old_logprobs = perturb(logprobs, batch.loss_mask, 1, 0.3)
+        batch.ref_logprobs = perturb(logprobs, batch.loss_mask, 2, 0.3)
+        results = {
+            (agg, bucket): one_update(trainer, batch, bucket, agg)
+            for agg in AGGREGATIONS
+            for bucket in (False, True)
+        }
+        trainer.train_step(batch, 1)  # the policy moves away from the reference
+        results["step"] = step_logprobs_vs_plain(trainer, batch)
+        torch.save(results, out)
+    finally:
+        trainer.close()
+
+
+@pytest.mark.timeout(300)
+def test_trainer_step_work(tmp_path) -> None:
+    import socket
+
+    model_dir = make_models(str(tmp_path / "models"))["qwen2"]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = str(tmp_path / "out.pt")
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    command = [sys.executable, __file__, model_dir, out, str(port)]
+    run_rank_processes([command], [str(tmp_path / "log.txt")], env, 280)
+    results = torch.load(out, weights_only=False)
+    for agg in AGGREGATIONS:
+        plain, bucketed = results[(agg, False)], results[(agg, True)]
+        assert plain["order"] != bucketed["order"]  # the micro-batches really differ
+        assert bucketed["padding"][1] < plain["padding"][1]  # and pad less
+        assert bucketed["padding"][0] == plain["padding"][0]
+        assert abs(bucketed["loss"] - plain["loss"]) <= LOSS_TOL * max(1.0, abs(plain["loss"]))
+        assert any(g.abs().sum() > 0 for g in plain["grads"].values())
+        for name, grad in plain["grads"].items():
+            torch.testing.assert_close(bucketed["grads"][name], grad, atol=1e-6, rtol=1e-5)
+    old, ref, kl = results["step"]["plain"]
+    assert kl["kl/exact_reverse"] > 0 and kl["kl/exact_positions"] == 12
+    one_old, one_ref, one_kl = results["step"]["one_call"]
+    torch.testing.assert_close(one_old, old, atol=1e-5, rtol=0)
+    torch.testing.assert_close(one_ref, ref, atol=1e-5, rtol=0)
+    no_old, no_ref, no_kl = results["step"]["no_ref"]
+    assert no_ref is None
+    torch.testing.assert_close(no_old, old, atol=1e-5, rtol=0)
+    for got in (one_kl, no_kl):
+        assert sorted(got) == sorted(kl)
+        for key, value in kl.items():
+            assert abs(got[key] - value) <= 1e-5 * max(1.0, abs(value)), key
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    trainer_main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
