@@ -4,6 +4,7 @@ Transformer Engine layer spec and FP8 through the real megatron-core actor, one 
 - TE spec, bf16: logits match HF transformers within bf16 tolerance and export after import
   reproduces every HF tensor (TE parameter names: fused ``layer_norm_weight``).
 - TE spec, FP8 (hybrid, delayed scaling): two ARMOR updates run and give finite metrics.
+- TE spec, packed ``thd`` micro-batches: the same log-probs as the padded layout, no padding.
 """
 
 from __future__ import annotations
@@ -86,3 +87,33 @@ def test_fp8_training_step_runs(trainer_factory) -> None:
         metrics = trainer.train_step(batch, 1)
         assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
     assert metrics["count/tokens"] == batch.num_response_tokens
+
+
+def test_packed_thd_matches_the_padded_layout(trainer_factory) -> None:
+    """With TE the trainer packs micro-batches (``thd``, megatron-core ``PackedSeqParams``):
+    per-token log-probs equal those of the padded ``[n, L]`` layout (bf16 tolerance), no
+    position is padding, and an update reports ``train/padding_fraction`` 0."""
+    from megatron_armor.trainer.batching import padding_counts, plan_micro_batches
+    from megatron_armor.trainer.schedule import logprob_builder, run_schedule
+
+    _, make = trainer_factory
+    trainer = make(fp8=False)
+    batch = make_batch()
+    trainer.model.eval()
+    logprobs = {}
+    for packed in (False, True):
+        mbs = plan_micro_batches(batch, 0, 1, 64, packed=packed)
+        with torch.no_grad():
+            outputs = run_schedule(trainer.model, mbs, logprob_builder(trainer.lp), True)
+        out = torch.zeros(batch.num_tokens)
+        for o in outputs:
+            out[o["index"]] = o["logp"].float().cpu()
+        logprobs[packed] = out * batch.loss_mask.float()
+        if packed:
+            assert all(mb.packed for mb in mbs)
+            assert padding_counts(mbs) == (batch.num_tokens, batch.num_tokens)
+    torch.testing.assert_close(logprobs[True], logprobs[False], atol=0.05, rtol=0.05)
+    lp = trainer.compute_logprobs(batch)  # the trainer's own path packs
+    torch.testing.assert_close(lp, logprobs[True], atol=1e-3, rtol=1e-3)
+    batch.old_logprobs, batch.ref_logprobs = lp.clone(), lp.clone()
+    assert trainer.train_step(batch, 1)["train/padding_fraction"] == 0.0

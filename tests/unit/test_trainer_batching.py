@@ -14,7 +14,10 @@ from tiny_models import make_batch  # noqa: E402
 
 from megatron_armor.algo.losses import count_units  # noqa: E402
 from megatron_armor.trainer.batching import (  # noqa: E402
+    bucket_by_length,
     build_micro_batch,
+    build_packed_micro_batch,
+    padding_counts,
     plan_micro_batches,
     shard_samples,
     split_micro_batches,
@@ -83,3 +86,31 @@ def test_minibatches_partition_the_batch() -> None:
     assert torch.equal(torch.cat([p.tokens for p in parts]), batch.tokens)
     with pytest.raises(ValueError, match="num_minibatches"):
         split_minibatches(batch, batch.num_samples + 1)
+
+
+def test_buckets_are_sorted_by_length_and_deterministic() -> None:
+    lengths = [9, 3, 7, 3, 2, 12]
+    assert bucket_by_length(list(range(6)), lengths) == [4, 1, 3, 2, 0, 5]
+    batch = make_batch()
+    plain = plan_micro_batches(batch, 0, 1, 40, bucket=False)
+    bucketed = plan_micro_batches(batch, 0, 1, 40)
+    assert padding_counts(bucketed)[1] < padding_counts(plain)[1]  # fewer padded positions
+    assert padding_counts(bucketed)[0] == padding_counts(plain)[0] == batch.num_tokens
+    again = plan_micro_batches(batch, 0, 1, 40)
+    assert [mb.token_index.tolist() for mb in again] == [mb.token_index.tolist() for mb in bucketed]
+
+
+def test_packed_layout_has_no_padding_and_restarts_positions() -> None:
+    batch = make_batch()
+    mb = build_packed_micro_batch(batch, [1, 4, 6], pad_multiple=8)
+    lengths = [batch.seq_lengths()[i] for i in (1, 4, 6)]
+    real = sum(lengths)
+    assert mb.num_rows == 1 and mb.seq_len == -(-real // 8) * 8
+    assert mb.cu_seqlens.tolist()[:4] == [0, lengths[0], lengths[0] + lengths[1], real]
+    assert torch.equal(mb.tokens[mb.valid], batch.tokens[mb.token_index])
+    assert torch.equal(mb.position_ids[mb.valid], batch.position_ids[mb.token_index])
+    starts = mb.sample_starts()[0].nonzero().squeeze(1).tolist()
+    assert starts[:3] == mb.cu_seqlens.tolist()[:3]
+    packed = plan_micro_batches(batch, 0, 1, 40, packed=True)
+    assert padding_counts(packed) == (batch.num_tokens, batch.num_tokens)
+    assert all(mb.num_rows * mb.seq_len <= 40 or len(mb.cu_seqlens) == 2 for mb in packed)
