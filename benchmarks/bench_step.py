@@ -1,18 +1,25 @@
-"""Step time of ARMOR against DAPO on the tiny CPU config, side by side in one run.
+"""Step cost of ARMOR against DAPO through the real loop, interleaved, on the tiny CPU model.
 
-Three sessions of the real orchestrator (one Ray cluster; each with its own Megatron actor,
-embedded engine and scorer) with the same ``B`` and ``G``:
+One Ray cluster, one session per variant (each its own Megatron actor, embedded engine and
+scorer), all at the paper's group shape scaled down (``G = 16``: 15 on-policy + 1 anchor for
+ARMOR, ``ref_n = 4``) with the same ``B``. Two sets (``--set``):
 
-- ``dapo``: ``algo.anchor=none``, ``algo.ratio=standard`` (no reference samples, no ref log-probs)
-- ``armor-generate``: anchors from fresh reference samples every step
-- ``armor-cache``: anchors generated once per reference period and reused
+- ``fresh`` (default): ``dapo`` (``anchor=none``, ``ratio=standard``), ``armor`` (fresh
+  reference anchors every step), ``filter_only`` (rule (b) without the anchor).
+- ``cache``: on a recurring-query config (the first ``--recurring`` training queries, so each
+  recurs every few steps within a reset period, as the paper's 17k queries do at 512 per step
+  over 160 steps): ``dapo`` and ``armor-cache`` (``algo.anchor_source=cache``).
 
-Their steps are interleaved (step 1 of each, then step 2 of each, ...) so that load changes on
-a shared machine hit every variant alike. Printed: the mean step time (step 1 excluded as
-warm-up), the ratio to DAPO, the per-phase split, generation batches per step, and the share
-of step time spent outside model compute (generation, log-prob forwards, training updates).
+After one warm-up step each, every round runs one step of every variant, the order rotated by
+one per round, so load changes on a shared machine hit every variant alike. Per round and
+variant: step seconds, generated tokens (policy + reference), and the seconds the trainer
+ranks and the engine spent in model compute, measured inside the actors (trainer log-prob
+and update calls, engine generation; ``workers.ComputeClock``). Printed: min / median / max
+over rounds of each variant's ratio to DAPO in the same round — step time, generated tokens
+per kept query, step time per generated token — and of the share of step time outside model
+compute (Ray round trips, serialization, scoring, batching, weight sync).
 
-    python benchmarks/bench_step.py [--steps 5] [--tiny artifacts/tiny] [key=value ...]
+    python benchmarks/bench_step.py [--set fresh|cache] [--rounds 4] [key=value ...]
 """
 
 from __future__ import annotations
@@ -22,53 +29,82 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from statistics import mean
+from statistics import median
 
 REPO = Path(__file__).resolve().parents[1]
-VARIANTS = {
-    "dapo": ["algo.anchor=none", "algo.ratio=standard"],
-    "armor-generate": ["algo.anchor=armor", "algo.anchor_source=generate"],
-    "armor-cache": ["algo.anchor=armor", "algo.anchor_source=cache"],
+PAPER_SHAPE = ["algo.group_size=16", "algo.ref_n=4"]
+SETS = {
+    "fresh": {
+        "dapo": ["algo.anchor=none", "algo.ratio=standard"],
+        "armor": ["algo.anchor=armor", "algo.anchor_source=generate"],
+        "filter_only": ["algo.anchor=filter_only", "algo.ratio=standard"],
+    },
+    "cache": {
+        "dapo": ["algo.anchor=none", "algo.ratio=standard"],
+        "armor-cache": ["algo.anchor=armor", "algo.anchor_source=cache"],
+    },
 }
-COMPUTE_PHASES = ("generate", "logprobs", "train")
-PHASES = ("generate", "score", "logprobs", "train", "sync", "reset")
 
 
-def load_variant(name: str, overrides: list[str], args, out: Path):
+def recurring_data(tiny: Path, queries: int, out: Path) -> Path:
+    """The first ``queries`` rows of the tiny training set, as a parquet file of their own."""
+    import pyarrow.parquet as pq
+
+    path = out / f"train_first{queries}.parquet"
+    pq.write_table(pq.read_table(tiny / "data" / "train.parquet").slice(0, queries), path)
+    return path
+
+
+def load_variant(name: str, overrides: list[str], train_file: Path, args, out: Path):
     from megatron_armor.config import load_config
 
     tiny = Path(args.tiny)
     return load_config(REPO / "configs" / "tiny_cpu.yaml", [
-        f"run.output_dir={out}", f"run.name={name}", f"run.steps={args.steps}",
-        "validation.every=0", "logging.progress=false", "logging.tensorboard=false",
-        f"trainer.model_path={tiny / 'model'}",
-        f"data.train_files=[{tiny / 'data' / 'train.parquet'}]", *overrides, *args.overrides,
+        f"run.output_dir={out}", f"run.name={name}", "validation.every=0",
+        "logging.progress=false", "logging.tensorboard=false",
+        f"trainer.model_path={tiny / 'model'}", f"data.train_files=[{train_file}]",
+        *PAPER_SHAPE, *overrides, *args.overrides,
     ])  # fmt: skip
 
 
-def run_interleaved(configs: dict, steps: int) -> dict[str, list[dict[str, float]]]:
-    """Start one session per variant, then run their steps round-robin; per-step timings."""
+def timed_step(session, rollout, step: int) -> dict[str, float]:
+    """One step of the loop; its seconds, generated tokens and actor-side compute seconds."""
+    from megatron_armor.orchestration.loop import run_step
+
+    session.trainer.compute_seconds(), session.rollout.compute_seconds()  # reset the clocks
+    start = time.perf_counter()
+    metrics = run_step(session, rollout, step)
+    seconds = time.perf_counter() - start
+    compute = session.trainer.compute_seconds() + session.rollout.compute_seconds()
+    session.timers.pop_metrics()
+    return {"step_s": seconds, "tokens": metrics["rollout/generated_tokens"],
+            "kept": metrics["anchor/kept"], "compute_s": compute}  # fmt: skip
+
+
+def run_rounds(configs: dict, rounds: int) -> dict[str, list[dict[str, float]]]:
+    """Sessions for every variant; a warm-up step each, then ``rounds`` rotated rounds."""
     import ray
 
     from megatron_armor.orchestration.anchor_rollout import AnchorRollout
-    from megatron_armor.orchestration.loop import run_step
     from megatron_armor.orchestration.session import Session
 
-    ray.init(num_cpus=4 * len(configs), include_dashboard=False, object_store_memory=512 * 1024**2)
+    ray.init(num_cpus=4 * len(configs), include_dashboard=False, object_store_memory=512 << 20)
     sessions, records = {}, {name: [] for name in configs}
     try:
         for name, cfg in configs.items():
             sessions[name] = Session.start(cfg, "none")
             sessions[name].restore()
-        rollouts = {n: AnchorRollout(s.config, s.dataset, s.sampler, s.rollout, s.reward, None, s.timers)
-                    for n, s in sessions.items()}  # fmt: skip
-        for step in range(1, steps + 1):
-            for name, s in sessions.items():
-                start = time.perf_counter()
-                metrics = run_step(s, rollouts[name], step)
-                metrics.update(s.timers.pop_metrics(), step_s=time.perf_counter() - start)
-                records[name].append(metrics)
-                print(f"{name} step {step}: {metrics['step_s']:.2f}s", flush=True)
+        rollouts = {n: AnchorRollout(s.config, s.dataset, s.sampler, s.rollout, s.reward,
+                                     None, s.timers) for n, s in sessions.items()}  # fmt: skip
+        names = list(configs)
+        for name in names:
+            timed_step(sessions[name], rollouts[name], 1)
+        for r in range(rounds):
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                rec = timed_step(sessions[name], rollouts[name], r + 2)
+                records[name].append(rec)
+                print(f"round {r + 1} {name}: {rec['step_s']:.2f}s, {rec['tokens']:.0f} tokens, "
+                      f"compute {rec['compute_s']:.2f}s", flush=True)  # fmt: skip
     finally:
         for s in sessions.values():
             s.close(shutdown_ray=False)
@@ -76,64 +112,50 @@ def run_interleaved(configs: dict, steps: int) -> dict[str, list[dict[str, float
     return records
 
 
-def summarize(records: list[dict]) -> dict[str, float]:
-    """Mean seconds per phase and per step over the measured steps (step 1 is warm-up)."""
-    measured = records[1:] or records
-
-    def avg(key: str) -> float:
-        return mean(float(r.get(key) or 0.0) for r in measured)
-
-    out = {p: avg(f"timing/{p}_s") for p in PHASES}
-    out["step"] = avg("step_s")
-    compute = sum(out[p] for p in COMPUTE_PHASES)
-    out["outside_compute_share"] = 1.0 - compute / out["step"] if out["step"] else 0.0
-    out["gen_batches"] = avg("anchor/gen_batches")
-    return out
+def spread(values: list[float]) -> str:
+    return f"{min(values):.3f} / {median(values):.3f} / {max(values):.3f}"
 
 
-def print_table(results: dict[str, dict[str, float]]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    dapo = results["dapo"]["step"]
-    table = Table(title="step time on configs/tiny_cpu.yaml (same B and G)")
-    cols = (
-        "variant",
-        "step s",
-        "x DAPO",
-        *(f"{p} s" for p in PHASES),
-        "gen batches",
-        "outside compute",
-    )
-    for col in cols:
-        table.add_column(col, justify="right")
-    for name, r in results.items():
-        table.add_row(name, f"{r['step']:.2f}", f"{r['step'] / dapo:.2f}",
-                      *(f"{r[p]:.2f}" for p in PHASES), f"{r['gen_batches']:.1f}",
-                      f"{100 * r['outside_compute_share']:.1f}%")  # fmt: skip
-    Console(width=200).print(table)
+def report(records: dict[str, list[dict[str, float]]]) -> None:
+    """Per variant: min / median / max over rounds of the ratios to DAPO's step that round."""
+    base = records["dapo"]
+    print("variant        ratio to DAPO (min / median / max over rounds)")
+    for name, recs in records.items():
+        step = [r["step_s"] / b["step_s"] for r, b in zip(recs, base, strict=True)]
+        per_query = [(r["tokens"] / r["kept"]) / (b["tokens"] / b["kept"])
+                     for r, b in zip(recs, base, strict=True)]  # fmt: skip
+        per_token = [(r["step_s"] / r["tokens"]) / (b["step_s"] / b["tokens"])
+                     for r, b in zip(recs, base, strict=True)]  # fmt: skip
+        outside = [1.0 - r["compute_s"] / r["step_s"] for r in recs]
+        print(
+            f"{name:14s} step time {spread(step)} | generated tokens per kept query "
+            f"{spread(per_query)} | step time per generated token {spread(per_token)}"
+        )
+        print(
+            f"{'':14s} step s {spread([r['step_s'] for r in recs])} | tokens "
+            f"{spread([r['tokens'] for r in recs])} | outside model compute {spread(outside)}"
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=5, help="steps per variant (>= 2)")
+    parser.add_argument("--set", choices=sorted(SETS), default="fresh")
+    parser.add_argument("--rounds", type=int, default=4, help="measured rounds (after warm-up)")
+    parser.add_argument("--recurring", type=int, default=48, help="queries of the cache set")
     parser.add_argument(
         "--tiny", default=str(REPO / "artifacts" / "tiny"), help="`armor tiny` output"
     )
     parser.add_argument("overrides", nargs="*", help="extra dotted overrides for every variant")
     args = parser.parse_args()
-    if args.steps < 2:
-        parser.error("--steps must be >= 2 (the first step is warm-up)")
     for key, value in (("RAY_AUTH_MODE", "disabled"), ("RAY_USAGE_STATS_ENABLED", "0")):
         os.environ.setdefault(key, value)
     with tempfile.TemporaryDirectory(prefix="bench-step-") as tmp:
-        configs = {name: load_variant(name, ov, args, Path(tmp)) for name, ov in VARIANTS.items()}
-        results = {
-            name: summarize(recs) for name, recs in run_interleaved(configs, args.steps).items()
-        }
-    print_table(results)
-    for name in ("armor-generate", "armor-cache"):
-        print(f"{name} / dapo step time: {results[name]['step'] / results['dapo']['step']:.2f}")
+        train = Path(args.tiny) / "data" / "train.parquet"
+        if args.set == "cache":
+            train = recurring_data(Path(args.tiny), args.recurring, Path(tmp))
+        configs = {name: load_variant(name, ov, train, args, Path(tmp))
+                   for name, ov in SETS[args.set].items()}  # fmt: skip
+        report(run_rounds(configs, args.rounds))
 
 
 if __name__ == "__main__":

@@ -138,6 +138,10 @@ class TrainerGroup:
         )
         return _sum_parts(parts)
 
+    def compute_seconds(self) -> float:
+        """Seconds the slowest rank spent in model compute since the last call."""
+        return max(wait([a.compute_seconds.remote() for a in self.actors], "compute seconds"))
+
     def offload_train_state(self) -> None:
         """Optimizer state to CPU, gradient buffers freed until the next update."""
         wait([a.offload_train_state.remote() for a in self.actors], "trainer offload")
@@ -301,6 +305,10 @@ class RolloutGroup:
                     )
                 )
         return [row for rows in wait(refs, f"rollout {method}") for row in rows]
+
+    def compute_seconds(self) -> float:
+        """Seconds the busiest worker spent generating since the last call."""
+        return max(wait([a.compute_seconds.remote() for a in self.actors], "compute seconds"))
 
     def generate(self, items: list, n: int, params: SamplingParams) -> list[list[Sample]]:
         """``n`` policy samples per prompt item, ``[len(items)][n]``."""

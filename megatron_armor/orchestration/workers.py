@@ -11,9 +11,11 @@ Every method takes and returns picklable values (lists of tensors instead of ite
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +46,27 @@ def set_threads(num_threads: int) -> None:
     """Pin torch's intra-op threads (Ray sets OMP_NUM_THREADS to the actor's CPU count)."""
     if num_threads > 0:
         torch.set_num_threads(num_threads)
+
+
+class ComputeClock:
+    """Wall seconds an actor spent in model compute (trainer forward/backward passes, engine
+    generation) since the last :meth:`pop`: what ``benchmarks/bench_step.py`` sets against
+    the step time to find the share spent outside model compute."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    @contextlib.contextmanager
+    def measure(self):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds += time.perf_counter() - start
+
+    def pop(self) -> float:
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
 
 
 def enable_worker_nvtx(config: ArmorConfig) -> None:
@@ -109,6 +132,7 @@ class TrainerWorker:
         set_threads(num_threads)
         enable_worker_nvtx(config)
         self.config, self.rank, self.world_size = config, rank, world_size
+        self.clock = ComputeClock()
         self.trainer = None
         self.senders: dict = {}  # pool -> DistributedWeightSender, made at its first sync
         self.profiler = None
@@ -140,14 +164,19 @@ class TrainerWorker:
 
     def compute_logprobs(self, batch, weights: str = "policy") -> torch.Tensor | None:
         with nvtx_range("logprobs/old" if weights == "policy" else f"logprobs/{weights}"):
-            return self.trainer.compute_logprobs(batch, weights)
+            with self.clock.measure():
+                return self.trainer.compute_logprobs(batch, weights)
+
+    def compute_seconds(self) -> float:
+        """Seconds in the trainer's log-prob and update calls since the last call."""
+        return self.clock.pop()
 
     def offload_train_state(self) -> None:
         self.trainer.offload_train_state()
 
     def step_logprobs(self, batch, with_ref: bool, kl_mask=None):
         """Old (+ reference) log-probs and the exact-KL diagnostic of a step, one call."""
-        with nvtx_range("logprobs/step"):
+        with nvtx_range("logprobs/step"), self.clock.measure():
             return self.trainer.step_logprobs(batch, with_ref, kl_mask)
 
     def train_step(
@@ -155,9 +184,9 @@ class TrainerWorker:
     ) -> dict[str, float]:
         """Updates on ``batch`` (its samples ``sample_ids`` when given: the driver places the
         step's batch in the object store once and names each mini-batch by its samples)."""
-        with nvtx_range("train"):
-            if sample_ids is not None:
-                batch = batch.select(sample_ids)
+        if sample_ids is not None:
+            batch = batch.select(sample_ids)
+        with nvtx_range("train"), self.clock.measure():
             return self.trainer.train_step(batch, num_minibatches)
 
     def reset_reference(self) -> None:
@@ -345,6 +374,7 @@ class RolloutWorker:
         if servers is not None:
             pools = [p for p in pools if servers.get(p)]
         self.index = index
+        self.clock = ComputeClock()
         self.engine = self.ref_engine = None
         try:  # whatever fails, the servers already started are stopped
             self._start(config, device, pools, servers, wanted_ref)
@@ -388,7 +418,7 @@ class RolloutWorker:
 
     def generate(self, items: list, n: int, params: SamplingParams) -> list[list[Sample]]:
         """``n`` policy samples per item."""
-        with nvtx_range("rollout/policy"):
+        with nvtx_range("rollout/policy"), self.clock.measure():
             outputs = self.engine.generate([it.prompt_ids for it in items], n, params, "policy")
         return to_samples(items, outputs, SampleSource.POLICY, self.tokenizer)
 
@@ -400,11 +430,15 @@ class RolloutWorker:
 
     def sample_reference(self, items: list, n: int, params: SamplingParams) -> list[list[Sample]]:
         """``n`` reference samples per item, in generation order (fresh or cached)."""
-        with nvtx_range("rollout/reference"):
+        with nvtx_range("rollout/reference"), self.clock.measure():
             outputs = self.reference.sample(
                 [it.query_id for it in items], [it.prompt_ids for it in items], n, params
             )
         return to_samples(items, outputs, SampleSource.REFERENCE, self.tokenizer)
+
+    def compute_seconds(self) -> float:
+        """Seconds in engine generation (policy and reference) since the last call."""
+        return self.clock.pop()
 
     def update_weights(self, version: int, *shards: NamedTensors) -> int:
         """Load the trainer's exported policy tensors (one list per exporting rank); returns bytes."""

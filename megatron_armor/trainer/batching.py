@@ -205,15 +205,27 @@ def plan_micro_batches(
     lengths = batch.seq_lengths()
     if not lengths:
         raise ValueError("empty TrainBatch: no samples to train on")
-    ids = shard_samples(lengths, dp_size)[dp_rank]
-    if not ids:
+    groups = micro_batch_ids(lengths, dp_rank, dp_size, micro_batch_tokens, packed, bucket)
+    if not groups:
         mb = build(batch, [0], pad_multiple)
         mb.loss_mask = torch.zeros_like(mb.loss_mask)
         mb.is_anchor = torch.zeros_like(mb.is_anchor)
         return [mb]
-    order = bucket_by_length(ids, lengths) if bucket else ids
-    groups = split_micro_batches(order, lengths, micro_batch_tokens, packed)
     return [build(batch, g, pad_multiple) for g in groups]
+
+
+def micro_batch_ids(
+    lengths: list[int],
+    dp_rank: int,
+    dp_size: int,
+    budget: int,
+    packed: bool = False,
+    bucket: bool = True,
+) -> list[list[int]]:
+    """The sample ids of this DP rank's micro-batches (``[]`` when the rank gets none)."""
+    ids = shard_samples(lengths, dp_size)[dp_rank]
+    order = bucket_by_length(ids, lengths) if bucket else ids
+    return split_micro_batches(order, lengths, budget, packed) if ids else []
 
 
 def split_minibatches(batch: TrainBatch, num_minibatches: int) -> list[TrainBatch]:
