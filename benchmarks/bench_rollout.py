@@ -1,21 +1,25 @@
-"""Embedded rollout engine vs transformers ``generate``, and weight-sync bandwidth.
+"""Embedded rollout engine vs transformers ``generate``, interleaved, and weight-sync bandwidth.
 
-Prints, side by side in one run, on the same random Qwen2 model and the same left-padded
-batch (every sequence decodes exactly ``--new-tokens`` tokens: the model has no EOS):
+By default at the tiny config's real shape: a random Qwen2 with the dimensions of
+``artifacts/tiny/model`` (``--like``; or ``--hidden/--layers/--vocab`` with ``--like ""``),
+``rollout.gen_batch = 16`` prompts of up to 32 tokens, ``n = 7`` samples each
+(``group_size - 1``), 40 new tokens (every sequence decodes exactly that many: the model has
+no EOS), one torch thread for both (``--threads``). Printed, side by side in one run:
 
 - tokens/s of ``TorchEngine.generate`` (which also returns per-token log-probs) and of
-  ``model.generate(do_sample=True)`` (which does not), and their ratio (target >= 1.0);
-- the same with ``--n`` samples per prompt (``num_return_sequences`` for ``generate``);
-- bytes/s of ``TorchEngine.update_weights`` from a full HF-named state dict.
+  ``model.generate(do_sample=True)`` (which does not), with ``n`` samples per prompt
+  (``num_return_sequences``) and with 1: ``--reps`` rounds after one warm-up each, every
+  round times both, the order swapped each round; min / median / max over rounds of the
+  per-round ratio engine / generate;
+- bytes/s of ``TorchEngine.update_weights`` from a full HF-named state dict (median).
 
-Each timing is the median of ``--reps`` runs after one warm-up run.
-
-    python benchmarks/bench_rollout.py [--device cuda] [--hidden 256 --layers 4 ...]
+    python benchmarks/bench_rollout.py [--reps 6] [--device cuda] [--like ""] [--hidden 256 ...]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import tempfile
 import time
@@ -30,23 +34,34 @@ from megatron_armor.rollout.torch_engine import TorchEngine
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu")
+    p.add_argument("--like", default="artifacts/tiny/model", help="copy this model's shape")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--vocab", type=int, default=2048)
-    p.add_argument("--batch", type=int, default=16, help="prompts per batch")
-    p.add_argument("--n", type=int, default=4, help="samples per prompt in the second comparison")
-    p.add_argument("--prompt-len", type=int, default=48, help="longest prompt (others shorter)")
-    p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
-    return p.parse_args()
+    p.add_argument("--batch", type=int, default=16, help="prompts per batch (rollout.gen_batch)")
+    p.add_argument("--n", type=int, default=7, help="samples per prompt (group_size - 1)")
+    p.add_argument("--prompt-len", type=int, default=32, help="longest prompt (others shorter)")
+    p.add_argument("--new-tokens", type=int, default=40)
+    p.add_argument("--reps", type=int, default=6, help="interleaved rounds")
+    p.add_argument("--threads", type=int, default=1, help="torch threads for both (0: as is)")
+    args = p.parse_args()
+    if args.like:
+        with open(f"{args.like}/config.json") as f:
+            cfg = json.load(f)
+        args.hidden, args.layers, args.vocab = (cfg["hidden_size"], cfg["num_hidden_layers"],
+                                                cfg["vocab_size"])  # fmt: skip
+        args.heads, args.kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    return args
 
 
 def build_model(path: str, args: argparse.Namespace, seed: int) -> str:
     torch.manual_seed(seed)
     config = Qwen2Config(
         vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 3,
-        num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=2,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
         max_position_embeddings=1024, eos_token_id=None, pad_token_id=0,
     )  # fmt: skip
     Qwen2ForCausalLM(config).save_pretrained(path)
@@ -59,16 +74,30 @@ def make_prompts(args: argparse.Namespace) -> list[list[int]]:
     return [torch.randint(2, args.vocab, (n,), generator=gen).tolist() for n in lengths]
 
 
+def seconds(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
 def median_time(fn, reps: int) -> float:
     fn()  # warm-up
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(seconds(fn) for _ in range(reps))
+
+
+def interleaved_ratios(ours, theirs, reps: int) -> list[float]:
+    """Per round ``time(theirs) / time(ours)`` (a tokens/s ratio), the two timed back to back,
+    the order swapped every round, after one warm-up each."""
+    ours(), theirs()
+    ratios = []
+    for r in range(reps):
+        first, second = (ours, theirs) if r % 2 == 0 else (theirs, ours)
+        a, b = seconds(first), seconds(second)
+        t_ours, t_theirs = (a, b) if r % 2 == 0 else (b, a)
+        ratios.append(t_theirs / t_ours)
+    return ratios
 
 
 def hf_generate(engine: TorchEngine, prompts: list[list[int]], n: int, new_tokens: int) -> None:
@@ -87,12 +116,14 @@ def hf_generate(engine: TorchEngine, prompts: list[list[int]], n: int, new_token
         )  # fmt: skip
 
 
-def compare_generation(engine: TorchEngine, prompts, n: int, args) -> tuple[float, float]:
-    tokens = len(prompts) * n * args.new_tokens
+def compare_generation(engine: TorchEngine, prompts, n: int, args) -> list[float]:
+    """Per-round tokens/s ratios engine / ``generate`` (same tokens: no EOS)."""
     params = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, seed=0)
-    ours = median_time(lambda: engine.generate(prompts, n, params), args.reps)
-    theirs = median_time(lambda: hf_generate(engine, prompts, n, args.new_tokens), args.reps)
-    return tokens / ours, tokens / theirs
+    return interleaved_ratios(
+        lambda: engine.generate(prompts, n, params),
+        lambda: hf_generate(engine, prompts, n, args.new_tokens),
+        args.reps,
+    )
 
 
 def weight_sync_bandwidth(engine: TorchEngine, source: TorchEngine, reps: int) -> tuple[float, int]:
@@ -113,16 +144,12 @@ def main() -> None:
         n_params = sum(t.numel() for _, t in engine.state_tensors())
         print(f"model: Qwen2 hidden={args.hidden} layers={args.layers} vocab={args.vocab} "
               f"({n_params / 1e6:.1f}M params) on {args.device}, torch threads={torch.get_num_threads()}")  # fmt: skip
-        print(f"{'case':<34}{'engine tok/s':>14}{'generate tok/s':>16}{'ratio':>8}")
-        for n, label in (
-            (1, f"{args.batch} prompts x 1"),
-            (args.n, f"{args.batch // args.n} prompts x {args.n}"),
-        ):
-            batch = prompts if n == 1 else prompts[: args.batch // args.n]
-            ours, theirs = compare_generation(engine, batch, n, args)
-            print(
-                f"{label + f', {args.new_tokens} new tokens':<34}{ours:>14.1f}{theirs:>16.1f}{ours / theirs:>8.2f}"
-            )
+        print(f"{'case':<40}{'engine / generate tokens/s (min / median / max)':>50}")
+        for n in (args.n, 1):
+            ratios = compare_generation(engine, prompts, n, args)
+            label = f"{args.batch} prompts x {n}, {args.new_tokens} new tokens"
+            print(f"{label:<40}{min(ratios):>20.2f} / {statistics.median(ratios):.2f} / "
+                  f"{max(ratios):.2f}")  # fmt: skip
         rate, nbytes = weight_sync_bandwidth(engine, source, args.reps)
         print(f"weight sync into the engine: {nbytes / 2**20:.1f} MiB in {nbytes / rate * 1e3:.1f} ms "
               f"= {rate / 2**30:.2f} GiB/s ({rate:.3e} bytes/s)")  # fmt: skip
