@@ -128,16 +128,6 @@ class TrainerGroup:
         if self.profiling:
             wait([a.profile_end.remote(step) for a in self.actors], "profiler end")
 
-    def compute_logprobs(self, batch: TrainBatch, weights: str = "policy") -> torch.Tensor:
-        """Per-token log-probs ``[total]`` under ``weights``: the sum of the reporting ranks' parts."""
-        import ray
-
-        ref = ray.put(batch)
-        parts = wait(
-            [a.compute_logprobs.remote(ref, weights) for a in self.actors], f"{weights} log-probs"
-        )
-        return _sum_parts(parts)
-
     def compute_seconds(self) -> float:
         """Seconds the slowest rank spent in model compute since the last call."""
         return max(wait([a.compute_seconds.remote() for a in self.actors], "compute seconds"))

@@ -162,11 +162,6 @@ class TrainerWorker:
         )  # fmt: skip
         return self.rank
 
-    def compute_logprobs(self, batch, weights: str = "policy") -> torch.Tensor | None:
-        with nvtx_range("logprobs/old" if weights == "policy" else f"logprobs/{weights}"):
-            with self.clock.measure():
-                return self.trainer.compute_logprobs(batch, weights)
-
     def compute_seconds(self) -> float:
         """Seconds in the trainer's log-prob and update calls since the last call."""
         return self.clock.pop()
