@@ -3,10 +3,12 @@
 #
 #   launch/local.sh CONFIG [key=value ...] [--resume auto]
 #
-# The head runs as `ray start --head --block` in the background; stopping it is a SIGTERM to that
-# one PID, which stops exactly the Ray processes it started (other Ray clusters on the machine are
-# left alone, unlike `ray stop`). SIGINT/SIGTERM/SIGUSR1 to this script go to the driver, which
-# checkpoints and exits 75. Settings (environment):
+# The head runs as `ray start --head --block` in the background, through
+# megatron_armor/orchestration/ray_node.py: SIGTERM/SIGINT/SIGUSR1 are blocked in its processes,
+# so a signal to this script's whole process group reaches only the driver, which checkpoints and
+# exits 75 (SIGINT/SIGTERM/SIGUSR1 to this script are forwarded to it). Stopping the head is a
+# SIGUSR2 to that one PID, which stops exactly the Ray processes it started (other Ray clusters on
+# the machine are left alone, unlike `ray stop`). Settings (environment):
 #   ARMOR_RAY_PORT       GCS port (default: a free port)
 #   ARMOR_RAY_DASHBOARD  1 = start the dashboard (needed by launch/submit_job.sh), default 0
 #   ARMOR_RAY_DASHBOARD_PORT  default 8265
@@ -39,7 +41,7 @@ start_head() {
   fi
   [ -z "${ARMOR_RAY_NUM_CPUS:-}" ] || args+=(--num-cpus="$ARMOR_RAY_NUM_CPUS")
   [ -z "${ARMOR_RAY_NUM_GPUS:-}" ] || args+=(--num-gpus="$ARMOR_RAY_NUM_GPUS")
-  "$ARMOR_RAY" "${args[@]}" > "$LOG_DIR/ray-head.log" 2>&1 &
+  "$ARMOR_PYTHON" -m megatron_armor.orchestration.ray_node -- "$ARMOR_RAY" "${args[@]}" > "$LOG_DIR/ray-head.log" 2>&1 &
   RAY_PID=$!
   log "Ray head pid $RAY_PID at $IP:$PORT (log $LOG_DIR/ray-head.log)"
 }
@@ -57,10 +59,10 @@ wait_head() {
 stop_head() {
   [ -n "$RAY_PID" ] || return 0
   if [ "${ARMOR_KEEP_RAY:-0}" = 1 ]; then
-    log "leaving Ray running: stop it with 'kill $RAY_PID'"; return 0
+    log "leaving Ray running: stop it with 'kill -USR2 $RAY_PID'"; return 0
   fi
   log "stopping Ray head (pid $RAY_PID)"
-  kill -TERM "$RAY_PID" 2>/dev/null || true
+  kill -USR2 "$RAY_PID" 2>/dev/null || true
   for _ in $(seq 1 30); do kill -0 "$RAY_PID" 2>/dev/null || { RAY_PID=""; return 0; }; sleep 1; done
   kill -KILL "$RAY_PID" 2>/dev/null || true
   RAY_PID=""

@@ -2,9 +2,9 @@
 
 Exit codes: 0 done; 2 bad config or input file (named before Ray starts: config values, the
 model directory, the tokenizer, the data files), a run directory in use by another run, or no
-resumable checkpoint; 75 (``EX_TEMPFAIL``) a SIGTERM/SIGUSR1 arrived, the
-current step finished and a checkpoint was written — requeue the job and it resumes
-(``--resume auto`` is the default); anything else is a failure.
+resumable checkpoint; 75 (``EX_TEMPFAIL``) a SIGTERM/SIGINT/SIGUSR1 arrived, the current step
+finished and a checkpoint was written (or, during start-up, nothing was written) — requeue the
+job and it resumes (``--resume auto`` is the default); anything else is a failure.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 Per step: generate -> score -> accept (anchor rollout, armor-spec §2) -> advantages (§3) ->
 pack -> old/ref log-probs -> train (``B / ppo_mini_batch`` updates, §4) -> weight sync ->
-maybe reset the reference (§5) -> maybe validate -> log -> maybe checkpoint. A SIGTERM or
-SIGUSR1 finishes the step, checkpoints and exits with code 75 for a Slurm requeue.
+maybe reset the reference (§5) -> maybe validate -> log -> maybe checkpoint. A SIGTERM, SIGINT
+or SIGUSR1 finishes the step, checkpoints and exits with code 75 for a Slurm requeue.
 """
 
 from __future__ import annotations
@@ -18,10 +18,12 @@ from megatron_armor.algo.registry import get_advantage
 from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.observability.nvtx import nvtx_range
 from megatron_armor.observability.summary import step_line
+from megatron_armor.orchestration import checkpoints
 from megatron_armor.orchestration.anchor_rollout import AnchorRollout, derive_seed
 from megatron_armor.orchestration.groups import RemoteEngine, RemoteScorer, push_policy
+from megatron_armor.orchestration.placement import shutdown_ray
 from megatron_armor.orchestration.run_state import EXIT_REQUEUE, StopSignal
-from megatron_armor.orchestration.session import Session
+from megatron_armor.orchestration.session import Session, run_dir_of
 from megatron_armor.orchestration.step_metrics import (
     exact_kl_mask,
     logprob_mismatch_metrics,
@@ -166,8 +168,23 @@ def run_step(s: Session, rollout: AnchorRollout, step: int) -> dict[str, float]:
     return metrics
 
 
+def stop_message(s: Session, stop: StopSignal, saved: bool) -> str:
+    """What a signal did, with the newest checkpoint as it is on disk."""
+    newest = checkpoints.list_checkpoints(s.run_dir)
+    if saved and newest:
+        return (f"{stop.name}: checkpoint of step {newest[-1][0]} written ({newest[-1][1]}); "
+                f"exiting {EXIT_REQUEUE} (requeue to resume)")  # fmt: skip
+    where = f"step {newest[-1][0]} ({newest[-1][1]})" if newest else "none, a requeue starts over"
+    return (f"{stop.name} before the next step: no step run; newest checkpoint: {where}; "
+            f"exiting {EXIT_REQUEUE} (requeue to resume)")  # fmt: skip
+
+
 def run_loop(s: Session, start: int, stop: StopSignal) -> int:
-    """Steps ``start + 1 .. run.steps``; returns the process exit code (0, or 75 on a signal)."""
+    """Steps ``start + 1 .. run.steps``; returns the process exit code (0, or 75 on a signal).
+
+    A signal during a step (its logging included) lets the step finish, then checkpoints it;
+    one that arrives before the first step (start-up, restore, step-0 validation) stops
+    before it without writing anything."""
     cfg = s.config
     if start >= cfg.run.steps:
         print(f"{s.run_dir} is complete at step {start} (run.steps={cfg.run.steps}); "
@@ -176,7 +193,8 @@ def run_loop(s: Session, start: int, stop: StopSignal) -> int:
     if s.watch.stopped:
         print(f"{s.run_dir}: {s.watch.stop_line()}; nothing left to train", flush=True)
         return 0
-    if start == 0 and cfg.validation.every > 0 and not s.state.watch:  # (not resumed at 0)
+    resumed_at_0 = bool(s.state.watch)
+    if start == 0 and cfg.validation.every > 0 and not resumed_at_0 and not stop.received:
         initial = validate(s, 0)
         initial.update(s.watch.observe(0, initial))
         s.logger.log(0, {**initial, **s.timers.pop_metrics()})
@@ -185,22 +203,27 @@ def run_loop(s: Session, start: int, stop: StopSignal) -> int:
     rollout = AnchorRollout(cfg, s.dataset, s.sampler, s.rollout, s.reward,
                             s.progress.rollout_update, s.timers)  # fmt: skip
     for step in range(start + 1, cfg.run.steps + 1):
+        if stop.received:
+            print(stop_message(s, stop, saved=False), flush=True)
+            return EXIT_REQUEUE
         t0 = time.perf_counter()
         s.trainer.profile_begin(step)
         metrics = run_step(s, rollout, step)
         s.trainer.profile_end(step)
         metrics.update(s.meter.pop_metrics())
         metrics.update(s.watch.observe(step, metrics))
-        if stop.received or checkpoint_due(cfg, step) or s.watch.wants_checkpoint:
+        saved = stop.received or checkpoint_due(cfg, step) or s.watch.wants_checkpoint
+        if saved:
             with s.timers.phase("checkpoint"):
                 s.save(step)
         metrics.update(s.timers.pop_metrics())
         metrics["timing/step_s"] = time.perf_counter() - t0
         clean = s.logger.log(step, metrics)
         print(step_line(step, cfg.run.steps, clean), flush=True)
-        if stop.received:
-            print(f"{stop.name}: checkpoint of step {step} written; exiting {EXIT_REQUEUE} "
-                  "(requeue to resume)", flush=True)  # fmt: skip
+        if stop.received and step < cfg.run.steps:
+            if not saved:  # the signal came while the step was being logged
+                s.save(step)
+            print(stop_message(s, stop, saved=True), flush=True)
             return EXIT_REQUEUE
         if s.watch.stopped:
             print(f"{s.watch.stop_line()}; checkpoint of step {step} written", flush=True)
@@ -209,21 +232,25 @@ def run_loop(s: Session, start: int, stop: StopSignal) -> int:
 
 
 def train(config: ArmorConfig, resume: str = "auto") -> int:
-    """Run (or resume) a training run end to end; returns the process exit code."""
-    torch.manual_seed(config.run.seed)
-    stop = StopSignal().install()
-    session = None
-    try:
-        session = Session.start(config, resume)
-        stop.install()
-        start = session.restore()
-        return run_loop(session, start, stop)
-    finally:
-        stop.restore()
-        if session is not None:
-            session.close()
-        else:
-            import ray
+    """Run (or resume) a training run end to end; returns the process exit code.
 
-            if ray.is_initialized():
-                ray.shutdown()
+    The stop signals are handled from the first line on; one that arrives during start-up
+    stops the run before its first step (exit 75), with nothing written."""
+    torch.manual_seed(config.run.seed)
+    session = None
+    with StopSignal() as stop:
+        print(f"armor train: starting {run_dir_of(config)} (SIGTERM, SIGINT, SIGUSR1: "
+              f"checkpoint and exit {EXIT_REQUEUE})", flush=True)  # fmt: skip
+        try:
+            with stop.guarded():
+                session = Session.start(config, resume)
+            if stop.received:
+                print(stop_message(session, stop, saved=False), flush=True)
+                return EXIT_REQUEUE
+            start = session.restore()
+            return run_loop(session, start, stop)
+        finally:
+            if session is not None:
+                session.close()
+            else:
+                shutdown_ray()

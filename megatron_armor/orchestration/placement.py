@@ -29,9 +29,10 @@ from __future__ import annotations
 import os
 import secrets
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
 
 from megatron_armor.config.schema import ArmorConfig
+from megatron_armor.orchestration.ray_node import LocalRayHead
 
 LAYOUTS = ("cpu", "colocated", "disaggregated")
 OBJECT_STORE_BYTES_CPU = 256 * 1024**2
@@ -201,14 +202,20 @@ def ray_environment(config: ArmorConfig) -> None:
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 
-def init_ray(config: ArmorConfig, plan: LayoutPlan) -> None:
-    """Connect to ``orchestration.ray_address`` or start a small local Ray (no dashboard).
+_local_head: LocalRayHead | None = None
+
+
+def init_ray(config: ArmorConfig, plan: LayoutPlan, log_dir: Path) -> None:
+    """Connect to ``orchestration.ray_address``, or start a small Ray head for this run (no
+    dashboard) in its own session, shielded from the stop signals (``ray_node.py``), and
+    connect to it; its log is ``log_dir/ray-head.log``.
 
     A local Ray is a single-node cluster whose node IP is the loopback address, so GCS,
     raylet, object manager and workers listen on 127.0.0.1 only (Ray binds its servers to
     loopback when the node IP is loopback). Multi-node runs join a cluster the launch scripts
     started on the node IPs. Token authentication is on in both cases (:func:`use_token_auth`).
     """
+    global _local_head
     ray_environment(config)
     import ray
     from ray._private import ray_constants
@@ -220,13 +227,25 @@ def init_ray(config: ArmorConfig, plan: LayoutPlan) -> None:
         return
     if os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0":
         ray_constants.ENABLE_RAY_CLUSTER = False  # read at import, maybe before the line above
-    kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True,
-                              "_node_ip_address": LOOPBACK}  # fmt: skip
+    args = ["--include-dashboard=false"]
     if plan.layout == "cpu":
         actors = plan.trainer_ranks + plan.rollout_engines + plan.reward_workers
-        kwargs.update(num_cpus=max(int(actors * plan.cpus_per_actor) + 1, 2), num_gpus=0,
-                      object_store_memory=OBJECT_STORE_BYTES_CPU)  # fmt: skip
-    ray.init(**kwargs)
+        args += [f"--num-cpus={max(int(actors * plan.cpus_per_actor) + 1, 2)}", "--num-gpus=0",
+                 f"--object-store-memory={OBJECT_STORE_BYTES_CPU}"]  # fmt: skip
+    timeout_s = config.orchestration.ray_init_timeout_s
+    _local_head = LocalRayHead(args, log_dir / "ray-head.log", timeout_s, node_ip=LOOPBACK)
+    ray.init(address=_local_head.address, log_to_driver=True, _node_ip_address=LOOPBACK)
+
+
+def shutdown_ray() -> None:
+    """Disconnect from Ray and stop the head :func:`init_ray` started, if any."""
+    global _local_head
+    import ray
+
+    ray.shutdown()
+    if _local_head is not None:
+        _local_head.stop()
+        _local_head = None
 
 
 def create_bundles(plan: LayoutPlan, timeout_s: float):

@@ -6,9 +6,9 @@ the weight versions, and each rollout engine's reference-sampler state (the anch
 and the reference weight version). Sampling seeds are derived from ``(seed, step, batch)``,
 so these states are enough to regenerate the same samples.
 
-SIGTERM and SIGUSR1 (Slurm's ``--signal``) set a flag; the loop finishes the current step,
-writes a checkpoint and exits with :data:`EXIT_REQUEUE` (75, ``EX_TEMPFAIL``) so a batch
-script can ``scontrol requeue`` the job.
+SIGTERM (preemption, ``scancel``), SIGINT (Ctrl-C) and SIGUSR1 (Slurm's ``--signal``) set a
+flag; the loop finishes the current step, writes a checkpoint and exits with
+:data:`EXIT_REQUEUE` (75, ``EX_TEMPFAIL``) so a batch script can ``scontrol requeue`` the job.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from __future__ import annotations
 import pickle
 import random
 import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -80,20 +82,49 @@ class RunState:
 
 
 class StopSignal:
-    """Remember a SIGTERM/SIGUSR1 so the loop can checkpoint at the end of the step."""
+    """Remember a SIGTERM/SIGINT/SIGUSR1 so the loop can checkpoint at the end of the step.
 
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+    Use it as a context manager around the whole run, so that the handler is in place before
+    anything starts, and :meth:`guarded` around start-up code that would replace it.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 
     def __init__(self) -> None:
         self.received: int | None = None
         self._previous: dict[int, Any] = {}
 
+    def __enter__(self) -> StopSignal:
+        return self.install()
+
+    def __exit__(self, *exc) -> None:
+        self.restore()
+
     def install(self) -> StopSignal:
-        """Take over the signals (again after Ray start-up, which may install its own handler)."""
+        """Take over the signals (again after start-up code that installs its own handler)."""
         for sig in self.SIGNALS:
             previous = signal.signal(sig, self._handle)
             self._previous.setdefault(sig, previous)
         return self
+
+    @contextmanager
+    def guarded(self) -> Iterator[None]:
+        """Keep this handler while the body runs: start-up code that installs its own handler
+        for these signals (``ray.init`` installs one that exits at once) is refused, as Ray's
+        own ``DeferSigint`` does it, by a ``signal.signal`` that leaves them alone."""
+        original = signal.signal
+
+        def keep_ours(signum, handler):
+            if signum in self.SIGNALS:
+                return self._handle
+            return original(signum, handler)
+
+        signal.signal = keep_ours
+        try:
+            yield
+        finally:
+            signal.signal = original
+            self.install()
 
     def _handle(self, signum, frame) -> None:
         self.received = signum

@@ -20,7 +20,7 @@ from megatron_armor.data.sampler import ResumableSampler
 from megatron_armor.observability.metrics import MetricsLogger, truncate_metrics
 from megatron_armor.observability.throughput import ThroughputMeter, peak_tflops
 from megatron_armor.observability.timers import PhaseTimers
-from megatron_armor.orchestration import checkpoints
+from megatron_armor.orchestration import checkpoints, placement
 from megatron_armor.orchestration.groups import (
     RewardGroup,
     RolloutGroup,
@@ -136,7 +136,7 @@ class Session:
         dataset = load_prompt_dataset(d.train_files, tokenizer, d.template, d.max_prompt_len)
         val = load_val_datasets(config, tokenizer) if config.validation.every > 0 else {}
         plan = plan_layout(config)
-        init_ray(config, plan)
+        init_ray(config, plan, run_dir)
         pg, order, where = create_bundles(plan, config.orchestration.ray_init_timeout_s)
         built: list = []
         try:  # a failed start must not leave actors or SGLang servers behind
@@ -247,12 +247,10 @@ class Session:
 
     def close(self, shutdown_ray: bool = True) -> None:
         """Stop the actors and Ray (best effort: a failing close must not hide the real error)."""
-        import ray
-
         self.progress.close()
         self.logger.close()
         close_groups([self.trainer, self.rollout, self.reward])
         if shutdown_ray:
-            ray.shutdown()
+            placement.shutdown_ray()
         if self.lock is not None:
             self.lock.release()

@@ -23,6 +23,7 @@ import torch
 
 from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.observability.nvtx import enable_nvtx, nvtx_range
+from megatron_armor.orchestration.ray_node import ignore_stop_signals
 from megatron_armor.rollout.protocol import GenerationOutput, SamplingParams
 from megatron_armor.types import Sample, SampleSource
 
@@ -130,6 +131,7 @@ class TrainerWorker:
         profile_dir: str = "",
     ):
         set_threads(num_threads)
+        ignore_stop_signals()  # the driver checkpoints on them; Ray must keep running
         enable_worker_nvtx(config)
         self.config, self.rank, self.world_size = config, rank, world_size
         self.clock = ComputeClock()
@@ -358,6 +360,7 @@ class RolloutWorker:
         """``servers``: with SGLang, ``{pool: [(server index, first GPU id)]}`` of the servers
         on this worker's node (``placement.rollout_hosts``); ``None`` runs every pool here."""
         set_threads(num_threads)
+        ignore_stop_signals()  # the driver checkpoints on them; Ray must keep running
         enable_worker_nvtx(config)
         import ray
 
@@ -578,6 +581,7 @@ class RewardWorker:
 
     def __init__(self, config: ArmorConfig, num_threads: int = 0):
         set_threads(num_threads)
+        ignore_stop_signals()  # the driver checkpoints on them; Ray must keep running
         from megatron_armor.reward.scorer import RewardScorer
 
         self.scorer = RewardScorer.from_config(

@@ -2,8 +2,8 @@
 # Start one Ray node in the foreground (`ray start --block`), run by srun on each node:
 #   ray_node.sh head                 (first node; listens on ARMOR_RAY_PORT)
 #   ray_node.sh worker HEAD_IP:PORT  (other nodes)
-# SIGTERM to this process (srun forwards it) makes `ray start --block` stop the Ray processes
-# it started, and only those.
+# SIGUSR2 to this process (srun forwards it) stops the Ray processes it started, and only those;
+# SIGTERM, SIGINT and SIGUSR1 do not reach Ray (the driver checkpoints on them).
 set -euo pipefail
 ARMOR_ROOT=${ARMOR_ROOT:?ARMOR_ROOT must point at the repository}
 source "$ARMOR_ROOT/slurm/lib/common.sh"
@@ -34,4 +34,6 @@ case "$role" in
   *) die "ray_node.sh: role must be head or worker, got '$role'" ;;
 esac
 log "ray start ($role) on $node at $ip"
-exec "${ARMOR_RAY:-ray}" start "${args[@]}"
+# The stop signals (TERM, INT, USR1) are blocked in every Ray process (ray_node.py): Slurm sends
+# them to all of the job's processes, and only the driver must act on them. SIGUSR2 stops Ray.
+exec "${ARMOR_PYTHON:-python3}" -m megatron_armor.orchestration.ray_node -- "${ARMOR_RAY:-ray}" start "${args[@]}"

@@ -1,13 +1,12 @@
 """e2e tier: the tiny CPU config through Ray — real Megatron actor, embedded engine, rewards.
 
-Each run is ``armor train configs/tiny_cpu.yaml`` in a subprocess (its own process group and
-Ray temp dir, so a ``kill -9`` of the group and the teardown reach every process it started),
-shortened to 4 steps with resets and checkpoints every 2 steps. The tiny model and data are
-built once with ``armor tiny`` (or reused from ``$ARMOR_TINY_DIR`` / ``artifacts/tiny``).
+Each run is ``armor train configs/tiny_cpu.yaml`` in a subprocess shortened to 4 steps with
+resets and checkpoints every 2 steps (``e2e_runs.Run``); the uninterrupted reference run and
+the tiny model and data (built once with ``armor tiny``, or reused from ``$ARMOR_TINY_DIR`` /
+``artifacts/tiny``) are fixtures of ``conftest.py``, shared with ``test_signals_e2e.py``.
 
-What is checked: a run end to end (metrics, anchors, checkpoints, plots, summary); SIGTERM
-writes a checkpoint and exits 75; ``kill -9`` mid-run then ``--resume auto`` reproduces the
-uninterrupted run's metrics (anchor cache included); ``anchor: none | armor | filter_only``
+What is checked: a run end to end (metrics, anchors, checkpoints, plots, summary) (signals,
+``kill -9`` and exact resume: ``test_signals_e2e.py``); ``anchor: none | armor | filter_only``
 give the group compositions of armor-spec §2; a reset makes the anchors come from the new
 reference (the cache is invalidated).
 """
@@ -20,10 +19,7 @@ import pickle
 import shutil
 import signal
 import socket
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -31,120 +27,15 @@ import pytest
 from megatron_armor.observability.metrics import read_metrics
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from process_group import kill_leftovers, pids_mentioning, wait_until  # noqa: E402
+from e2e_runs import CACHED, Run, stable  # noqa: E402
+from process_group import pids_mentioning  # noqa: E402
 
 pytestmark = pytest.mark.e2e
-
-REPO = Path(__file__).resolve().parents[2]
-RUN_TIMEOUT_S = 420
-# The ARMOR runs draw anchors through the anchor cache, so the reset test also checks that a
-# reset invalidates it and the resume test that it is restored; filter_only uses fresh samples.
-CACHED = ("algo.anchor_source=cache",)
-VOLATILE = ("timing/", "perf/", "wall_time", "reward/verify_seconds")  # wall-clock dependent
-
-
-@pytest.fixture(scope="session")
-def tiny_dir() -> Path:
-    """The tiny model + data (built with ``armor tiny`` when missing)."""
-    path = Path(os.environ.get("ARMOR_TINY_DIR", REPO / "artifacts" / "tiny"))
-    if (
-        not (path / "model" / "config.json").is_file()
-        or not (path / "data" / "val.parquet").is_file()
-    ):
-        subprocess.run([sys.executable, "-m", "megatron_armor.cli", "tiny", "--out", str(path)],
-                       check=True, timeout=900, cwd=REPO)  # fmt: skip
-    return path
-
-
-class Run:
-    """One ``armor train`` subprocess with its own process group and Ray temp dir."""
-
-    def __init__(
-        self,
-        out: Path,
-        name: str,
-        tiny: Path,
-        *overrides: str,
-        resume: str = "auto",
-        env: dict[str, str] | None = None,
-    ):
-        self.run_dir = out / name
-        self.ray_tmp = tempfile.mkdtemp(prefix="ar", dir="/tmp")  # short: unix socket paths
-        self.log = (out / f"{name}.{time.time_ns()}.log").open("w")
-        args = [
-            f"run.output_dir={out}", f"run.name={name}", "run.steps=4", "run.ckpt_every=2",
-            "algo.group_size=4", "algo.ref_n=2",
-            "algo.reset.every=2", "rollout.batch=4", "rollout.gen_batch=8",
-            "trainer.ppo_mini_batch=2", "validation.every=2", "validation.max_problems=8",
-            "validation.n_samples=2", "logging.progress=false",
-            f"trainer.model_path={tiny / 'model'}",
-            f"data.train_files=[{tiny / 'data' / 'train.parquet'}]",
-            f"data.val_files=[{tiny / 'data' / 'val.parquet'}]", *overrides,
-        ]  # fmt: skip
-        # Ray's defaults as a user gets them: token auth, loopback (no inherited RAY_AUTH_MODE)
-        inherited = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
-        env = dict(inherited, RAY_TMPDIR=self.ray_tmp, RAY_USAGE_STATS_ENABLED="0",
-                   HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", **(env or {}))  # fmt: skip
-        cmd = [sys.executable, "-m", "megatron_armor.cli", "train",
-               str(REPO / "configs" / "tiny_cpu.yaml"), *args, "--resume", resume]  # fmt: skip
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self.log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
-
-    def wait(self, timeout: float = RUN_TIMEOUT_S) -> int:
-        try:
-            return self.proc.wait(timeout=timeout)
-        finally:
-            self.cleanup()
-
-    def wait_for(self, predicate, timeout: float = RUN_TIMEOUT_S) -> None:
-        wait_until(self.proc, predicate, timeout, self.output)
-
-    def steps_logged(self) -> list[int]:
-        return [r["step"] for r in read_metrics(self.run_dir)] if self.run_dir.exists() else []
-
-    def kill_group(self) -> None:
-        """``kill -9`` of every process of this run (driver, Ray, actors)."""
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait(timeout=60)
-        self.cleanup()
-
-    def cleanup(self) -> None:
-        """Kill leftovers of this run (its process group; Ray processes under its temp dir)."""
-        kill_leftovers(self.proc, self.ray_tmp)
-        shutil.rmtree(self.ray_tmp, ignore_errors=True)
-        self.log.flush()
-
-    def output(self) -> str:
-        self.log.flush()
-        return Path(self.log.name).read_text()[-6000:]
-
-
-def stable(record: dict) -> dict:
-    return {k: v for k, v in record.items() if not k.startswith(VOLATILE)}
 
 
 def anchor_lines(run_dir: Path, step: int) -> list[dict]:
     path = run_dir / "anchors" / f"step_{step:06d}.jsonl"
     return [json.loads(x) for x in path.read_text().splitlines()]
-
-
-@pytest.fixture(scope="module")
-def out_dir():
-    path = Path(tempfile.mkdtemp(prefix="armor-e2e-"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def reference_run(tiny_dir, out_dir) -> Path:
-    """The uninterrupted 4-step ARMOR run every other test compares against."""
-    run = Run(out_dir, "uninterrupted", tiny_dir, *CACHED)
-    code = run.wait()
-    assert code == 0, run.output()
-    return run.run_dir
 
 
 @pytest.mark.timeout(900)
@@ -186,33 +77,6 @@ def test_reset_switches_anchor_source_to_new_reference(reference_run):
     for s in (1, 2, 3, 4):
         assert records[s]["rollout/anchor_logprob_absdiff_max"] < 1e-3, s
         assert records[s]["rollout/policy_logprob_absdiff_max"] < 1e-3, s
-
-
-@pytest.mark.timeout(1200)
-def test_sigterm_then_kill9_then_resume_matches_uninterrupted(reference_run, tiny_dir, out_dir):
-    name = "interrupted"
-    first = Run(out_dir, name, tiny_dir, *CACHED)
-    first.wait_for(lambda: 1 in first.steps_logged())
-    first.proc.send_signal(signal.SIGTERM)
-    code = first.wait()
-    assert code == 75, first.output()
-    saved = [int(p.name.split("_")[1]) for p in (first.run_dir / "checkpoints").glob("step_*")]
-    assert saved and max(saved) == max(first.steps_logged()), first.output()  # the step it was in
-
-    second = Run(
-        out_dir, name, tiny_dir, *CACHED
-    )  # resumes; kill -9 of all its processes mid step 3
-    second.wait_for(lambda: (first.run_dir / "anchors" / "step_000003.jsonl").is_file())
-    second.kill_group()
-    assert (first.run_dir / "checkpoints" / "step_000002").is_dir()
-
-    third = Run(out_dir, name, tiny_dir, *CACHED)
-    assert third.wait() == 0, third.output()
-    expected = {r["step"]: stable(r) for r in read_metrics(reference_run)}
-    got = {r["step"]: stable(r) for r in read_metrics(first.run_dir)}
-    assert sorted(got) == [0, 1, 2, 3, 4]
-    for step in (1, 2, 3, 4):
-        assert got[step] == expected[step], step
 
 
 @pytest.mark.timeout(900)

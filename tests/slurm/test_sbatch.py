@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -207,6 +208,7 @@ def test_join_check_names_the_missing_node_and_fails_fast_when_a_launcher_dies(t
         **os.environ,
         "ARMOR_ROOT": str(REPO),
         "ARMOR_RAY": str(Path(sys.executable).parent / "ray"),
+        "ARMOR_PYTHON": sys.executable,
         "ARMOR_RAY_PORT": str(port),
         "ARMOR_RAY_NUM_CPUS": "1",
         "ARMOR_RAY_OBJECT_STORE_MB": "128",
@@ -253,7 +255,7 @@ def test_join_check_names_the_missing_node_and_fails_fast_when_a_launcher_dies(t
         assert fast.returncode == 1 and "its Ray start exited" in fast.stderr
         assert time.monotonic() - start < 120  # did not wait for the 600 s deadline
     finally:
-        head.terminate()  # `ray start --block` stops the Ray processes it started
+        head.send_signal(signal.SIGUSR2)  # stops the Ray processes it started (ray_node.py)
         head.wait(timeout=60)
         log.close()
 

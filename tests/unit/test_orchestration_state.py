@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import sys
 from pathlib import Path
 
 import pytest
@@ -83,6 +84,21 @@ def test_stop_signal_flags_sigterm_and_sigusr1():
         stop.restore()
     assert signal.getsignal(signal.SIGTERM) is not stop._handle
     assert EXIT_REQUEUE == 75
+
+
+def test_stop_signal_handles_sigint_and_keeps_its_handler_through_start_up_code():
+    other = signal.getsignal(signal.SIGUSR2)
+    with StopSignal() as stop:
+        with stop.guarded():  # start-up code: ray.init installs a SIGTERM handler that exits
+            signal.signal(signal.SIGTERM, lambda *_: sys.exit(signal.SIGTERM))
+            signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # other signals are left to it
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert stop.name == "SIGTERM"
+        assert signal.getsignal(signal.SIGUSR2) is signal.SIG_IGN
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C: no KeyboardInterrupt
+        assert stop.name == "SIGINT"
+    signal.signal(signal.SIGUSR2, other)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def test_layouts():

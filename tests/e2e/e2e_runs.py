@@ -1,0 +1,119 @@
+"""The e2e tier's runs: ``armor train`` of the tiny config in a subprocess, and their metrics.
+
+Each :class:`Run` is ``armor train configs/tiny_cpu.yaml`` shortened to 4 steps with resets and
+checkpoints every 2 steps, in its own process group and Ray temp dir, so that a signal or a
+``kill -9`` of the group reaches the driver and the teardown finds every Ray process it started.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from megatron_armor.observability.metrics import read_metrics
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from process_group import kill_leftovers, pids_mentioning, wait_until  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+RUN_TIMEOUT_S = 420
+# The ARMOR runs draw anchors through the anchor cache, so the reset test also checks that a
+# reset invalidates it and the resume test that it is restored; filter_only uses fresh samples.
+CACHED = ("algo.anchor_source=cache",)
+VOLATILE = ("timing/", "perf/", "wall_time", "reward/verify_seconds")  # wall-clock dependent
+
+
+class Run:
+    """One ``armor train`` subprocess with its own process group and Ray temp dir."""
+
+    def __init__(
+        self,
+        out: Path,
+        name: str,
+        tiny: Path,
+        *overrides: str,
+        resume: str = "auto",
+        env: dict[str, str] | None = None,
+    ):
+        self.run_dir = out / name
+        self.ray_tmp = tempfile.mkdtemp(prefix="ar", dir="/tmp")  # short: unix socket paths
+        self.log = (out / f"{name}.{time.time_ns()}.log").open("w")
+        args = [
+            f"run.output_dir={out}", f"run.name={name}", "run.steps=4", "run.ckpt_every=2",
+            "algo.group_size=4", "algo.ref_n=2",
+            "algo.reset.every=2", "rollout.batch=4", "rollout.gen_batch=8",
+            "trainer.ppo_mini_batch=2", "validation.every=2", "validation.max_problems=8",
+            "validation.n_samples=2", "logging.progress=false",
+            f"trainer.model_path={tiny / 'model'}",
+            f"data.train_files=[{tiny / 'data' / 'train.parquet'}]",
+            f"data.val_files=[{tiny / 'data' / 'val.parquet'}]", *overrides,
+        ]  # fmt: skip
+        # Ray's defaults as a user gets them: token auth, loopback (no inherited RAY_AUTH_MODE)
+        inherited = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
+        env = dict(inherited, RAY_TMPDIR=self.ray_tmp, RAY_USAGE_STATS_ENABLED="0",
+                   HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", **(env or {}))  # fmt: skip
+        cmd = [sys.executable, "-m", "megatron_armor.cli", "train",
+               str(REPO / "configs" / "tiny_cpu.yaml"), *args, "--resume", resume]  # fmt: skip
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self.log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+
+    def wait(self, timeout: float = RUN_TIMEOUT_S) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        finally:
+            self.cleanup()
+
+    def wait_for(self, predicate, timeout: float = RUN_TIMEOUT_S) -> None:
+        wait_until(self.proc, predicate, timeout, self.output)
+
+    def steps_logged(self) -> list[int]:
+        return [r["step"] for r in read_metrics(self.run_dir)] if self.run_dir.exists() else []
+
+    def kill_group(self) -> None:
+        """``kill -9`` of every process of this run (driver, Ray, actors)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=60)
+        self.cleanup()
+
+    def signal_group(self, sig: int) -> None:
+        """``sig`` to the run's whole process group, as a shell or a terminal sends it."""
+        os.killpg(self.proc.pid, sig)
+
+    def ray_processes(self) -> list[int]:
+        """Live processes of this run's Ray (they name its temp dir on their command line)."""
+        return pids_mentioning(self.ray_tmp)
+
+    def wait_for_exit_of_ray(self, timeout: float = RUN_TIMEOUT_S) -> None:
+        """Until no Ray process of this run is left (bounded)."""
+        deadline = time.monotonic() + timeout
+        while self.ray_processes():
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"Ray processes {self.ray_processes()} still alive {timeout}s after the "
+                    f"driver exited:\n{self.output()}"
+                )
+            time.sleep(0.2)
+
+    def cleanup(self) -> None:
+        """Kill leftovers of this run (its process group; Ray processes under its temp dir)."""
+        kill_leftovers(self.proc, self.ray_tmp)
+        shutil.rmtree(self.ray_tmp, ignore_errors=True)
+        self.log.flush()
+
+    def output(self) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text()[-6000:]
+
+
+def stable(record: dict) -> dict:
+    return {k: v for k, v in record.items() if not k.startswith(VOLATILE)}
