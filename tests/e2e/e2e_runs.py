@@ -104,6 +104,15 @@ class Run:
                 )
             time.sleep(0.2)
 
+    def kill_group(self) -> None:
+        """``kill -9`` of this run's process group, then its clean-up."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=60)
+        self.cleanup()
+
     def cleanup(self) -> None:
         """Kill leftovers of this run (its process group; Ray processes under its temp dir)."""
         kill_leftovers(self.proc, self.ray_tmp)

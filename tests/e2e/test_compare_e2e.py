@@ -23,7 +23,7 @@ import pytest
 from megatron_armor.observability.metrics import read_metrics
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from test_train_e2e import REPO, Run, tiny_dir  # noqa: E402, F401 (tiny_dir: a fixture)
+from e2e_runs import REPO, Run  # noqa: E402 (tiny_dir: a fixture of conftest.py)
 
 pytestmark = pytest.mark.e2e
 
@@ -77,7 +77,7 @@ def query_ids_of_first_batch(run_dir: Path) -> list[str]:
 
 
 @pytest.mark.timeout(2 * TIMEOUT_S)
-def test_compare_runs_resumes_after_kill_and_reports(tiny_dir):  # noqa: F811
+def test_compare_runs_resumes_after_kill_and_reports(tiny_dir):
     out = Path(tempfile.mkdtemp(prefix="armor-compare-e2e-"))
     try:
         spec = write_spec(out, tiny_dir)
