@@ -76,15 +76,6 @@ class Run:
     def steps_logged(self) -> list[int]:
         return [r["step"] for r in read_metrics(self.run_dir)] if self.run_dir.exists() else []
 
-    def kill_group(self) -> None:
-        """``kill -9`` of every process of this run (driver, Ray, actors)."""
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait(timeout=60)
-        self.cleanup()
-
     def signal_group(self, sig: int) -> None:
         """``sig`` to the run's whole process group, as a shell or a terminal sends it."""
         os.killpg(self.proc.pid, sig)
