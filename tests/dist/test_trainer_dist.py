@@ -120,12 +120,18 @@ def assert_oracle(result: dict, hf_logits: dict, models: str) -> None:
             assert torch.equal(exported[key], tensor), key
 
 
+# How a rank's samples fall into micro-batches depends on the data-parallel split.
+LAYOUT_DEPENDENT = ("train/padding_fraction",)
+
+
 def assert_same_training(result: dict, single: dict) -> None:
     for key in ("lp0", "lp_policy", "lp_ref", "lp_ref_after_reset"):
         torch.testing.assert_close(result[key], single[key], atol=LOGPROB_TOL, rtol=0)
     for step in ("m1", "m2", "kl2"):  # kl2: the exact vocab-parallel KLs after two updates
         assert sorted(result[step]) == sorted(single[step])
         for k, v in single[step].items():
+            if k in LAYOUT_DEPENDENT:
+                continue
             assert result[step][k] == pytest.approx(v, abs=LOSS_TOL, rel=LOSS_TOL), (step, k)
     for step in ("w1", "w2"):
         for k, v in single[step].items():

@@ -285,12 +285,16 @@ def test_resume_skips_damaged_checkpoints_and_one_writer_per_run_dir(
     run = Run(out_dir, name, tiny_dir, *CACHED)
     log = Path(run.log.name)
     run.wait_for(lambda: "resumed from" in log.read_text())
-    second = Run(out_dir, name, tiny_dir, *CACHED)
-    assert second.proc.wait(timeout=120) == 2, second.output()
-    assert "in use by another run" in second.output()
-    assert not any(Path(second.ray_tmp).iterdir())  # refused before Ray started
-    second.cleanup()
-    ports = listening_addresses(_run_pids(run))
+    os.kill(run.proc.pid, signal.SIGSTOP)  # the driver holds its lock and Ray while we look
+    try:
+        ports = listening_addresses(_run_pids(run))
+        second = Run(out_dir, name, tiny_dir, *CACHED)
+        assert second.proc.wait(timeout=120) == 2, second.output()
+        assert "in use by another run" in second.output()
+        assert not any(Path(second.ray_tmp).iterdir())  # refused before Ray started
+        second.cleanup()
+    finally:
+        os.kill(run.proc.pid, signal.SIGCONT)
     code = run.wait()
     assert code == 0, run.output()
     assert ports and all(_is_loopback(a) for a in ports), ports
