@@ -37,6 +37,15 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     return records
 
 
+WALL_CLOCK_KEYS = ("timing/", "perf/", "wall_time", "reward/verify_seconds")
+"""Prefixes of the metrics that depend on the wall clock (all others are reproducible)."""
+
+
+def without_wall_clock(record: dict[str, Any]) -> dict[str, Any]:
+    """``record`` less its wall-clock metrics: what an exact resume must reproduce."""
+    return {k: v for k, v in record.items() if not k.startswith(WALL_CLOCK_KEYS)}
+
+
 def truncate_metrics(run_dir: str | Path, last_step: int) -> int:
     """Drop records with ``step > last_step`` (a resume recomputes them); returns kept count."""
     path = Path(run_dir) / METRICS_FILE

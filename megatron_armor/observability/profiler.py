@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -83,6 +84,8 @@ class TorchStepProfiler(StepProfiler):
         if self._prof is None:
             return
         nvtx.disable_nvtx()
+        # Which node the rank ran on, for multi-node runs (a top-level key of the trace).
+        self._prof.add_metadata("armor_host", socket.gethostname())
         self._prof.__exit__(None, None, None)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         path = self.out_dir / f"trace_rank{self.rank}_step{step}.json"

@@ -18,7 +18,12 @@ from typing import Any
 import torch
 
 from megatron_armor.config.schema import ArmorConfig
-from megatron_armor.orchestration.placement import LayoutPlan, RolloutHost, actor_options
+from megatron_armor.orchestration.placement import (
+    LayoutPlan,
+    RolloutHost,
+    actor_options,
+    trainer_runtime_env,
+)
 from megatron_armor.orchestration.workers import RewardWorker, RolloutWorker, TrainerWorker
 from megatron_armor.rollout.protocol import GenerationOutput, RolloutEngine, SamplingParams
 from megatron_armor.rollout.sglang.pools import uses_ref_pool
@@ -105,6 +110,7 @@ class TrainerGroup:
         for rank in range(plan.trainer_ranks):
             bundle = plan.trainer_bundles[rank] if plan.trainer_bundles else None
             opts = actor_options(plan, pg, order or [], bundle, plan.trainer_gpus)
+            opts.update(trainer_runtime_env(config, rank))
             args = (config, rank, plan.trainer_ranks, plan.threads, profile_dir)
             self.actors.append(_remote(TrainerWorker, opts).remote(*args))
         self.init_timeout = config.orchestration.ray_init_timeout_s

@@ -57,6 +57,8 @@ class LayoutPlan:
     """SGLang: the bundle (sorted index) of each server's first GPU, per pool."""
     server_tp: dict[str, int] = field(default_factory=dict)
     """SGLang: GPUs per server, per pool."""
+    nodes: int = 1
+    """``orchestration.nodes``."""
 
 
 def node_cores() -> int:
@@ -92,6 +94,7 @@ def threads_per_actor(cores: int, actors: int, override: int = 0) -> int:
 def plan_layout(config: ArmorConfig) -> LayoutPlan:
     """The actor counts and resources of ``orchestration.layout``; errors name the fix."""
     plan = _plan_bundles(config)
+    plan.nodes = config.orchestration.nodes
     if config.rollout.backend == "sglang" and plan.layout != "cpu":
         from megatron_armor.rollout.sglang.pools import pool_specs
 
@@ -280,10 +283,31 @@ def create_bundles(plan: LayoutPlan, timeout_s: float):
     return pg, order, [where[i] for i in order]
 
 
+NSYS_TRAINER_OPTIONS = {
+    "t": "cuda,nvtx,osrt,cublas,cudnn",
+    "sample": "none",
+    "capture-range": "cudaProfilerApi",
+    "capture-range-end": "stop",
+}
+
+
+def trainer_runtime_env(config: ArmorConfig, rank: int) -> dict:
+    """``logging.profile=nsys`` on an existing Ray cluster (a Slurm job): trainer rank ``rank``
+    runs under Nsight Systems through Ray's ``nsight`` runtime env, capturing the chosen steps
+    (``cudaProfilerStart``/``Stop``). The report, ``trainer_rank<R>_<pid>.nsys-rep``, lands in
+    ``logs/nsight/`` of that node's Ray session directory (slurm/armor.sbatch gathers them).
+    Without ``ray_address`` the whole driver runs under nsys (launch/profile.sh): ``{}``."""
+    if config.logging.profile != "nsys" or not config.orchestration.ray_address:
+        return {}
+    return {"runtime_env": {"nsight": {**NSYS_TRAINER_OPTIONS, "o": f"trainer_rank{rank}_%p"}}}
+
+
 def actor_options(plan: LayoutPlan, pg, order: list[int], bundle: int | None, gpus: float) -> dict:
-    """Ray ``.options()`` for one actor: its CPU/GPU share and (if any) its bundle."""
+    """Ray ``.options()`` for one actor: its CPU/GPU share and (if any) its bundle. CPU-layout
+    actors of a multi-node job are spread over the nodes (Ray's ``SPREAD``)."""
     if pg is None or bundle is None:
-        return {"num_cpus": plan.cpus_per_actor, "num_gpus": 0}
+        spread = {"scheduling_strategy": "SPREAD"} if plan.nodes > 1 else {}
+        return {"num_cpus": plan.cpus_per_actor, "num_gpus": 0, **spread}
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     return {

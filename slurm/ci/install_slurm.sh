@@ -1,17 +1,33 @@
 #!/usr/bin/env bash
-# Install (when missing) and start a single-node Slurm cluster for CI: munge + slurmctld + slurmd
-# from Debian packages, no systemd. Idempotent: a running, idle cluster is left as it is.
+# Install (when missing) and start the CI Slurm cluster: munge + slurmctld + slurmd from Debian
+# packages, no systemd. Two nodes by default: armor-n1 and armor-n2, each a set of namespaces
+# made by slurm/ci/netns_nodes.sh (own hostname, own address on a bridge in a private subnet,
+# own spool/log dirs) running its own slurmd, with slurmctld on the host at the bridge address.
+# Where namespaces are refused, one node (this host, 127.0.0.1), and the reason is written to
+# $ARMOR_SLURM_STATE/topology for the slurm tier to report. Idempotent: a running cluster of
+# the same configuration is left as it is; jobs of earlier runs are left to the tests.
+#
+#   install_slurm.sh [up]   install, write slurm.conf, start the daemons, wait for idle nodes
+#   install_slurm.sh down   stop slurmctld, every slurmd, the namespace nodes and munged
 #
 # Needs root and apt-get (for the install). Exits non-zero, saying why, when it cannot.
 # Settings (environment):
-#   ARMOR_SLURM_CONF   slurm.conf to write            (default /etc/slurm/slurm.conf)
-#   ARMOR_SLURM_WAIT_S seconds to wait for the node    (default 60)
+#   ARMOR_SLURM_CONF     slurm.conf to write                        (default /etc/slurm/slurm.conf)
+#   ARMOR_SLURM_WAIT_S   seconds to wait for the nodes               (default 60)
+#   ARMOR_SLURM_TOPOLOGY two-node | single-node                     (default two-node)
+#   ARMOR_SLURM_STATE    per-node dirs and the topology file        (default /var/lib/armor-slurm-ci)
 set -euo pipefail
+# The daemons started here must not hold a caller's descriptors (e.g. a `flock` lock file);
+# 255 is the script bash is reading.
+for fd in /proc/$$/fd/*; do fd=${fd##*/}; [ "$fd" -le 2 ] || [ "$fd" = 255 ] || eval "exec ${fd}>&-" 2>/dev/null || true; done
 
 CONF=${ARMOR_SLURM_CONF:-/etc/slurm/slurm.conf}
 WAIT_S=${ARMOR_SLURM_WAIT_S:-60}
+export ARMOR_SLURM_STATE=${ARMOR_SLURM_STATE:-/var/lib/armor-slurm-ci}
 LOG_DIR=/var/log/slurm
-NODE=$(hostname -s)
+HOST=$(hostname -s)
+NETNS="$(cd "$(dirname "$0")" && pwd)/netns_nodes.sh"
+SLURMD_PID=/var/spool/slurmd/slurmd.pid   # inside each node's spool dir for namespace nodes
 
 say() { echo "install_slurm: $*" >&2; }
 die() { say "$*"; exit 1; }
@@ -51,25 +67,38 @@ start_munge() {
   die "munged did not start; see /var/log/munge/munged.log"
 }
 
-node_line() {
+node_resources() {
   # slurmd -C prints this host's real topology; keep CPUs/sockets/cores and a memory a
-  # little under the total so the node is never marked invalid for memory.
-  local line mem
-  line=$(slurmd -C | head -1)
+  # little under the total so a node is never marked invalid for memory.
+  local mem
   mem=$(awk '/MemTotal/ {print int($2 / 1024 * 0.9)}' /proc/meminfo)
-  echo "$line" | sed -E "s/RealMemory=[0-9]+/RealMemory=${mem}/; s/^NodeName=[^ ]+/NodeName=${NODE} NodeAddr=127.0.0.1/"
+  slurmd -C | head -1 | sed -E "s/RealMemory=[0-9]+/RealMemory=${mem}/; s/^NodeName=[^ ]+ //; s/ UpTime=.*//"
 }
 
-write_conf() {
-  local node cpus
-  node=$(node_line)
-  cpus=$(echo "$node" | sed -nE 's/.*CPUs=([0-9]+).*/\1/p')
-  mkdir -p "$(dirname "$CONF")" /var/spool/slurmctld /var/spool/slurmd "$LOG_DIR"
-  local tmp="$CONF.tmp.$$"
-  cat > "$tmp" <<CONF
-# Single-node CI cluster written by slurm/ci/install_slurm.sh (no systemd, no cgroups).
+node_lines() {
+  # NODE_LINES / NODE_NAMES / CTL_ADDR of the chosen topology.
+  local res name ip
+  res=$(node_resources)
+  NODE_LINES="" NODE_NAMES=""
+  if [ "$TOPOLOGY" = two-node ]; then
+    CTL_ADDR=$(bash "$NETNS" controller-ip)
+    while read -r name ip; do
+      NODE_LINES+="NodeName=${name} NodeAddr=${ip} ${res} State=UNKNOWN"$'\n'
+      NODE_NAMES+="${NODE_NAMES:+,}${name}"
+    done < <(bash "$NETNS" node-line)
+  else
+    CTL_ADDR=127.0.0.1
+    NODE_LINES="NodeName=${HOST} NodeAddr=127.0.0.1 ${res} State=UNKNOWN"$'\n'
+    NODE_NAMES=$HOST
+  fi
+}
+
+render_conf() {
+  node_lines
+  cat <<CONF
+# CI cluster (${TOPOLOGY}) written by slurm/ci/install_slurm.sh (no systemd, no cgroups).
 ClusterName=armor-ci
-SlurmctldHost=${NODE}(127.0.0.1)
+SlurmctldHost=${HOST}(${CTL_ADDR})
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
@@ -79,7 +108,7 @@ AuthInfo=cred_expire=10
 StateSaveLocation=/var/spool/slurmctld
 SlurmdSpoolDir=/var/spool/slurmd
 SlurmctldPidFile=/run/slurmctld.pid
-SlurmdPidFile=/run/slurmd.pid
+SlurmdPidFile=${SLURMD_PID}
 SlurmctldLogFile=${LOG_DIR}/slurmctld.log
 SlurmdLogFile=${LOG_DIR}/slurmd.log
 ProctrackType=proctrack/linuxproc
@@ -98,51 +127,118 @@ MinJobAge=600
 InactiveLimit=0
 SlurmctldTimeout=30
 SlurmdTimeout=30
-${node} State=UNKNOWN
-PartitionName=ci Nodes=${NODE} Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
+${NODE_LINES}PartitionName=ci Nodes=${NODE_NAMES} Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
 CONF
-  mv "$tmp" "$CONF"
-  say "wrote $CONF (node ${NODE}, ${cpus} CPUs)"
+}
+
+choose_topology() {
+  # TOPOLOGY and the topology file the slurm tier reads (with the reason for one node).
+  local why=""
+  mkdir -p "$ARMOR_SLURM_STATE"
+  TOPOLOGY=${ARMOR_SLURM_TOPOLOGY:-two-node}
+  if [ "$TOPOLOGY" = two-node ] && ! why=$(bash "$NETNS" check 2>&1); then
+    say "two namespace nodes cannot be made ($why); starting a single-node cluster"
+    TOPOLOGY=single-node
+    echo "single-node: ${why}" > "$ARMOR_SLURM_STATE/topology"
+    return 0
+  fi
+  case "$TOPOLOGY" in
+    two-node) echo "two-node" > "$ARMOR_SLURM_STATE/topology" ;;
+    single-node) echo "single-node: ARMOR_SLURM_TOPOLOGY=single-node was chosen" > "$ARMOR_SLURM_STATE/topology" ;;
+    *) die "ARMOR_SLURM_TOPOLOGY=$TOPOLOGY: use two-node or single-node" ;;
+  esac
 }
 
 pid_alive() { [ -s "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
 
+stop_pid_file() {
+  # SIGTERM the daemon of pid file $1, then SIGKILL after 10 s.
+  pid_alive "$1" || return 0
+  local pid
+  pid=$(cat "$1")
+  kill -TERM "$pid" 2>/dev/null || return 0
+  for _ in $(seq 1 40); do kill -0 "$pid" 2>/dev/null || return 0; sleep 0.25; done
+  kill -KILL "$pid" 2>/dev/null || true
+}
+
+stop_daemons() {
+  stop_pid_file /run/slurmctld.pid
+  stop_pid_file "$SLURMD_PID"
+  bash "$NETNS" down
+}
+
+daemons_running() {
+  # (two nodes: no Slurm client runs before the bridge exists; see netns_nodes.sh net)
+  [ "$TOPOLOGY" != two-node ] || bash "$NETNS" has-net || return 1
+  scontrol ping >/dev/null 2>&1 || return 1
+  if [ "$TOPOLOGY" = two-node ]; then
+    local name
+    for name in ${NODE_NAMES//,/ }; do pid_alive "$ARMOR_SLURM_STATE/$name/spool/slurmd.pid" || return 1; done
+  else
+    pid_alive "$SLURMD_PID"
+  fi
+}
+
 start_daemons() {
+  mkdir -p /var/spool/slurmctld /var/spool/slurmd "$LOG_DIR"
+  [ "$TOPOLOGY" != two-node ] || bash "$NETNS" net
   pid_alive /run/slurmctld.pid || { say "starting slurmctld"; slurmctld -f "$CONF"; }
   for _ in $(seq 1 40); do scontrol ping >/dev/null 2>&1 && break; sleep 0.25; done
   scontrol ping >/dev/null 2>&1 || die "slurmctld does not answer; see ${LOG_DIR}/slurmctld.log"
-  pid_alive /run/slurmd.pid || { say "starting slurmd"; slurmd -f "$CONF"; }
+  if [ "$TOPOLOGY" = two-node ]; then
+    bash "$NETNS" up "$CONF"
+  else
+    pid_alive "$SLURMD_PID" || { say "starting slurmd"; slurmd -f "$CONF"; }
+  fi
 }
 
-node_state() { sinfo -h -n "$NODE" -o '%t' 2>/dev/null | head -1; }
+nodes_state() { sinfo -h -o '%n %t' 2>/dev/null; }
 
 wait_idle() {
-  local deadline=$((SECONDS + WAIT_S)) state=""
+  # Every node idle, mixed or allocated (jobs of earlier runs are the tests' to cancel).
+  local deadline=$((SECONDS + WAIT_S)) state="" bad
   while [ $SECONDS -lt $deadline ]; do
-    state=$(node_state)
-    case "$state" in
-      idle|mix|alloc) say "node ${NODE} is ${state}"; return 0 ;;
-      down*|drain*|fail*) scontrol update nodename="$NODE" state=resume >/dev/null 2>&1 || true ;;
-    esac
+    state=$(nodes_state)
+    bad=$(echo "$state" | awk '$2 !~ /^(idle|mix|alloc)$/ {print $1}')
+    if [ -n "$state" ] && [ -z "$bad" ]; then say "nodes: $(echo "$state" | tr '\n' ' ')"; return 0; fi
+    for node in $bad; do scontrol update nodename="$node" state=resume >/dev/null 2>&1 || true; done
     sleep 0.5
   done
-  die "node ${NODE} not idle after ${WAIT_S}s (state '${state}'); see ${LOG_DIR}/slurmd.log"
+  die "nodes not idle after ${WAIT_S}s (sinfo: $(echo "$state" | tr '\n' ' ')); see ${LOG_DIR}/slurmd.log or ${ARMOR_SLURM_STATE}/<node>/log/slurmd.log"
 }
 
-main() {
+up() {
   install_packages
   start_munge
-  if scontrol ping >/dev/null 2>&1 && [ -f "$CONF" ] && pid_alive /run/slurmd.pid; then
-    say "slurmctld and slurmd already running"
+  choose_topology
+  local wanted
+  node_lines
+  wanted=$(render_conf)
+  if [ -f "$CONF" ] && [ "$wanted" = "$(cat "$CONF")" ] && daemons_running; then
+    say "slurmctld and slurmd (${TOPOLOGY}) already running"
   else
     [ "$(id -u)" -eq 0 ] || die "Slurm daemons are not running and this is not root"
     if [ -f "$CONF" ] && ! grep -q 'slurm/ci/install_slurm.sh' "$CONF"; then
       die "$CONF exists and was not written by this script; set ARMOR_SLURM_CONF to another path"
     fi
-    write_conf
+    stop_daemons
+    mkdir -p "$(dirname "$CONF")"
+    echo "$wanted" > "$CONF.tmp.$$" && mv "$CONF.tmp.$$" "$CONF"
+    say "wrote $CONF (${TOPOLOGY}: ${NODE_NAMES})"
     start_daemons
   fi
   wait_idle
 }
 
-main "$@"
+down() {
+  [ -f "$CONF" ] && grep -q 'slurm/ci/install_slurm.sh' "$CONF" || die "$CONF was not written by this script; nothing stopped"
+  stop_daemons
+  stop_pid_file /run/munge/munged.pid
+  say "Slurm daemons, namespace nodes and munged stopped"
+}
+
+case "${1:-up}" in
+  up) up ;;
+  down) down ;;
+  *) die "usage: install_slurm.sh [up|down]" ;;
+esac

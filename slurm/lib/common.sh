@@ -62,6 +62,19 @@ set_srun_words() {
   SRUN+=("${CONTAINER[@]}")
 }
 
+ray_temp_dir() {
+  # Ray's temp dir on node $1: per job and per node (nodes may share /tmp).
+  echo "${ARMOR_RAY_TEMP_DIR:-/tmp/ray-armor-${SLURM_JOB_ID:-local}-$1}"
+}
+
+pid_running() {
+  # Whether PID $1 exists and is not a zombie (an exited child not yet reaped).
+  local stat
+  stat=$(cat "/proc/$1/stat" 2>/dev/null) || return 1
+  stat=${stat##*) }
+  [ "${stat%% *}" != Z ]
+}
+
 stop_pids() {
   # SIGTERM the given PIDs (processes this job started), wait up to $1 seconds, then SIGKILL.
   local grace=$1; shift
@@ -69,7 +82,7 @@ stop_pids() {
   for pid in "$@"; do kill -TERM "$pid" 2>/dev/null || true; done
   while [ $SECONDS -lt $deadline ]; do
     alive=0
-    for pid in "$@"; do kill -0 "$pid" 2>/dev/null && alive=1; done
+    for pid in "$@"; do pid_running "$pid" && alive=1; done
     [ $alive -eq 1 ] || return 0
     sleep 1
   done

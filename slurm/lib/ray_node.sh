@@ -17,7 +17,7 @@ args=(
   --num-cpus="${ARMOR_RAY_NUM_CPUS:-${SLURM_CPUS_ON_NODE:-$(nproc)}}"
   # A resource named after the Slurm node lets the join check name a missing node exactly.
   --resources="{\"armor_node_${node}\": 1}"
-  --temp-dir="${ARMOR_RAY_TEMP_DIR:-/tmp/ray-armor-${SLURM_JOB_ID:-local}}"
+  --temp-dir="$(ray_temp_dir "$node")"
 )
 [ -z "${ARMOR_RAY_NUM_GPUS:-}" ] || args+=(--num-gpus="$ARMOR_RAY_NUM_GPUS")
 [ -z "${ARMOR_RAY_OBJECT_STORE_MB:-}" ] || args+=(--object-store-memory=$((ARMOR_RAY_OBJECT_STORE_MB * 1024 * 1024)))

@@ -27,7 +27,6 @@ RUN_TIMEOUT_S = 420
 # The ARMOR runs draw anchors through the anchor cache, so the reset test also checks that a
 # reset invalidates it and the resume test that it is restored; filter_only uses fresh samples.
 CACHED = ("algo.anchor_source=cache",)
-VOLATILE = ("timing/", "perf/", "wall_time", "reward/verify_seconds")  # wall-clock dependent
 
 
 class Run:
@@ -113,7 +112,3 @@ class Run:
     def output(self) -> str:
         self.log.flush()
         return Path(self.log.name).read_text()[-6000:]
-
-
-def stable(record: dict) -> dict:
-    return {k: v for k, v in record.items() if not k.startswith(VOLATILE)}

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_armor.observability.metrics import read_metrics
+from megatron_armor.observability.metrics import read_metrics, without_wall_clock
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from process_group import kill_leftovers, wait_until  # noqa: E402
@@ -33,7 +33,6 @@ pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 420
-VOLATILE = ("timing/", "perf/", "wall_time", "reward/verify_seconds")  # wall-clock dependent
 
 
 def short_pipeline(tiny: Path) -> list[str]:
@@ -96,9 +95,7 @@ class PipelineProcess:
 
 
 def stable(run_dir: Path) -> list[dict]:
-    return [
-        {k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in read_metrics(run_dir)
-    ]
+    return [without_wall_clock(r) for r in read_metrics(run_dir)]
 
 
 def checkpoint_written(run_dir: Path, step: int):

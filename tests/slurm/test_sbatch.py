@@ -1,11 +1,11 @@
-"""Slurm tier: the project's ``slurm/armor.sbatch`` on a real single-node cluster.
+"""Slurm tier: ``slurm/armor.sbatch`` on the CI cluster (two namespace nodes, or one).
 
-The cluster (munge + slurmctld + slurmd from Debian packages) is started by
-``slurm/ci/install_slurm.sh``, which ``scripts/test.sh`` runs before pytest. These tests skip
-only when the Slurm commands are not installed at all; with Slurm present they run, and a
-cluster that does not answer is a failure. Each job is the tiny CPU config through the real
-path: Ray head started by the sbatch file, ``armor train`` as the driver, checkpoints on a
-signal, ``scontrol requeue`` and ``--resume auto``. Every wait is bounded.
+Each job is the tiny CPU config through the real path: Ray head and workers started by the
+sbatch file (token auth), ``armor train`` as the driver, checkpoints on a signal, ``scontrol
+requeue`` and ``--resume auto``. On two nodes the trainer is TP=2 over gloo with one rank per
+node and one uninterrupted run is the reference of the preemption test; on one node the same
+tests run with one rank, and the two-node ones are skipped with the reason. Fixtures are in
+``conftest.py``; every wait is bounded and every job is cancelled at teardown.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -21,188 +20,160 @@ import time
 from pathlib import Path
 
 import pytest
+from slurm_jobs import REPO, SlurmJobs, make_workdir, wait_until
+
+from megatron_armor.observability.metrics import read_metrics, without_wall_clock
 
 pytestmark = pytest.mark.slurm
 
-REPO = Path(__file__).resolve().parents[2]
-SLURM_COMMANDS = ("sbatch", "scontrol", "scancel", "sinfo")
-JOB_TIMEOUT_S = 900
-# Small and fast: a few steps of the tiny config, no validation.
-FAST = ["validation.every=0", "logging.tensorboard=false", "logging.progress=false"]
+STEPS = 6
+PROFILED_STEP = 2
+BRING_UP_DEADLINE_S = 15  # ARMOR_RAY_JOIN_TIMEOUT_S of the never-starting head test
+NODE_LOSS_DEADLINE_S = 90  # from killing a node's processes to the job's end
 
 
-def _missing_commands() -> list[str]:
-    return [c for c in SLURM_COMMANDS if shutil.which(c) is None]
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    missing = _missing_commands()
-    if missing:
-        pytest.skip(
-            f"Slurm is not installed ({', '.join(missing)} missing): run "
-            "`bash slurm/ci/install_slurm.sh` as root (scripts/test.sh does) to enable this tier"
-        )
-    ping = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=30)
-    assert ping.returncode == 0, (
-        f"Slurm is installed but slurmctld does not answer: {ping.stdout}{ping.stderr}"
-    )
-    state = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, timeout=30)
-    assert re.search(r"idle|mix", state.stdout), f"no idle Slurm node: sinfo says {state.stdout!r}"
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(cluster) -> Path:
-    """The tiny model + data: ``$ARMOR_TINY_DIR`` or ``artifacts/tiny`` (shared with the e2e
-    tier), built with ``armor tiny`` when missing."""
-    path = Path(os.environ.get("ARMOR_TINY_DIR", REPO / "artifacts" / "tiny")).resolve()
-    if (
-        not (path / "model" / "config.json").is_file()
-        or not (path / "data" / "val.parquet").is_file()
-    ):
-        cmd = [sys.executable, "-m", "megatron_armor.cli", "tiny", "--out", str(path)]
-        done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
-        assert done.returncode == 0, (
-            f"`armor tiny` failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
-        )
-    return path
-
-
-def _job_field(job_id: str, name: str) -> str:
-    out = subprocess.run(
-        ["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=30
-    )
-    match = re.search(rf"\b{name}=(\S+)", out.stdout)
-    return match.group(1) if match else ""
-
-
-def _submit(workdir: Path, overrides: list[str]) -> tuple[str, Path]:
-    env = {
-        **os.environ,
-        "ARMOR_ENV": "cpu-ci",
-        "ARMOR_ROOT": str(REPO),
-        "ARMOR_LOG_ROOT": str(workdir / "logs"),
-        "ARMOR_PYTHON": sys.executable,
-    }
-    cmd = [
-        "sbatch", "--parsable", f"--chdir={workdir}", f"--output={workdir}/job-%j.out",
-        "--time=20", str(REPO / "slurm" / "armor.sbatch"),
-        str(REPO / "configs" / "tiny_cpu.yaml"), f"run.output_dir={workdir}/runs", *FAST, *overrides,
+def run_overrides(ranks: int) -> list[str]:
+    """The reference run (also the preempted one): ``ranks`` trainer ranks (TP), a torch
+    profile of step 2 on each."""
+    every = ",".join(str(r) for r in range(ranks))
+    return [
+        f"run.steps={STEPS}", "run.ckpt_every=100", f"trainer.world_size={ranks}",
+        f"trainer.tp={ranks}", "logging.profile=torch", f"logging.profile_steps=[{PROFILED_STEP}]",
+        f"logging.profile_ranks=[{every}]",
     ]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60)
-    assert done.returncode == 0, f"sbatch failed: {done.stderr}"
-    job_id = done.stdout.strip().split(";")[0]
-    return job_id, workdir / "logs" / f"armor-{job_id}"
 
 
-def _job_report(workdir: Path, job_id: str, job_dir: Path) -> str:
-    """Tails of the job's stdout, driver log and Ray logs, for failure messages."""
-    files = [
-        workdir / f"job-{job_id}.out",
-        job_dir / "driver.log",
-        *sorted(job_dir.glob("ray-*.log")),
-    ]
-    return "\n".join(
-        f"--- {p.name} (tail)\n{p.read_text(errors='replace')[-3000:]}"
-        for p in files
-        if p.is_file()
-    )
+@pytest.fixture(scope="module")
+def layout(cluster) -> int:
+    """Nodes (= trainer ranks) of the runs: 2 on the two-node cluster, else 1."""
+    return 2 if cluster.two_nodes else 1
 
 
-def _wait_until(predicate, timeout_s: float, what: str, report) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(2)
-    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}\n{report()}")
-
-
-def _wait_done(job_id: str, workdir: Path, job_dir: Path) -> str:
-    """Poll until the job is in a final state; cancel it (and fail) on the deadline."""
-    final = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
-    state = {"s": ""}
-
-    def finished() -> bool:
-        state["s"] = _job_field(job_id, "JobState")
-        return state["s"] in final
-
+@pytest.fixture(scope="module")
+def reference(cluster, tiny_dir, layout, tmp_path_factory):
+    """The uninterrupted run, shared by the completion and the preemption tests."""
+    submitted = SlurmJobs()
+    workdir = make_workdir(tiny_dir, tmp_path_factory.mktemp("reference"))
     try:
-        _wait_until(
-            finished,
-            JOB_TIMEOUT_S,
-            f"job {job_id} to finish",
-            lambda: _job_report(workdir, job_id, job_dir),
-        )
-    except AssertionError:
-        subprocess.run(["scancel", job_id], timeout=30)
-        raise
-    return state["s"]
+        job = submitted.submit(workdir, run_overrides(layout), nodes=layout)
+        state = job.wait_done()
+        yield job, state
+    finally:
+        submitted.cancel_all()
 
 
-@pytest.fixture
-def workdir(tiny_dir, tmp_path) -> Path:
-    """A job working directory whose ``artifacts/tiny`` is the built tiny model + data."""
-    (tmp_path / "artifacts").mkdir()
-    (tmp_path / "artifacts" / "tiny").symlink_to(tiny_dir)
-    return tmp_path
-
-
-def test_sbatch_runs_the_tiny_config_to_completion_with_a_torch_profile(workdir):
-    profile = [
-        "logging.profile=torch",
-        "logging.profile_steps=[2]",
-    ]  # the trainer's trace of step 2
-    job_id, job_dir = _submit(workdir, ["run.steps=2", "run.ckpt_every=2", *profile])
-    state = _wait_done(job_id, workdir, job_dir)
-    report = _job_report(workdir, job_id, job_dir)
+def test_the_tiny_config_runs_to_completion_with_traces_from_every_node(reference, layout):
+    job, state = reference
+    report = job.report()
     assert state == "COMPLETED", report
-    assert _job_field(job_id, "ExitCode") == "0:0", report
-    driver = (job_dir / "driver.log").read_text()
-    assert "step 2/2" in driver, report
+    assert job.field("ExitCode") == "0:0", report
+    driver = job.driver_log()
+    assert f"step {STEPS}/{STEPS}" in driver, report
     assert "orchestration.ray_address=" in driver  # the driver used the job's own Ray head
-    assert (workdir / "runs" / "tiny_cpu" / "checkpoints" / "step_000002" / "meta.json").is_file()
-    assert (job_dir / f"ray-{_job_field(job_id, 'BatchHost')}.log").is_file()
-    trace = json.loads(
-        (workdir / "runs" / "tiny_cpu" / "profile" / "trace_rank0_step2.json").read_text()
-    )
-    names = {event.get("name") for event in trace["traceEvents"]}
-    assert any(str(n).startswith("aten::") for n in names)  # forward ops of the trainer rank
-    assert any(str(n).endswith("Backward0") for n in names)  # and its backward pass
+    nodes = job.nodes()
+    assert len(nodes) == layout
+    for node in nodes:
+        assert (job.job_dir / f"ray-{node}.log").is_file(), report
+    assert "RAY_AUTH_MODE=token" in (job.job_dir / "job.env").read_text()
+    assert (job.job_dir / "ray_auth_token").stat().st_mode & 0o077 == 0  # the job's own token
+    hosts = set()
+    for rank in range(layout):
+        path = job.run_dir / "profile" / f"trace_rank{rank}_step{PROFILED_STEP}.json"
+        trace = json.loads(path.read_text())
+        names = {str(event.get("name")) for event in trace["traceEvents"]}
+        assert any(n.startswith("aten::") for n in names)  # forward ops of the trainer rank
+        assert any(n.endswith("Backward0") for n in names)  # and its backward pass
+        hosts.add(trace["armor_host"])
+    assert hosts == set(nodes)  # one trainer rank on each node
 
 
-def test_sigusr1_checkpoints_requeues_and_the_requeued_job_resumes(workdir):
-    # Enough steps that the signal (sent once step 1 is logged; the log is polled every 2 s)
-    # lands well before the last one, however fast a step is on the machine running this.
-    steps = 16
-    job_id, job_dir = _submit(workdir, [f"run.steps={steps}", "run.ckpt_every=100"])
-    driver_log = job_dir / "driver.log"
-    report = lambda: _job_report(workdir, job_id, job_dir)  # noqa: E731
-    _wait_until(
-        lambda: driver_log.is_file() and f"step 1/{steps}" in driver_log.read_text(),
-        JOB_TIMEOUT_S,
-        "the first training step",
-        report,
-    )
-    subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], check=True, timeout=30)
-    state = _wait_done(job_id, workdir, job_dir)
-    out = report()
+def test_sigusr1_checkpoints_requeues_and_resumes_with_the_uninterrupted_metrics(
+    reference, layout, workdir, jobs
+):
+    expected = {r["step"]: without_wall_clock(r) for r in read_metrics(reference[0].run_dir)}
+    assert reference[1] == "COMPLETED", reference[0].report()
+    job = jobs.submit(workdir, run_overrides(layout), nodes=layout)
+    wait_until(lambda: f"step 1/{STEPS}" in job.driver_log(), 600, "the first step", job.report)
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job.job_id], check=True, timeout=30)
+    state = job.wait_done()
+    out = job.report()
     assert state == "COMPLETED", out
-    assert _job_field(job_id, "Restarts") == "1", out
-    driver = driver_log.read_text()
+    assert job.field("Restarts") == "1", out
+    driver = job.driver_log()
     saved = re.search(r"SIGUSR1: checkpoint of step (\d+) written; exiting 75", driver)
     assert saved, out
     step = int(saved.group(1))
-    assert 1 <= step < steps
-    assert "requeueing job" in (workdir / f"job-{job_id}.out").read_text()
+    assert 1 <= step < STEPS, out  # preempted mid-run
+    assert "requeueing job" in job.out.read_text()
     assert re.search(rf"resumed from \S+step_{step:06d} at step {step}", driver), out
-    assert f"step {steps}/{steps}" in driver.split("=== restart 1")[-1], out
-    ckpts = workdir / "runs" / "tiny_cpu" / "checkpoints"
-    assert (ckpts / f"step_{steps:06d}" / "meta.json").is_file(), out
+    assert f"step {STEPS}/{STEPS}" in driver.split("=== restart 1")[-1], out
+    got = {r["step"]: without_wall_clock(r) for r in read_metrics(job.run_dir)}
+    assert sorted(got) == sorted(expected) == list(range(1, STEPS + 1))
+    for s in range(1, STEPS + 1):
+        assert got[s] == expected[s], s
+
+
+def test_a_worker_node_killed_mid_run_stops_the_job_with_a_named_error(two_nodes, workdir, jobs):
+    job = jobs.submit(workdir, [*run_overrides(2)[:1], "run.ckpt_every=1", "trainer.world_size=2",
+                                "trainer.tp=2"], nodes=2)  # fmt: skip
+    first = job.run_dir / "checkpoints" / "step_000001" / "meta.json"
+    wait_until(first.is_file, 600, "the checkpoint of step 1", job.report)
+    worker = [n for n in job.nodes() if n != job.field("BatchHost")][0]
+    killed = kill_ray_processes(worker)
+    assert killed, f"no Ray process found on {worker}"
+    start = time.monotonic()
+    state = job.wait_done(NODE_LOSS_DEADLINE_S + 60)
+    took = time.monotonic() - start
+    out = job.report()
+    assert state == "FAILED", out
+    assert took < NODE_LOSS_DEADLINE_S, f"the job took {took:.0f}s to stop\n{out}"
+    assert f"Ray node {worker} left during the run" in out, out
+    assert f"ray-{worker}.log" in out
+    assert first.is_file()  # the last checkpoint is kept
+    assert job.field("Restarts") == "0"  # a lost node is not a preemption: no requeue
+
+
+def test_a_head_that_never_starts_fails_the_job_within_the_deadline(cluster, workdir, jobs):
+    env = {
+        "ARMOR_RAY": str(REPO / "tests" / "slurm" / "unresponsive_head.py"),
+        "ARMOR_RAY_JOIN_TIMEOUT_S": str(BRING_UP_DEADLINE_S),
+    }
+    job = jobs.submit(workdir, ["run.steps=1"], env=env)
+    wait_until(lambda: job.field("JobState") == "RUNNING" or job.out.is_file(), 120, "job start")
+    start = time.monotonic()
+    state = job.wait_done(BRING_UP_DEADLINE_S + 90)
+    took = time.monotonic() - start
+    out = job.report()
+    assert state == "FAILED", out
+    head = job.field("BatchHost")
+    assert "the Ray head at" in out and f"on node {head} did not answer within" in out, out
+    assert str(job.job_dir / f"ray-{head}.log") in out
+    assert took < BRING_UP_DEADLINE_S + 60, f"{took:.0f}s\n{out}"
+    assert not job.driver_log()  # the driver never started
+
+
+def kill_ray_processes(node: str) -> list[int]:
+    """``kill -9`` every process of the job on ``node`` (its network namespace), leaving the
+    node's slurmd and the step daemons (slurmstepd) alone."""
+    pids = subprocess.run(
+        ["bash", str(REPO / "slurm" / "ci" / "netns_nodes.sh"), "pids", node],
+        capture_output=True, text=True, timeout=30, check=True,
+    ).stdout.split()  # fmt: skip
+    killed = []
+    for pid in map(int, pids):
+        try:
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
+        except OSError:
+            continue
+        if name not in ("slurmd", "slurmstepd"):
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+    return killed
 
 
 def test_join_check_names_the_missing_node_and_fails_fast_when_a_launcher_dies(tmp_path):
-    """slurm/lib: a head from ray_node.sh, then the join check for the head plus a node that never comes."""
+    """slurm/lib: a head from ray_node.sh, then the join check for the head plus a node that
+    never comes."""
     port = 20000 + os.getpid() % 20000
     env = {
         **os.environ,
@@ -223,44 +194,62 @@ def test_join_check_names_the_missing_node_and_fails_fast_when_a_launcher_dies(t
     dead = subprocess.Popen(["true"])
     dead.wait()
     try:
-        address = f"{_head_ip(env)}:{port}"
-        waiter = [
-            sys.executable,
-            str(REPO / "slurm" / "lib" / "wait_for_ray_nodes.py"),
-            "--address",
-            address,
-        ]
-        ok = subprocess.run(
-            [*waiter, "--nodes", "headnode", "--timeout", "60"],
-            capture_output=True,
-            text=True,
-            timeout=180,
-            env=env,
-        )
+        waiter = [*wait_command(f"{head_ip(env)}:{port}"), "--logs", str(tmp_path)]
+        ok = subprocess.run([*waiter, "--nodes", "headnode", "--timeout", "60"],
+                            capture_output=True, text=True, timeout=180, env=env)  # fmt: skip
         assert ok.returncode == 0, ok.stderr
-        late = subprocess.run(
-            [*waiter, "--nodes", "headnode,ghost-node", "--timeout", "10"],
-            capture_output=True,
-            text=True,
-            timeout=180,
-            env=env,
-        )
+        late = subprocess.run([*waiter, "--nodes", "headnode,ghost-node", "--timeout", "10"],
+                              capture_output=True, text=True, timeout=180, env=env)  # fmt: skip
         assert late.returncode == 1, late.stderr
         assert "ghost-node missing" in late.stderr and "not joined after 10s" in late.stderr
+        assert str(tmp_path / "ray-ghost-node.log") in late.stderr
         start = time.monotonic()
         fast = subprocess.run(
             [*waiter, "--nodes", "headnode,ghost-node", "--timeout", "600", "--watch", f"ghost-node={dead.pid}"],
             capture_output=True, text=True, timeout=180, env=env,
         )  # fmt: skip
         assert fast.returncode == 1 and "its Ray start exited" in fast.stderr
-        assert time.monotonic() - start < 120  # did not wait for the 600 s deadline
+        assert time.monotonic() - start < 60  # did not wait for the 600 s deadline
     finally:
         head.send_signal(signal.SIGUSR2)  # stops the Ray processes it started (ray_node.py)
         head.wait(timeout=60)
         log.close()
 
 
-def _head_ip(env: dict[str, str]) -> str:
+def test_join_check_holds_its_deadline_when_the_head_never_answers(tmp_path):
+    """A head that accepts connections but never answers blocks ``ray.init``; the check still
+    fails on its deadline, naming the head node and its log."""
+    head = subprocess.Popen(
+        [sys.executable, str(REPO / "tests" / "slurm" / "unresponsive_head.py"), "start",
+         "--head", "--port=0", "--node-ip-address=127.0.0.1"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        port = re.search(r", (\d+)\)", head.stdout.readline()).group(1)
+        start = time.monotonic()
+        done = subprocess.run(
+            [*wait_command(f"127.0.0.1:{port}"), "--nodes", "n1,n2", "--timeout", "8",
+             "--logs", str(tmp_path)],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        took = time.monotonic() - start
+        assert done.returncode == 1, done.stderr
+        assert (
+            f"the Ray head at 127.0.0.1:{port} on node n1 did not answer within 8s" in done.stderr
+        )
+        assert "(its port is open)" in done.stderr and str(tmp_path / "ray-n1.log") in done.stderr
+        assert took < 8 + 15, took  # the deadline, plus starting Python
+    finally:
+        head.kill()
+        head.wait()
+
+
+def wait_command(address: str) -> list[str]:
+    return [sys.executable, str(REPO / "slurm" / "lib" / "wait_for_ray_nodes.py"),
+            "--address", address]  # fmt: skip
+
+
+def head_ip(env: dict[str, str]) -> str:
     out = subprocess.run(
         ["bash", "-c", f"source {REPO}/slurm/lib/common.sh && node_ip"],
         capture_output=True,

@@ -18,7 +18,12 @@ from megatron_armor.config.validate import find_problems
 from megatron_armor.orchestration import checkpoints, placement
 from megatron_armor.orchestration.groups import shard
 from megatron_armor.orchestration.loop import minibatch_sample_ids
-from megatron_armor.orchestration.placement import plan_layout, rollout_hosts
+from megatron_armor.orchestration.placement import (
+    actor_options,
+    plan_layout,
+    rollout_hosts,
+    trainer_runtime_env,
+)
 from megatron_armor.orchestration.run_state import EXIT_REQUEUE, RunState, StopSignal
 from megatron_armor.orchestration.session import check_batch_sizes
 from megatron_armor.orchestration.step_metrics import reduce_update_metrics
@@ -156,6 +161,19 @@ def test_layouts():
     cfg.orchestration.layout = "mesh"
     with pytest.raises(ValueError, match="orchestration.layout='mesh'"):
         plan_layout(cfg)
+
+
+def test_cpu_actors_spread_over_nodes_and_nsys_wraps_trainer_ranks_on_a_ray_cluster():
+    cfg = ArmorConfig()
+    one = actor_options(plan_layout(cfg), None, [], None, 0.0)
+    assert one == {"num_cpus": 0.5, "num_gpus": 0}
+    cfg.orchestration.nodes = 2
+    assert actor_options(plan_layout(cfg), None, [], None, 0.0)["scheduling_strategy"] == "SPREAD"
+    cfg.logging.profile = "nsys"
+    assert trainer_runtime_env(cfg, 1) == {}  # no ray_address: launch/profile.sh wraps the driver
+    cfg.orchestration.ray_address = "10.0.0.1:6379"
+    nsight = trainer_runtime_env(cfg, 1)["runtime_env"]["nsight"]
+    assert nsight["o"] == "trainer_rank1_%p" and nsight["capture-range"] == "cudaProfilerApi"
 
 
 def test_batch_size_checks():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 
@@ -45,6 +46,7 @@ def test_torch_profiler_writes_a_loadable_chrome_trace_for_chosen_steps_only(tmp
     prof.close()
     assert [p.name for p in tmp_path.iterdir()] == ["trace_rank0_step2.json"]
     trace = json.loads((tmp_path / "trace_rank0_step2.json").read_text())
+    assert trace["armor_host"] == socket.gethostname()  # the node the rank ran on
     names = {event.get("name") for event in trace["traceEvents"]}
     assert {"rollout/policy", "train"} <= names  # phase ranges became record_function blocks
     assert any(str(n).startswith("aten::mm") for n in names)

@@ -1,0 +1,96 @@
+"""Fixtures of the Slurm tier: the CI cluster, the tiny artifacts, and jobs that never outlive
+their test.
+
+The cluster is started by ``slurm/ci/install_slurm.sh`` (``scripts/test.sh`` runs it): two
+namespace nodes (``armor-n1``, ``armor-n2``) with slurmctld on the host, or one node where
+namespaces are refused; ``$ARMOR_SLURM_STATE/topology`` says which and why. The session starts
+by cancelling the jobs that earlier runs of this tier left behind (it says so) and by waiting
+for idle nodes. Every job goes through :class:`SlurmJobs`, whose fixture cancels the test's
+jobs at teardown, also after a failure or a timeout. All tier jobs are named ``JOB_NAME``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # the tier's helper module, for its test files
+
+from slurm_jobs import (  # noqa: E402
+    REPO,
+    Cluster,
+    SlurmJobs,
+    cancel_stale_jobs,
+    check_subnet,
+    make_workdir,
+    missing_commands,
+    slurm,
+    topology,
+    wait_idle,
+)
+
+
+@pytest.fixture(scope="session")
+def cluster(request) -> Cluster:
+    missing = missing_commands()
+    if missing:
+        pytest.skip(
+            f"Slurm is not installed ({', '.join(missing)} missing): run "
+            "`bash slurm/ci/install_slurm.sh` as root (scripts/test.sh does) to enable this tier"
+        )
+    kind, reason = topology()
+    check_subnet(kind)
+    ping = slurm("scontrol", "ping")
+    assert ping.returncode == 0, (
+        f"Slurm is installed but slurmctld does not answer: {ping.stdout}{ping.stderr}"
+    )
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    say = reporter.write_line if reporter else print
+    cancel_stale_jobs(say)
+    nodes = sorted(slurm("sinfo", "-h", "-N", "-o", "%N").stdout.split())
+    wait_idle(nodes)
+    if kind == "two-node" and len(nodes) < 2:
+        reason = f"the topology file says two-node but sinfo lists {nodes}"
+    return Cluster(nodes, reason)
+
+
+@pytest.fixture
+def two_nodes(cluster) -> Cluster:
+    """The two-node cluster; the test is skipped, with the reason, on one node."""
+    if not cluster.two_nodes:
+        pytest.skip(f"one Slurm node only ({cluster.single_node_reason}); two-node tests skipped")
+    return cluster
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(cluster) -> Path:
+    """The tiny model + data: ``$ARMOR_TINY_DIR`` or ``artifacts/tiny`` (shared with the e2e
+    tier), built with ``armor tiny`` when missing."""
+    path = Path(os.environ.get("ARMOR_TINY_DIR", REPO / "artifacts" / "tiny")).resolve()
+    if (
+        not (path / "model" / "config.json").is_file()
+        or not (path / "data" / "val.parquet").is_file()
+    ):
+        cmd = [sys.executable, "-m", "megatron_armor.cli", "tiny", "--out", str(path)]
+        done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, (
+            f"`armor tiny` failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+        )
+    return path
+
+
+@pytest.fixture
+def workdir(tiny_dir, tmp_path) -> Path:
+    return make_workdir(tiny_dir, tmp_path)
+
+
+@pytest.fixture
+def jobs(cluster):
+    """Submit jobs with ``jobs.submit(...)``; they are cancelled when the test ends, however."""
+    submitted = SlurmJobs()
+    yield submitted
+    submitted.cancel_all()
