@@ -2,18 +2,20 @@
 
 1. ``scancel --signal=TERM --full`` while the driver starts up (every process of the job gets
    SIGTERM): the driver stops before its first step (exit 75), the job requeues itself.
-2. ``scancel --signal=TERM --full`` while step 2 runs: Ray's processes block the signal
+2. ``scancel --signal=TERM --full`` once step 1 has ended: Ray's processes block the signal
    (``orchestration/ray_node.py``), so the driver finishes the step, checkpoints it, exits 75,
    and the job requeues itself.
-3. A preemption while step 3 runs, as ``PreemptMode=REQUEUE`` does it: ``scontrol requeue``
+3. A preemption once the next start has run a step, as ``PreemptMode=REQUEUE`` does it: ``scontrol requeue``
    sends SIGTERM to every process of the job, SIGKILL after ``KillWait``, and requeues it.
 
 The last start resumes and completes, and every step's metrics equal those of an uninterrupted
-job run at the same time. Each signal waits on the driver's log or the step's anchor file.
+job run at the same time. Each signal waits on the driver's log or a step's anchor file (written
+as the step ends; a tiny step takes about a second, so the checkpoint's step is read from the log).
 """
 
 from __future__ import annotations
 
+import re
 import subprocess
 
 import pytest
@@ -23,8 +25,9 @@ from megatron_armor.observability.metrics import read_metrics, without_wall_cloc
 
 pytestmark = pytest.mark.slurm
 
-STEPS = 4
+STEPS = 8  # steps of the tiny config take about a second: room for the signals mid-run
 OVERRIDES = [f"run.steps={STEPS}", "run.ckpt_every=100"]
+CHECKPOINTED = re.compile(r"SIGTERM: checkpoint of step (\d+) written")
 
 
 def since_restart(job: Job, restart: int) -> str:
@@ -56,25 +59,24 @@ def signal_when(job: Job, predicate, what: str, command: list[str]) -> None:
 def test_signals_requeue_the_job_and_it_resumes_exactly(cluster, tiny_dir, workdir, jobs, tmp_path):
     reference = jobs.submit(make_workdir(tiny_dir, tmp_path / "reference"), OVERRIDES)
     job = jobs.submit(workdir, OVERRIDES)
-    anchors = job.run_dir / "anchors"
+    anchors = job.run_dir / "anchors"  # step_N.jsonl: written as step N ends
     full_term = ["scancel", "--signal=TERM", "--full", job.job_id]
-    signal_when(
-        job,
-        lambda: "armor train: starting" in since_restart(job, 0),
-        "the driver's start-up",
-        full_term,
+    starting = lambda: "armor train: starting" in since_restart(job, 0)  # noqa: E731
+    signal_when(job, starting, "the driver's start-up", full_term)
+    signal_when(job, (anchors / "step_000001.jsonl").is_file, "step 1", full_term)
+    wait_until(
+        lambda: CHECKPOINTED.search(since_restart(job, 1)), 120, "the checkpoint", job.report
     )
-    signal_when(job, (anchors / "step_000002.jsonl").is_file, "step 2", full_term)
-    signal_when(
-        job, (anchors / "step_000003.jsonl").is_file, "step 3", ["scontrol", "requeue", job.job_id]
-    )
+    saved = int(CHECKPOINTED.search(since_restart(job, 1)).group(1))
+    resumed = (anchors / f"step_{saved + 1:06d}.jsonl").is_file
+    signal_when(job, resumed, f"step {saved + 1}", ["scontrol", "requeue", job.job_id])
     state, ref_state = job.wait_done(), reference.wait_done()
     out = job.report()
     assert ref_state == "COMPLETED", reference.report()
     assert state == "COMPLETED" and int(job.field("Restarts")) >= 3, out
     started = since_restart(job, 0)
     assert "SIGTERM before the next step: no step run; newest checkpoint: none" in started, out
-    assert "SIGTERM: checkpoint of step 2 written" in since_restart(job, 1), out
+    assert 1 <= saved < STEPS - 1, out  # mid-run
     assert "resumed from" in since_restart(job, 3), out
     assert f"step {STEPS}/{STEPS}" in since_restart(job, 3), out
     expected = {r["step"]: without_wall_clock(r) for r in read_metrics(reference.run_dir)}
