@@ -108,7 +108,7 @@ def push_weights(url: str, kind: str, model_dir: str) -> None:
         )
     elif kind == "tensor":
         serialized, keepalive = transport.serialize_bucket(tensors)
-        body = client.update_weights_from_tensor_payload(serialized, 1, tp_size=1)
+        body = client.update_weights_from_tensor_payload([serialized], 1)  # one server TP rank
         _post(url, "/update_weights_from_tensor", body)
         del keepalive
     else:

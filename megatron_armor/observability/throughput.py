@@ -1,5 +1,8 @@
 """Per-step throughput: tokens/s, TFLOP/s and MFU, peak GPU memory, weight-sync cost.
 
+The driver never touches CUDA: :func:`peak_gpu_memory_gb` runs in the trainer and rollout
+actors (each its own device) and :func:`gpu_memory_metrics` takes the largest of their peaks.
+
 The loop feeds one :class:`ThroughputMeter` per step and logs :meth:`ThroughputMeter.pop_metrics`:
 
     meter.add_rollout(tokens=generated_tokens, seconds=t_gen)        # policy + reference
@@ -51,17 +54,29 @@ def mfu(model_flops: float, seconds: float, num_gpus: int, peak_tflops_per_gpu: 
 
 
 def peak_gpu_memory_gb(reset: bool = True) -> float | None:
-    """Largest ``torch.cuda.max_memory_allocated`` over visible GPUs in GB (``None`` on CPU)."""
+    """This process's ``torch.cuda.max_memory_allocated`` on its current device in GB, reset
+    for the next step (``None`` without CUDA). Call it in an actor, never in the driver."""
     import torch
 
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return None
-    peak = 0
-    for index in range(torch.cuda.device_count()):
-        peak = max(peak, torch.cuda.max_memory_allocated(index))
-        if reset:
-            torch.cuda.reset_peak_memory_stats(index)
+    device = torch.cuda.current_device()
+    peak = torch.cuda.max_memory_allocated(device)
+    if reset:
+        torch.cuda.reset_peak_memory_stats(device)
     return peak / 1e9
+
+
+def gpu_memory_metrics(trainer_gb: float | None, rollout_gb: float | None) -> dict[str, float]:
+    """``perf/peak_gpu_mem_gb`` (max over every rank) and its trainer / rollout parts."""
+    out = {}
+    if trainer_gb is not None:
+        out["perf/peak_gpu_mem_trainer_gb"] = trainer_gb
+    if rollout_gb is not None:
+        out["perf/peak_gpu_mem_rollout_gb"] = rollout_gb
+    if out:
+        out["perf/peak_gpu_mem_gb"] = max(out.values())
+    return out
 
 
 @dataclass
@@ -113,9 +128,6 @@ class ThroughputMeter:
         if self._sync_bytes or self._sync_s:
             out["perf/weight_sync_s"] = self._sync_s
             out["perf/weight_sync_gb"] = self._sync_bytes / 1e9
-        peak = peak_gpu_memory_gb(reset=True)
-        if peak is not None:
-            out["perf/peak_gpu_mem_gb"] = peak
         self.reset()
         return out
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Iterable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -84,6 +85,12 @@ def close_groups(groups: list) -> None:
     for group in groups:
         for actor in group.actors:
             ray.kill(actor)
+
+
+def max_peak(peaks: list[float | None]) -> float | None:
+    """The largest of the actors' peaks (``None`` when none of them has a GPU)."""
+    known = [p for p in peaks if p is not None]
+    return max(known) if known else None
 
 
 def _remote(cls, options: dict):
@@ -184,22 +191,19 @@ class TrainerGroup:
         """Object refs of every rank's exported HF tensors (non-exporting ranks give [])."""
         return [a.export_weights.remote(weights) for a in self.actors]
 
-    def stream_weights(
-        self,
-        version: int,
-        targets: list[tuple[str, int]],
-        weights: str = "policy",
-        pool: str = "policy",
-    ) -> int:
-        """Distributed transport: every rank runs the export of ``weights``, the exporting ranks
-        broadcast into the SGLang servers ``targets`` of ``pool``; returns the bytes sent (sum
-        over stages)."""
-        refs = [a.stream_weights.remote(version, targets, weights, pool=pool) for a in self.actors]
-        return sum(wait(refs, "weight sync (distributed transport)"))
+    def push_weights(self, version: int, weights: str, pool: str, target) -> int:
+        """Every rank's part of a weight push into ``pool``'s servers ``target`` (the
+        transport's address of them, ``orchestration/weight_sync.py``); the bytes sent."""
+        refs = [a.push_weights.remote(version, weights, pool, target) for a in self.actors]
+        return sum(wait(refs, f"weight sync ({weights} into the {pool} servers)"))
 
     def drop_sender(self, pool: str) -> None:
         """Forget the weight-sync groups into ``pool`` (one of its servers restarted)."""
         wait([a.drop_sender.remote(pool) for a in self.actors], "weight-sync group reset")
+
+    def peak_gpu_memory_gb(self) -> float | None:
+        """The largest per-rank peak of GPU memory since the last call (``None`` on CPU)."""
+        return max_peak(wait([a.peak_gpu_memory_gb.remote() for a in self.actors], "GPU memory"))
 
     def save_checkpoint(self, path: str, run_state: dict) -> None:
         wait(
@@ -252,6 +256,7 @@ class RolloutGroup:
     ):
         self.actors = []
         self.has_ref_pool = uses_ref_pool(config)
+        self.weight_sync = None  # set by the session (orchestration/weight_sync.py)
         if hosts:
             for i, host in enumerate(hosts):
                 opts = actor_options(plan, pg, order or [], host.bundle, 0.0)
@@ -311,8 +316,13 @@ class RolloutGroup:
         return self._fan_out(self.policy_actors, "generate", items, n, params=params)
 
     def sample_reference(self, items: list, n: int, params: SamplingParams) -> list[list[Sample]]:
-        """``n`` reference samples per prompt item, in generation order."""
-        return self._fan_out(self.reference_actors, "sample_reference", items, n, params=params)
+        """``n`` reference samples per prompt item, in generation order (with the reference
+        swapped into the policy servers around the call when :attr:`weight_sync` swaps)."""
+        swapped = (
+            self.weight_sync.reference_swapped(items, n) if self.weight_sync else nullcontext()
+        )
+        with swapped:
+            return self._fan_out(self.reference_actors, "sample_reference", items, n, params=params)
 
     def generate_raw(self, prompts, n, params, weights="policy") -> list[list[GenerationOutput]]:
         return self._fan_out(
@@ -320,8 +330,8 @@ class RolloutGroup:
         )
 
     def update_weights(self, version: int, export_refs: list) -> int:
-        """Weight sync: every policy worker loads the trainer's exported tensors at ``version``;
-        bytes per worker."""
+        """Embedded engine: every policy worker loads the trainer's exported tensors at
+        ``version`` (``orchestration/weight_sync.InProcessSync``); bytes per worker."""
         return wait(
             [a.update_weights.remote(version, *export_refs) for a in self.policy_actors],
             "weight sync",
@@ -330,28 +340,53 @@ class RolloutGroup:
     def _pool_actors(self, pool: str) -> list:
         return self.policy_actors if pool == "policy" else self.reference_actors
 
-    def weight_targets(self, pool: str = "policy") -> list[tuple[str, int]]:
-        """``[(server_url, tp)]`` of the SGLang servers of ``pool``, in worker order."""
-        parts = wait(
-            [a.weight_targets.remote(pool) for a in self._pool_actors(pool)],
-            "rollout weight targets",
-        )
-        return [tuple(t) for part in parts for t in part]
+    def weight_targets(self, pool: str = "policy") -> list[tuple[int, str, int, int]]:
+        """``[(worker, server_url, tp, server index)]`` of the SGLang servers of ``pool``,
+        ``worker`` the position in :attr:`actors`."""
+        actors = self._pool_actors(pool)
+        parts = wait([a.weight_targets.remote(pool) for a in actors], "rollout weight targets")
+        workers = [self.actors.index(a) for a in actors]
+        return [(w, *t) for w, part in zip(workers, parts, strict=True) for t in part]
 
     def set_weight_version(self, version: int, pool: str = "policy") -> None:
-        """Record ``version`` on the workers of ``pool`` after the trainer streamed the weights."""
+        """Record ``version`` on the workers of ``pool`` after the trainer pushed the weights."""
         wait(
             [a.set_weight_version.remote(version, pool) for a in self._pool_actors(pool)],
             "rollout weight version",
         )
 
+    def load_from_disk(
+        self, pool: str, path: str, version: int, servers: dict[int, list[int]] | None = None
+    ) -> None:
+        """``pool``'s servers (all, or ``{worker: [server index]}``) load the HF dir ``path``."""
+        if servers is None:
+            refs = [a.load_from_disk.remote(pool, path, version) for a in self._pool_actors(pool)]
+        else:
+            refs = [self.actors[w].load_from_disk.remote(pool, path, version, indices)
+                    for w, indices in servers.items()]  # fmt: skip
+        wait(refs, f"{pool} servers loading {path}")
+
+    def reference_misses(self, items: list, n: int) -> int:
+        """How many of ``items`` the reference workers must sample afresh (not cached)."""
+        parts = shard(items, len(self.reference_actors))
+        refs = [
+            a.reference_misses.remote(p, n)
+            for a, p in zip(self.reference_actors, parts, strict=True)
+            if p
+        ]
+        return sum(wait(refs, "rollout reference cache"))
+
     def reference_in_place(self, version: int, reset: bool) -> None:
-        """Record reference ``version`` without sending weights: the trainer streamed them into
-        the reference pool (NCCL transport), or the run draws no reference samples."""
+        """Record reference ``version`` without sending weights: the trainer pushed them into
+        the reference pool, swaps them in when sampling, or the run draws no reference samples."""
         wait(
             [a.reference_in_place.remote(version, reset) for a in self.reference_actors],
             "rollout reference version",
         )
+
+    def peak_gpu_memory_gb(self) -> float | None:
+        """The largest per-worker peak of GPU memory (embedded engines on GPUs; else ``None``)."""
+        return max_peak(wait([a.peak_gpu_memory_gb.remote() for a in self.actors], "GPU memory"))
 
     def restart_dead_servers(self) -> list[dict[str, list[int]]]:
         """Per worker, ``{pool: [server index]}`` of the SGLang servers it restarted (out of
@@ -360,12 +395,6 @@ class RolloutGroup:
             [a.restart_dead_servers.remote() for a in self.actors],
             "rollout health check",
             2 * call_timeout(),
-        )
-
-    def resync_servers(self, worker: int, pool: str, indices: list[int], export_refs: list) -> None:
-        wait(
-            self.actors[worker].resync_servers.remote(pool, indices, *export_refs),
-            "weight re-sync of restarted servers",
         )
 
     def rejoin(self, worker: int, pool: str, indices: list[int]) -> None:
@@ -427,86 +456,6 @@ class RolloutGroup:
             [a.load_state_dict.remote(s) for a, s in zip(actors, states, strict=True)],
             "rollout state load",
         )
-
-
-def push_policy(
-    trainer: TrainerGroup, rollout: RolloutGroup, version: int, export_refs: list | None
-) -> int:
-    """Weight sync of the policy at ``version``; returns the bytes moved per engine.
-
-    ``export_refs`` (``TrainerGroup.export_refs``) go through the object store into
-    ``RolloutGroup.update_weights``; ``None`` means ``rollout.sglang.weight_transport:
-    distributed``: the trainer ranks stream straight into the servers, then the engines
-    record the version.
-    """
-    if export_refs is not None:
-        return rollout.update_weights(version, export_refs)
-    num_bytes = trainer.stream_weights(version, rollout.weight_targets())
-    rollout.set_weight_version(version)
-    return num_bytes
-
-
-def push_reference(
-    trainer: TrainerGroup,
-    rollout: RolloutGroup,
-    version: int,
-    streamed: bool,
-    reset: bool,
-    anchors: bool = True,
-) -> None:
-    """Serve the trainer's reference weights at ``version``: at start-up / resume, or after a
-    reset (``reset``: the trainer's reference is already the policy; the anchor cache is dropped).
-
-    ``streamed`` (``weight_transport: distributed``) with a reference pool: the trainer ranks
-    broadcast straight into the reference servers. Otherwise the export goes through the
-    object store into the worker's reference sampler (swap copies, dedicated set or pool).
-    Without ``anchors`` (``algo.anchor: none``) nothing is sent: the engines only record the
-    version.
-    """
-    if not anchors:
-        rollout.reference_in_place(version, reset)
-        return
-    if streamed and rollout.has_ref_pool:
-        trainer.stream_weights(version, rollout.weight_targets("ref"), weights="ref", pool="ref")
-        rollout.reference_in_place(version, reset)
-        return
-    refs = trainer.export_refs("ref")
-    if reset:
-        rollout.reset_reference(version, refs)
-    else:
-        rollout.load_reference(version, refs)
-
-
-def heal_rollout(trainer: TrainerGroup, rollout: RolloutGroup, streamed: bool) -> int:
-    """Restart dead SGLang servers and give them their pool's current weights before they
-    serve again (the policy, or the reference for the reference pool); returns the count.
-
-    Per pool with restarts, once: ``streamed`` drops the pool's NCCL group (it lost a member)
-    and streams to the whole pool under a new one; otherwise one export goes to just the
-    restarted servers of every worker.
-    """
-    restarted = rollout.restart_dead_servers()  # per worker: {pool: [server index]}
-    count = 0
-    for pool in sorted({pool for per_worker in restarted for pool in per_worker}):
-        weights = "policy" if pool == "policy" else "ref"
-        version = rollout.pool_version(pool)
-        refs = None
-        if streamed:
-            trainer.drop_sender(pool)
-            trainer.stream_weights(version, rollout.weight_targets(pool), weights, pool)
-        else:
-            refs = trainer.export_refs(weights)
-        for worker, per_worker in enumerate(restarted):
-            indices = per_worker.get(pool)
-            if not indices:
-                continue
-            if refs is not None:
-                rollout.resync_servers(worker, pool, indices, refs)
-            rollout.rejoin(worker, pool, indices)
-            print(f"rollout: restarted SGLang {pool} server(s) {indices} of worker {worker} "
-                  f"and re-synced their weights (version {version})", flush=True)  # fmt: skip
-            count += len(indices)
-    return count
 
 
 class RewardGroup:

@@ -20,7 +20,7 @@ from megatron_armor.observability.nvtx import nvtx_range
 from megatron_armor.observability.summary import step_line
 from megatron_armor.orchestration import checkpoints
 from megatron_armor.orchestration.anchor_rollout import AnchorRollout, derive_seed
-from megatron_armor.orchestration.groups import RemoteEngine, RemoteScorer, push_policy
+from megatron_armor.orchestration.groups import RemoteEngine, RemoteScorer
 from megatron_armor.orchestration.placement import shutdown_ray
 from megatron_armor.orchestration.run_state import EXIT_REQUEUE, StopSignal
 from megatron_armor.orchestration.session import Session, run_dir_of
@@ -31,7 +31,6 @@ from megatron_armor.orchestration.step_metrics import (
     rollout_metrics,
     write_anchor_file,
 )
-from megatron_armor.orchestration.workers import uses_distributed_transport
 from megatron_armor.rollout.protocol import SamplingParams
 from megatron_armor.types import Group, TrainBatch, pack_groups
 
@@ -86,13 +85,11 @@ def train_minibatches(s: Session, batch: TrainBatch, groups: list[Group]) -> dic
 def sync_and_maybe_reset(s: Session, step: int) -> dict[str, float]:
     """Weight sync (version = step); then a reference reset if the schedule says so."""
     with s.timers.phase("sync"):
-        streamed = uses_distributed_transport(s.config)  # trainer ranks -> SGLang over NCCL
-        refs = None if streamed else s.trainer.export_refs("policy")
         if s.config.trainer.offload_train_state:  # before the engines take their memory back
-            s.trainer.offload_train_state()  # (runs after the export: calls are ordered)
+            s.trainer.offload_train_state()
         if s.config.orchestration.layout == "colocated":
             s.rollout.resume_memory()
-        num_bytes = push_policy(s.trainer, s.rollout, step, refs)
+        num_bytes = s.push_policy(step)  # trainer ranks -> engines (weight_sync.py)
         s.state.policy_version = step
     s.meter.add_weight_sync(s.timers.seconds("sync"), num_bytes)
     if not s.schedule.should_reset(step):
@@ -211,6 +208,8 @@ def run_loop(s: Session, start: int, stop: StopSignal) -> int:
         metrics = run_step(s, rollout, step)
         s.trainer.profile_end(step)
         metrics.update(s.meter.pop_metrics())
+        metrics.update(s.weight_sync.pop_metrics())
+        metrics.update(s.gpu_memory_metrics())
         metrics.update(s.watch.observe(step, metrics))
         saved = stop.received or checkpoint_due(cfg, step) or s.watch.wants_checkpoint
         if saved:

@@ -18,7 +18,11 @@ from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.data.dataset import load_prompt_dataset
 from megatron_armor.data.sampler import ResumableSampler
 from megatron_armor.observability.metrics import MetricsLogger, truncate_metrics
-from megatron_armor.observability.throughput import ThroughputMeter, peak_tflops
+from megatron_armor.observability.throughput import (
+    ThroughputMeter,
+    gpu_memory_metrics,
+    peak_tflops,
+)
 from megatron_armor.observability.timers import PhaseTimers
 from megatron_armor.orchestration import checkpoints, placement
 from megatron_armor.orchestration.groups import (
@@ -26,9 +30,6 @@ from megatron_armor.orchestration.groups import (
     RolloutGroup,
     TrainerGroup,
     close_groups,
-    heal_rollout,
-    push_policy,
-    push_reference,
 )
 from megatron_armor.orchestration.placement import (
     LayoutPlan,
@@ -42,7 +43,8 @@ from megatron_armor.orchestration.run_dir import open_run_dir
 from megatron_armor.orchestration.run_lock import RunLock
 from megatron_armor.orchestration.run_state import RunState
 from megatron_armor.orchestration.run_watch import RunWatch
-from megatron_armor.orchestration.workers import load_model_tokenizer, uses_distributed_transport
+from megatron_armor.orchestration.weight_sync import WeightSync, make_weight_sync
+from megatron_armor.orchestration.workers import load_model_tokenizer
 from megatron_armor.planner.model import load_model_dims
 
 
@@ -79,6 +81,15 @@ def load_val_datasets(config: ArmorConfig, tokenizer) -> dict:
     return out
 
 
+def start_weight_sync(
+    config: ArmorConfig, trainer: TrainerGroup, rollout: RolloutGroup
+) -> WeightSync:
+    """The run's weight transport, chosen once; reference swaps go through it too."""
+    sync = make_weight_sync(config, trainer, rollout)
+    rollout.weight_sync = sync
+    return sync
+
+
 def make_meter(config: ArmorConfig, plan: LayoutPlan, device_name: str) -> ThroughputMeter:
     """Tokens/s always; FLOPs and MFU where the model dims and the GPU's peak are known."""
     try:
@@ -112,6 +123,7 @@ class Session:
     watch: RunWatch
     lock: RunLock
     resume_from: Path | None
+    weight_sync: WeightSync
 
     @classmethod
     def start(cls, config: ArmorConfig, resume: str = "auto") -> Session:
@@ -165,7 +177,7 @@ class Session:
             meter=make_meter(config, plan, trainer.info.get("device_name", "cpu")),
             alpha=resolve_alpha(config.algo.alpha, config.algo.group_size),
             num_minibatches=num_minibatches, state=RunState(), watch=RunWatch(config), lock=None,
-            resume_from=None,
+            resume_from=None, weight_sync=start_weight_sync(config, trainer, rollout),
         )  # fmt: skip
 
     # ------------------------------------------------------------------ checkpoints
@@ -191,12 +203,9 @@ class Session:
         self.watch.publish(self.run_dir)  # the best is protected before the rotation runs
         return checkpoints.commit_checkpoint(self.run_dir, tmp, step, self.config.run.keep_last)
 
-    def push_policy(self, version: int) -> None:
-        """Load the trainer's policy into the engines (over NCCL with the distributed transport)."""
-        refs = (
-            None if uses_distributed_transport(self.config) else self.trainer.export_refs("policy")
-        )
-        push_policy(self.trainer, self.rollout, version, refs)
+    def push_policy(self, version: int) -> int:
+        """Load the trainer's policy into the engines (``orchestration/weight_sync.py``)."""
+        return self.weight_sync.push_policy(version)
 
     def offload_for_rollout(self) -> None:
         """``trainer.offload_train_state``: the first rollout (or the first after a resume)
@@ -206,9 +215,7 @@ class Session:
 
     def push_reference(self, version: int, reset: bool = False) -> None:
         """Serve the trainer's reference at ``version`` (start-up, resume, or a ``reset``)."""
-        streamed = uses_distributed_transport(self.config)
-        anchors = self.config.algo.anchor != "none"
-        push_reference(self.trainer, self.rollout, version, streamed, reset, anchors)
+        self.weight_sync.push_reference(version, reset)
 
     def heal_rollout(self, step: int) -> int:
         """Every ``rollout.sglang.health_check_every`` steps: restart dead SGLang servers and
@@ -216,7 +223,15 @@ class Session:
         every = self.config.rollout.sglang.health_check_every
         if self.config.rollout.backend != "sglang" or every <= 0 or step % every:
             return 0
-        return heal_rollout(self.trainer, self.rollout, uses_distributed_transport(self.config))
+        return self.weight_sync.heal()
+
+    def gpu_memory_metrics(self) -> dict[str, float]:
+        """``perf/peak_gpu_mem_*``: the actors' peaks since the last call (none on CPU runs)."""
+        if self.config.orchestration.layout == "cpu":
+            return {}
+        return gpu_memory_metrics(
+            self.trainer.peak_gpu_memory_gb(), self.rollout.peak_gpu_memory_gb()
+        )
 
     def restore(self) -> int:
         """Load the checkpoint chosen at start-up (or start fresh); returns the step to

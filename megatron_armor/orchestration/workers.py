@@ -12,7 +12,6 @@ Every method takes and returns picklable values (lists of tensors instead of ite
 from __future__ import annotations
 
 import contextlib
-import itertools
 import os
 import socket
 import time
@@ -23,6 +22,7 @@ import torch
 
 from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.observability.nvtx import enable_nvtx, nvtx_range
+from megatron_armor.observability.throughput import peak_gpu_memory_gb
 from megatron_armor.orchestration.ray_node import ignore_stop_signals
 from megatron_armor.rollout.protocol import GenerationOutput, SamplingParams
 from megatron_armor.types import Sample, SampleSource
@@ -104,14 +104,6 @@ def node_info() -> dict[str, Any]:
     }
 
 
-def uses_distributed_transport(config: ArmorConfig) -> bool:
-    """``rollout.sglang.weight_transport: distributed``: trainer ranks broadcast into SGLang."""
-    return (
-        config.rollout.backend == "sglang"
-        and config.rollout.sglang.weight_transport == "distributed"
-    )
-
-
 def weight_group_name(pp_stage: int, pool: str = "policy") -> str:
     """The weight-sync process group of pipeline stage ``pp_stage`` into SGLang pool ``pool``
     (one sender per stage and pool)."""
@@ -136,7 +128,7 @@ class TrainerWorker:
         self.config, self.rank, self.world_size = config, rank, world_size
         self.clock = ComputeClock()
         self.trainer = None
-        self.senders: dict = {}  # pool -> DistributedWeightSender, made at its first sync
+        self.sync = None  # this rank's end of the weight transport (made in init)
         self.profiler = None
         if profile_dir and config.logging.profile != "none":
             from megatron_armor.observability.profiler import profiler_from_config
@@ -162,6 +154,9 @@ class TrainerWorker:
             self.config, rank=self.rank, world_size=self.world_size,
             master_addr=master_addr, master_port=master_port,
         )  # fmt: skip
+        from megatron_armor.trainer.weight_sync import make_rank_sync
+
+        self.sync = make_rank_sync(self.config, self.trainer)
         return self.rank
 
     def compute_seconds(self) -> float:
@@ -194,63 +189,25 @@ class TrainerWorker:
         with nvtx_range("weight_sync"):
             return [(n, t.detach().cpu()) for n, t in self.trainer.export_weights(weights)]
 
-    def stream_weights(
-        self,
-        version: int,
-        targets: list[tuple[str, int]],
-        weights: str = "policy",
-        backend: str | None = None,
-        master_address: str | None = None,
-        pool: str = "policy",
-    ) -> int:
-        """Distributed transport: broadcast ``export_weights(weights)`` into the SGLang servers
-        ``targets`` (``[(url, tp)]``) of ``pool`` at ``version``; returns the bytes this rank sent.
-
-        Every rank iterates the export to the end (it is collective); only the ranks whose
-        export yields tensors (TP 0 / DP 0 of each pipeline stage) send. Their sender per pool
-        (group ``armor-weights-pp{stage}`` / ``armor-ref-weights-pp{stage}``, rendezvous on
-        ``master_address`` — default this node's IP — and a free port) is created at the first
-        call and kept. ``backend``: NCCL on GPUs, gloo on a CPU-only machine (tests).
-        """
-        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    def push_weights(self, version: int, weights: str, pool: str, target) -> int:
+        """This rank's part of a weight push (``trainer/weight_sync.py``, the transport chosen
+        from the config): ``weights`` at ``version`` into ``pool``'s servers ``target``;
+        returns the bytes this rank sent. Collective: every rank is called."""
+        if self.sync is None:
+            raise RuntimeError("push_weights needs rollout.backend=sglang (the embedded engine "
+                               "takes export_weights through its worker)")  # fmt: skip
         with nvtx_range("weight_sync"):
-            tensors = iter(self.trainer.export_weights(weights))
-            first = next(tensors, None)
-            if first is None:  # not an exporting rank: the export already ran to its end
-                return 0
-            sender = self._weight_sender(pool, targets, backend, master_address)
-            return sender.send(itertools.chain([first], tensors), version)
+            return self.sync.push(version, weights, pool, target)
 
     def drop_sender(self, pool: str) -> None:
-        """Forget ``pool``'s weight-sync group (a server of it restarted: the next sync makes a
-        new group with every server of the pool)."""
-        sender = self.senders.pop(pool, None)
-        if sender is not None:
-            sender.close()
+        """Forget ``pool``'s weight-sync state (a server of it restarted: the next push makes
+        a new NCCL group with every server of the pool)."""
+        if self.sync is not None:
+            self.sync.drop(pool)
 
-    def _weight_sender(self, pool: str, targets, backend: str, master_address: str | None):
-        """The connected sender of this rank's pipeline stage (a new one if the servers changed)."""
-        from megatron_armor.rollout.sglang.distributed import DistributedWeightSender
-        from megatron_armor.trainer import parallel  # Megatron only in this process
-
-        targets = [(str(url), int(tp)) for url, tp in targets]
-        current = self.senders.get(pool)
-        if current is not None and current.targets != targets:
-            self.drop_sender(pool)
-        if pool not in self.senders:
-            sglang = self.config.rollout.sglang
-            sender = DistributedWeightSender(
-                targets, master_address or node_ip(), free_port(),
-                weight_group_name(parallel.pp_rank(), pool),
-                bucket_bytes=sglang.weight_bucket_mb << 20, backend=backend,
-            )  # fmt: skip
-            try:
-                sender.connect(timeout_s=sglang.startup_timeout_s)
-            except BaseException:
-                sender.close()
-                raise
-            self.senders[pool] = sender
-        return self.senders[pool]
+    def peak_gpu_memory_gb(self) -> float | None:
+        """This rank's peak allocated GPU memory since the last call (``None`` on CPU)."""
+        return peak_gpu_memory_gb()
 
     def save_checkpoint(self, path: str, run_state: dict) -> None:
         self.trainer.save_checkpoint(path, run_state)
@@ -261,8 +218,8 @@ class TrainerWorker:
     def close(self) -> None:
         if self.profiler is not None:
             self.profiler.close()
-        for pool in list(self.senders):
-            self.drop_sender(pool)
+        if self.sync is not None:
+            self.sync.close()
         if self.trainer is not None and hasattr(self.trainer, "close"):
             self.trainer.close()
         self.trainer = None
@@ -393,13 +350,19 @@ class RolloutWorker:
         strategy, fill = reference_strategy(config)
         if config.algo.anchor == "none":  # no reference samples: no reference weights either
             strategy = fill = "none"
+        ref_engine = self.ref_engine
+        if config.rollout.backend == "sglang" and fill == "swap":
+            # the trainer ranks swap the reference into the policy servers around each call
+            # (orchestration/weight_sync.py): the servers then serve it like a dedicated pool
+            strategy = "dedicated" if strategy == "swap" else strategy
+            fill, ref_engine = "dedicated", self.engine
         self.keep_copies = "swap" in (strategy, fill)
         self.copies: dict[str, NamedTensors] = {}
         self.counted: dict[str, float] = {}
         self.reference = None  # a node with only policy servers samples no reference
         if self.ref_engine is not None or not wanted_ref:
             self.reference = make_reference_sampler(
-                strategy, self.engine, weights_fn=self._weights, ref_engine=self.ref_engine,
+                strategy, self.engine, weights_fn=self._weights, ref_engine=ref_engine,
                 cache_fill=fill,
             )  # fmt: skip
 
@@ -483,13 +446,33 @@ class RolloutWorker:
             self.counted[key] = total
         return out
 
-    def weight_targets(self, pool: str = "policy") -> list[tuple[str, int]]:
-        """``[(server_url, tp)]`` of the SGLang servers of ``pool`` (distributed transport)."""
-        return [(s.url, s.tp) for s in self._pool(pool).servers]
+    def weight_targets(self, pool: str = "policy") -> list[tuple[str, int, int]]:
+        """``[(server_url, tp, server index)]`` of the SGLang servers of ``pool``."""
+        return [(s.url, s.tp, s.index) for s in self._pool(pool).servers]
 
     def set_weight_version(self, version: int, pool: str = "policy") -> None:
-        """Record ``version`` after the trainer ranks streamed the weights themselves."""
+        """Record ``version`` after the trainer ranks pushed the weights themselves."""
         self._pool(pool).set_weight_version(version)
+
+    def load_from_disk(
+        self, pool: str, path: str, version: int, indices: list[int] | None = None
+    ) -> None:
+        """``/update_weights_from_disk`` of the HF dir ``path`` the trainer ranks wrote, into
+        ``pool``'s servers ``indices`` (default: all, which then serve ``version``)."""
+        servers = None if indices is None else self._servers(pool, indices)
+        self._pool(pool).update_weights_from_disk(path, version, servers)
+
+    def reference_misses(self, items: list, n: int) -> int:
+        """How many of ``items`` need fresh reference samples (the rest are cached anchors)."""
+        cached = getattr(self.reference, "_cached", None)
+        if cached is None:
+            return len(items)
+        return sum(not cached(it.query_id, it.prompt_ids, n) for it in items)
+
+    def peak_gpu_memory_gb(self) -> float | None:
+        """Peak GPU memory of the embedded engine in this process (``None`` without CUDA;
+        SGLang servers are separate processes)."""
+        return peak_gpu_memory_gb()
 
     def pools(self) -> list[str]:
         """The pools with servers (or the embedded engine) in this worker."""
@@ -523,14 +506,6 @@ class RolloutWorker:
     def _servers(self, pool: str, indices: list[int]) -> list:
         by_index = {s.index: s for s in self._pool(pool).servers}
         return [by_index[i] for i in indices]
-
-    def resync_servers(self, pool: str, indices: list[int], *shards: NamedTensors) -> int:
-        """Push ``shards`` (the pool's current weights) into the restarted servers ``indices``
-        at the pool's current version (tensor / disk transport); returns the bytes per server."""
-        engine = self._pool(pool)
-        tensors = [nt for shard in shards for nt in shard]
-        engine.sync_servers(tensors, engine.weight_version(), self._servers(pool, indices))
-        return sum(t.numel() * t.element_size() for _, t in tensors)
 
     def rejoin(self, pool: str, indices: list[int]) -> None:
         """Put the re-synced servers ``indices`` of ``pool`` back into rotation."""

@@ -235,10 +235,14 @@ class MegatronTrainer(TrainerInterface):
         enable_cpu_mode()  # per thread (no-op with CUDA)
         self.store.snapshot("ref")
 
-    def export_weights(self, weights: str = "policy") -> Iterator[tuple[str, torch.Tensor]]:
+    def export_weights(
+        self, weights: str = "policy", device: str | None = "cpu", every_rank: bool = False
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF tensors of ``weights`` (``hf_weights.export_hf_weights``: on ``device``, from
+        the export ranks or ``every_rank``)."""
         enable_cpu_mode()  # per thread (no-op with CUDA)
         with self.store.swapped(weights):
-            yield from export_hf_weights(self.model, self.spec)
+            yield from export_hf_weights(self.model, self.spec, device, every_rank)
 
     def save_checkpoint(self, path: str, run_state: dict) -> None:
         enable_cpu_mode()  # per thread (no-op with CUDA)

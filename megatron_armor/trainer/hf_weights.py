@@ -251,15 +251,19 @@ def merge_shards(
     raise ValueError(f"unknown parameter kind {pmap.kind!r}")
 
 
-def export_hf_weights(model, spec: HFModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, full CPU tensor)`` for this pipeline stage.
+def export_hf_weights(
+    model, spec: HFModelSpec, device: str | torch.device | None = "cpu", every_rank: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, full tensor)`` for this pipeline stage, as a copy on ``device``
+    (``None``: the parameters' own device, the GPU on a cluster; no host copy).
 
     Collective over the TP group: every TP rank must iterate to the end; only export ranks
-    (TP rank 0, DP rank 0) yield. A tied output layer on the last stage is skipped (its HF
-    tensor is ``embed_tokens``, exported by the first stage).
+    (TP rank 0, DP rank 0) yield, or every rank with ``every_rank`` (each holds the gathered
+    shards anyway; the CUDA-IPC transport serializes from every GPU). A tied output layer on
+    the last stage is skipped (its HF tensor is ``embed_tokens``, exported by the first stage).
     """
     core = unwrap(model)
-    offset, export = layer_offset(core), parallel.is_export_rank()
+    offset, export = layer_offset(core), every_rank or parallel.is_export_rank()
     for name, param in core.named_parameters():
         pmap = map_param(name, spec, offset)
         if param.numel() == 0 or pmap is None:
@@ -271,4 +275,5 @@ def export_hf_weights(model, spec: HFModelSpec) -> Iterator[tuple[str, torch.Ten
             continue
         for hf_name, tensor in zip(pmap.hf_names, merge_shards(pmap, parts, spec), strict=True):
             # always a copy: a replicated tensor would otherwise alias the live parameter
-            yield hf_name, tensor.detach().to("cpu", copy=True).contiguous()
+            target = tensor.device if device is None else device
+            yield hf_name, tensor.detach().to(target, copy=True).contiguous()

@@ -59,9 +59,12 @@ class TrainerInterface(ABC):
         """Copy the current policy weights into the reference copy (armor-spec §5)."""
 
     @abstractmethod
-    def export_weights(self, weights: str = "policy") -> Iterator[tuple[str, torch.Tensor]]:
-        """Stream of full (TP-gathered) HF-named tensors for this rank's pipeline stage.
-        Only tensor-parallel rank 0 / data-parallel rank 0 of each stage yields tensors."""
+    def export_weights(
+        self, weights: str = "policy", device: str | None = "cpu", every_rank: bool = False
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Stream of full (TP-gathered) HF-named tensors for this rank's pipeline stage, copied
+        to ``device`` (``None``: left on the training device). Only tensor-parallel rank 0 /
+        data-parallel rank 0 of each stage yields tensors, or every rank with ``every_rank``."""
 
     @abstractmethod
     def save_checkpoint(self, path: str, run_state: dict) -> None:

@@ -349,9 +349,9 @@ def test_payloads_match_sglang_fields():
         set(update_weights_from_disk_payload("/p", 1))
         <= ENDPOINT_FIELDS["/update_weights_from_disk"]
     )
-    tensor_body = update_weights_from_tensor_payload("blob", 3, tp_size=2)
+    tensor_body = update_weights_from_tensor_payload(["rank0", "rank1"], 3)
     assert set(tensor_body) <= ENDPOINT_FIELDS["/update_weights_from_tensor"]
-    assert tensor_body["serialized_named_tensors"] == ["blob", "blob"]
+    assert tensor_body["serialized_named_tensors"] == ["rank0", "rank1"]
     assert tensor_body["load_format"] == "flattened_bucket"
     with pytest.raises(ValueError, match="weight_transport=tensor got CPU tensors"):
         transport.serialize_bucket(bucket)

@@ -92,7 +92,7 @@ def our_bodies() -> dict[str, tuple[str, dict]]:
         "/abort_request": ("AbortReq", client.abort_payload("r1")),
         "/update_weights_from_tensor": (
             "UpdateWeightsFromTensorReqInput",
-            client.update_weights_from_tensor_payload("b64", version=3, tp_size=2),
+            client.update_weights_from_tensor_payload(["tp0-b64", "tp1-b64"], version=3),
         ),
         "/update_weights_from_distributed": (
             "UpdateWeightsFromDistributedReqInput",
@@ -133,6 +133,18 @@ def test_every_body_has_exactly_fields_of_its_request_struct(sglang_src):
         assert required <= set(body), f"{endpoint}: {struct} needs {required - set(body)}"
         assert "POST" in served.get(endpoint, set()), f"SGLang serves no POST {endpoint}"
     assert "GET" in served["/health_generate"]  # SGLangClient.healthy: GET, no body
+
+
+@pytest.mark.unit
+def test_tensor_body_has_one_handle_per_server_tp_rank(sglang_src):
+    """SGLang's TP worker deserializes ``serialized_named_tensors[tp_rank]`` only, so entry
+    ``t`` must be the handle made on TP rank ``t``'s GPU, one entry per server TP rank."""
+    worker = (sglang_src / "srt/managers/tp_worker.py").read_text()
+    assert "serialized_named_tensors[get_parallel().tp_rank]" in worker
+    handles = [f"bucket-on-tp{rank}" for rank in range(4)]
+    body = client.update_weights_from_tensor_payload(handles, version=5)
+    assert body["serialized_named_tensors"] == handles  # one per TP rank, in rank order
+    assert body["weight_version"] == "5"
 
 
 @pytest.mark.unit

@@ -84,12 +84,14 @@ def abort_payload(rid: str | None) -> dict[str, Any]:
     return {"rid": rid or "", "abort_all": rid is None}
 
 
-def update_weights_from_tensor_payload(serialized: str, version: int, tp_size: int) -> dict:
+def update_weights_from_tensor_payload(serialized: list[str], version: int) -> dict:
     """Body of ``/update_weights_from_tensor`` (``UpdateWeightsFromTensorReqInput``) for one
-    serialized bucket (base64 text of ``MultiprocessingSerializer``): one copy per TP rank of
-    the server, ``load_format='flattened_bucket'``."""
+    bucket: ``serialized[t]`` is the ``MultiprocessingSerializer`` text of the bucket as shared
+    from the GPU of the server's TP rank ``t`` (SGLang's ``TpModelWorker`` reads
+    ``serialized_named_tensors[tp_rank]``), so the list has one entry per server TP rank;
+    ``load_format='flattened_bucket'``."""
     return {
-        "serialized_named_tensors": [serialized] * tp_size,
+        "serialized_named_tensors": list(serialized),
         "load_format": "flattened_bucket",
         "flush_cache": True,
         "weight_version": str(version),

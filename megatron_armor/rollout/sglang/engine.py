@@ -36,7 +36,6 @@ from megatron_armor.rollout.sglang.client import (
     resume_memory_occupation_payload,
     sample_seed,
     update_weights_from_disk_payload,
-    update_weights_from_tensor_payload,
 )
 from megatron_armor.rollout.sglang.pools import PoolSpec, policy_pool, pool_specs
 from megatron_armor.rollout.sglang.router import RouterAdmin
@@ -285,8 +284,10 @@ class SGLangEngine(RolloutEngine):
     def update_weights(
         self, named_tensors: NamedTensors, version: int, weights: str = "policy"
     ) -> None:
-        """Push HF-named tensors with ``rollout.sglang.weight_transport`` (``tensor`` | ``disk``;
-        ``distributed`` runs on the trainer ranks, see :class:`DistributedWeightSender`)."""
+        """Save HF-named tensors as an HF dir and load it (``update_weights_from_disk``): for
+        tools and tests that hold tensors here. A training run never sends weights through
+        this process: the trainer ranks push them (``trainer/weight_sync.py``), then the
+        worker calls :meth:`update_weights_from_disk` or :meth:`set_weight_version`."""
         self._check_weights(weights)
         self.sync_servers(named_tensors, version, self.servers)
         self._version = int(version)
@@ -295,43 +296,32 @@ class SGLangEngine(RolloutEngine):
         self, named_tensors: NamedTensors, version: int, servers: list[EngineServer]
     ) -> None:
         kind = self.cfg.weight_transport
-        if kind == "tensor":
-            for bucket in transport.iter_buckets(named_tensors, self.cfg.weight_bucket_mb << 20):
-                serialized, keepalive = transport.serialize_bucket(bucket)
-                self._post_all(
-                    servers,
-                    "/update_weights_from_tensor",
-                    lambda s, blob=serialized: update_weights_from_tensor_payload(
-                        blob, version, s.tp
-                    ),
-                )
-                del keepalive  # every server has copied the bucket
-        elif kind == "disk":
-            path = self._save_for_disk(named_tensors, version)
-            self._post_all(
-                servers,
-                "/update_weights_from_disk",
-                lambda s: update_weights_from_disk_payload(path, version),
-            )
-            self._prune_disk_versions(keep=path)
-        elif kind == "distributed":
+        if kind != "disk":
             raise ValueError(
-                "rollout.sglang.weight_transport=distributed streams from the trainer ranks: use "
-                "DistributedWeightSender there, then engine.set_weight_version(version)"
+                f"rollout.sglang.weight_transport={kind!r} runs on the trainer ranks "
+                "(trainer/weight_sync.py), which push into the servers themselves; this process "
+                "only saves tensors it holds for weight_transport=disk"
             )
-        else:
-            raise ValueError(
-                f"rollout.sglang.weight_transport={kind!r} is not one of tensor|distributed|disk"
-            )
-
-    def update_weights_from_disk(self, model_path: str, version: int) -> None:
-        """Load an HF directory written by the trainer (``/update_weights_from_disk``)."""
+        path = self._save_for_disk(named_tensors, version)
         self._post_all(
-            self.servers,
-            "/update_weights_from_disk",
+            servers,
+            transport.DISK_ENDPOINT,
+            lambda s: update_weights_from_disk_payload(path, version),
+        )
+        self._prune_disk_versions(keep=path)
+
+    def update_weights_from_disk(
+        self, model_path: str, version: int, servers: list[EngineServer] | None = None
+    ) -> None:
+        """Load an HF directory the trainer ranks wrote (``/update_weights_from_disk``) into
+        ``servers`` (default: all; then ``version`` becomes the pool's)."""
+        self._post_all(
+            self.servers if servers is None else servers,
+            transport.DISK_ENDPOINT,
             lambda s: update_weights_from_disk_payload(model_path, version),
         )
-        self._version = int(version)
+        if servers is None:
+            self._version = int(version)
 
     def _save_for_disk(self, named_tensors: NamedTensors, version: int) -> str:
         if self.weights_dir is None:

@@ -4,15 +4,25 @@ HF-named full tensors are cut into buckets of about ``rollout.sglang.weight_buck
 sent by one of:
 
 - ``tensor`` (colocated; ``POST /update_weights_from_tensor``): each bucket is packed into a
-  ``FlattenedTensorBucket`` (one uint8 buffer + metadata) and serialized with SGLang's
-  ``MultiprocessingSerializer`` (CUDA IPC handles for GPU tensors, shared memory for CPU
-  ones), one copy per TP rank of the engine, ``load_format='flattened_bucket'``.
+  ``FlattenedTensorBucket`` (one buffer + metadata) on a trainer GPU and serialized with
+  SGLang's ``MultiprocessingSerializer`` (a CUDA IPC handle; device ids replaced by GPU UUIDs
+  by SGLang's ``monkey_patch_torch_reductions``). ``serialized_named_tensors`` holds one entry
+  per TP rank of the server, entry ``t`` made on the GPU of TP rank ``t`` (SGLang's
+  ``TpModelWorker`` deserializes ``serialized_named_tensors[tp_rank]``),
+  ``load_format='flattened_bucket'``. CPU tensors cannot take this path: their pickled
+  file-descriptor handshake only works with a multiprocessing child, which the SGLang
+  scheduler is not.
 - ``distributed`` (disaggregated; ``POST /init_weights_update_group`` once, then per bucket
   ``POST /update_weights_from_distributed`` with ``names``/``dtypes``/``shapes`` while the
   sender broadcasts each tensor from rank 0 of a dedicated NCCL group). One group per
   pipeline stage: the stage's TP-rank-0 / DP-rank-0 trainer rank is its rank 0, so every
   stage streams its own layers in parallel.
-- ``disk`` (``POST /update_weights_from_disk`` with ``model_path``): the trainer saved an HF dir.
+- ``disk`` (``POST /update_weights_from_disk`` with ``model_path``): the trainer ranks saved an
+  HF dir (safetensors shards and their index).
+
+The request bodies are built by the pure ``*_payload`` functions of ``client.py`` (checked
+against SGLang's request dataclasses); the senders live with the trainer ranks
+(``trainer/weight_sync.py``).
 
 Every request carries ``weight_version`` (a string in SGLang) so generation results name it.
 """
@@ -26,6 +36,9 @@ from typing import Any
 import torch
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
+TENSOR_ENDPOINT = "/update_weights_from_tensor"
+DISTRIBUTED_ENDPOINT = "/update_weights_from_distributed"
+DISK_ENDPOINT = "/update_weights_from_disk"
 
 
 def iter_buckets(
@@ -76,27 +89,27 @@ def require_cuda_tensors(bucket: list[tuple[str, torch.Tensor]]) -> None:
 
 
 def _sglang_serialization():
-    """SGLang's ``MultiprocessingSerializer`` and ``FlattenedTensorBucket`` (moved across 0.4/0.5)."""
+    """SGLang's ``MultiprocessingSerializer``, ``FlattenedTensorBucket`` and
+    ``monkey_patch_torch_reductions`` (``sglang.srt.utils`` / ``weight_sync``, sglang 0.5.x)."""
     try:
         from sglang.srt.utils import MultiprocessingSerializer
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
     except ImportError as err:
         raise RuntimeError(
             "rollout.sglang.weight_transport=tensor needs the sglang package (GPU clusters); "
             "install requirements-gpu.txt or use weight_transport=disk"
         ) from err
-    try:
-        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
-    except ImportError:
-        from sglang.srt.model_executor.model_runner import FlattenedTensorBucket
-    return MultiprocessingSerializer, FlattenedTensorBucket
+    return MultiprocessingSerializer, FlattenedTensorBucket, monkey_patch_torch_reductions
 
 
 def serialize_bucket(bucket: list[tuple[str, torch.Tensor]]) -> tuple[str, torch.Tensor]:
-    """Pack ``bucket`` into a ``FlattenedTensorBucket`` and serialize it (SGLang's
-    ``MultiprocessingSerializer``: CUDA IPC handles for GPU tensors). Returns the string and
-    the flat buffer, which the caller keeps alive until every server has answered."""
+    """Pack ``bucket`` (CUDA tensors of one GPU) into a ``FlattenedTensorBucket`` and serialize
+    it (a CUDA IPC handle, device named by UUID as SGLang's receiver expects). Returns the
+    string and the flat buffer, which the caller keeps alive until the servers have loaded it."""
     require_cuda_tensors(bucket)
-    serializer, bucket_cls = _sglang_serialization()
+    serializer, bucket_cls, patch_reductions = _sglang_serialization()
+    patch_reductions()
     flat = bucket_cls(named_tensors=bucket)
     data = {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()}
     return serializer.serialize(data, output_str=True), data["flattened_tensor"]

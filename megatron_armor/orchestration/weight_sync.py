@@ -1,0 +1,269 @@
+"""The weight sync as the driver runs it: one class per transport, chosen once at start-up.
+
+:func:`make_weight_sync` reads ``rollout.backend`` and ``rollout.sglang.weight_transport``:
+
+=================  ==========================================================================
+class              what moves the weights
+=================  ==========================================================================
+InProcessSync      embedded engine (CPU runs): the trainer's exported CPU tensors go through
+                   Ray's object store into the rollout worker, which loads them in-process.
+TensorSync         ``tensor`` (colocated SGLang): the trainer ranks share CUDA-IPC handles
+                   with the servers on their GPUs (``trainer/weight_sync.py``).
+DistributedSync    ``distributed``: each PP stage's export rank broadcasts over NCCL.
+DiskSync           ``disk``: the trainer ranks write safetensors shards; the rollout workers
+                   tell their servers the directory.
+=================  ==========================================================================
+
+With SGLang no weight tensor reaches the driver or the object store: the driver sends
+versions, URLs and paths. The reference goes the same way as the policy: into the reference
+pool (``dedicated``), or swapped into the policy servers around each reference sampling
+(``swap``, :meth:`WeightSync.reference_swapped`). Every push is timed and counted for
+``perf/weight_sync_<transport>_{gb,s,pushes}`` (:meth:`WeightSync.pop_metrics`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import time
+from collections.abc import Iterator
+
+from megatron_armor.config.schema import ArmorConfig
+from megatron_armor.rollout.reference import reference_strategy
+
+Servers = dict[int, list[int]]
+"""``{rollout worker: [server index]}``: a subset of a pool's servers (a heal)."""
+
+
+def weights_of(pool: str) -> str:
+    """The weights a pool serves between pushes (``policy`` servers hold the policy)."""
+    return "policy" if pool == "policy" else "ref"
+
+
+class WeightSync:
+    """Trainer -> rollout weight pushes of one run; subclasses implement :meth:`_send`."""
+
+    transport = "inprocess"
+
+    def __init__(self, config: ArmorConfig, trainer, rollout) -> None:
+        self.config, self.trainer, self.rollout = config, trainer, rollout
+        self.anchors = config.algo.anchor != "none"
+        self.versions = {"policy": 0, "ref": 0}
+        self._gb = self._seconds = 0.0
+        self._pushes = 0
+
+    # ------------------------------------------------------------------ verbs of the loop
+    def push_policy(self, version: int) -> int:
+        """The policy at ``version`` into the policy servers; returns the bytes moved."""
+        self.versions["policy"] = version
+        return self.push(version, "policy", "policy")
+
+    def push_reference(self, version: int, reset: bool = False) -> None:
+        """Serve the trainer's reference at ``version`` (start-up, resume, or a ``reset``,
+        which also drops the anchor cache). Without anchors only the version is recorded."""
+        self.versions["ref"] = version
+        if self.anchors and self.rollout.has_ref_pool:
+            self.push(version, "ref", "ref")
+        self.rollout.reference_in_place(version, reset)
+
+    @contextlib.contextmanager
+    def reference_swapped(self, items: list, n: int) -> Iterator[None]:
+        """``swap`` with SGLang: the reference in the policy servers for the block, the policy
+        back after it; skipped when every item's anchors are cached."""
+        if not self._swaps() or not self.rollout.reference_misses(items, n):
+            yield
+            return
+        self.push(self.versions["ref"], "ref", "policy")
+        try:
+            yield
+        finally:
+            self.push(self.versions["policy"], "policy", "policy")
+
+    def _swaps(self) -> bool:
+        if not self.anchors or self.rollout.has_ref_pool:
+            return False
+        _, fill = reference_strategy(
+            self.config.rollout.ref_strategy, self.config.algo.anchor_source
+        )
+        return fill == "swap"
+
+    def heal(self) -> int:
+        """Restart dead SGLang servers and give them their pool's current weights before they
+        serve again (:meth:`_resync`); returns how many were restarted."""
+        restarted = self.rollout.restart_dead_servers()  # per worker: {pool: [server index]}
+        count = 0
+        for pool in sorted({pool for per_worker in restarted for pool in per_worker}):
+            servers = {w: per[pool] for w, per in enumerate(restarted) if per.get(pool)}
+            version = self.rollout.pool_version(pool)
+            self._resync(pool, version, servers)
+            for worker, indices in servers.items():
+                self.rollout.rejoin(worker, pool, indices)
+                print(f"rollout: restarted SGLang {pool} server(s) {indices} of worker {worker} "
+                      f"and re-synced their weights (version {version})", flush=True)  # fmt: skip
+                count += len(indices)
+        return count
+
+    def _resync(self, pool: str, version: int, servers: Servers) -> None:
+        self.push(version, weights_of(pool), pool, servers)
+
+    # ------------------------------------------------------------------ one push
+    def push(self, version: int, weights: str, pool: str, servers: Servers | None = None) -> int:
+        """``weights`` (``policy`` | ``ref``) at ``version`` into ``pool``'s servers (all, or
+        ``servers``); returns the bytes moved (the model's size, once)."""
+        start = time.perf_counter()
+        num_bytes = self._send(version, weights, pool, servers)
+        if servers is None:
+            self.rollout.set_weight_version(version, pool)
+        self._seconds += time.perf_counter() - start
+        self._gb += num_bytes / 1e9
+        self._pushes += 1
+        return num_bytes
+
+    def _send(self, version: int, weights: str, pool: str, servers: Servers | None) -> int:
+        raise NotImplementedError
+
+    def pop_metrics(self) -> dict[str, float]:
+        """``perf/weight_sync_<transport>_{gb,s,pushes}`` of every push since the last call."""
+        if not self._pushes:
+            return {}
+        key = f"perf/weight_sync_{self.transport}"
+        out = {
+            f"{key}_gb": self._gb,
+            f"{key}_s": self._seconds,
+            f"{key}_pushes": float(self._pushes),
+        }
+        self._gb = self._seconds = 0.0
+        self._pushes = 0
+        return out
+
+    def close(self) -> None:
+        """Nothing to release on the driver (the trainer ranks close their transports)."""
+
+
+class InProcessSync(WeightSync):
+    """The embedded engine (CPU runs): exported CPU tensors through the object store."""
+
+    transport = "inprocess"
+
+    def push_policy(self, version: int) -> int:
+        self.versions["policy"] = version
+        start = time.perf_counter()
+        num_bytes = self.rollout.update_weights(version, self.trainer.export_refs("policy"))
+        self._record(start, num_bytes)
+        return num_bytes
+
+    def push_reference(self, version: int, reset: bool = False) -> None:
+        self.versions["ref"] = version
+        if not self.anchors:
+            self.rollout.reference_in_place(version, reset)
+            return
+        refs = self.trainer.export_refs("ref")
+        start = time.perf_counter()
+        (self.rollout.reset_reference if reset else self.rollout.load_reference)(version, refs)
+        self._record(start, 0)
+
+    def _record(self, start: float, num_bytes: int) -> None:
+        self._seconds += time.perf_counter() - start
+        self._gb += num_bytes / 1e9
+        self._pushes += 1
+
+    def reference_swapped(self, items: list, n: int):
+        return contextlib.nullcontext()  # the worker swaps its own copies in-process
+
+    def heal(self) -> int:
+        return 0  # the engine lives in the worker's process
+
+
+class ServerSync(WeightSync):
+    """A transport the trainer ranks run into SGLang servers (``TrainerWorker.push_weights``)."""
+
+    def __init__(self, config: ArmorConfig, trainer, rollout) -> None:
+        super().__init__(config, trainer, rollout)
+        self._targets: dict[str, list[tuple[int, str, int, int]]] = {}
+
+    def targets(self, pool: str, servers: Servers | None = None) -> list[tuple[int, str, int, int]]:
+        """``[(worker, url, tp, server index)]`` of ``pool`` (fixed for the run: a restarted
+        server keeps its URL), or of ``servers`` only."""
+        if pool not in self._targets:
+            self._targets[pool] = self.rollout.weight_targets(pool)
+        chosen = self._targets[pool]
+        if servers is not None:
+            chosen = [t for t in chosen if t[3] in servers.get(t[0], [])]
+        return chosen
+
+
+class TensorSync(ServerSync):
+    """``tensor``: CUDA-IPC handles from the colocated trainer ranks (``TensorRankSync``)."""
+
+    transport = "tensor"
+
+    def _send(self, version: int, weights: str, pool: str, servers: Servers | None) -> int:
+        from megatron_armor.rollout.sglang.pools import pool_specs
+        from megatron_armor.trainer.weight_sync import ServerTarget
+
+        spec = pool_specs(self.config)[pool]
+        offsets = spec.gpu_offsets()  # colocated: rollout GPU g is trainer rank g's GPU
+        target = [ServerTarget(url, tp, offsets[index])
+                  for _, url, tp, index in self.targets(pool, servers)]  # fmt: skip
+        return self.trainer.push_weights(version, weights, pool, target)
+
+
+class DistributedSync(ServerSync):
+    """``distributed``: NCCL broadcasts from each PP stage's export rank into the pool."""
+
+    transport = "distributed"
+
+    def _send(self, version: int, weights: str, pool: str, servers: Servers | None) -> int:
+        from megatron_armor.trainer.weight_sync import ServerTarget
+
+        target = [ServerTarget(url, tp) for _, url, tp, _ in self.targets(pool)]
+        return self.trainer.push_weights(version, weights, pool, target)
+
+    def _resync(self, pool: str, version: int, servers: Servers) -> None:
+        """The pool's group lost a member: a new group with every server, and a full push."""
+        self.trainer.drop_sender(pool)
+        self.push(version, weights_of(pool), pool)
+
+
+class DiskSync(ServerSync):
+    """``disk``: the trainer ranks write ``sglang_weights/<pool>/<weights>-v<version>`` under
+    the run dir (a filesystem every node reads); the servers load it; older pushes are
+    deleted once the servers loaded the new one."""
+
+    transport = "disk"
+
+    def __init__(self, config: ArmorConfig, trainer, rollout) -> None:
+        super().__init__(config, trainer, rollout)
+        self.root = os.path.join(config.run.output_dir, config.run.name, "sglang_weights")
+
+    def _send(self, version: int, weights: str, pool: str, servers: Servers | None) -> int:
+        path = os.path.join(self.root, pool, f"{weights}-v{version}")
+        shutil.rmtree(path, ignore_errors=True)  # a half-written push of a crashed run
+        num_bytes = self.trainer.push_weights(version, weights, pool, path)
+        self.rollout.load_from_disk(pool, path, version, servers)
+        if servers is None:
+            prune_pushes(os.path.dirname(path), keep=path)
+        return num_bytes
+
+
+def prune_pushes(pool_dir: str, keep: str) -> None:
+    """Delete every pushed directory of ``pool_dir`` but ``keep`` (the servers loaded it)."""
+    for entry in os.scandir(pool_dir):
+        if entry.is_dir() and entry.path != keep:
+            shutil.rmtree(entry.path, ignore_errors=True)
+
+
+TRANSPORTS = {"tensor": TensorSync, "distributed": DistributedSync, "disk": DiskSync}
+
+
+def make_weight_sync(config: ArmorConfig, trainer, rollout) -> WeightSync:
+    """The :class:`WeightSync` of ``rollout.backend`` / ``rollout.sglang.weight_transport``."""
+    if config.rollout.backend != "sglang":
+        return InProcessSync(config, trainer, rollout)
+    kind = config.rollout.sglang.weight_transport
+    if kind not in TRANSPORTS:
+        raise ValueError(
+            f"rollout.sglang.weight_transport={kind!r} is not one of {sorted(TRANSPORTS)}"
+        )
+    return TRANSPORTS[kind](config, trainer, rollout)
