@@ -108,7 +108,9 @@ class StandInServer:
 
     async def update_from_disk(self, request: web.Request) -> web.Response:
         body = await request.json()
-        tensors = load_file(os.path.join(body["model_path"], "model.safetensors"))
+        tensors = {}  # every shard of the directory, as SGLang's loader reads it
+        for file in sorted(Path(body["model_path"]).glob("*.safetensors")):
+            tensors.update(load_file(file))
         return await self._load(list(tensors.items()), body)
 
     async def init_group(self, request: web.Request) -> web.Response:

@@ -2,7 +2,8 @@
 tier): a one-rank megatron-core trainer (gloo) inside ``TrainerWorker`` streams its exported
 policy into one stand-in SGLang server process and its reference into another (the dedicated
 reference pool), each pool over its own weight-sync group (``test_rollout_sglang_http.py`` run as a
-script, as in ``test_rollout_sglang_dist.py``) through ``TrainerWorker.stream_weights``.
+script, as in ``test_rollout_sglang_dist.py``) through ``TrainerWorker.push_weights``; and the disk
+transport's shards written by the same rank.
 
 Run as a script (``python this_file.py MODEL_DIR TARGETS_JSON OUT PORT``) it is the trainer rank.
 """
@@ -33,35 +34,42 @@ def sibling(name: str):
 
 
 def trainer_main(model_dir: str, targets_json: str, out_path: str, port: int) -> None:
-    """The trainer rank: policy syncs into server 0 (versions 3 and 4, one sender), the
-    reference into server 1 (its own group), then version 5 after a dropped policy group."""
+    """The trainer rank: policy pushes into server 0 (versions 3 and 4, one sender), the
+    reference into server 1 (its own group), then version 5 after a dropped policy group; and
+    a disk push of the policy (shards of at most 1 MB and their index)."""
     from megatron_armor.config.schema import ArmorConfig
     from megatron_armor.orchestration.workers import TrainerWorker
+    from megatron_armor.trainer.weight_sync import DiskRankSync, ServerTarget
 
     cfg = ArmorConfig()
     cfg.trainer.model_path, cfg.trainer.precision = model_dir, "fp32"
     cfg.rollout.backend, cfg.rollout.sglang.weight_transport = "sglang", "distributed"
     cfg.rollout.sglang.startup_timeout_s = 90.0
-    policy, ref = [[tuple(t)] for t in json.loads(targets_json)]
+    policy, ref = [[ServerTarget(*t)] for t in json.loads(targets_json)]
     worker = TrainerWorker(cfg, 0, 1)
     worker.init("127.0.0.1", port)
+    worker.sync.address = "127.0.0.1"
     try:
-        sent = [worker.stream_weights(3, policy, backend="gloo")]
-        sender = worker.senders["policy"]
-        sent.append(worker.stream_weights(7, ref, "ref", backend="gloo", pool="ref"))
-        sent.append(worker.stream_weights(4, policy, backend="gloo"))
-        same_sender = worker.senders["policy"] is sender
-        groups = {pool: s.group_name for pool, s in worker.senders.items()}
+        sent = [worker.push_weights(3, "policy", "policy", policy)]
+        sender = worker.sync.senders["policy"]
+        sent.append(worker.push_weights(7, "ref", "ref", ref))
+        sent.append(worker.push_weights(4, "policy", "policy", policy))
+        same_sender = worker.sync.senders["policy"] is sender
+        groups = {pool: s.group_name for pool, s in worker.sync.senders.items()}
         worker.drop_sender("policy")  # a policy server restarted: a new group next time
-        sent.append(worker.stream_weights(5, policy, backend="gloo"))
+        sent.append(worker.push_weights(5, "policy", "policy", policy))
+        disk_dir = os.path.join(os.path.dirname(out_path), "pushed")
+        disk = DiskRankSync(worker.trainer, 1, model_dir)
         torch.save(
             {
                 "weights": dict(worker.export_weights("policy")),
                 "ref": dict(worker.export_weights("ref")),
                 "bytes": sent,
+                "disk_bytes": disk.push(6, "policy", "policy", disk_dir),
+                "disk_dir": disk_dir,
                 "groups": groups,
                 "same_sender": same_sender,
-                "renewed": worker.senders["policy"] is not sender,
+                "renewed": worker.sync.senders["policy"] is not sender,
             },
             out_path,
         )
@@ -72,6 +80,7 @@ def trainer_main(model_dir: str, targets_json: str, out_path: str, port: int) ->
 @pytest.mark.timeout(300)
 def test_trainer_worker_streams_its_export_into_sglang_servers(tmp_path):
     from megatron_armor.rollout.protocol import SamplingParams
+    from megatron_armor.trainer.hf_weights import SafetensorsDir
 
     export, stand_in = sibling("test_rollout_export"), sibling("test_rollout_sglang_dist")
     model_dir = export.build_tiny_qwen2(tmp_path / "model")
@@ -80,7 +89,7 @@ def test_trainer_worker_streams_its_export_into_sglang_servers(tmp_path):
         for i in range(2):
             (tmp_path / f"s{i}").mkdir()
             servers.append(stand_in.start_server(tmp_path / f"s{i}"))
-        targets = [(stand_in.url_of(p), 1) for p in servers]
+        targets = [(stand_in.url_of(p), 1) for p in servers]  # ServerTarget(url, tp)
         out = tmp_path / "out.pt"
         cmd = [
             sys.executable,
@@ -99,6 +108,12 @@ def test_trainer_worker_streams_its_export_into_sglang_servers(tmp_path):
         assert result["bytes"] == [total] * 4 and result["same_sender"] and result["renewed"]
         assert result["groups"] == {"policy": "armor-weights-pp0", "ref": "armor-ref-weights-pp0"}
         assert len(weights) > 10 and result["ref"].keys() == weights.keys()
+        assert result["disk_bytes"] == total  # the disk push: shards + index + config
+        pushed = SafetensorsDir(result["disk_dir"])
+        assert set(pushed.weight_map) == set(weights)  # the index names every tensor
+        assert os.path.exists(os.path.join(result["disk_dir"], "config.json"))
+        for name, tensor in weights.items():
+            assert torch.equal(pushed.slice(name)[:], tensor), name
         for (url, _), expected, version in zip(
             targets, (weights, result["ref"]), (5, 7), strict=True
         ):
