@@ -144,7 +144,11 @@ class SGLangConfig:
     weight_transport: str = "tensor"
     """``tensor`` (colocated, CUDA IPC) | ``distributed`` (NCCL broadcast) | ``disk``."""
     weight_bucket_mb: int = 512
-    """Bucket size for weight updates."""
+    """Bucket size of a weight push (MB): the most GPU (or host, for ``disk``) memory one
+    push holds at a time besides the model."""
+    context_length: int = 0
+    """``--context-length`` of the servers (0 = the model's ``max_position_embeddings``, after
+    ``trainer.model_overrides``); must hold ``data.max_prompt_len + max_new_tokens``."""
     extra_args: dict[str, Any] = field(default_factory=dict)
     """Extra ``sglang.launch_server`` arguments (validated against SGLang's ``ServerArgs``)."""
     server_module: str = "sglang.launch_server"
@@ -201,6 +205,11 @@ class TrainerConfig:
 
     model_path: str = ""
     """HF-format model directory (config.json + safetensors) to start from."""
+    model_overrides: dict[str, Any] = field(default_factory=dict)
+    """Entries that replace those of the model's ``config.json`` for the trainer's model and
+    for the SGLang servers (``--json-model-override-args``), e.g. ``{max_position_embeddings:
+    16384, rope_theta: 40000}`` to run a model whose stock context is shorter than prompt +
+    response (docs/weight-sync.md, "Context length")."""
     tp: int = 1
     """Tensor-parallel size."""
     pp: int = 1

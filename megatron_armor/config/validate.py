@@ -300,6 +300,37 @@ def check_model_shape(config: ArmorConfig) -> Problems:
         )
 
 
+def check_context(config: ArmorConfig) -> Problems:
+    """Prompt + response fit the model's positions (``config.json`` under
+    ``trainer.model_overrides``) and the servers' ``rollout.sglang.context_length``."""
+    t, r = config.trainer, config.rollout
+    need = config.data.max_prompt_len + r.sampling.max_new_tokens
+    lengths = f"data.max_prompt_len + rollout.sampling.max_new_tokens = {need}"
+    positions = {**(read_hf_config(t.model_path) or {}), **t.model_overrides}.get(
+        "max_position_embeddings"
+    )
+    if positions and need > positions:
+        yield (
+            f"{lengths} exceeds the model's max_position_embeddings={positions} "
+            f"({t.model_path}/config.json with trainer.model_overrides): set "
+            f"trainer.model_overrides.max_position_embeddings >= {need} (with the RoPE setting "
+            "the model needs there, docs/weight-sync.md 'Context length'), or shorten the "
+            "prompts / responses"
+        )
+    ctx = r.sglang.context_length
+    if r.backend == "sglang" and ctx > 0 and need > ctx:
+        yield (
+            f"{lengths} exceeds rollout.sglang.context_length={ctx}: raise it to >= {need} "
+            "(or 0 for the model's max_position_embeddings)"
+        )
+    if r.backend == "sglang" and ctx > 0 and positions and ctx > positions:
+        yield (
+            f"rollout.sglang.context_length={ctx} exceeds the model's max_position_embeddings="
+            f"{positions}: SGLang refuses it; raise trainer.model_overrides.max_position_embeddings "
+            "so trainer and servers use the same positions"
+        )
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -427,6 +458,7 @@ RULES: list[Callable[[ArmorConfig], Problems]] = [
     check_sglang_reference,
     check_offload,
     check_parallel,
+    check_context,
     check_hardware,
     check_run,
     check_lr_schedule,

@@ -91,7 +91,7 @@ class MegatronTrainer(TrainerInterface):
         layout = parallel.ParallelLayout(tp=t.tp, pp=t.pp, cp=t.cp, vpp=t.vpp)
         parallel.init_parallel(layout, rank, world_size, master_addr, master_port, config.run.seed)
         self.config = config
-        self.spec = read_hf_spec(t.model_path)
+        self.spec = read_hf_spec(t.model_path, dict(t.model_overrides))
         model = build_model(self.spec, t)
         load_hf_weights(model, t.model_path, self.spec)
         self.model = wrap_ddp(model, t)

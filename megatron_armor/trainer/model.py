@@ -74,10 +74,11 @@ def _rope_settings(cfg: dict) -> tuple[float, dict | None]:
     return theta, dict(scaling)
 
 
-def read_hf_spec(model_dir: str) -> HFModelSpec:
-    """Parse ``model_dir/config.json``; raises for unsupported architectures."""
+def read_hf_spec(model_dir: str, overrides: dict | None = None) -> HFModelSpec:
+    """Parse ``model_dir/config.json`` with ``overrides`` (``trainer.model_overrides``) on top;
+    raises for unsupported architectures."""
     with open(os.path.join(model_dir, "config.json")) as f:
-        cfg = json.load(f)
+        cfg = {**json.load(f), **(overrides or {})}
     model_type = cfg.get("model_type", "")
     if model_type not in SUPPORTED_ARCHITECTURES:
         raise ValueError(

@@ -298,3 +298,21 @@ def test_offloading_the_train_state_is_for_shared_gpus():
     message = _error("trainer.offload_train_state=true", "orchestration.layout=disaggregated",
                      "orchestration.rollout_gpus=1", "rollout.backend=sglang")  # fmt: skip
     assert "trainer.offload_train_state=true with orchestration.layout='disaggregated'" in message
+
+
+def test_prompt_plus_response_beyond_the_models_context_names_the_override():
+    tiny = ["trainer.model_path=artifacts/tiny/model"]  # max_position_embeddings: 256
+    long = [*tiny, "data.max_prompt_len=200", "rollout.sampling.max_new_tokens=100"]
+    with pytest.raises(ConfigError, match="trainer.model_overrides.max_position_embeddings >= 300"):
+        load_config(None, long)
+    config = load_config(None, [*long, "trainer.model_overrides.max_position_embeddings=512"])
+    assert config.trainer.model_overrides == {"max_position_embeddings": 512}
+    served = [
+        *long,
+        "trainer.model_overrides.max_position_embeddings=512",
+        "rollout.backend=sglang",
+    ]
+    with pytest.raises(ConfigError, match="rollout.sglang.context_length=256: raise it to >= 300"):
+        load_config(None, [*served, "rollout.sglang.context_length=256"])
+    with pytest.raises(ConfigError, match="context_length=1024 exceeds the model's"):
+        load_config(None, [*served, "rollout.sglang.context_length=1024"])

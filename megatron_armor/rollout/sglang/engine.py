@@ -81,14 +81,16 @@ class SGLangEngine(RolloutEngine):
         pool: PoolSpec | None = None,
         gpu_ids: list[int] | None = None,
         indices: list[int] | None = None,
+        model_overrides: dict | None = None,
     ) -> None:
-        """``pool`` (default: the policy pool described by ``cfg``) sets the server count, TP
+        """``model_overrides``: ``trainer.model_overrides``, served as the trainer trains. ``pool`` (default: the policy pool described by ``cfg``) sets the server count, TP
         size, memory flag and ports. This engine runs the pool's servers ``indices`` (default:
         all of them; on several nodes each node's rollout worker runs its own), listening on
         ``host:base_port + index``, with ``gpu_ids`` their first GPUs on this node (default:
         the pool's own numbering)."""
         self.model_path = model_path
         self.cfg = cfg
+        self.model_overrides = dict(model_overrides or {})
         self.pool = pool or policy_pool(cfg, len(urls) if urls else max(cfg.num_engines, 1))
         self.host = host
         self.weights_dir = weights_dir
@@ -144,7 +146,7 @@ class SGLangEngine(RolloutEngine):
         engine = cls(
             config.trainer.model_path, config.rollout.sglang, host=host, pool=specs[pool],
             weights_dir=os.path.join(run_dir, "sglang_weights", pool, host), gpu_ids=gpu_ids,
-            indices=indices,
+            indices=indices, model_overrides=dict(config.trainer.model_overrides),
         )  # fmt: skip
         if start:
             try:
@@ -183,6 +185,8 @@ class SGLangEngine(RolloutEngine):
             colocated=colocated,
             extra_args=dict(self.cfg.extra_args),
             api_key=self._api_key,
+            context_length=self.cfg.context_length,
+            model_overrides=self.model_overrides,
         )
         pool = "" if self.pool.name == "policy" else f"{self.pool.name}_"
         log = os.path.join(log_dir, f"sglang_{pool}{server.index}.log") if log_dir else None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import os
 import signal
 import subprocess
@@ -67,11 +68,15 @@ def server_args_for(
     colocated: bool = False,
     extra_args: dict[str, Any] | None = None,
     api_key: str = "",
+    context_length: int = 0,
+    model_overrides: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """``ServerArgs`` fields for one engine; ``colocated`` turns on ``enable_memory_saver``
     (needed by ``/release_memory_occupation``); ``api_key`` makes the server answer only
-    requests with ``Authorization: Bearer KEY`` (SGLang exempts ``/health*`` and ``/metrics``).
-    ``extra_args`` override the rest."""
+    requests with ``Authorization: Bearer KEY`` (SGLang exempts ``/health*`` and ``/metrics``);
+    ``context_length`` (> 0) and ``model_overrides`` (``trainer.model_overrides``, as
+    ``--json-model-override-args``) set the served context as the trainer's. ``extra_args``
+    override the rest."""
     args: dict[str, Any] = {"api_key": api_key} if api_key else {}
     args |= {
         "model_path": model_path,
@@ -83,6 +88,10 @@ def server_args_for(
     }
     if colocated:
         args["enable_memory_saver"] = True
+    if context_length > 0:
+        args["context_length"] = context_length
+    if model_overrides:
+        args["json_model_override_args"] = json.dumps(dict(model_overrides), sort_keys=True)
     args.update(extra_args or {})
     return args
 
