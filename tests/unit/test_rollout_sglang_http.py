@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import socket
 import time
@@ -74,6 +75,7 @@ SERVER_ARGS_FIELDS = {
     "model_path", "host", "port", "tp_size", "mem_fraction_static", "base_gpu_id",
     "enable_memory_saver", "max_running_requests", "dtype", "random_seed", "context_length",
     "cuda_graph_bs", "attention_backend", "enable_deterministic_inference",
+    "json_model_override_args",
 }  # fmt: skip
 
 
@@ -281,6 +283,12 @@ def test_launch_command_uses_server_args_flags():
     ]
     with pytest.raises(ValueError, match=r"\['max_runing_requests'\] that are not fields"):
         launch.build_server_command({**args, "max_runing_requests": 1}, SERVER_ARGS_FIELDS)
+    longer = launch.server_args_for("/m", 1, context_length=10240,
+                                    model_overrides={"rope_theta": 40000, "max_position_embeddings": 16384})  # fmt: skip
+    flags = launch.build_server_command(longer, SERVER_ARGS_FIELDS, python="python")
+    assert "--context-length 10240" in " ".join(flags)
+    override = flags[flags.index("--json-model-override-args") + 1]
+    assert json.loads(override) == {"max_position_embeddings": 16384, "rope_theta": 40000}
 
 
 def test_a_custom_server_module_takes_the_same_flags():
