@@ -2,8 +2,8 @@
 skipped without sglang, deselected without CUDA).
 
 Launches ``sglang.launch_server`` on a random 2-layer Qwen2 saved in a temp dir, generates
-with log-probs, updates the weights by each transport (``tensor``: CUDA IPC flattened
-buckets; ``distributed``: an NCCL group from this process; ``disk``: an HF dir), and checks
+with log-probs, updates the weights (``distributed``: an NCCL group from this process;
+``disk``: an HF dir; the trainer ranks' transports in ``test_weight_sync_gpu.py``), and checks
 SGLang's log-probs against teacher-forced log-probs of the same weights computed by
 transformers in fp32 (``TorchEngine``, which the Megatron export test ties to the trainer).
 
@@ -95,14 +95,16 @@ def test_generate_logprobs_match_the_hf_model(served):
     assert served["engine"].health()
 
 
-@pytest.mark.parametrize("transport", ["tensor", "disk"])
-def test_weight_update_by_transport(served, transport):
+def test_weight_update_from_tensors_saved_here(served):
+    """``SGLangEngine.update_weights`` (tensors held by this process: saved as an HF dir and
+    loaded from disk); the trainer ranks' transports are in ``test_weight_sync_gpu.py``."""
     engine = served["engine"]
-    engine.cfg.weight_transport = transport
-    target = served["b"] if transport == "tensor" else served["a"]
-    tensors = [(n, t.to("cuda", torch.bfloat16)) for n, t in TorchEngine(target).state_tensors()]
-    engine.update_weights(tensors, version=10 if transport == "tensor" else 11)
-    check_serves(served, target, version=engine.weight_version())
+    engine.cfg.weight_transport = "disk"
+    tensors = [
+        (n, t.to("cuda", torch.bfloat16)) for n, t in TorchEngine(served["a"]).state_tensors()
+    ]
+    engine.update_weights(tensors, version=11)
+    check_serves(served, served["a"], version=engine.weight_version())
 
 
 def test_weight_update_by_nccl_broadcast(served):
