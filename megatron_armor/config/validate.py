@@ -197,29 +197,22 @@ def check_reference_serving(config: ArmorConfig) -> Problems:
 
 
 def check_sglang_reference(config: ArmorConfig) -> Problems:
-    """The SGLang pools (``rollout.sglang.pools``) fit the rollout GPUs, and the reference can
-    be served with the chosen weight transport.
-
-    ``swap`` reloads the policy servers from the rollout worker's copies of the pushed
-    weights, which the NCCL transport (trainer ranks -> servers) does not leave there; the
-    ``dedicated`` pool is synced by the trainer ranks themselves and works with every transport.
-    """
-    from megatron_armor.rollout.reference import reference_strategy
+    """The SGLang pools (``rollout.sglang.pools``) fit the rollout GPUs, and the weight
+    transport reaches the servers: ``tensor`` shares CUDA memory, so the servers must sit on
+    the trainer's GPUs (docs/weight-sync.md). Every transport serves every reference strategy
+    (the trainer ranks push the reference into the reference pool, or swap it into the policy
+    servers)."""
     from megatron_armor.rollout.sglang.pools import pool_problems
 
-    a, r = config.algo, config.rollout
+    r = config.rollout
     if r.backend != "sglang":
         return
     yield from pool_problems(config)
-    if a.anchor == "none":
-        return
-    _, fill = reference_strategy(r.ref_strategy, a.anchor_source)
-    if fill == "swap" and r.sglang.weight_transport == "distributed":
+    if r.sglang.weight_transport == "tensor" and config.orchestration.layout == "disaggregated":
         yield (
-            f"rollout.ref_strategy={r.ref_strategy!r} with rollout.sglang.weight_transport="
-            "'distributed': swapping the reference into the policy servers needs tensor or disk "
-            "pushes; set rollout.ref_strategy=dedicated (a reference pool the trainer streams "
-            "into at resets), or weight_transport=tensor (colocated) / disk"
+            "rollout.sglang.weight_transport='tensor' with orchestration.layout='disaggregated': "
+            "CUDA-IPC handles only reach servers on the trainer's own GPUs; set "
+            "weight_transport=distributed (NCCL) or layout=colocated"
         )
 
 

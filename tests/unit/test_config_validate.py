@@ -243,14 +243,13 @@ def test_sglang_reference_serving_rules():
         for transport in ("tensor", "distributed", "disk"):
             overrides = [*sglang, *served, f"rollout.sglang.weight_transport={transport}"]
             assert find_problems(load_config(None, overrides)) == []
-    message = _error(
-        *sglang, "rollout.ref_strategy=swap", "rollout.sglang.weight_transport=distributed"
-    )
-    assert "weight_transport='distributed'" in message and "ref_strategy=dedicated" in message
-    message = _error(
-        *sglang, "algo.anchor_source=cache", "rollout.sglang.weight_transport=distributed"
-    )  # the cache filled by swapping
-    assert "rollout.ref_strategy='swap'" in message
+    for swapped in (["rollout.ref_strategy=swap"], ["algo.anchor_source=cache"]):
+        # the trainer ranks swap the reference into the policy servers: every transport
+        overrides = [*sglang, *swapped, "rollout.sglang.weight_transport=distributed"]
+        assert find_problems(load_config(None, overrides)) == []
+    message = _error(*sglang, "orchestration.layout=disaggregated", "orchestration.rollout_gpus=1",
+                     "rollout.sglang.weight_transport=tensor")  # fmt: skip
+    assert "weight_transport=distributed (NCCL) or layout=colocated" in message
     anchor_free = [*sglang, "algo.anchor=none", "algo.ratio=standard"]
     config = load_config(None, [*anchor_free, "rollout.sglang.weight_transport=distributed"])
     assert config.rollout.sglang.weight_transport == "distributed"
