@@ -131,7 +131,8 @@ def test_health_monitor_restarts_a_dead_server_and_resyncs_before_serving(tmp_pa
 
 @pytest.mark.timeout(180)
 def test_restart_without_weights_waits_out_of_rotation_until_resynced(tmp_path):
-    """The orchestrator's path (``heal_rollout``): restart, re-sync from the trainer, rejoin."""
+    """The orchestrator's path (``WeightSync.heal``): restart, re-sync, rejoin (the weights
+    saved here stand in for the trainer's push)."""
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     dead = start_server(tmp_path / "a")
