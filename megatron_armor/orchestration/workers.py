@@ -464,10 +464,10 @@ class RolloutWorker:
 
     def reference_misses(self, items: list, n: int) -> int:
         """How many of ``items`` need fresh reference samples (the rest are cached anchors)."""
-        misses = getattr(self.reference, "misses", None)  # the anchor cache
-        if misses is None:
+        uncached = getattr(self.reference, "uncached", None)  # the anchor cache
+        if uncached is None:
             return len(items)
-        return misses([it.query_id for it in items], [it.prompt_ids for it in items], n)
+        return uncached([it.query_id for it in items], [it.prompt_ids for it in items], n)
 
     def peak_gpu_memory_gb(self) -> float | None:
         """Peak GPU memory of the embedded engine in this process (``None`` without CUDA;

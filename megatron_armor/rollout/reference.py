@@ -170,7 +170,7 @@ class CachedReferenceSampler(ReferenceSampler):
         self.misses += len(missing)
         return [list(self.cache[q][1][:n]) for q in query_ids]
 
-    def misses(self, query_ids: list[str], prompts: list[list[int]], n: int) -> int:
+    def uncached(self, query_ids: list[str], prompts: list[list[int]], n: int) -> int:
         """How many of the queries :meth:`sample` would generate afresh (not cached)."""
         return sum(not self._cached(q, p, n) for q, p in zip(query_ids, prompts, strict=True))
 

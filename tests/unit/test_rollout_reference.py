@@ -101,9 +101,9 @@ def test_cache_reuses_until_reset_and_reset_invalidates(models):
     engine = TorchEngine(models["policy_dir"])
     sampler = make_reference_sampler("cache", engine)
     sampler.load_reference(1, models["ref"].state_tensors)
-    assert sampler.misses(QIDS, PROMPTS, 2) == len(QIDS)
+    assert sampler.uncached(QIDS, PROMPTS, 2) == len(QIDS)
     first = sampler.sample(QIDS, PROMPTS, 2, PARAMS)
-    assert sampler.misses(QIDS, PROMPTS, 2) == 0 and sampler.misses(QIDS, PROMPTS, 3) == len(QIDS)
+    assert sampler.uncached(QIDS, PROMPTS, 2) == 0 and sampler.uncached(QIDS, PROMPTS, 3) == len(QIDS)
     other_seed = SamplingParams(temperature=1.0, max_new_tokens=6, seed=99)
     again = sampler.sample(QIDS[:2], PROMPTS[:2], 2, other_seed)
     assert [[s.token_ids for s in g] for g in again] == [
