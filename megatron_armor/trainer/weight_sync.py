@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from megatron_armor.rollout.hf_dir import CONFIG_FILES
 from megatron_armor.rollout.sglang import weights as transport
+from megatron_armor.rollout.sglang.client import update_weights_from_tensor_payload
 
 Bucket = list[tuple[str, torch.Tensor]]
 
@@ -135,10 +136,12 @@ class TensorRankSync(RankSync):
         groups = [self._gather_group(t) for t in target]
         for bucket in every_stage_buckets(self.trainer, weights, self.bucket_bytes):
             serialized, flat = transport.serialize_bucket(bucket)
+            torch.cuda.synchronize()  # the flat buffer is written before a server maps it
             for server, group in zip(target, groups, strict=True):
                 if group is not None:
-                    sent += self._post(server, group, serialized, version, rank)
-            torch.cuda.synchronize()
+                    self._post(server, group, serialized, version, rank)
+            if target and rank == target[0].first_rank:  # the model's bytes, counted once
+                sent += bucket_bytes(bucket)
             dist.barrier()  # every server has loaded the bucket: its buffer may be freed
             del flat
         return sent
@@ -151,18 +154,16 @@ class TensorRankSync(RankSync):
             self.groups[ranks] = dist.new_group(list(ranks), backend="gloo")
         return self.groups[ranks] if dist.get_rank() in ranks else None
 
-    def _post(self, server: ServerTarget, group, serialized: str, version: int, rank: int) -> int:
+    def _post(self, server: ServerTarget, group, serialized: str, version: int, rank: int) -> None:
         """Gather the server's TP ranks' handles on its first rank, which posts them."""
         first = server.first_rank
         handles = [None] * server.tp if rank == first else None
         dist.gather_object(serialized, handles, dst=first, group=group)
-        if rank != first:
-            return 0
-        from megatron_armor.rollout.sglang.client import update_weights_from_tensor_payload
-
-        payload = update_weights_from_tensor_payload(handles, version)
-        self._client_loop().run(self._client.post(server.url, transport.TENSOR_ENDPOINT, payload))
-        return len(serialized)
+        if rank == first:
+            payload = update_weights_from_tensor_payload(handles, version)
+            self._client_loop().run(
+                self._client.post(server.url, transport.TENSOR_ENDPOINT, payload)
+            )
 
     def _client_loop(self):
         from megatron_armor.rollout.sglang.client import (

@@ -249,3 +249,11 @@ def test_anchor_free_runs_keep_only_the_reference_version():
     assert sampler.state_dict() == {"ref_version": 20}
     with pytest.raises(RuntimeError, match="algo.anchor=none"):
         sampler.sample(["q"], [[1]], 1, None)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only refusal")
+def test_the_tensor_transport_refuses_a_machine_without_gpus():
+    from megatron_armor.trainer.weight_sync import TensorRankSync
+
+    with pytest.raises(RuntimeError, match="use weight_transport=disk or distributed"):
+        TensorRankSync(trainer=None, bucket_mb=1).push(1, "policy", "policy", [])
