@@ -113,8 +113,9 @@ class SGLangEngine(RolloutEngine):
         ]
         self.router_url = router_url
         self.router_process: launch.ManagedProcess | None = None
-        # servers this engine launches answer only its own random key (a new one per run)
-        self._api_key = "" if router_url or urls_given else secrets.token_urlsafe(32)
+        # servers this engine launches answer only its own random key (a new one per run);
+        # hex, so it never starts with "-", which argparse would take for a flag
+        self._api_key = "" if router_url or urls_given else secrets.token_hex(32)
         self._version = 0
         self._round_robin = itertools.count()
         self._loop = EventLoopThread()
