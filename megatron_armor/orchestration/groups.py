@@ -340,8 +340,8 @@ class RolloutGroup:
     def _pool_actors(self, pool: str) -> list:
         return self.policy_actors if pool == "policy" else self.reference_actors
 
-    def weight_targets(self, pool: str = "policy") -> list[tuple[int, str, int, int]]:
-        """``[(worker, server_url, tp, server index)]`` of the SGLang servers of ``pool``,
+    def weight_targets(self, pool: str = "policy") -> list[tuple[int, str, int, int, str]]:
+        """``[(worker, server_url, tp, server index, API key)]`` of the SGLang servers of ``pool``,
         ``worker`` the position in :attr:`actors`."""
         actors = self._pool_actors(pool)
         parts = wait([a.weight_targets.remote(pool) for a in actors], "rollout weight targets")

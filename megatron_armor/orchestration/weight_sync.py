@@ -182,8 +182,10 @@ class ServerSync(WeightSync):
         super().__init__(config, trainer, rollout)
         self._targets: dict[str, list[tuple[int, str, int, int]]] = {}
 
-    def targets(self, pool: str, servers: Servers | None = None) -> list[tuple[int, str, int, int]]:
-        """``[(worker, url, tp, server index)]`` of ``pool`` (fixed for the run: a restarted
+    def targets(
+        self, pool: str, servers: Servers | None = None
+    ) -> list[tuple[int, str, int, int, str]]:
+        """``[(worker, url, tp, server index, API key)]`` of ``pool`` (fixed for the run: a restarted
         server keeps its URL), or of ``servers`` only."""
         if pool not in self._targets:
             self._targets[pool] = self.rollout.weight_targets(pool)
@@ -204,8 +206,8 @@ class TensorSync(ServerSync):
 
         spec = pool_specs(self.config)[pool]
         offsets = spec.gpu_offsets()  # colocated: rollout GPU g is trainer rank g's GPU
-        target = [ServerTarget(url, tp, offsets[index])
-                  for _, url, tp, index in self.targets(pool, servers)]  # fmt: skip
+        target = [ServerTarget(url, tp, offsets[index], key)
+                  for _, url, tp, index, key in self.targets(pool, servers)]  # fmt: skip
         return self.trainer.push_weights(version, weights, pool, target)
 
 
@@ -217,7 +219,7 @@ class DistributedSync(ServerSync):
     def _send(self, version: int, weights: str, pool: str, servers: Servers | None) -> int:
         from megatron_armor.trainer.weight_sync import ServerTarget
 
-        target = [ServerTarget(url, tp) for _, url, tp, _ in self.targets(pool)]
+        target = [ServerTarget(url, tp, api_key=key) for _, url, tp, _, key in self.targets(pool)]
         return self.trainer.push_weights(version, weights, pool, target)
 
     def _resync(self, pool: str, version: int, servers: Servers) -> None:

@@ -446,9 +446,11 @@ class RolloutWorker:
             self.counted[key] = total
         return out
 
-    def weight_targets(self, pool: str = "policy") -> list[tuple[str, int, int]]:
-        """``[(server_url, tp, server index)]`` of the SGLang servers of ``pool``."""
-        return [(s.url, s.tp, s.index) for s in self._pool(pool).servers]
+    def weight_targets(self, pool: str = "policy") -> list[tuple[str, int, int, str]]:
+        """``[(server_url, tp, server index, API key)]`` of the SGLang servers of ``pool``
+        (the key the trainer ranks send with their pushes; ``""`` when the servers need none)."""
+        engine = self._pool(pool)
+        return [(s.url, s.tp, s.index, engine.api_key) for s in engine.servers]
 
     def set_weight_version(self, version: int, pool: str = "policy") -> None:
         """Record ``version`` after the trainer ranks pushed the weights themselves."""

@@ -27,7 +27,7 @@ import json
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -47,6 +47,8 @@ class ServerTarget:
     tp: int
     first_rank: int = 0
     """Trainer rank on the server's first GPU (colocated: rollout GPU ``g`` is rank ``g``)."""
+    api_key: str = field(default="", repr=False)
+    """The server's ``--api-key`` (sent as ``Authorization: Bearer``; ``""``: none)."""
 
 
 def bucket_bytes(bucket: Bucket) -> int:
@@ -161,20 +163,24 @@ class TensorRankSync(RankSync):
         dist.gather_object(serialized, handles, dst=first, group=group)
         if rank == first:
             payload = update_weights_from_tensor_payload(handles, version)
-            self._client_loop().run(
+            self._client_loop(server.api_key).run(
                 self._client.post(server.url, transport.TENSOR_ENDPOINT, payload)
             )
 
-    def _client_loop(self):
+    def _client_loop(self, api_key: str):
+        """The client for servers answering ``api_key`` (a new one when the key changes)."""
         from megatron_armor.rollout.sglang.client import (
             ClientSettings,
             EventLoopThread,
             SGLangClient,
         )
 
+        if self._client is not None and self._client.settings.api_key != api_key:
+            self.close()
         if self._client is None:
             self._loop = EventLoopThread()
-            self._client = SGLangClient(ClientSettings(control_timeout_s=self.timeout_s))
+            settings = ClientSettings(control_timeout_s=self.timeout_s, api_key=api_key)
+            self._client = SGLangClient(settings)
             self._loop.run(self._client.__aenter__())
         return self._loop
 
@@ -201,13 +207,15 @@ class DistributedRankSync(RankSync):
         first = next(tensors, None)
         if first is None:  # not an exporting rank: the export already ran to its end
             return 0
-        sender = self._sender(pool, [(t.url, t.tp) for t in target])
+        key = target[0].api_key if target else ""  # one pool: one engine's key
+        sender = self._sender(pool, [(t.url, t.tp) for t in target], key)
         return sender.send(itertools.chain([first], tensors), version, self.timeout_s)
 
-    def _sender(self, pool: str, targets: list[tuple[str, int]]):
+    def _sender(self, pool: str, targets: list[tuple[str, int]], api_key: str = ""):
         """The connected sender of this rank's stage into ``pool`` (a new one if the servers
         changed)."""
         from megatron_armor.orchestration.workers import free_port, node_ip, weight_group_name
+        from megatron_armor.rollout.sglang.client import ClientSettings
         from megatron_armor.rollout.sglang.distributed import DistributedWeightSender
         from megatron_armor.trainer import parallel
 
@@ -219,6 +227,7 @@ class DistributedRankSync(RankSync):
             sender = DistributedWeightSender(
                 targets, self.address or node_ip(), free_port(),
                 weight_group_name(parallel.pp_rank(), pool), self.bucket_bytes, backend,
+                ClientSettings(control_timeout_s=self.timeout_s, api_key=api_key),
             )  # fmt: skip
             try:
                 sender.connect(timeout_s=self.timeout_s)

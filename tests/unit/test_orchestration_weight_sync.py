@@ -79,7 +79,7 @@ class Rollout(Recorder):
         return self.versions[pool]
 
     def weight_targets(self, pool="policy"):
-        return [(0, f"http://{pool}-{i}", 1, i) for i in range(2)]  # one worker
+        return [(0, f"http://{pool}-{i}", 1, i, "") for i in range(2)]  # one worker
 
     def set_weight_version(self, version, pool):
         self.record("version", version, pool)

@@ -297,6 +297,11 @@ class SGLangEngine(RolloutEngine):
         self.sync_servers(named_tensors, version, self.servers)
         self._version = int(version)
 
+    @property
+    def api_key(self) -> str:
+        """The key the servers this engine launched answer (``""``: servers it did not launch)."""
+        return self._api_key
+
     def sync_servers(
         self, named_tensors: NamedTensors, version: int, servers: list[EngineServer]
     ) -> None:
