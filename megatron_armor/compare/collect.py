@@ -1,14 +1,13 @@
 """Read a comparison's runs into per-variant ``seeds x steps`` arrays.
 
 Sources per run directory: ``metrics.jsonl`` (``val/*`` curves, training reward, KL to the
-reference, acceptance rate, resets) and ``anchors/step_*.jsonl`` (the query ids accepted per
+reference, acceptance rate, resets) and ``anchors/step_*.jsonl[.gz]`` (the query ids accepted per
 step, docs/metrics.md), from which *coverage* is computed: the fraction of the training
 file's queries ever accepted (and ever trained on, i.e. kept) up to each step.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import numpy as np
 from megatron_armor.compare.spec import CompareSpec, run_config, run_status
 from megatron_armor.observability.metrics import read_metrics
 from megatron_armor.observability.plot import reset_steps
+from megatron_armor.orchestration.step_metrics import anchor_file_steps, read_anchor_file
 
 TRAINING_KEYS = {
     "train_reward": ("reward/policy_mean",),
@@ -62,10 +62,8 @@ def coverage_series(run_dir: Path, num_queries: int) -> dict[int, tuple[float, f
     accepted: set[str] = set()
     kept: set[str] = set()
     out = {}
-    for path in sorted((run_dir / "anchors").glob("step_*.jsonl")):
-        step = int(path.stem.split("_")[1])
-        for line in path.read_text().splitlines():
-            row = json.loads(line)
+    for step in anchor_file_steps(run_dir):
+        for row in read_anchor_file(run_dir, step):
             if row.get("type") == "query" and row.get("reason") == "accepted":
                 accepted.add(row["query_id"])
                 if row.get("kept"):

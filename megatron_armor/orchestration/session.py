@@ -43,6 +43,7 @@ from megatron_armor.orchestration.run_dir import open_run_dir
 from megatron_armor.orchestration.run_lock import RunLock
 from megatron_armor.orchestration.run_state import RunState
 from megatron_armor.orchestration.run_watch import RunWatch
+from megatron_armor.orchestration.step_metrics import compress_anchor_files
 from megatron_armor.orchestration.weight_sync import WeightSync, make_weight_sync
 from megatron_armor.orchestration.workers import load_model_tokenizer
 from megatron_armor.planner.model import load_model_dims
@@ -201,7 +202,11 @@ class Session:
                 self.rollout.resume_memory()
         self.state.save(tmp)
         self.watch.publish(self.run_dir)  # the best is protected before the rotation runs
-        return checkpoints.commit_checkpoint(self.run_dir, tmp, step, self.config.run.keep_last)
+        earlier = checkpoints.list_checkpoints(self.run_dir)
+        final = checkpoints.commit_checkpoint(self.run_dir, tmp, step, self.config.run.keep_last)
+        if earlier:  # anchor files up to the previous checkpoint are final: gzip them
+            compress_anchor_files(self.run_dir, earlier[-1][0])
+        return final
 
     def push_policy(self, version: int) -> int:
         """Load the trainer's policy into the engines (``orchestration/weight_sync.py``)."""

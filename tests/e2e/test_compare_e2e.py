@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from megatron_armor.observability.metrics import read_metrics
+from megatron_armor.orchestration.step_metrics import read_anchor_file
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from e2e_runs import REPO, Run  # noqa: E402 (tiny_dir: a fixture of conftest.py)
@@ -71,8 +72,7 @@ class Compare(Run):
 
 
 def query_ids_of_first_batch(run_dir: Path) -> list[str]:
-    lines = (run_dir / "anchors" / "step_000001.jsonl").read_text().splitlines()
-    rows = [json.loads(x) for x in lines]
+    rows = read_anchor_file(run_dir, 1)
     return [r["query_id"] for r in rows if r.get("type") == "query" and r["gen_batch"] == 0]
 
 
@@ -106,9 +106,7 @@ def test_compare_runs_resumes_after_kill_and_reports(tiny_dir):
         # same data order per seed across variants; filter_g1 draws G - 1 on-policy samples
         f1, q1 = root / "filter_g1" / "seed_1", root / "quatro" / "seed_1"
         assert query_ids_of_first_batch(f1) == query_ids_of_first_batch(q1)
-        rows = [
-            json.loads(x) for x in (f1 / "anchors" / "step_000001.jsonl").read_text().splitlines()
-        ]
+        rows = read_anchor_file(f1, 1)
         assert {r["policy_n"] for r in rows if r.get("type") == "query"} == {3}
         quatro = read_metrics(q1)[-1]
         assert quatro["reward/advantage_abs_mean"] > 0 and quatro["train/updates"] == 1

@@ -13,7 +13,6 @@ reference (the cache is invalidated).
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
 import shutil
@@ -25,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from megatron_armor.observability.metrics import read_metrics, without_wall_clock
+from megatron_armor.orchestration.step_metrics import read_anchor_file
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from e2e_runs import CACHED, Run  # noqa: E402
@@ -34,8 +34,7 @@ pytestmark = pytest.mark.e2e
 
 
 def anchor_lines(run_dir: Path, step: int) -> list[dict]:
-    path = run_dir / "anchors" / f"step_{step:06d}.jsonl"
-    return [json.loads(x) for x in path.read_text().splitlines()]
+    return read_anchor_file(run_dir, step)
 
 
 @pytest.mark.timeout(900)

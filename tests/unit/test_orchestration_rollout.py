@@ -23,7 +23,13 @@ from megatron_armor.orchestration.anchor_rollout import (
     followup_size,
     policy_samples_per_query,
 )
-from megatron_armor.orchestration.step_metrics import rollout_metrics, write_anchor_file
+from megatron_armor.orchestration.step_metrics import (
+    anchor_file_steps,
+    compress_anchor_files,
+    read_anchor_file,
+    rollout_metrics,
+    write_anchor_file,
+)
 from megatron_armor.rollout.protocol import GenerationOutput
 from megatron_armor.rollout.reference import CachedReferenceSampler, ReferenceSampler
 from megatron_armor.types import Sample, SampleSource, pack_groups
@@ -209,6 +215,23 @@ def test_rollout_metrics_and_anchor_file(tmp_path):
     kept = [x for x in lines[1:] if x.get("kept")]
     assert [(x["query_id"], x["anchor_len"]) for x in kept] == [("q0", 11), ("q4", 10)]
     assert len(lines) == 1 + 6
+
+
+def test_anchor_files_gzipped_up_to_a_step_read_back_the_same_and_rewritten_plain(tmp_path):
+    runner, _ = make("armor", batch=2, gen_batch=3)
+    result = runner.collect(step=1)
+    for step in (1, 2, 3):
+        write_anchor_file(tmp_path, step, result)
+    plain = {step: read_anchor_file(tmp_path, step) for step in (1, 2, 3)}
+    done = compress_anchor_files(tmp_path, up_to_step=2)
+    assert [p.name for p in done] == ["step_000001.jsonl.gz", "step_000002.jsonl.gz"]
+    names = sorted(p.name for p in (tmp_path / "anchors").iterdir())
+    assert names == ["step_000001.jsonl.gz", "step_000002.jsonl.gz", "step_000003.jsonl"]
+    assert anchor_file_steps(tmp_path) == [1, 2, 3]
+    assert {step: read_anchor_file(tmp_path, step) for step in (1, 2, 3)} == plain
+    write_anchor_file(tmp_path, 2, result)  # a resumed run redoes step 2: one plain file again
+    assert not (tmp_path / "anchors" / "step_000002.jsonl.gz").exists()
+    assert read_anchor_file(tmp_path, 2) == plain[2]
 
 
 def test_followup_batches_are_sized_to_the_shortfall_with_a_floor():
