@@ -22,6 +22,7 @@ import pytest
 from slurm_jobs import FINAL_STATES, JOB_TIMEOUT_S, Job, make_workdir, wait_until
 
 from megatron_armor.observability.metrics import read_metrics, without_wall_clock
+from megatron_armor.orchestration.step_metrics import anchor_file_steps
 
 pytestmark = pytest.mark.slurm
 
@@ -59,16 +60,17 @@ def signal_when(job: Job, predicate, what: str, command: list[str]) -> None:
 def test_signals_requeue_the_job_and_it_resumes_exactly(cluster, tiny_dir, workdir, jobs, tmp_path):
     reference = jobs.submit(make_workdir(tiny_dir, tmp_path / "reference"), OVERRIDES)
     job = jobs.submit(workdir, OVERRIDES)
-    anchors = job.run_dir / "anchors"  # step_N.jsonl: written as step N ends
+    # step N's anchor file is written as step N ends (gzipped once a later checkpoint covers it)
+    wrote = lambda step: lambda: step in anchor_file_steps(job.run_dir)  # noqa: E731
     full_term = ["scancel", "--signal=TERM", "--full", job.job_id]
     starting = lambda: "armor train: starting" in since_restart(job, 0)  # noqa: E731
     signal_when(job, starting, "the driver's start-up", full_term)
-    signal_when(job, (anchors / "step_000001.jsonl").is_file, "step 1", full_term)
+    signal_when(job, wrote(1), "step 1", full_term)
     wait_until(
         lambda: CHECKPOINTED.search(since_restart(job, 1)), 120, "the checkpoint", job.report
     )
     saved = int(CHECKPOINTED.search(since_restart(job, 1)).group(1))
-    resumed = (anchors / f"step_{saved + 1:06d}.jsonl").is_file
+    resumed = wrote(saved + 1)
     signal_when(job, resumed, f"step {saved + 1}", ["scontrol", "requeue", job.job_id])
     state, ref_state = job.wait_done(), reference.wait_done()
     out = job.report()
