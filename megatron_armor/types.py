@@ -1,4 +1,4 @@
-"""Data contracts between rollout, reward, algorithm and trainer (design.md "Data contracts").
+"""Data contracts between rollout, reward, algorithm and trainer (docs/architecture.md).
 
 Rollout produces :class:`Sample` objects grouped into :class:`Group`; the trainer consumes a
 :class:`TrainBatch`. Nothing else crosses that line. All containers are plain dataclasses of
@@ -25,7 +25,7 @@ class Sample:
     """One response to one query.
 
     ``response_logprobs`` are the engine's per-token log-probs (len == len(response_ids)),
-    recorded for diagnostics; the trainer recomputes old/ref log-probs itself (armor-spec §4).
+    recorded for diagnostics; the trainer recomputes old/ref log-probs itself (docs/algorithm.md, mixed optimization).
     """
 
     query_id: str
@@ -52,7 +52,7 @@ class Group:
 
     ``anchor_index`` is the position of the anchor in ``samples`` (``None`` when the group
     has no anchor: ``anchor: none`` and ``anchor: filter_only``). ``advantages`` has one
-    entry per sample once computed (armor-spec §3).
+    entry per sample once computed (docs/algorithm.md, advantages).
     """
 
     query_id: str

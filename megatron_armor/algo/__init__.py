@@ -1,4 +1,4 @@
-"""The ARMOR algorithm as pure torch math (armor-spec §2-6).
+"""The ARMOR algorithm as pure torch math (docs/algorithm.md).
 
 Imports only torch, the standard library and ``megatron_armor.types``: no torch.distributed,
 Megatron, Ray, SGLang or the config tree. Anything global (token counts across ranks) is an

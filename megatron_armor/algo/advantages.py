@@ -1,4 +1,4 @@
-"""Group-relative advantages (armor-spec §3; QUATRO in :mod:`megatron_armor.algo.quatro`).
+"""Group-relative advantages (docs/algorithm.md, advantages; QUATRO in :mod:`megatron_armor.algo.quatro`).
 
 Every estimator maps the rewards of ``Q`` groups of ``G`` (the anchor included, overlong
 penalty included) to advantages, ``[Q, G] -> [Q, G]`` float64, keyword hyperparameters only:

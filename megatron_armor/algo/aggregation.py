@@ -1,4 +1,4 @@
-"""Loss aggregation over a packed mini-batch (armor-spec §4), one class per ``algo.loss_agg``.
+"""Loss aggregation over a packed mini-batch (docs/algorithm.md, mixed optimization), one class per ``algo.loss_agg``.
 
 A mini-batch is split into micro-batches and data-parallel shards, always at sample
 boundaries. Each aggregation returns the *local* sum of its units divided by an explicit

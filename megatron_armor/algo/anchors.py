@@ -1,4 +1,4 @@
-"""Anchor acceptance and group assembly (armor-spec §2, Algorithm 1 lines 3-19).
+"""Anchor acceptance and group assembly (docs/algorithm.md, anchor rollout, Algorithm 1 lines 3-19).
 
 For each query the rollout produces ``policy_samples`` (``n_on`` on-policy responses) and,
 for ``armor`` / ``filter_only``, ``reference_samples`` (``ref_n`` responses of ``pi_ref``) in
@@ -66,7 +66,7 @@ def acceptance_reason(
     mode: AnchorMode,
     weak_filter: bool,
 ) -> str:
-    """One of :data:`REASONS` for a query under rules (a)/(b) of armor-spec §2."""
+    """One of :data:`REASONS` for a query under rules (a)/(b) of docs/algorithm.md, anchor rollout."""
     n_correct = sum(bool(s.acc) for s in policy_samples)
     if n_correct == len(policy_samples):
         return "all_correct"
@@ -85,7 +85,7 @@ def select_group(
     mode: str,
     weak_filter: bool,
 ) -> tuple[Group | None, str]:
-    """Accept or reject one query; returns ``(group or None, reason)`` (armor-spec §2).
+    """Accept or reject one query; returns ``(group or None, reason)`` (docs/algorithm.md, anchor rollout).
 
     ``reference_samples`` must be in generation order (the anchor is the first correct one);
     all other reference samples are discarded.
@@ -108,7 +108,7 @@ def select_group(
 
 @dataclass
 class AcceptanceStats:
-    """Per-step acceptance statistics (armor-spec §2; the reference code logged none).
+    """Per-step acceptance statistics (docs/algorithm.md, anchor rollout; the reference code logged none).
 
     ``ref_acc`` is the accuracy of all reference responses drawn this step;
     ``anchor_len_mean`` the mean response length of inserted anchors.

@@ -37,7 +37,7 @@ def exact_kl(
     """Exact ``(KL(p || q), KL(q || p))`` per row over the whole vocabulary, ``[N, V] -> [N]``,
     with ``p = softmax(logits_p / T)`` and ``q = softmax(logits_q / T)`` (float64 math).
 
-    The reference for the vocab-parallel version in ``trainer/logprobs.py`` (armor-spec §6,
+    The reference for the vocab-parallel version in ``trainer/logprobs.py`` (docs/metrics.md,
     the per-position diagnostic of the paper's Fig. 2).
     """
     logp = torch.log_softmax(logits_p.double() / temperature, dim=-1)

@@ -1,4 +1,4 @@
-"""The ARMOR policy loss: dual-clip PPO with clip-higher over a chosen ratio (armor-spec §4).
+"""The ARMOR policy loss: dual-clip PPO with clip-higher over a chosen ratio (docs/algorithm.md, mixed optimization).
 
 Per response token ``t`` with advantage ``A``, ratio ``r`` (mode from ``algo.ratio``, log
 ratio clamped to ``±log_ratio_clamp``) and clip range ``[lo, hi]`` (``1 - eps_low``,
@@ -86,7 +86,7 @@ class LossSettings:
 
 
 def needs_reference_logprobs(algo) -> bool:
-    """Whether a step needs ``lp_ref`` (armor-spec §4, §6): the mixed and off-policy ratios,
+    """Whether a step needs ``lp_ref`` (docs/algorithm.md, mixed optimization; docs/metrics.md): the mixed and off-policy ratios,
     the KL penalty, and the reference-KL metrics of runs that sample anchors."""
     return algo.ratio in ("mixed", "off_policy") or algo.kl_coef > 0 or algo.anchor != "none"
 

@@ -1,4 +1,4 @@
-"""Importance ratios of the PPO surrogate (armor-spec §4), one class per ``algo.ratio`` mode.
+"""Importance ratios of the PPO surrogate (docs/algorithm.md, mixed optimization), one class per ``algo.ratio`` mode.
 
 Every mode returns the *log* ratio per token; :func:`~megatron_armor.algo.losses.compute_policy_loss`
 clamps it to ``±log_ratio_clamp`` and exponentiates, so all modes share one clamp. Inputs are
@@ -17,7 +17,7 @@ import torch
 
 
 def resolve_alpha(alpha: float | str, group_size: int) -> float:
-    """The mixing coefficient actually used (armor-spec §4).
+    """The mixing coefficient actually used (docs/algorithm.md, mixed optimization).
 
     ``'auto'`` -> ``n_on / (n_on + 1)`` with ``n_on = group_size - 1`` (15/16 for G = 16);
     a number is returned as a float after checking it lies in ``(0, 1]``.
@@ -73,7 +73,7 @@ class StandardRatio:
 class MixedRatio(StandardRatio):
     """``mixed`` (ARMOR Eq. 5): ``log r = m_theta - m_old`` with ``m = log(alpha pi + (1-alpha) pi_ref)``.
 
-    Applied to every token, anchor included. Identities (armor-spec §4): ``alpha = 1`` gives the
+    Applied to every token, anchor included. Identities (docs/algorithm.md, mixed optimization): ``alpha = 1`` gives the
     standard ratio exactly; in probability space ``exp(m_theta) - exp(m_old) =
     alpha (pi_theta - pi_old)``; with ``pi_ref == pi_old``, ``r = alpha * r_std + (1 - alpha)``.
     """

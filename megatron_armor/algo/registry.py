@@ -20,7 +20,7 @@ RATIO_MODES: dict[str, type[ratios.StandardRatio]] = {
     "off_policy": ratios.OffPolicyRatio,
     "static_expansion": ratios.StaticExpansionRatio,
 }
-"""``algo.ratio`` (armor-spec §4)."""
+"""``algo.ratio`` (docs/algorithm.md, mixed optimization)."""
 
 ADVANTAGES: dict[str, advantages.AdvantageEstimator] = {
     "grpo": advantages.AdvantageEstimator(advantages.grpo_advantages),
@@ -34,7 +34,7 @@ ADVANTAGES: dict[str, advantages.AdvantageEstimator] = {
         },
     ),
 }
-"""``algo.advantage`` (armor-spec §3; ``quatro``: docs/algorithm.md) and the ``algo.*`` keys of
+"""``algo.advantage`` (docs/algorithm.md, advantages; ``quatro``: docs/algorithm.md) and the ``algo.*`` keys of
 each estimator's hyperparameters."""
 
 AGGREGATIONS: dict[str, type[aggregation.TokenMean]] = {
@@ -42,7 +42,7 @@ AGGREGATIONS: dict[str, type[aggregation.TokenMean]] = {
     "seq-mean-token-mean": aggregation.SeqMeanTokenMean,
     "seq-mean-token-sum": aggregation.SeqMeanTokenSum,
 }
-"""``algo.loss_agg`` (armor-spec §4)."""
+"""``algo.loss_agg`` (docs/algorithm.md, mixed optimization)."""
 
 KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "k1": kl.kl_k1,
@@ -56,7 +56,7 @@ ANCHOR_MODES: dict[str, anchors.AnchorMode] = {
     "armor": anchors.ARMOR,
     "filter_only": anchors.FILTER_ONLY,
 }
-"""``algo.anchor`` (armor-spec §2)."""
+"""``algo.anchor`` (docs/algorithm.md, anchor rollout)."""
 
 RESET_SCHEDULES: dict[str, Callable[[int, int, int], bool]] = {
     "none": reset.never,
@@ -64,7 +64,7 @@ RESET_SCHEDULES: dict[str, Callable[[int, int, int], bool]] = {
     "every-until": reset.every_until,
     "log2": reset.power_of_two,
 }
-"""``algo.reset.schedule`` (armor-spec §5)."""
+"""``algo.reset.schedule`` (docs/algorithm.md, reference reset)."""
 
 T = TypeVar("T")
 

@@ -1,4 +1,4 @@
-"""Reference reset schedule (armor-spec §5, Algorithm 1 lines 24-27).
+"""Reference reset schedule (docs/algorithm.md, reference reset, Algorithm 1 lines 24-27).
 
 A pure object: the RL loop asks ``should_reset(step)`` after finishing step ``step``
 (1-based), performs the reset (policy -> reference on the trainer and rollout sides, anchor

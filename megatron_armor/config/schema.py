@@ -12,7 +12,7 @@ from typing import Any
 
 @dataclass
 class ResetConfig:
-    """Reference reset schedule (armor-spec §5)."""
+    """Reference reset schedule (docs/algorithm.md, reference reset)."""
 
     schedule: str = "none"
     """``none`` | ``every`` | ``every-until`` | ``log2``."""
@@ -36,7 +36,7 @@ class QuatroConfig:
 
 @dataclass
 class AlgoConfig:
-    """ARMOR / DAPO algorithm switches (armor-spec §2-5)."""
+    """ARMOR / DAPO algorithm switches (docs/algorithm.md)."""
 
     anchor: str = "armor"
     """``none`` (DAPO dynamic sampling) | ``armor`` | ``filter_only`` (referee's control)."""
@@ -51,7 +51,7 @@ class AlgoConfig:
     alpha: Any = "auto"
     """Mixing coefficient in (0, 1], or ``auto`` = n_on / (n_on + 1)."""
     ratio: str = "mixed"
-    """``standard`` | ``mixed`` | ``off_policy`` | ``static_expansion`` (armor-spec §4)."""
+    """``standard`` | ``mixed`` | ``off_policy`` | ``static_expansion`` (docs/algorithm.md, mixed optimization)."""
     advantage: str = "grpo"
     """``grpo`` (group mean/std) | ``qae`` (quantile baseline) | ``quatro`` (trust-region duals)."""
     qae_quantile: float = 0.45
@@ -290,7 +290,7 @@ class DataConfig:
 
 @dataclass
 class OverlongConfig:
-    """DAPO overlong penalty (armor-spec §8)."""
+    """DAPO overlong penalty (docs/data_reward.md)."""
 
     enabled: bool = True
     """Apply the penalty."""

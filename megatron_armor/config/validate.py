@@ -117,7 +117,7 @@ def _bound(value, ok: bool, key: str, fix: str) -> Problems:
 
 
 def check_algo_combinations(config: ArmorConfig) -> Problems:
-    """Switches that only make sense together (armor-spec §2, §4)."""
+    """Switches that only make sense together (docs/algorithm.md, anchor rollout; docs/algorithm.md, mixed optimization)."""
     a = config.algo
     if a.weak_filter and a.anchor == "none":
         yield (
@@ -132,7 +132,7 @@ def check_algo_combinations(config: ArmorConfig) -> Problems:
     if a.anchor == "filter_only" and a.ratio == "mixed":
         yield (
             "algo.ratio='mixed' with algo.anchor='filter_only': the filter-only control trains "
-            "with the standard ratio (armor-spec §2); set algo.ratio=standard"
+            "with the standard ratio (docs/algorithm.md, anchor rollout); set algo.ratio=standard"
         )
     if a.filter_policy_samples != "G" and a.anchor != "filter_only":
         yield (
@@ -147,7 +147,7 @@ def check_algo_combinations(config: ArmorConfig) -> Problems:
 
 
 def check_batches(config: ArmorConfig) -> Problems:
-    """Rollout and mini-batch sizes (armor-spec §2, §7)."""
+    """Rollout and mini-batch sizes (docs/algorithm.md, anchor rollout; docs/paper_configs.md)."""
     r, t = config.rollout, config.trainer
     if r.batch < 1:
         yield f"rollout.batch={r.batch}: must be >= 1 accepted query per step"
@@ -186,7 +186,7 @@ def _divisor_hint(n: int, near: int) -> int:
 
 
 def check_reference_serving(config: ArmorConfig) -> Problems:
-    """``anchor_source`` and ``ref_strategy`` agree (armor-spec §2, design.md)."""
+    """``anchor_source`` and ``ref_strategy`` agree (docs/algorithm.md, anchor rollout)."""
     a, r = config.algo, config.rollout
     if a.anchor != "none" and r.ref_strategy == "cache" and a.anchor_source != "cache":
         yield (
@@ -329,7 +329,7 @@ def _divisors(n: int) -> list[int]:
 
 
 def check_hardware(config: ArmorConfig) -> Problems:
-    """FP8 needs Transformer Engine (design.md: a clear error at start-up, not a crash later)."""
+    """FP8 needs Transformer Engine (a clear error at start-up, not a crash later)."""
     t = config.trainer
     if t.fp8.enabled and t.transformer_impl != "te":
         yield (

@@ -1,7 +1,7 @@
 """Per-problem evaluation metrics over ``n`` sampled answers: avg@k, pass@k, maj@k.
 
 Each function scores ONE problem; a benchmark's number is the mean over its problems
-(:func:`mean_over_problems`). Validation in the paper reports avg@32 (armor-spec §7).
+(:func:`mean_over_problems`). Validation in the paper reports avg@32 (docs/paper_configs.md).
 
 - avg@k: mean correctness of the ``k`` samples, ``c / n``.
 - pass@k: probability that at least one of ``k`` samples drawn without replacement from

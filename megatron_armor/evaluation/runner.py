@@ -57,7 +57,7 @@ def last_boxed(text: str) -> str | None:
 def answer_key(response: str) -> str | None:
     """The vote key of a response for maj@k: its normalized final answer.
 
-    The last ``Answer:`` line (DAPO rule, armor-spec §8), else the last ``\\boxed{}``,
+    The last ``Answer:`` line (DAPO rule, docs/data_reward.md), else the last ``\\boxed{}``,
     normalized with the DAPO normalization; ``None`` when the response states no answer.
     """
     answer = extract_answer(response)

@@ -1,4 +1,4 @@
-"""Phase 1 of a step — anchor rollout with rejection sampling (armor-spec §2, Algorithm 1 l. 3-19).
+"""Phase 1 of a step — anchor rollout with rejection sampling (docs/algorithm.md, anchor rollout, Algorithm 1 l. 3-19).
 
 Per generation batch: ``n_on`` policy samples per query, scored; then, for ``armor`` /
 ``filter_only``, ``algo.ref_n`` reference samples (same sampling settings) only for the

@@ -1,6 +1,6 @@
 """The ARMOR training loop (Algorithm 1) as a short sequence of verbs on actor handles.
 
-Per step: generate -> score -> accept (anchor rollout, armor-spec §2) -> advantages (§3) ->
+Per step: generate -> score -> accept (anchor rollout, docs/algorithm.md, anchor rollout) -> advantages (§3) ->
 pack -> old/ref log-probs -> train (``B / ppo_mini_batch`` updates, §4) -> weight sync ->
 maybe reset the reference (§5) -> maybe validate -> log -> maybe checkpoint. A SIGTERM, SIGINT
 or SIGUSR1 finishes the step, checkpoints and exits with code 75 for a Slurm requeue.

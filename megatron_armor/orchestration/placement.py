@@ -1,4 +1,4 @@
-"""Ray start-up and actor placement for the three layouts (design.md, "Process topology").
+"""Ray start-up and actor placement for the three layouts (docs/architecture.md).
 
 - ``cpu``: no GPUs; every actor asks for a small, explicit CPU share. The tiny config.
 - ``colocated``: one placement group of ``trainer.world_size`` GPU bundles; trainer rank

@@ -1,7 +1,7 @@
 """Set-up and tear-down of a run: Ray, actor groups, data, schedule, sinks, checkpoints.
 
 :class:`Session` owns every long-lived object of a run so the loop (``loop.py``) reads as
-verbs only. ``save``/``restore`` implement the checkpoint contract of armor-spec §5: the
+verbs only. ``save``/``restore`` implement the checkpoint contract of docs/algorithm.md, reference reset: the
 trainer writes model, optimizer, reference weights and RNG; the orchestrator writes
 :class:`~megatron_armor.orchestration.run_state.RunState` next to it; the directory is
 renamed into place only when complete.

@@ -34,7 +34,7 @@ def load_model_tokenizer(model_dir: str):
     """The tokenizer stored in an HF model directory (offline).
 
     ``PreTrainedTokenizerFast`` reads a custom ``tokenizer.json`` where ``AutoTokenizer``
-    would silently substitute the architecture's default (design.md, "Facts").
+    would silently substitute the architecture's default.
     """
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
@@ -299,7 +299,7 @@ def to_samples(
 
 
 class RolloutWorker:
-    """One rollout engine and its reference sampler (armor-spec §2 step 2).
+    """One rollout engine and its reference sampler (docs/algorithm.md, anchor rollout step 2).
 
     For ``rollout.ref_strategy: swap`` the worker keeps CPU copies of the last pushed policy
     and reference tensors, which the swap sampler loads around each reference generation.
@@ -554,7 +554,7 @@ def reference_strategy(config: ArmorConfig) -> tuple[str, str]:
 
 
 class RewardWorker:
-    """One scoring pool (armor-spec §8)."""
+    """One scoring pool (docs/data_reward.md)."""
 
     def __init__(self, config: ArmorConfig, num_threads: int = 0):
         set_threads(num_threads)

@@ -1,4 +1,4 @@
-"""The DAPO math rule (armor-spec §8): last ``Answer:`` line, Minerva normalization, exact match.
+"""The DAPO math rule (docs/data_reward.md): last ``Answer:`` line, Minerva normalization, exact match.
 
 1. Look only at the last ``TAIL_CHARS = 300`` characters of the response.
 2. Take the last ``Answer: ...`` line (case-insensitive ``Answer\\s*:``); no such line is

@@ -1,4 +1,4 @@
-"""DAPO's soft overlong penalty (armor-spec §8).
+"""DAPO's soft overlong penalty (docs/data_reward.md).
 
 With ``expected = max_len - buffer``, a response of ``L`` tokens gets
 

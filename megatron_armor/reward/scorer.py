@@ -1,6 +1,6 @@
 """RewardScorer: verify a batch of samples in the scoring pool, set ``score`` and ``acc``.
 
-For each sample (armor-spec §8):
+For each sample (docs/data_reward.md):
 
     acc   = verifier(response_text, ground_truth)           # dapo | math_verify, per data_source
     score = (+1 if acc else -1) + overlong_penalty(response_len)

@@ -1,4 +1,4 @@
-"""Serving the reference policy ``pi_ref`` for anchors (ARMOR Algorithm 1 line 9, armor-spec §2).
+"""Serving the reference policy ``pi_ref`` for anchors (ARMOR Algorithm 1 line 9, docs/algorithm.md, anchor rollout).
 
 Three strategies, chosen by ``rollout.ref_strategy``:
 
@@ -13,7 +13,7 @@ Three strategies, chosen by ``rollout.ref_strategy``:
 Every strategy returns :class:`GenerationOutput` objects whose ``weight_version`` is the
 reference version (the step of the last reset). The reference version and the anchor cache
 are in :meth:`ReferenceSampler.state_dict` so a resume does not silently revert them
-(armor-spec §5).
+(docs/algorithm.md, reference reset).
 
 Start-up and resume: the caller pushes the reference once with
 :meth:`ReferenceSampler.load_reference` (no cache invalidation); at a reset it calls
@@ -58,7 +58,7 @@ class ReferenceSampler(ABC):
         self.ref_version = version
 
     def on_reset(self, version: int, named_tensors_fn: Callable[[], NamedTensors] | None) -> None:
-        """A reference reset (armor-spec §5): the policy became the reference at ``version``."""
+        """A reference reset (docs/algorithm.md, reference reset): the policy became the reference at ``version``."""
         self.load_reference(version, named_tensors_fn)
 
     def state_dict(self) -> dict:
@@ -226,7 +226,7 @@ class CachedReferenceSampler(ReferenceSampler):
 def reference_strategy(ref_strategy: str, anchor_source: str) -> tuple[str, str]:
     """``(strategy, cache_fill)``: ``algo.anchor_source: cache`` wraps ``rollout.ref_strategy``
     (``swap`` | ``dedicated``) in the anchor cache; ``ref_strategy: cache`` fills misses with
-    ``dedicated`` (armor-spec §2)."""
+    ``dedicated`` (docs/algorithm.md, anchor rollout)."""
     fill = ref_strategy if ref_strategy in ("swap", "dedicated") else "dedicated"
     if anchor_source == "cache" or ref_strategy == "cache":
         return "cache", fill

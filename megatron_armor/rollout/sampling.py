@@ -1,6 +1,6 @@
 """Next-token sampling and per-token log-probs shared by the embedded engine and its tests.
 
-Log-prob convention (matches the trainer, armor-spec §4): the recorded log-prob of a sampled
+Log-prob convention (matches the trainer, docs/algorithm.md, mixed optimization): the recorded log-prob of a sampled
 token ``y`` is ``log_softmax(logits / T)[y]``, i.e. of the temperature-scaled distribution
 *before* top-k / top-p truncation. Truncation only changes which tokens can be drawn; the
 trainer recomputes ``log_softmax(logits / T)`` over the full vocabulary, so recording the

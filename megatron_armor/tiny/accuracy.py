@@ -3,7 +3,7 @@
 Used by the warm start (to decide when to stop) and by ``armor tiny`` (to report the
 warm-started accuracy). Sampling uses ``transformers``' ``generate`` on left-padded
 prompts; correctness is :func:`megatron_armor.reward.dapo_rule.score_dapo` — the same rule
-that scores ``tiny_arith`` rows during RL (armor-spec §8).
+that scores ``tiny_arith`` rows during RL (docs/data_reward.md).
 """
 
 from __future__ import annotations

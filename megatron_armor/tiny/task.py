@@ -25,7 +25,7 @@ available for harder benchmarks (``generate_problems(..., levels={5: 1.0})``).
 
 Rows follow the DAPO-Math-17K schema (``prompt`` = chat messages, ``reward_model.ground_truth``,
 ``data_source``, ``ability``, ``extra_info.index``) with ``data_source = "tiny_arith"``, which
-the reward package scores with the DAPO "Answer:" rule (armor-spec §8).
+the reward package scores with the DAPO "Answer:" rule (docs/data_reward.md).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ without separators, so ``decode(encode(s)) == s`` for any ASCII ``s``.
 
 Load it with :func:`load_tokenizer` (``PreTrainedTokenizerFast.from_pretrained``):
 ``AutoTokenizer`` on a ``qwen2``-type model directory returns Qwen2's byte-level tokenizer
-and ignores a custom ``tokenizer.json`` (design.md, "Facts").
+and ignores a custom ``tokenizer.json``.
 
 The chat template renders the message contents back to back with no role markers, so the
 ``chat`` and ``plain`` prompt templates give the same short prompt for the tiny task.

@@ -199,7 +199,7 @@ class MegatronTrainer(TrainerInterface):
     def exact_kl(self, batch) -> dict[str, float]:
         """Exact ``KL(policy || ref)`` (``kl/exact_reverse``) and ``KL(ref || policy)``
         (``kl/exact_forward``) over the whole vocabulary at the tokens of ``batch`` with
-        ``loss_mask`` set (armor-spec §6, the paper's Fig. 2 diagnostic): means, maxima and
+        ``loss_mask`` set (docs/metrics.md, the paper's Fig. 2 diagnostic): means, maxima and
         ``kl/exact_positions``. Two forward passes (policy, then reference), vocab-parallel."""
         enable_cpu_mode()  # per thread (no-op with CUDA)
         mbs = self._micro_batches(batch)

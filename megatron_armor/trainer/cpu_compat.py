@@ -1,4 +1,4 @@
-"""Run megatron-core on CPU (gloo) when no GPU is present (design.md "CPU mode").
+"""Run megatron-core on CPU (gloo) when no GPU is present (docs/trainer.md).
 
 megatron-core assumes CUDA in ~140 places: ``device="cuda"`` tensor factories, ``.cuda()``,
 ``torch.cuda.current_device()``, string checks such as

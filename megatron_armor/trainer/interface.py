@@ -56,7 +56,7 @@ class TrainerInterface(ABC):
 
     @abstractmethod
     def reset_reference(self) -> None:
-        """Copy the current policy weights into the reference copy (armor-spec §5)."""
+        """Copy the current policy weights into the reference copy (docs/algorithm.md, reference reset)."""
 
     @abstractmethod
     def export_weights(

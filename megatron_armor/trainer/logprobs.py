@@ -127,7 +127,7 @@ def vocab_parallel_exact_kl(
         KL(p || q) = sum_v p_v (z'p_v - z'q_v) - lse_p + lse_q     (partial sums all-reduced)
 
     and symmetrically for ``KL(q || p)``; padded columns (``v >= V``) are excluded. No
-    gradients (a diagnostic, armor-spec §6); ``algo.kl.exact_kl`` is the gathered reference.
+    gradients (a diagnostic, docs/metrics.md); ``algo.kl.exact_kl`` is the gathered reference.
     """
     rank = dist.get_rank(group) if group is not None and dist.is_initialized() else 0
     lo = rank * logits_p.shape[-1]

@@ -1,4 +1,4 @@
-"""Model provider: an HF ``config.json`` -> megatron-core ``GPTModel`` (design.md "Megatron actor").
+"""Model provider: an HF ``config.json`` -> megatron-core ``GPTModel`` (docs/trainer.md).
 
 Supported architectures: Qwen2 / Qwen2.5 (qkv bias), Qwen3 (qk layernorm, explicit head_dim),
 Llama 3 (``llama3`` rope scaling); tied or untied embeddings. The vocabulary is padded to a

@@ -1,4 +1,4 @@
-"""The one adapter over megatron-core's global ``parallel_state`` (design.md "Layers").
+"""The one adapter over megatron-core's global ``parallel_state`` (docs/architecture.md).
 
 Everything else in the trainer asks this module for ranks, sizes and process groups, so the
 dependence on megatron's global state sits in one place. :func:`init_parallel` starts

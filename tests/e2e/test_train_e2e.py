@@ -7,7 +7,7 @@ the tiny model and data (built once with ``armor tiny``, or reused from ``$ARMOR
 
 What is checked: a run end to end (metrics, anchors, checkpoints, plots, summary) (signals,
 ``kill -9`` and exact resume: ``test_signals_e2e.py``); ``anchor: none | armor | filter_only``
-give the group compositions of armor-spec §2; a reset makes the anchors come from the new
+give the group compositions of docs/algorithm.md, anchor rollout; a reset makes the anchors come from the new
 reference (the cache is invalidated).
 """
 

@@ -1,4 +1,4 @@
-"""Group advantages (armor-spec §3), KL estimators and entropy helpers. Tier: unit."""
+"""Group advantages (docs/algorithm.md, advantages), KL estimators and entropy helpers. Tier: unit."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Anchor acceptance, group composition and acceptance statistics (armor-spec §2). Tier: unit."""
+"""Anchor acceptance, group composition and acceptance statistics (docs/algorithm.md, anchor rollout). Tier: unit."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Ratio modes and the identities of armor-spec §4. Tier: unit (pure torch, no devices)."""
+"""Ratio modes and the identities of docs/algorithm.md, mixed optimization. Tier: unit (pure torch, no devices)."""
 
 from __future__ import annotations
 

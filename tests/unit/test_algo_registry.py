@@ -1,4 +1,4 @@
-"""The name registry and the import boundary of ``megatron_armor.algo`` (design.md). Tier: unit."""
+"""The name registry and the import boundary of ``megatron_armor.algo`` (docs/architecture.md). Tier: unit."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Reference reset schedules (armor-spec §5). Tier: unit."""
+"""Reference reset schedules (docs/algorithm.md, reference reset). Tier: unit."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The exact vocabulary-wide KL diagnostic (armor-spec §6): the gathered reference in
+"""The exact vocabulary-wide KL diagnostic (docs/metrics.md): the gathered reference in
 ``algo.kl``, the vocab-parallel version in ``trainer.logprobs`` (TP=1 here; TP=2 in
 ``tests/dist/test_trainer_dist.py``), and the driver's choice of samples and positions."""
 

@@ -1,4 +1,4 @@
-"""Unit tier: anchor rejection sampling (armor-spec §2) with scripted in-process generators.
+"""Unit tier: anchor rejection sampling (docs/algorithm.md, anchor rollout) with scripted in-process generators.
 
 The rollout and reward groups here are small deterministic test doubles with the same
 methods as ``orchestration.groups`` (``generate``, ``sample_reference``, ``score``): each query

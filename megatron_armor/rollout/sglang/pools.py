@@ -1,5 +1,5 @@
 """Which SGLang servers a run starts: the ``policy`` pool and, for a dedicated reference, the
-``ref`` pool (design.md "Process topology"; armor-spec §2).
+``ref`` pool (docs/architecture.md; docs/algorithm.md, anchor rollout).
 
 Both pools live on the *rollout GPUs*, numbered ``0 .. R-1``:
 

@@ -1,4 +1,4 @@
-"""Weight transports into SGLang servers (design.md "Weight flow").
+"""Weight transports into SGLang servers (docs/weight-sync.md).
 
 HF-named full tensors are cut into buckets of about ``rollout.sglang.weight_bucket_mb`` and
 sent by one of:
