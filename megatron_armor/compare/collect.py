@@ -3,7 +3,8 @@
 Sources per run directory: ``metrics.jsonl`` (``val/*`` curves, training reward, KL to the
 reference, acceptance rate, resets) and ``anchors/step_*.jsonl[.gz]`` (the query ids accepted per
 step, docs/metrics.md), from which *coverage* is computed: the fraction of the training
-file's queries ever accepted (and ever trained on, i.e. kept) up to each step.
+queries (the first ``data.train_limit`` rows when set) ever accepted (and ever trained on,
+i.e. kept) up to each step.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from pathlib import Path
 import numpy as np
 
 from megatron_armor.compare.spec import CompareSpec, run_config, run_status
+from megatron_armor.config.schema import ArmorConfig
+from megatron_armor.data.sampler import sampled_prompt_count
 from megatron_armor.observability.metrics import read_metrics
 from megatron_armor.observability.plot import reset_steps
 from megatron_armor.orchestration.step_metrics import anchor_file_steps, read_anchor_file
@@ -50,11 +53,13 @@ def validation_keys(records: list[dict]) -> list[str]:
     return sorted({k for r in records for k in r if k.startswith("val/") and not k.endswith("/n")})
 
 
-def count_rows(files: list[str]) -> int:
-    """Rows of the training parquet files (the denominator of coverage)."""
+def count_train_queries(config: ArmorConfig) -> int:
+    """The denominator of coverage: the training queries the sampler draws from, i.e. the rows
+    of ``data.train_files``, only the first ``data.train_limit`` of them when it is set."""
     import pyarrow.parquet as pq
 
-    return sum(pq.ParquetFile(f).metadata.num_rows for f in files)
+    rows = sum(pq.ParquetFile(f).metadata.num_rows for f in config.data.train_files)
+    return sampled_prompt_count(rows, config.data.train_limit)
 
 
 def coverage_series(run_dir: Path, num_queries: int) -> dict[int, tuple[float, float]]:
@@ -107,7 +112,7 @@ def collect_variant(spec: CompareSpec, variant: str) -> Curves | None:
     runs = [r for r in spec.runs_of(variant) if read_metrics(r.run_dir)]
     if not runs:
         return None
-    num_queries = count_rows(list(run_config(runs[0]).data.train_files))
+    num_queries = count_train_queries(run_config(runs[0]))
     per_seed = [read_run(run.run_dir, num_queries) for run in runs]
     curves = Curves(seeds=[r.seed for r in runs],
                     finished=[run_status(r, run_config(r).run.steps) == "done" for r in runs])  # fmt: skip

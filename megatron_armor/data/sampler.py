@@ -14,6 +14,12 @@ from typing import Any
 import numpy as np
 
 
+def sampled_prompt_count(available: int, train_limit: int) -> int:
+    """Prompts the sampler draws from: the first ``train_limit`` of ``available``
+    (``data.train_limit``; 0 = all)."""
+    return min(train_limit, available) if train_limit > 0 else available
+
+
 class ResumableSampler:
     """Yields dataset indices in batches of any size, crossing epoch boundaries."""
 

@@ -16,7 +16,7 @@ from megatron_armor.algo.ratios import resolve_alpha
 from megatron_armor.algo.reset import ResetSchedule
 from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.data.dataset import load_prompt_dataset
-from megatron_armor.data.sampler import ResumableSampler
+from megatron_armor.data.sampler import ResumableSampler, sampled_prompt_count
 from megatron_armor.observability.metrics import MetricsLogger, truncate_metrics
 from megatron_armor.observability.throughput import (
     ThroughputMeter,
@@ -67,8 +67,7 @@ def check_batch_sizes(config: ArmorConfig) -> int:
 
 def train_size(config: ArmorConfig, dataset) -> int:
     """Prompts the sampler draws from: the first ``data.train_limit`` (0 = all)."""
-    limit = config.data.train_limit
-    return min(limit, len(dataset)) if limit > 0 else len(dataset)
+    return sampled_prompt_count(len(dataset), config.data.train_limit)
 
 
 def load_val_datasets(config: ArmorConfig, tokenizer) -> dict:

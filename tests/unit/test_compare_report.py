@@ -117,6 +117,15 @@ def test_coverage_counts_distinct_accepted_and_kept_queries(synth):
     assert training["train_reward"]["final"]["mean"] == pytest.approx(0.4)
 
 
+def test_coverage_is_over_the_train_limit_prompts(tmp_path):
+    spec = load_spec(write_spec(tmp_path, overrides=[
+        f"data.train_files=[{tmp_path / 'train.parquet'}]", "run.steps=4", "data.train_limit=5"]))  # fmt: skip
+    for run in spec.runs:
+        write_run(run.run_dir, run.seed, shift=0.0, reset=False)
+    training = build_report(spec)["variants"]["a"]["training"]
+    assert training["coverage_accepted"]["mean"] == pytest.approx([0.4, 0.6])  # of 5, not 10
+
+
 def test_paired_comparison_of_a_constant_gap(synth):
     pairs = [p for p in build_report(synth)["pairs"] if p["metric"] == VAL]
     assert {p["summary"] for p in pairs} == {"final", "best", "auc"}
