@@ -59,12 +59,8 @@ def oracle_micro_batch():
         tokens=tokens.reshape(-1),
         position_ids=torch.arange(seq).repeat(n),
         cu_seqlens=torch.arange(0, n * seq + 1, seq, dtype=torch.int32),
-        loss_mask=zeros,
-        advantages=zeros,
-        old_logprobs=zeros,
-        ref_logprobs=zeros,
-        is_anchor=zeros.bool(),
         sample_index=torch.arange(n).repeat_interleave(seq),
+        token_data={"loss_mask": zeros, "is_anchor": zeros.bool()},
     )
     return build_micro_batch(batch, list(range(n)))
 
