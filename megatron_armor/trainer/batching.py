@@ -102,9 +102,8 @@ def split_micro_batches(
     ids: list[int], lengths: list[int], budget: int, packed: bool = False
 ) -> list[list[int]]:
     """Consecutive groups of ``ids`` costing at most ``budget`` tokens (or one sample each):
-    ``len(group) * max(length)`` padded, ``sum(length)`` packed."""
-    if budget <= 0:
-        raise ValueError(f"trainer.micro_batch_tokens={budget}: must be > 0")
+    ``len(group) * max(length)`` padded, ``sum(length)`` packed (``budget`` >= 1: the
+    trainer section's check, ``config/fields.py``)."""
     groups: list[list[int]] = []
     current: list[int] = []
     total = longest = 0
