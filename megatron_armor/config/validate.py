@@ -20,7 +20,7 @@ from megatron_armor.algo import registry
 from megatron_armor.algo.ratios import resolve_alpha
 from megatron_armor.algo.reset import check_schedule
 from megatron_armor.config.fields import SECTION_CHECKS, bound
-from megatron_armor.config.schema import ArmorConfig
+from megatron_armor.config.schema import ArmorConfig, TrainerConfig
 
 Problems = Iterator[str]
 
@@ -256,7 +256,9 @@ def check_model_shape(config: ArmorConfig) -> Problems:
     yield from model_shape_problems(t, shape, f"{t.model_path}/config.json")
 
 
-def model_shape_problems(trainer, shape: dict[str, int | None], where: str) -> Problems:
+def model_shape_problems(
+    trainer: TrainerConfig, shape: dict[str, int | None], where: str
+) -> Problems:
     """Heads and FFN width divisible by ``trainer.tp`` (KV heads: either way, megatron
     replicates them), layers by ``pp * vpp``; ``shape`` holds ``heads``, ``kv_heads``,
     ``layers``, ``ffn_hidden`` (``None`` = unknown), ``where`` names their source. Used by
