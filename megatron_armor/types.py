@@ -68,8 +68,34 @@ class Group:
         return self.anchor_index is not None and i == self.anchor_index
 
 
+class PerTokenData:
+    """Mixin: the per-token training data ``token_data`` (name -> ``[T]`` tensor, aligned with
+    the tokens) also read and written as attributes (``batch.old_logprobs``).
+
+    :func:`pack_groups` decides the names; the trainer moves the
+    mapping as one (``trainer/batching.py`` slices every entry alike) and the loss takes the
+    entries as keyword arguments (``algo.losses.compute_policy_loss``). A new per-token loss
+    input is one more entry in :func:`pack_groups` plus the loss argument that reads it.
+    """
+
+    token_data: dict[str, torch.Tensor]
+
+    def __getattr__(self, name: str):
+        data = self.__dict__.get("token_data")
+        if data is not None and name in data:
+            return data[name]
+        raise AttributeError(f"{type(self).__name__!r} has no attribute or token data {name!r}")
+
+    def __setattr__(self, name: str, value) -> None:
+        data = self.__dict__.get("token_data")
+        if data is not None and name in data:
+            data[name] = value
+        else:
+            super().__setattr__(name, value)
+
+
 @dataclass
-class TrainBatch:
+class TrainBatch(PerTokenData):
     """A packed mini-batch of samples for the trainer.
 
     Sequences are packed back to back along one dimension of ``total`` tokens
@@ -79,22 +105,18 @@ class TrainBatch:
 
     - ``tokens`` ``[total]`` int64, ``position_ids`` ``[total]`` int64 (restart per sample)
     - ``cu_seqlens`` ``[n + 1]`` int32 sample boundaries (offsets into ``tokens``)
-    - ``loss_mask`` ``[total]`` float (1 on response tokens)
-    - ``advantages`` ``[total]`` float (the sample's advantage on its response tokens)
-    - ``old_logprobs`` / ``ref_logprobs`` ``[total]`` float (0 where unused / not yet computed)
-    - ``is_anchor`` ``[total]`` bool (response tokens of anchor samples)
     - ``sample_index`` ``[total]`` int64 (which sample each token belongs to)
+    - ``token_data``: the per-token loss inputs ``[total]`` (made by :func:`pack_groups`):
+      ``loss_mask`` float (1 on response tokens), ``advantages`` float (the sample's
+      advantage on its response tokens), ``old_logprobs`` / ``ref_logprobs`` float (0 where
+      unused / not yet computed), ``is_anchor`` bool (response tokens of anchor samples)
     """
 
     tokens: torch.Tensor
     position_ids: torch.Tensor
     cu_seqlens: torch.Tensor
-    loss_mask: torch.Tensor
-    advantages: torch.Tensor
-    old_logprobs: torch.Tensor
-    ref_logprobs: torch.Tensor
-    is_anchor: torch.Tensor
     sample_index: torch.Tensor
+    token_data: dict[str, torch.Tensor]
 
     @property
     def num_samples(self) -> int:
@@ -124,12 +146,8 @@ class TrainBatch:
             tokens=self.tokens[index],
             position_ids=self.position_ids[index],
             cu_seqlens=cu,
-            loss_mask=self.loss_mask[index],
-            advantages=self.advantages[index],
-            old_logprobs=self.old_logprobs[index],
-            ref_logprobs=self.ref_logprobs[index],
-            is_anchor=self.is_anchor[index],
             sample_index=new_sample_index,
+            token_data={key: value[index] for key, value in self.token_data.items()},
         )
 
 
@@ -160,14 +178,17 @@ def pack_groups(groups: list[Group]) -> TrainBatch:
     if lengths:
         cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0)
     total = len(tokens)
+    token_data = {
+        "loss_mask": torch.tensor(loss_mask, dtype=torch.float32),
+        "advantages": torch.tensor(advantages, dtype=torch.float32),
+        "old_logprobs": torch.zeros(total),
+        "ref_logprobs": torch.zeros(total),
+        "is_anchor": torch.tensor(is_anchor, dtype=torch.bool),
+    }
     return TrainBatch(
         tokens=torch.tensor(tokens, dtype=torch.long),
         position_ids=torch.tensor(positions, dtype=torch.long),
         cu_seqlens=cu,
-        loss_mask=torch.tensor(loss_mask, dtype=torch.float32),
-        advantages=torch.tensor(advantages, dtype=torch.float32),
-        old_logprobs=torch.zeros(total),
-        ref_logprobs=torch.zeros(total),
-        is_anchor=torch.tensor(is_anchor, dtype=torch.bool),
         sample_index=torch.tensor(sample_index, dtype=torch.long),
+        token_data=token_data,
     )

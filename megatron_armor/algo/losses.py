@@ -15,18 +15,19 @@ samples. Metrics are local *sums* (see :data:`METRIC_COUNTS` / :func:`finalize_m
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
 from megatron_armor.algo import registry
 from megatron_armor.algo.kl import kl_k1, kl_k3
-from megatron_armor.algo.ratios import resolve_alpha
 
 
 @dataclass(frozen=True)
 class LossSettings:
-    """Loss switches (mirrors ``algo.*``; ``alpha`` is already resolved, see ``resolve_alpha``)."""
+    """The loss's view of the ``algo`` config section: the fields below of the same names
+    (:meth:`from_algo_config`), already validated and ``alpha`` resolved at load
+    (``config/validate.py``), plus ``ref_metrics``. Defaults are ARMOR's (docs/algorithm.md)."""
 
     ratio: str = "mixed"
     """Ratio mode: ``standard`` | ``mixed`` | ``off_policy`` | ``static_expansion``."""
@@ -49,51 +50,30 @@ class LossSettings:
     ref_metrics: bool = True
     """Log ``kl/*`` metrics (needs ``ref_logprobs``; set False when they are not computed)."""
 
-    def __post_init__(self) -> None:
-        registry.get_ratio(self.ratio)
-        registry.get_aggregation(self.loss_agg)
-        registry.get_kl_estimator(self.kl_estimator)
-        resolve_alpha(self.alpha, 2)
-        _check(
-            0.0 < self.clip_low < 1.0, "clip_low", self.clip_low, "use a value in (0, 1), e.g. 0.2"
-        )
-        _check(self.clip_high > 0.0, "clip_high", self.clip_high, "use a value > 0, e.g. 0.28")
-        _check(self.dual_clip_c > 1.0, "dual_clip_c", self.dual_clip_c, "use a value > 1, e.g. 10")
-        _check(self.log_ratio_clamp > 0.0, "log_ratio_clamp", self.log_ratio_clamp, "use e.g. 20")
-        _check(self.kl_coef >= 0.0, "kl_coef", self.kl_coef, "use 0 (off) or a positive beta")
-
     @classmethod
     def from_algo_config(cls, algo, ref_metrics: bool | None = None) -> LossSettings:
-        """Build from an ``algo`` config section (any object with the ``algo.*`` attributes).
+        """The settings of a loaded ``algo`` config section (any object with the ``algo.*``
+        attributes): each field read from the attribute of its name, ``alpha`` as resolved
+        at load.
 
         ``ref_metrics`` defaults to :func:`needs_reference_logprobs`: the ``kl/*`` metrics are
         logged exactly when the reference log-probs are computed.
         """
+        if isinstance(algo.alpha, str):
+            raise ValueError(
+                f"algo.alpha={algo.alpha!r} is not resolved yet; build the loss settings from "
+                "a loaded config (load_config resolves it to a number)"
+            )
         if ref_metrics is None:
             ref_metrics = needs_reference_logprobs(algo)
-        return cls(
-            ratio=algo.ratio,
-            alpha=resolve_alpha(algo.alpha, algo.group_size),
-            clip_low=algo.clip_low,
-            clip_high=algo.clip_high,
-            dual_clip_c=algo.dual_clip_c,
-            log_ratio_clamp=algo.log_ratio_clamp,
-            loss_agg=algo.loss_agg,
-            kl_coef=algo.kl_coef,
-            kl_estimator=algo.kl_estimator,
-            ref_metrics=ref_metrics,
-        )
+        names = [f.name for f in fields(cls) if f.name != "ref_metrics"]
+        return cls(**{name: getattr(algo, name) for name in names}, ref_metrics=ref_metrics)
 
 
 def needs_reference_logprobs(algo) -> bool:
     """Whether a step needs ``lp_ref`` (docs/algorithm.md, mixed optimization; docs/metrics.md): the mixed and off-policy ratios,
     the KL penalty, and the reference-KL metrics of runs that sample anchors."""
     return algo.ratio in ("mixed", "off_policy") or algo.kl_coef > 0 or algo.anchor != "none"
-
-
-def _check(ok: bool, name: str, value: float, fix: str) -> None:
-    if not ok:
-        raise ValueError(f"algo.{name}={value}: {fix}")
 
 
 METRIC_COUNTS: dict[str, str] = {
@@ -148,6 +128,10 @@ def compute_policy_loss(
     entropy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Local loss (0-dim, with grad) and local metric sums for one micro-batch.
+
+    The per-token inputs ``[T]`` after ``logprobs`` are the entries of the packed batch's
+    ``token_data`` (``types.pack_groups``), passed by name (``trainer/schedule.py``), plus
+    ``sample_index``; a new per-token input is a new entry there and a new argument here.
 
     ``normalizer`` is the GLOBAL number of aggregation units of the mini-batch (masked
     tokens for ``token-mean``, samples with response tokens for ``seq-mean-*``; see

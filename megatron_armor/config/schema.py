@@ -1,7 +1,8 @@
 """The typed config tree: dataclasses are the schema (OmegaConf structured configs).
 
 Every field has a docstring under it. YAML files store runs (``configs/``); dotted overrides
-on the command line (``algo.alpha=0.875``). Cross-field checks live in ``validate.py``.
+on the command line (``algo.alpha=0.875``). Single-field checks live in ``fields.py``
+(one validator per section), cross-field checks in ``validate.py``.
 """
 
 from __future__ import annotations

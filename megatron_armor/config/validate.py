@@ -1,13 +1,17 @@
-"""Cross-field checks of the config tree. Each problem names the key, the value and the fix.
+"""The one rule set of the config tree. Each problem names the key, the value and the fix.
 
-:func:`validate` runs every rule in :data:`RULES` and raises one ``ValueError`` listing all
-problems found (so a user fixes a config in one pass). A rule is a small function
-``config -> Iterator[str]`` yielding messages. Algorithm names come from
-``megatron_armor.algo.registry`` (config may import algo; algo never imports config).
+:func:`validate` runs the single-field checks of every section (``fields.py``) and the
+cross-field rules of :data:`RULES`, and raises one ``ValueError`` listing all problems found
+(so a user fixes a config in one pass). A rule is a small function ``config -> Iterator[str]``
+yielding messages. ``load_config`` runs it, ``armor plan`` plans only loaded configs (and
+reuses :func:`model_shape_problems` for ``--model``), and the trainer trusts the loaded config
+but for :func:`check_runtime` (the software of the machine it runs on). Algorithm names come
+from ``megatron_armor.algo.registry`` (config may import algo; algo never imports config).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -15,7 +19,8 @@ from pathlib import Path
 from megatron_armor.algo import registry
 from megatron_armor.algo.ratios import resolve_alpha
 from megatron_armor.algo.reset import check_schedule
-from megatron_armor.config.schema import ArmorConfig
+from megatron_armor.config.fields import SECTION_CHECKS, bound
+from megatron_armor.config.schema import ArmorConfig, TrainerConfig
 
 Problems = Iterator[str]
 
@@ -66,54 +71,26 @@ def check_names(config: ArmorConfig) -> Problems:
             yield f"{key}={value!r}: unknown name; use one of {sorted(names)}"
 
 
-def check_algo_numbers(config: ArmorConfig) -> Problems:
-    """alpha, group size, reference samples, clip ranges and the other algo numbers."""
+def check_alpha(config: ArmorConfig) -> Problems:
+    """Resolve ``algo.alpha`` in place, the one place it is resolved (``'auto'`` ->
+    ``n_on / (n_on + 1)``, ``resolve_alpha``); everyone after the load reads the number."""
     a = config.algo
     if a.group_size < 2:
-        yield f"algo.group_size={a.group_size}: must be >= 2 (a group needs reward variance)"
-    else:
-        try:
-            resolve_alpha(a.alpha, a.group_size)
-        except ValueError as e:
-            yield str(e)
+        return  # named by the algo section's check
+    try:
+        a.alpha = resolve_alpha(a.alpha, a.group_size)
+    except ValueError as e:
+        yield str(e)
+
+
+def check_reference_samples(config: ArmorConfig) -> Problems:
+    """An anchor needs reference samples to pick it from."""
+    a = config.algo
     if a.anchor != "none" and a.ref_n < 1:
         yield (
             f"algo.ref_n={a.ref_n}: anchor {a.anchor!r} needs >= 1 reference sample per "
             "query; set algo.ref_n >= 1 (the paper uses 4)"
         )
-    yield from _bound(
-        a.clip_low, 0.0 < a.clip_low < 1.0, "algo.clip_low", "must lie in (0, 1), e.g. 0.2"
-    )
-    yield from _bound(a.clip_high, a.clip_high > 0.0, "algo.clip_high", "must be > 0, e.g. 0.28")
-    yield from _bound(
-        a.dual_clip_c, a.dual_clip_c > 1.0, "algo.dual_clip_c", "must be > 1, e.g. 10"
-    )
-    yield from _bound(
-        a.log_ratio_clamp, a.log_ratio_clamp > 0, "algo.log_ratio_clamp", "must be > 0, e.g. 20"
-    )
-    yield from _bound(a.kl_coef, a.kl_coef >= 0, "algo.kl_coef", "must be >= 0 (0 = no KL penalty)")
-    yield from _bound(
-        a.qae_quantile,
-        0.0 <= a.qae_quantile <= 1.0,
-        "algo.qae_quantile",
-        "must lie in [0, 1], e.g. 0.45",
-    )
-    yield from _bound(
-        a.max_gen_batches, a.max_gen_batches >= 1, "algo.max_gen_batches", "must be >= 1"
-    )
-    q = a.quatro
-    yield from _bound(q.delta, q.delta > 0, "algo.quatro.delta", "must be > 0, e.g. 0.1")
-    yield from _bound(
-        f"{q.lambda_min}, lambda_max={q.lambda_max}",
-        0 < q.lambda_min < q.lambda_max,
-        "algo.quatro.lambda_min",
-        "need 0 < lambda_min < lambda_max, e.g. 1e-3 and 1e4",
-    )
-
-
-def _bound(value, ok: bool, key: str, fix: str) -> Problems:
-    if not ok:
-        yield f"{key}={value}: {fix}"
 
 
 def check_algo_combinations(config: ArmorConfig) -> Problems:
@@ -149,35 +126,30 @@ def check_algo_combinations(config: ArmorConfig) -> Problems:
 def check_batches(config: ArmorConfig) -> Problems:
     """Rollout and mini-batch sizes (docs/algorithm.md, anchor rollout; docs/paper_configs.md)."""
     r, t = config.rollout, config.trainer
-    if r.batch < 1:
-        yield f"rollout.batch={r.batch}: must be >= 1 accepted query per step"
-        return
+    if r.batch < 1 or t.ppo_mini_batch < 1:
+        return  # named by the section checks
     if r.gen_batch < r.batch:
         yield (
             f"rollout.gen_batch={r.gen_batch}: must be >= rollout.batch={r.batch} "
             f"(queries per generation batch, k * B; e.g. {3 * r.batch})"
         )
-    if t.ppo_mini_batch < 1:
-        yield f"trainer.ppo_mini_batch={t.ppo_mini_batch}: must be >= 1 query per update"
-    elif r.batch % t.ppo_mini_batch:
+    if r.batch % t.ppo_mini_batch:
         yield (
             f"trainer.ppo_mini_batch={t.ppo_mini_batch}: must divide rollout.batch={r.batch} "
             f"(updates per step = batch / ppo_mini_batch); e.g. {_divisor_hint(r.batch, t.ppo_mini_batch)}"
         )
-    s = r.sampling
-    yield from _bound(
-        s.temperature, s.temperature > 0, "rollout.sampling.temperature", "must be > 0"
-    )
-    yield from _bound(s.top_p, 0 < s.top_p <= 1, "rollout.sampling.top_p", "must lie in (0, 1]")
-    yield from _bound(
-        s.max_new_tokens, s.max_new_tokens >= 1, "rollout.sampling.max_new_tokens", "must be >= 1"
-    )
-    ov = config.reward.overlong
-    if ov.enabled and not 0 < ov.buffer < s.max_new_tokens:
+    ov, max_new = config.reward.overlong, r.sampling.max_new_tokens
+    if ov.enabled and not 0 < ov.buffer < max_new:
         yield (
             f"reward.overlong.buffer={ov.buffer}: must lie in (0, rollout.sampling.max_new_tokens="
-            f"{s.max_new_tokens}); or set reward.overlong.enabled=false"
+            f"{max_new}); or set reward.overlong.enabled=false"
         )
+
+
+def updates_per_step(config: ArmorConfig) -> int:
+    """Optimizer updates (mini-batches) per RL step, ``rollout.batch / trainer.ppo_mini_batch``
+    (a valid config: :func:`check_batches` makes it whole)."""
+    return config.rollout.batch // config.trainer.ppo_mini_batch
 
 
 def _divisor_hint(n: int, near: int) -> int:
@@ -227,14 +199,11 @@ def check_offload(config: ArmorConfig) -> Problems:
 
 
 def check_parallel(config: ArmorConfig) -> Problems:
-    """Parallel sizes divide the world size and the model's heads and layers."""
+    """Parallel sizes divide the world size and the model's heads and layers; every
+    data-parallel rank gets sequences."""
     t = config.trainer
-    sizes = {"tp": t.tp, "pp": t.pp, "cp": t.cp, "vpp": t.vpp, "world_size": t.world_size}
-    bad = [k for k, v in sizes.items() if v < 1]
-    for key in bad:
-        yield f"trainer.{key}={sizes[key]}: must be >= 1"
-    if bad:
-        return
+    if min(t.tp, t.pp, t.cp, t.vpp, t.world_size) < 1:
+        return  # named by the trainer section's check
     model_parallel = t.tp * t.pp * t.cp
     if t.world_size % model_parallel:
         yield (
@@ -242,8 +211,14 @@ def check_parallel(config: ArmorConfig) -> Problems:
             f"{t.tp}*{t.pp}*{t.cp}={model_parallel} (data-parallel size = world_size / "
             "that); change world_size or the parallel sizes"
         )
-    if t.vpp > 1 and t.pp == 1:
-        yield f"trainer.vpp={t.vpp}: virtual pipeline stages need trainer.pp > 1; set vpp=1"
+    elif t.ppo_mini_batch >= 1:
+        dp, sequences = t.world_size // model_parallel, t.ppo_mini_batch * config.algo.group_size
+        if sequences < dp:
+            yield (
+                f"trainer.ppo_mini_batch={t.ppo_mini_batch}: x algo.group_size="
+                f"{config.algo.group_size} = {sequences} sequences per update < data-parallel "
+                f"size {dp}, so some ranks would get none; raise ppo_mini_batch or lower dp"
+            )
     if t.sequence_parallel and t.tp == 1:
         yield "trainer.sequence_parallel=true: needs trainer.tp > 1; set sequence_parallel=false"
     yield from check_model_shape(config)
@@ -266,15 +241,29 @@ def read_hf_config(model_path: str) -> dict | None:
 
 
 def check_model_shape(config: ArmorConfig) -> Problems:
-    """Heads divisible by tp (KV heads: either way), layers by pp * vpp."""
+    """The model of ``trainer.model_path`` (its ``config.json``) fits the parallel layout."""
     t = config.trainer
     hf = read_hf_config(t.model_path)
     if hf is None:
         return
-    where = f"{t.model_path}/config.json"
     heads = hf.get("num_attention_heads")
-    kv = hf.get("num_key_value_heads") or heads
-    layers = hf.get("num_hidden_layers")
+    shape = {
+        "heads": heads,
+        "kv_heads": hf.get("num_key_value_heads") or heads,
+        "layers": hf.get("num_hidden_layers"),
+        "ffn_hidden": hf.get("intermediate_size"),
+    }
+    yield from model_shape_problems(t, shape, f"{t.model_path}/config.json")
+
+
+def model_shape_problems(
+    trainer: TrainerConfig, shape: dict[str, int | None], where: str
+) -> Problems:
+    """Heads and FFN width divisible by ``trainer.tp`` (KV heads: either way, megatron
+    replicates them), layers by ``pp * vpp``; ``shape`` holds ``heads``, ``kv_heads``,
+    ``layers``, ``ffn_hidden`` (``None`` = unknown), ``where`` names their source. Used by
+    load (``trainer.model_path``) and by ``armor plan`` (``--model``)."""
+    t, heads, kv = trainer, shape["heads"], shape["kv_heads"]
     if heads and heads % t.tp:
         yield (
             f"trainer.tp={t.tp}: must divide num_attention_heads={heads} of {where}; "
@@ -285,7 +274,13 @@ def check_model_shape(config: ArmorConfig) -> Problems:
             f"trainer.tp={t.tp}: num_key_value_heads={kv} of {where} must be divisible by "
             "tp (or tp by it, to replicate KV heads); pick another tp"
         )
-    stages = t.pp * t.vpp
+    ffn = shape["ffn_hidden"]
+    if ffn and ffn % t.tp:
+        yield (
+            f"trainer.tp={t.tp}: must divide intermediate_size={ffn} of {where}; use tp in "
+            f"{_divisors(ffn)}"
+        )
+    stages, layers = t.pp * t.vpp, shape["layers"]
     if layers and layers % stages:
         yield (
             f"trainer.pp={t.pp} x trainer.vpp={t.vpp}: must divide num_hidden_layers={layers} "
@@ -338,45 +333,12 @@ def check_hardware(config: ArmorConfig) -> Problems:
         )
 
 
-def check_run(config: ArmorConfig) -> Problems:
-    """Run length, checkpoint cadence, validation sampling, the exact-KL diagnostic."""
-    run, val = config.run, config.validation
-    yield from _bound(run.steps, run.steps >= 1, "run.steps", "must be >= 1")
-    yield from _bound(
-        run.ckpt_every, run.ckpt_every >= 0, "run.ckpt_every", "must be >= 0 (0 = only on signals)"
-    )
-    yield from _bound(run.keep_last, run.keep_last >= 1, "run.keep_last", "must be >= 1")
-    limit = config.data.train_limit
-    yield from _bound(limit, limit >= 0, "data.train_limit", "must be >= 0 (0 = all prompts)")
-    yield from _bound(val.every, val.every >= 0, "validation.every", "must be >= 0 (0 = off)")
-    yield from _bound(val.n_samples, val.n_samples >= 1, "validation.n_samples", "must be >= 1")
-    yield from _bound(val.top_p, 0 < val.top_p <= 1, "validation.top_p", "must lie in (0, 1]")
-    yield from _bound(
-        val.temperature,
-        val.temperature > 0,
-        "validation.temperature",
-        "must be > 0 (sampling; 0 would silently decode greedily), e.g. 1.0",
-    )
-    log = config.logging
-    yield from _bound(
-        log.exact_kl_every,
-        log.exact_kl_every >= 0,
-        "logging.exact_kl_every",
-        "must be >= 0 (0 = off)",
-    )
-    for key in ("exact_kl_samples", "exact_kl_positions"):
-        value = getattr(log, key)
-        yield from _bound(value, value >= 1, f"logging.{key}", "must be >= 1")
-    threads = config.orchestration.threads_per_actor
-    yield from _bound(
-        threads, threads >= 0, "orchestration.threads_per_actor", "must be >= 0 (0 = auto)"
-    )
-
-
 def check_lr_schedule(config: ArmorConfig) -> Problems:
-    """Warm-up and decay lengths (in ``trainer.lr_unit``)."""
+    """The LR floor and the decay length against the peak and the warm-up."""
     t = config.trainer
-    yield from _bound(t.warmup_steps, t.warmup_steps >= 0, "trainer.warmup_steps", "must be >= 0")
+    yield from bound(
+        t.min_lr, 0 <= t.min_lr <= t.lr, "trainer.min_lr", "must lie in [0, trainer.lr]"
+    )
     if t.lr_decay_style != "constant" and t.lr_decay_steps <= t.warmup_steps:
         yield (
             f"trainer.lr_decay_steps={t.lr_decay_steps}: a {t.lr_decay_style} decay must end "
@@ -390,10 +352,6 @@ def check_watchers(config: ArmorConfig) -> Problems:
     watched = [("run.keep_best.metric", best.metric)] if best.metric else []
     if o.enabled:
         watched.append(("overopt.val_metric", o.val_metric))
-        yield from _bound(o.patience, o.patience >= 1, "overopt.patience", "must be >= 1")
-        yield from _bound(
-            o.reward_window, o.reward_window >= 1, "overopt.reward_window", "must be >= 1"
-        )
     for key, metric in watched:
         if metric.startswith("val/") and config.validation.every <= 0:
             yield (
@@ -402,49 +360,41 @@ def check_watchers(config: ArmorConfig) -> Problems:
             )
 
 
-def check_sizes(config: ArmorConfig) -> Problems:
-    """Learning rate, budgets, worker counts and timeouts (each a positive number)."""
-    t, r, o = config.trainer, config.reward, config.orchestration
-    yield from _bound(t.lr, t.lr > 0, "trainer.lr", "must be > 0, e.g. 1e-6")
-    yield from _bound(
-        t.min_lr, 0 <= t.min_lr <= t.lr, "trainer.min_lr", "must lie in [0, trainer.lr]"
-    )
-    yield from _bound(
-        t.micro_batch_tokens,
-        t.micro_batch_tokens >= 1,
-        "trainer.micro_batch_tokens",
-        "must be >= 1 token per micro-batch, e.g. 4096",
-    )
-    yield from _bound(t.grad_clip, t.grad_clip >= 0, "trainer.grad_clip", "must be >= 0 (0 = off)")
-    yield from _bound(
-        config.rollout.engine_batch_size,
-        config.rollout.engine_batch_size >= 1,
-        "rollout.engine_batch_size",
-        "must be >= 1 sequence decoded together, e.g. 64",
-    )
-    yield from _bound(
-        config.data.max_prompt_len,
-        config.data.max_prompt_len >= 1,
-        "data.max_prompt_len",
-        "must be >= 1",
-    )
-    yield from _bound(
-        r.timeout_s, r.timeout_s > 0, "reward.timeout_s", "must be > 0 seconds, e.g. 5"
-    )
-    yield from _bound(
-        r.num_workers, r.num_workers >= 1, "reward.num_workers", "must be >= 1 process"
-    )
-    for key in ("nodes", "gpus_per_node", "num_reward_workers"):
-        value = getattr(o, key)
-        yield from _bound(value, value >= 1, f"orchestration.{key}", "must be >= 1")
-    yield from _bound(
-        o.rollout_gpus, o.rollout_gpus >= 0, "orchestration.rollout_gpus", "must be >= 0"
-    )
+def transformer_engine_imports() -> bool:
+    """Whether Transformer Engine imports here (it never does on a CPU build)."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def check_runtime(config: ArmorConfig) -> Problems:
+    """The software the trainer needs on this machine: Transformer Engine for
+    ``transformer_impl=te`` (FP8 included), Apex for sequence parallelism with the local spec.
+    Run by every trainer rank before it builds anything, and at load by ``armor train`` for
+    ``orchestration.layout=cpu`` (where the driver's machine is the trainer's)."""
+    t = config.trainer
+    if t.transformer_impl == "te" and not transformer_engine_imports():
+        yield (
+            "trainer.transformer_impl='te': Transformer Engine does not import on this machine; "
+            "install it (NGC PyTorch containers ship it) or set trainer.transformer_impl=local "
+            "(and trainer.fp8.enabled=false)"
+        )
+    local = t.transformer_impl == "local"
+    if t.sequence_parallel and local and importlib.util.find_spec("apex") is None:
+        yield (
+            "trainer.sequence_parallel=true with trainer.transformer_impl='local' needs Apex "
+            "(megatron's torch-norm fallback does not support it); set transformer_impl=te or "
+            "sequence_parallel=false"
+        )
 
 
 RULES: list[Callable[[ArmorConfig], Problems]] = [
+    *SECTION_CHECKS,
     check_names,
-    check_algo_numbers,
+    check_alpha,
+    check_reference_samples,
     check_algo_combinations,
     check_batches,
     check_reference_serving,
@@ -453,10 +403,8 @@ RULES: list[Callable[[ArmorConfig], Problems]] = [
     check_parallel,
     check_context,
     check_hardware,
-    check_run,
     check_lr_schedule,
     check_watchers,
-    check_sizes,
 ]
 
 
@@ -466,13 +414,25 @@ def find_problems(config: ArmorConfig, inputs: bool = False) -> list[str]:
     from megatron_armor.config.inputs import check_inputs
 
     rules = RULES + [check_inputs] if inputs else RULES
+    if inputs and config.orchestration.layout == "cpu":
+        rules = rules + [check_runtime]
     return [msg for rule in rules for msg in rule(config)]
 
 
 def validate(config: ArmorConfig, inputs: bool = False) -> None:
     """Raise ``ValueError`` listing every inconsistent setting of ``config`` (and, with
-    ``inputs``, every unusable file it names)."""
-    problems = find_problems(config, inputs)
+    ``inputs``, every unusable file it names); resolves ``algo.alpha`` (:func:`check_alpha`)."""
+    raise_problems(find_problems(config, inputs))
+
+
+def validate_runtime(config: ArmorConfig) -> None:
+    """Raise ``ValueError`` when this machine lacks software the trainer needs
+    (:func:`check_runtime`)."""
+    raise_problems(list(check_runtime(config)))
+
+
+def raise_problems(problems: list[str]) -> None:
+    """One ``ValueError`` naming every problem (none: return)."""
     if len(problems) == 1:
         raise ValueError(problems[0])
     if problems:

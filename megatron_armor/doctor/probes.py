@@ -84,6 +84,7 @@ def trainer_step(spec: dict) -> dict:
     cfg.trainer.model_path = spec["model_dir"]
     cfg.rollout.sampling.temperature = spec["temperature"]
     cfg.algo.group_size = 4
+    cfg.algo.alpha = 3 / 4  # a hand-built config: alpha as load resolves 'auto' for G = 4
     trainer = MegatronTrainer(cfg, 0, 1, "127.0.0.1", spec["port"])
     try:
         batch = doctor_batch(spec["samples"])

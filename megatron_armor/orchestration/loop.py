@@ -156,7 +156,10 @@ def run_step(s: Session, rollout: AnchorRollout, step: int) -> dict[str, float]:
     metrics.update(s.rollout.reference_metrics())
     metrics.update(sync_and_maybe_reset(s, step))
     metrics.update(
-        {"algo/alpha": s.alpha, "train/response_tokens": float(batch.num_response_tokens)}
+        {
+            "algo/alpha": s.config.algo.alpha,
+            "train/response_tokens": float(batch.num_response_tokens),
+        }
     )
     if s.config.rollout.backend == "sglang":
         metrics["rollout/servers_restarted"] = float(restarted)

@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_armor.algo.ratios import resolve_alpha
 from megatron_armor.algo.reset import ResetSchedule
 from megatron_armor.config.schema import ArmorConfig
+from megatron_armor.config.validate import updates_per_step
 from megatron_armor.data.dataset import load_prompt_dataset
 from megatron_armor.data.sampler import ResumableSampler, sampled_prompt_count
 from megatron_armor.observability.metrics import MetricsLogger, truncate_metrics
@@ -51,18 +51,6 @@ from megatron_armor.planner.model import load_model_dims
 
 def run_dir_of(config: ArmorConfig) -> Path:
     return Path(config.run.output_dir) / config.run.name
-
-
-def check_batch_sizes(config: ArmorConfig) -> int:
-    """Mini-batches per step ``B / ppo_mini_batch``; errors name the settings."""
-    b, mb, gen = config.rollout.batch, config.trainer.ppo_mini_batch, config.rollout.gen_batch
-    if b < 1 or mb < 1 or b % mb:
-        raise ValueError(
-            f"trainer.ppo_mini_batch={mb} must divide rollout.batch={b} (queries per update)"
-        )
-    if gen < b:
-        raise ValueError(f"rollout.gen_batch={gen} must be >= rollout.batch={b} (k * B, k >= 1)")
-    return b // mb
 
 
 def train_size(config: ArmorConfig, dataset) -> int:
@@ -117,7 +105,6 @@ class Session:
     meter: ThroughputMeter
     tokenizer: object
     progress: PhaseProgress
-    alpha: float
     num_minibatches: int
     state: RunState
     watch: RunWatch
@@ -142,7 +129,6 @@ class Session:
     @classmethod
     def _start(cls, config: ArmorConfig, run_dir: Path) -> Session:
         """Everything up and ready for step 1 (or the resumed step)."""
-        num_minibatches = check_batch_sizes(config)
         tokenizer = load_model_tokenizer(config.trainer.model_path)
         d = config.data
         dataset = load_prompt_dataset(d.train_files, tokenizer, d.template, d.max_prompt_len)
@@ -175,8 +161,7 @@ class Session:
             schedule=ResetSchedule(r.schedule, r.every, r.until), logger=logger,
             timers=PhaseTimers(), progress=PhaseProgress(log.progress), tokenizer=tokenizer,
             meter=make_meter(config, plan, trainer.info.get("device_name", "cpu")),
-            alpha=resolve_alpha(config.algo.alpha, config.algo.group_size),
-            num_minibatches=num_minibatches, state=RunState(), watch=RunWatch(config), lock=None,
+            num_minibatches=updates_per_step(config), state=RunState(), watch=RunWatch(config), lock=None,
             resume_from=None, weight_sync=start_weight_sync(config, trainer, rollout),
         )  # fmt: skip
 

@@ -4,7 +4,8 @@
     plan = make_plan(config, model="qwen3-8b", gpu_mem_gib=80)
     print(plan.report()); plan.fits
 
-The plan checks the layout rules (``planner.rules``) and estimates per-GPU memory in each
+The config is valid (``load_config`` ran the one rule set, ``config/validate.py``); the plan
+adds the placement and ``--model`` shape rules (``planner.rules``) and estimates per-GPU memory in each
 phase (``planner.memory``): ``train`` (trainer state + activations + logits; a colocated engine
 has released its memory) and ``rollout`` (trainer state — only the weights with
 ``trainer.offload_train_state`` — + the SGLang static shares when colocated). The verdict
@@ -34,7 +35,7 @@ USABLE_FRACTION = 0.95
 """Share of GPU memory a plan may use (allocator fragmentation, stray buffers)."""
 
 ADVICE = {
-    "activations": "set trainer.recompute=true, raise trainer.cp or trainer.tp (with "
+    "activations": "set trainer.recompute=true, raise trainer.tp (with "
     "trainer.sequence_parallel=true), or lower trainer.micro_batch_tokens",
     "logits": "raise trainer.tp (the vocabulary is split over it) or lower trainer.logprob_chunk",
     "optimizer": "set trainer.use_distributed_optimizer=true and/or raise the data-parallel size",
@@ -151,6 +152,7 @@ def trainer_shape(config: ArmorConfig, dims: ModelDims) -> TrainerShape:
 
 
 def layout_spec(config: ArmorConfig, dims: ModelDims) -> LayoutSpec:
+    """The settings the planner's rules read."""
     t, o, r = config.trainer, config.orchestration, config.rollout
     pools = pool_specs(config)
     ref_gpus = pools["ref"].gpus if "ref" in pools and o.layout == "disaggregated" else 0
@@ -158,7 +160,6 @@ def layout_spec(config: ArmorConfig, dims: ModelDims) -> LayoutSpec:
         dims=dims,
         tp=t.tp,
         pp=t.pp,
-        cp=t.cp,
         vpp=t.vpp,
         world_size=t.world_size,
         sequence_parallel=t.sequence_parallel,
@@ -168,10 +169,6 @@ def layout_spec(config: ArmorConfig, dims: ModelDims) -> LayoutSpec:
         rollout_gpus=o.rollout_gpus,
         engine_tp=r.sglang.tp,
         num_engines=pools["policy"].num_engines,
-        batch=r.batch,
-        gen_batch=r.gen_batch,
-        ppo_mini_batch=t.ppo_mini_batch,
-        group_size=config.algo.group_size,
         micro_batch_tokens=t.micro_batch_tokens,
         seq_len=config.data.max_prompt_len + r.sampling.max_new_tokens,
         ref_engine_gpus=ref_gpus,

@@ -1,9 +1,17 @@
-"""Divisibility and placement rules of a layout; each finding names the setting and the fix."""
+"""What the planner adds to the config rules: the model's shape from ``--model`` and the
+placement of the trainer and the SGLang servers; each finding names the setting and the fix.
+
+Everything load rejects is checked by ``config/validate.py`` alone (``armor plan`` plans only
+configs that load); the model-shape rules are that module's :func:`model_shape_problems`, run
+here on the planner's model, which may differ from ``trainer.model_path``.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_armor.config.schema import TrainerConfig
+from megatron_armor.config.validate import model_shape_problems
 from megatron_armor.planner.model import ModelDims
 
 
@@ -18,6 +26,12 @@ class Finding:
     def __str__(self) -> str:
         return f"{self.level.upper()}: {self.setting}: {self.message}"
 
+    @classmethod
+    def error(cls, problem: str) -> Finding:
+        """An error from a config rule's ``"<key>=<value>...: <fix>"`` message."""
+        head, _, fix = problem.partition(": ")
+        return cls("error", head.split("=")[0], f"{head.partition('=')[2]}: {fix}")
+
 
 @dataclass(frozen=True)
 class LayoutSpec:
@@ -26,7 +40,6 @@ class LayoutSpec:
     dims: ModelDims
     tp: int
     pp: int
-    cp: int
     vpp: int
     world_size: int
     sequence_parallel: bool
@@ -36,10 +49,6 @@ class LayoutSpec:
     rollout_gpus: int
     engine_tp: int
     num_engines: int
-    batch: int
-    gen_batch: int
-    ppo_mini_batch: int
-    group_size: int
     micro_batch_tokens: int
     seq_len: int
     ref_engine_gpus: int = 0
@@ -47,45 +56,15 @@ class LayoutSpec:
 
 
 def _model_rules(s: LayoutSpec) -> list[Finding]:
-    d, out = s.dims, []
-    if d.heads % s.tp:
-        out.append(
-            Finding(
-                "error",
-                "trainer.tp",
-                f"{s.tp} does not divide the {d.heads} attention heads; use a divisor of {d.heads}",
-            )
-        )
-    if d.kv_heads % s.tp:
-        out.append(
-            Finding(
-                "error",
-                "trainer.tp",
-                f"{s.tp} does not divide the {d.kv_heads} key/value heads (GQA groups); use tp <= {d.kv_heads} dividing it",
-            )
-        )
-    if d.ffn_hidden % s.tp:
-        out.append(
-            Finding("error", "trainer.tp", f"{s.tp} does not divide ffn_hidden={d.ffn_hidden}")
-        )
-    if d.layers % (s.pp * s.vpp):
-        out.append(
-            Finding(
-                "error",
-                "trainer.pp",
-                f"pp * vpp = {s.pp * s.vpp} does not divide the {d.layers} layers",
-            )
-        )
-    if s.vpp > 1 and s.pp == 1:
-        out.append(
-            Finding(
-                "error",
-                "trainer.vpp",
-                f"{s.vpp} needs trainer.pp > 1 (interleaving splits pipeline stages)",
-            )
-        )
-    if s.sequence_parallel and s.tp == 1:
-        out.append(Finding("error", "trainer.sequence_parallel", "true needs trainer.tp > 1"))
+    d = s.dims
+    trainer = TrainerConfig(tp=s.tp, pp=s.pp, vpp=s.vpp)
+    shape = {
+        "heads": d.heads,
+        "kv_heads": d.kv_heads,
+        "layers": d.layers,
+        "ffn_hidden": d.ffn_hidden,
+    }
+    out = [Finding.error(p) for p in model_shape_problems(trainer, shape, f"model {d.name}")]
     if s.tp > 1 and not s.sequence_parallel:
         out.append(
             Finding(
@@ -94,60 +73,17 @@ def _model_rules(s: LayoutSpec) -> list[Finding]:
                 f"false at tp={s.tp}: activations of norms/dropout are replicated; set it true to divide them by tp",
             )
         )
-    if s.cp > 1 and s.seq_len % (2 * s.cp):
-        out.append(
-            Finding(
-                "warning",
-                "trainer.cp",
-                f"sequences are padded to a multiple of 2*cp = {2 * s.cp} for load-balanced context parallelism",
-            )
-        )
     return out
 
 
 def _parallel_rules(s: LayoutSpec) -> list[Finding]:
-    out, model_parallel = [], s.tp * s.pp * s.cp
-    if s.world_size % model_parallel:
-        out.append(
-            Finding(
-                "error",
-                "trainer.world_size",
-                f"{s.world_size} is not a multiple of tp*pp*cp = {model_parallel}",
-            )
-        )
-        return out
-    dp = s.world_size // model_parallel
+    out = []
     if s.tp > s.gpus_per_node and s.layout != "cpu":
         out.append(
             Finding(
                 "warning",
                 "trainer.tp",
-                f"{s.tp} > orchestration.gpus_per_node={s.gpus_per_node}: tensor parallelism across nodes is slow; use pp or cp across nodes",
-            )
-        )
-    sequences = s.ppo_mini_batch * s.group_size
-    if sequences < dp:
-        out.append(
-            Finding(
-                "error",
-                "trainer.ppo_mini_batch",
-                f"{s.ppo_mini_batch} queries x {s.group_size} samples = {sequences} sequences per update < dp = {dp}; some DP ranks would get nothing",
-            )
-        )
-    if s.batch % s.ppo_mini_batch:
-        out.append(
-            Finding(
-                "error",
-                "trainer.ppo_mini_batch",
-                f"{s.ppo_mini_batch} does not divide rollout.batch={s.batch}",
-            )
-        )
-    if s.gen_batch < s.batch:
-        out.append(
-            Finding(
-                "error",
-                "rollout.gen_batch",
-                f"{s.gen_batch} < rollout.batch={s.batch}; a generation batch must offer at least B queries",
+                f"{s.tp} > orchestration.gpus_per_node={s.gpus_per_node}: tensor parallelism across nodes is slow; use pp across nodes",
             )
         )
     if s.micro_batch_tokens < s.seq_len:

@@ -9,14 +9,14 @@ LR schedule counted in RL steps or updates (``optim.py``) and stores the referen
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from collections.abc import Iterator
 
 import torch
 
 from megatron_armor.algo.losses import LossSettings, finalize_metrics
-from megatron_armor.config.schema import ArmorConfig, TrainerConfig
+from megatron_armor.config.schema import ArmorConfig
+from megatron_armor.config.validate import updates_per_step, validate_runtime
 from megatron_armor.trainer import checkpoint, parallel
 from megatron_armor.trainer.batching import plan_micro_batches, split_minibatches
 from megatron_armor.trainer.cpu_compat import enable_cpu_mode
@@ -42,30 +42,6 @@ from megatron_armor.trainer.weight_store import WeightStore
 FP8_TOKEN_MULTIPLE = 16
 
 
-def check_supported_layout(trainer: TrainerConfig) -> None:
-    """Reject parallel settings this actor does not implement yet."""
-    if trainer.cp != 1:
-        raise ValueError(
-            f"trainer.cp={trainer.cp}: context parallelism is not supported; set cp: 1"
-        )
-    if trainer.vpp != 1:
-        raise ValueError(
-            f"trainer.vpp={trainer.vpp}: virtual pipeline stages are not supported; set vpp: 1"
-        )
-    if trainer.sequence_parallel and trainer.tp == 1:
-        raise ValueError("trainer.sequence_parallel=true needs trainer.tp > 1; set it to false")
-    if (
-        trainer.sequence_parallel
-        and trainer.transformer_impl == "local"
-        and importlib.util.find_spec("apex") is None
-    ):
-        raise ValueError(
-            "trainer.sequence_parallel=true with transformer_impl=local needs Apex (megatron's "
-            "torch-norm fallback does not support it); set transformer_impl=te or "
-            "sequence_parallel=false"
-        )
-
-
 def exact_kl_means(sums: dict[str, float]) -> dict[str, float]:
     """``kl/exact_*`` sums over the diagnostic's positions -> means (maxima stay maxima)."""
     count = sums.pop("kl/exact_positions", 0.0)
@@ -87,7 +63,7 @@ class MegatronTrainer(TrainerInterface):
         master_port: int = 29500,
     ):
         t = config.trainer
-        check_supported_layout(t)
+        validate_runtime(config)  # the rest of the config was checked at load
         layout = parallel.ParallelLayout(tp=t.tp, pp=t.pp, cp=t.cp, vpp=t.vpp)
         parallel.init_parallel(layout, rank, world_size, master_addr, master_port, config.run.seed)
         self.config = config
@@ -106,7 +82,7 @@ class MegatronTrainer(TrainerInterface):
             chunk=t.logprob_chunk,
         )
         self.updates = 0
-        self.updates_per_step = config.rollout.batch // t.ppo_mini_batch
+        self.updates_per_step = updates_per_step(config)
 
     # --- helpers ---------------------------------------------------------------------------
 

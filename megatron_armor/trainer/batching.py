@@ -15,7 +15,7 @@
    ``PackedSeqParams``), positions restarting per sample, no padding but the few tokens that
    round ``T`` up to ``pad_multiple`` (a segment of their own). Per-token training data stays
    packed ``[T]`` (only real tokens, in order) with ``token_index`` pointing back into the
-   full batch.
+   full batch: every entry of the batch's ``token_data`` is sliced alike, whatever its name.
 
 The loss does not depend on the micro-batching: its normalizer is global (``schedule.py``)
 and every per-sample quantity stays within one micro-batch.
@@ -29,11 +29,11 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_armor.types import TrainBatch
+from megatron_armor.types import PerTokenData, TrainBatch
 
 
 @dataclass
-class MicroBatch:
+class MicroBatch(PerTokenData):
     """One micro-batch: model inputs ``[n, L]`` and packed per-token data ``[T]``."""
 
     tokens: torch.Tensor
@@ -42,11 +42,9 @@ class MicroBatch:
     """``[n, L]`` int64 positions 0..len-1 per row."""
     valid: torch.Tensor
     """``[n, L]`` bool, real (non-pad) tokens."""
-    loss_mask: torch.Tensor
-    advantages: torch.Tensor
-    old_logprobs: torch.Tensor
-    ref_logprobs: torch.Tensor
-    is_anchor: torch.Tensor
+    token_data: dict[str, torch.Tensor]
+    """The batch's per-token loss inputs ``[T]`` (``TrainBatch.token_data``), this micro-batch's
+    tokens only; floating ones as float32."""
     sample_index: torch.Tensor
     """``[T]`` int64, 0-based row of each packed token."""
     token_index: torch.Tensor
@@ -104,9 +102,8 @@ def split_micro_batches(
     ids: list[int], lengths: list[int], budget: int, packed: bool = False
 ) -> list[list[int]]:
     """Consecutive groups of ``ids`` costing at most ``budget`` tokens (or one sample each):
-    ``len(group) * max(length)`` padded, ``sum(length)`` packed."""
-    if budget <= 0:
-        raise ValueError(f"trainer.micro_batch_tokens={budget}: must be > 0")
+    ``len(group) * max(length)`` padded, ``sum(length)`` packed (``budget`` >= 1: the
+    trainer section's check, ``config/fields.py``)."""
     groups: list[list[int]] = []
     current: list[int] = []
     total = longest = 0
@@ -124,15 +121,13 @@ def split_micro_batches(
 
 
 def _token_data(batch: TrainBatch, ids: list[int], lengths: list[int]) -> dict:
-    """The packed ``[T]`` per-token fields of samples ``ids`` (in that order)."""
+    """The packed ``[T]`` per-token data of samples ``ids`` (in that order): every entry of
+    ``batch.token_data`` (floating ones as float32), the rows and the batch positions."""
     bounds = batch.cu_seqlens.tolist()
     index = torch.cat([torch.arange(bounds[i], bounds[i + 1]) for i in ids])
+    data = {key: value[index] for key, value in batch.token_data.items()}
     return {
-        "loss_mask": batch.loss_mask[index].float(),
-        "advantages": batch.advantages[index].float(),
-        "old_logprobs": batch.old_logprobs[index].float(),
-        "ref_logprobs": batch.ref_logprobs[index].float(),
-        "is_anchor": batch.is_anchor[index].bool(),
+        "token_data": {k: v.float() if v.is_floating_point() else v for k, v in data.items()},
         "sample_index": torch.repeat_interleave(torch.arange(len(ids)), torch.tensor(lengths)),
         "token_index": index,
     }

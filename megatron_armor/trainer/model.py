@@ -106,25 +106,11 @@ def read_hf_spec(model_dir: str, overrides: dict | None = None) -> HFModelSpec:
     )
 
 
-def te_available() -> bool:
-    """Whether Transformer Engine imports (it never does on a CPU build)."""
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
 def fp8_settings(fp8: FP8Config) -> dict:
-    """Map ``trainer.fp8`` onto ``TransformerConfig`` fields; raises without TE."""
+    """Map ``trainer.fp8`` onto ``TransformerConfig`` fields (Transformer Engine must import:
+    ``config/validate.py`` ``check_runtime``)."""
     if not fp8.enabled:
         return {}
-    if not te_available():
-        raise RuntimeError(
-            "trainer.fp8.enabled=true needs Transformer Engine, which does not import here; "
-            "set trainer.fp8.enabled=false or run in a container with Transformer Engine "
-            "(and trainer.transformer_impl=te)"
-        )
     return {
         "fp8": fp8.format,
         "fp8_recipe": fp8.recipe,
@@ -135,14 +121,8 @@ def fp8_settings(fp8: FP8Config) -> dict:
 
 
 def build_transformer_config(spec: HFModelSpec, trainer: TrainerConfig) -> TransformerConfig:
-    """The megatron-core ``TransformerConfig`` for ``spec`` under ``trainer``'s layout/precision."""
-    if trainer.precision not in _DTYPES:
-        raise ValueError(f"trainer.precision={trainer.precision!r} is not one of {sorted(_DTYPES)}")
-    if trainer.fp8.enabled and trainer.transformer_impl != "te":
-        raise ValueError(
-            "trainer.fp8.enabled=true needs trainer.transformer_impl=te (FP8 runs in "
-            "Transformer Engine layers); set transformer_impl: te"
-        )
+    """The megatron-core ``TransformerConfig`` for ``spec`` under ``trainer``'s layout/precision
+    (a loaded, valid config: ``config/validate.py``)."""
     dtype = _DTYPES[trainer.precision]
     cpu = not torch.cuda.is_available()
     recompute = (
@@ -190,16 +170,10 @@ def build_transformer_config(spec: HFModelSpec, trainer: TrainerConfig) -> Trans
 
 
 def layer_spec(spec: HFModelSpec, transformer_impl: str):
-    """TE layer spec for ``te`` (TE must import), megatron-core's local spec for ``local``."""
+    """TE layer spec for ``te`` (TE must import: ``config/validate.py`` ``check_runtime``),
+    megatron-core's local spec for ``local``."""
     if transformer_impl == "te":
-        if not te_available():
-            raise RuntimeError(
-                "trainer.transformer_impl=te but Transformer Engine does not import; install "
-                "it (NGC PyTorch containers ship it) or set trainer.transformer_impl=local"
-            )
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
-    if transformer_impl != "local":
-        raise ValueError(f"trainer.transformer_impl={transformer_impl!r}: use 'local' or 'te'")
     return get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm")
 
 

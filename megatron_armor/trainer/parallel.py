@@ -20,7 +20,8 @@ from megatron_armor.trainer.cpu_compat import enable_cpu_mode
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """How the trainer ranks are factored: ``world = tp * pp * cp * dp``."""
+    """How the trainer ranks are factored: ``world = tp * pp * cp * dp`` (a loaded config
+    factors: ``config/validate.py: check_parallel``)."""
 
     tp: int = 1
     """Tensor-parallel size."""
@@ -30,16 +31,6 @@ class ParallelLayout:
     """Context-parallel size."""
     vpp: int = 1
     """Virtual pipeline stages per rank (1 = off)."""
-
-    def data_parallel_size(self, world_size: int) -> int:
-        """``dp = world / (tp * pp * cp)``; raises when the world does not factor."""
-        model = self.tp * self.pp * self.cp
-        if world_size % model:
-            raise ValueError(
-                f"trainer.world_size={world_size} is not divisible by tp*pp*cp={model}; "
-                f"choose trainer.tp/pp/cp whose product divides the number of trainer ranks"
-            )
-        return world_size // model
 
 
 def init_parallel(
@@ -56,7 +47,6 @@ def init_parallel(
     On CPU the process first switches to CPU mode (``cpu_compat``) and uses gloo.
     """
     cpu = enable_cpu_mode()
-    layout.data_parallel_size(world_size)
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", master_addr)
         os.environ.setdefault("MASTER_PORT", str(master_port))

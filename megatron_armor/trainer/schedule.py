@@ -70,14 +70,10 @@ def _policy_loss(
     dev = logp.device
     loss, metrics = compute_policy_loss(
         logp,
-        mb.old_logprobs.to(dev),
-        mb.ref_logprobs.to(dev),
-        mb.advantages.to(dev),
-        mb.loss_mask.to(dev),
-        mb.is_anchor.to(dev),
-        mb.sample_index.to(dev),
-        settings,
-        normalizer,
+        **{key: value.to(dev) for key, value in mb.token_data.items()},
+        sample_index=mb.sample_index.to(dev),
+        settings=settings,
+        normalizer=normalizer,
         entropy=entropy,
     )
     metrics["loss/objective"] = loss.detach()

@@ -44,6 +44,7 @@ def trainer_factory(tmp_path_factory):
         t.model_path, t.transformer_impl, t.precision = models["qwen2"], "te", "bf16"
         t.fp8.enabled, t.lr, t.micro_batch_tokens = fp8, 1e-4, 64
         cfg.algo.group_size = 4
+        cfg.algo.alpha = 3 / 4  # a hand-built config: alpha as load resolves 'auto' for G = 4
         trainer = MegatronTrainer(cfg, 0, 1, "127.0.0.1", free_port())
         made.append(trainer)
         return trainer

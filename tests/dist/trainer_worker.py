@@ -35,6 +35,7 @@ def make_config(model_dir: str, tp: int, pp: int, world: int, distopt: bool):
     t.lr_unit = "updates"  # each train_step call is one update here, not an RL step
     t.micro_batch_tokens, t.use_distributed_optimizer, t.logprob_chunk = 40, distopt, 16
     cfg.algo.ratio, cfg.algo.group_size, cfg.algo.loss_agg = "mixed", 4, "token-mean"
+    cfg.algo.alpha = 3 / 4  # a hand-built config: alpha as load resolves 'auto' for G = 4
     cfg.rollout.sampling.temperature = 0.9
     return cfg
 
@@ -59,12 +60,8 @@ def oracle_micro_batch():
         tokens=tokens.reshape(-1),
         position_ids=torch.arange(seq).repeat(n),
         cu_seqlens=torch.arange(0, n * seq + 1, seq, dtype=torch.int32),
-        loss_mask=zeros,
-        advantages=zeros,
-        old_logprobs=zeros,
-        ref_logprobs=zeros,
-        is_anchor=zeros.bool(),
         sample_index=torch.arange(n).repeat_interleave(seq),
+        token_data={"loss_mask": zeros, "is_anchor": zeros.bool()},
     )
     return build_micro_batch(batch, list(range(n)))
 

@@ -43,6 +43,7 @@ def trainer(tmp_path_factory):
     a, b = server.build_tiny_qwen2(root / "a", 0, 0.1), server.build_tiny_qwen2(root / "b", 1, 0.1)
     cfg = ArmorConfig()
     cfg.trainer.model_path, cfg.trainer.precision, cfg.trainer.transformer_impl = b, "bf16", "local"
+    cfg.algo.alpha = 15 / 16  # a hand-built config: alpha as load resolves 'auto' for G = 16
     made = MegatronTrainer(cfg, 0, 1, "127.0.0.1", server.free_port())
     yield {"trainer": made, "a": a, "b": b, "root": root, "server": server}
     made.close()

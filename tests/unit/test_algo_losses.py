@@ -176,23 +176,25 @@ def test_finalize_metrics():
 
 
 @pytest.mark.parametrize(
-    "kwargs",
+    "override",
     [
-        dict(clip_low=0.0),
-        dict(clip_low=1.0),
-        dict(clip_high=0.0),
-        dict(dual_clip_c=1.0),
-        dict(alpha=0.0),
-        dict(alpha=1.2),
-        dict(ratio="mix"),
-        dict(loss_agg="mean"),
-        dict(kl_estimator="k4"),
-        dict(kl_coef=-1.0),
+        "algo.clip_low=0.0",
+        "algo.clip_low=1.0",
+        "algo.clip_high=0.0",
+        "algo.dual_clip_c=1.0",
+        "algo.alpha=0.0",
+        "algo.alpha=1.2",
+        "algo.ratio=mix",
+        "algo.loss_agg=mean",
+        "algo.kl_estimator=k4",
+        "algo.kl_coef=-1.0",
     ],
 )
-def test_loss_settings_reject_bad_values(kwargs):
-    with pytest.raises(ValueError, match="algo."):
-        LossSettings(**kwargs)
+def test_bad_loss_settings_are_rejected_at_load(override):
+    from megatron_armor.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=override.split("=")[0]):
+        load_config(None, [override])
 
 
 def test_normalizer_must_be_positive():
@@ -348,15 +350,16 @@ def test_zero_advantage_gives_zero_loss_and_gradient(data, agg, ratio):
     assert torch.count_nonzero(lp.grad) == 0
 
 
-def test_settings_from_algo_config_resolves_alpha():
-    from types import SimpleNamespace
+def test_settings_read_the_alpha_resolved_at_load():
+    from megatron_armor.config import load_config
+    from megatron_armor.config.schema import AlgoConfig
 
-    algo = SimpleNamespace(
-        ratio="mixed", alpha="auto", group_size=16, clip_low=0.2, clip_high=0.28,
-        dual_clip_c=10.0, log_ratio_clamp=20.0, loss_agg="token-mean", kl_coef=0.0,
-        kl_estimator="k3",
-    )  # fmt: skip
+    algo = load_config(None, ["algo.alpha=auto", "algo.group_size=16"]).algo
+    assert algo.alpha == 15 / 16  # resolved once, at load
     assert LossSettings.from_algo_config(algo).alpha == 15 / 16
-    algo.alpha = 0.875
+    algo = load_config(None, ["algo.alpha=0.875"]).algo
     settings = LossSettings.from_algo_config(algo, ref_metrics=False)
     assert settings.alpha == 0.875 and not settings.ref_metrics
+    assert settings.clip_high == algo.clip_high and settings.loss_agg == algo.loss_agg
+    with pytest.raises(ValueError, match="algo.alpha='auto' is not resolved"):
+        LossSettings.from_algo_config(AlgoConfig())

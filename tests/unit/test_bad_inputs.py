@@ -104,6 +104,8 @@ CASES = [
     ("val_temperature", train("validation.temperature=0"), "validation.temperature=0.0: must be > 0"),
     ("steps", train("run.steps=0"), "run.steps=0: must be >= 1"),
     ("minibatch", train("rollout.batch=3", "trainer.ppo_mini_batch=2"), "must divide rollout.batch=3"),
+    ("context_parallel", train("trainer.cp=2", "trainer.world_size=2"), "trainer.cp=2: context parallelism is not implemented"),
+    ("te_on_cpu", train("trainer.transformer_impl=te"), "trainer.transformer_impl='te': Transformer Engine does not import"),
     ("nan_answers", train("data.train_files=[{nan}]"), "row 0: answer is missing, NaN"),
     ("zero_rows", train("data.train_files=[{empty}]"), "empty.parquet: the file has no rows"),
     ("missing_data", train("data.train_files=[{runs}/nope.parquet]"), "nope.parquet: data file not found"),

@@ -169,7 +169,18 @@ def test_fp8_with_te_is_valid():
         ),
         (["trainer.tp=0"], ["trainer.tp=0", ">= 1"]),
         (["trainer.sequence_parallel=true"], ["trainer.sequence_parallel=true", "tp > 1"]),
-        (["trainer.vpp=2"], ["trainer.vpp=2", "pp > 1"]),
+        (
+            ["trainer.vpp=2", "trainer.pp=2"],
+            ["trainer.vpp=2", "not implemented", "set trainer.vpp=1"],
+        ),
+        (
+            ["trainer.cp=2", "trainer.world_size=2"],
+            ["trainer.cp=2", "not implemented", "set trainer.cp=1"],
+        ),
+        (
+            ["trainer.ppo_mini_batch=1", "algo.group_size=2", "trainer.world_size=4"],
+            ["trainer.ppo_mini_batch=1", "2 sequences per update < data-parallel size 4"],
+        ),
     ],
 )
 def test_parallel_sizes(overrides, expected):
@@ -214,7 +225,7 @@ def test_model_shape_accepts_valid_and_replicated_kv(hf_dir):
     load_config(None, [f"trainer.model_path={hf_dir}", "trainer.tp=12", "trainer.world_size=12"])
     load_config(
         None,
-        [f"trainer.model_path={hf_dir}", "trainer.pp=3", "trainer.vpp=2", "trainer.world_size=3"],
+        [f"trainer.model_path={hf_dir}", "trainer.pp=3", "trainer.world_size=3"],
     )
 
 

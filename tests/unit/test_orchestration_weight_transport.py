@@ -38,6 +38,7 @@ def trainer_main(model_dir: str, targets_json: str, out_path: str, port: int) ->
     reference into server 1 (its own group), then version 5 after a dropped policy group; and
     a disk push of the policy (shards of at most 1 MB and their index)."""
     from megatron_armor.config.schema import ArmorConfig
+    from megatron_armor.config.validate import validate
     from megatron_armor.orchestration.workers import TrainerWorker
     from megatron_armor.trainer.weight_sync import DiskRankSync, ServerTarget
 
@@ -45,6 +46,8 @@ def trainer_main(model_dir: str, targets_json: str, out_path: str, port: int) ->
     cfg.trainer.model_path, cfg.trainer.precision = model_dir, "fp32"
     cfg.rollout.backend, cfg.rollout.sglang.weight_transport = "sglang", "distributed"
     cfg.rollout.sglang.startup_timeout_s = 90.0
+    cfg.data.max_prompt_len, cfg.rollout.sampling.max_new_tokens = 64, 64  # the tiny model's 128
+    validate(cfg)  # the trainer takes a validated config (alpha resolved)
     policy, ref = [[ServerTarget(*t)] for t in json.loads(targets_json)]
     worker = TrainerWorker(cfg, 0, 1)
     worker.init("127.0.0.1", port)

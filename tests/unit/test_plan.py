@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -10,7 +11,7 @@ from megatron_armor.cli import main as armor_main
 from megatron_armor.config import load_config
 from megatron_armor.planner.memory import GiB, TrainerShape, state_terms
 from megatron_armor.planner.model import PRESETS, dims_from_hf_config, load_model_dims
-from megatron_armor.planner.plan import make_plan
+from megatron_armor.planner.plan import ADVICE, make_plan
 
 pytestmark = pytest.mark.unit
 
@@ -125,20 +126,21 @@ def test_layout_rules_name_the_setting():
         None,
         ONE_NODE
         + [
-            "trainer.tp=16",
+            "trainer.tp=24",
             "trainer.pp=5",
-            "trainer.world_size=80",
+            "trainer.world_size=120",
             "trainer.micro_batch_tokens=1024",
-            "rollout.sglang.tp=3",
+            "rollout.sglang.tp=7",
             "rollout.backend=torch",  # the planner's rules, past the SGLang pool validation
         ],
     )
     plan = make_plan(config, model="qwen3-8b")
     messages = [str(f) for f in plan.findings if f.level == "error"]
-    assert any("trainer.tp" in m and "key/value heads" in m for m in messages)
-    assert any("trainer.pp" in m and "36 layers" in m for m in messages)
+    # the model-shape rules of load (config/validate.py), run on the --model dims
+    assert any("trainer.tp: 24: must divide num_attention_heads=32 of model" in m for m in messages)
+    assert any("trainer.pp" in m and "num_hidden_layers=36" in m for m in messages)
     assert any("trainer.micro_batch_tokens" in m for m in messages)
-    assert any("trainer.world_size" in m and "80 > nodes*gpus_per_node" in m for m in messages)
+    assert any("trainer.world_size" in m and "120 > nodes*gpus_per_node" in m for m in messages)
     assert any("rollout.sglang.tp" in m and "does not divide" in m for m in messages)
     assert not plan.fits
 
@@ -206,3 +208,18 @@ def test_checkpoint_size_and_save_peak_on_disk():
     assert 120e9 < size < 125e9  # ~122 GB for the paper's 7.6 B model
     config.trainer.precision = "fp32"
     assert checkpoint_disk(config, PRESETS["qwen2.5-math-7b"])[0] == params * 16  # 2 * 4 + 8
+
+
+@pytest.mark.parametrize("override", ["trainer.cp=2", "trainer.vpp=2"])
+def test_plan_and_config_show_reject_an_unsupported_layout_with_the_same_message(override, capsys):
+    base = str(Path(__file__).parents[2] / "configs" / "base.yaml")
+    assert armor_main(["config", "show", base, override]) == 2
+    shown = capsys.readouterr().err.removeprefix("armor config: ")
+    assert armor_main(["plan", base, override]) == 2
+    planned = capsys.readouterr().err.removeprefix("armor plan: ")
+    assert shown == planned and f"{override}: " in shown and "not implemented" in shown
+
+
+def test_the_plan_never_advises_a_setting_load_rejects():
+    advice = " ".join(ADVICE.values())
+    assert "trainer.cp" not in advice and "trainer.vpp" not in advice

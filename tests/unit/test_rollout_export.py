@@ -60,11 +60,14 @@ def samples_batch(samples: list[tuple[list[int], list[int]]]):
 def trainer_main(model_dir: str, samples_path: str, out_path: str, port: int) -> None:
     """The trainer rank: export the HF weights and compute log-probs of the engine samples."""
     from megatron_armor.config.schema import ArmorConfig
+    from megatron_armor.config.validate import validate
     from megatron_armor.trainer.actor import MegatronTrainer
 
     cfg = ArmorConfig()
     cfg.trainer.model_path, cfg.trainer.precision = model_dir, "fp32"
     cfg.rollout.sampling.temperature = TEMPERATURE
+    cfg.data.max_prompt_len, cfg.rollout.sampling.max_new_tokens = 64, 64  # the tiny model's 128
+    validate(cfg)  # the trainer takes a validated config (alpha resolved)
     trainer = MegatronTrainer(cfg, 0, 1, "127.0.0.1", port)
     try:
         batch = samples_batch(torch.load(samples_path))

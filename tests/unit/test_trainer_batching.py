@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 
@@ -12,7 +13,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from tiny_models import make_batch  # noqa: E402
 
-from megatron_armor.algo.losses import count_units  # noqa: E402
+from megatron_armor.algo.losses import compute_policy_loss, count_units  # noqa: E402
 from megatron_armor.trainer.batching import (  # noqa: E402
     bucket_by_length,
     build_micro_batch,
@@ -42,11 +43,6 @@ def test_micro_batches_respect_padded_budget() -> None:
     assert [i for g in groups for i in g] == list(range(6))
     for g in groups:
         assert len(g) == 1 or len(g) * max(lengths[i] for i in g) <= 12
-
-
-def test_rejects_non_positive_budget() -> None:
-    with pytest.raises(ValueError, match="micro_batch_tokens"):
-        split_micro_batches([0], [3], 0)
 
 
 def test_layout_round_trips_the_packed_batch() -> None:
@@ -114,3 +110,22 @@ def test_packed_layout_has_no_padding_and_restarts_positions() -> None:
     packed = plan_micro_batches(batch, 0, 1, 40, packed=True)
     assert padding_counts(packed) == (batch.num_tokens, batch.num_tokens)
     assert all(mb.num_rows * mb.seq_len <= 40 or len(mb.cu_seqlens) == 2 for mb in packed)
+
+
+def test_the_per_token_mapping_is_what_the_loss_consumes() -> None:
+    """``pack_groups`` names the per-token loss inputs once; each is an argument of the loss."""
+    params = list(inspect.signature(compute_policy_loss).parameters)
+    per_token = params[params.index("logprobs") + 1 : params.index("sample_index")]
+    assert sorted(make_batch().token_data) == sorted(per_token)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_new_per_token_entry_flows_through_packing_unchanged(packed) -> None:
+    batch = make_batch()
+    batch.token_data["token_weight"] = torch.linspace(0.0, 1.0, batch.num_tokens)
+    for mini in split_minibatches(batch, 2):
+        assert "token_weight" in mini.token_data
+        for mb in plan_micro_batches(mini, 0, 1, 64, packed=packed):
+            assert sorted(mb.token_data) == sorted(batch.token_data)
+            assert torch.equal(mb.token_weight, mini.token_weight[mb.token_index])
+            assert torch.equal(mb.loss_mask, mini.loss_mask[mb.token_index])

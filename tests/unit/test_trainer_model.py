@@ -9,9 +9,10 @@ import math
 import pytest
 import torch
 
-from megatron_armor.config.schema import FP8Config, TrainerConfig
+from megatron_armor.config.schema import ArmorConfig, FP8Config, TrainerConfig
+from megatron_armor.config.validate import find_problems, validate_runtime
 from megatron_armor.trainer import cpu_compat
-from megatron_armor.trainer.model import fp8_settings, layer_spec, read_hf_spec, rope_inv_freq
+from megatron_armor.trainer.model import fp8_settings, read_hf_spec, rope_inv_freq
 
 pytestmark = pytest.mark.unit
 
@@ -73,23 +74,19 @@ def test_llama3_rope_scaling_matches_transformers(tmp_path) -> None:
     assert math.isclose(rope_inv_freq(spec)[0].item(), 1.0)
 
 
-def test_fp8_without_transformer_engine_is_a_clear_error() -> None:
+def test_transformer_engine_is_required_by_the_runtime_check() -> None:
     assert fp8_settings(FP8Config(enabled=False)) == {}
     if torch.cuda.is_available():
         pytest.skip("this checks the CPU build, where Transformer Engine cannot import")
-    with pytest.raises(RuntimeError, match="trainer.fp8.enabled=true needs Transformer Engine"):
-        fp8_settings(FP8Config(enabled=True))
-
-
-def test_te_spec_without_transformer_engine_is_a_clear_error(tmp_path) -> None:
-    spec = read_hf_spec(write_config(tmp_path))
-    if torch.cuda.is_available():
-        pytest.skip("this checks the CPU build, where Transformer Engine cannot import")
-    with pytest.raises(RuntimeError, match="transformer_impl=te"):
-        layer_spec(spec, "te")
-    with pytest.raises(ValueError, match="transformer_impl='fast'"):
-        layer_spec(spec, "fast")
-    assert TrainerConfig().transformer_impl == "local"
+    config = ArmorConfig()
+    config.trainer.transformer_impl, config.trainer.fp8.enabled = "te", True
+    assert find_problems(config) == []  # a valid config; this machine lacks the software
+    with pytest.raises(ValueError, match="trainer.transformer_impl='te': Transformer Engine"):
+        validate_runtime(config)
+    config.orchestration.layout = "cpu"  # armor train on the trainer's own machine
+    assert any("Transformer Engine" in p for p in find_problems(config, inputs=True))
+    config.trainer.transformer_impl = "fast"
+    assert any(p.startswith("trainer.transformer_impl='fast'") for p in find_problems(config))
 
 
 def test_cpu_mode_checks_the_megatron_version(monkeypatch) -> None:
@@ -104,16 +101,19 @@ def test_cpu_mode_checks_the_megatron_version(monkeypatch) -> None:
 @pytest.mark.parametrize(
     "overrides,match",
     [
-        ({"cp": 2}, "trainer.cp=2"),
-        ({"vpp": 2}, "trainer.vpp=2"),
+        ({"cp": 2}, "trainer.cp=2: context parallelism is not implemented"),
+        ({"vpp": 2}, "trainer.vpp=2: virtual pipeline stages"),
         ({"sequence_parallel": True}, "needs trainer.tp > 1"),
-        ({"sequence_parallel": True, "tp": 2}, "needs Apex"),
     ],
 )
-def test_unsupported_layouts_are_rejected(overrides, match) -> None:
-    from megatron_armor.trainer.actor import check_supported_layout
+def test_layouts_the_trainer_does_not_implement_fail_at_load(overrides, match) -> None:
+    config = ArmorConfig(trainer=TrainerConfig(**overrides, world_size=4))
+    assert any(match in p for p in find_problems(config))
 
-    if "tp" in overrides and importlib.util.find_spec("apex") is not None:
+
+def test_sequence_parallelism_with_the_local_spec_needs_apex() -> None:
+    if importlib.util.find_spec("apex") is not None:
         pytest.skip("Apex is installed: sequence parallelism works with the local spec")
-    with pytest.raises(ValueError, match=match):
-        check_supported_layout(TrainerConfig(**overrides))
+    config = ArmorConfig(trainer=TrainerConfig(sequence_parallel=True, tp=2, world_size=2))
+    with pytest.raises(ValueError, match="needs Apex"):
+        validate_runtime(config)
