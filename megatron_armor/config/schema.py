@@ -262,8 +262,6 @@ class TrainerConfig:
     """Full activation recomputation."""
     logprob_chunk: int = 1024
     """Sequence chunk for the vocab-parallel log-prob computation."""
-    keep_old_weights: bool = False
-    """Keep an ``old`` CPU weight copy instead of computing old log-probs before the update."""
     offload_train_state: bool = False
     """Colocated: move the optimizer state to CPU and free the gradient buffers after each
     weight sync, while the engines generate; restored before the next update."""

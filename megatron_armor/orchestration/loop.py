@@ -31,6 +31,7 @@ from megatron_armor.orchestration.step_metrics import (
     rollout_metrics,
     write_anchor_file,
 )
+from megatron_armor.rollout.backends import backend_of
 from megatron_armor.rollout.protocol import SamplingParams
 from megatron_armor.types import Group, TrainBatch, pack_groups
 
@@ -158,7 +159,7 @@ def run_step(s: Session, rollout: AnchorRollout, step: int) -> dict[str, float]:
     metrics.update(
         {"algo/alpha": s.alpha, "train/response_tokens": float(batch.num_response_tokens)}
     )
-    if s.config.rollout.backend == "sglang":
+    if backend_of(s.config).serves_over_http:
         metrics["rollout/servers_restarted"] = float(restarted)
     if validation_due(s.config, step):
         metrics.update(validate(s, step))

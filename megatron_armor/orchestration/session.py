@@ -47,6 +47,7 @@ from megatron_armor.orchestration.step_metrics import compress_anchor_files
 from megatron_armor.orchestration.weight_sync import WeightSync, make_weight_sync
 from megatron_armor.orchestration.workers import load_model_tokenizer
 from megatron_armor.planner.model import load_model_dims
+from megatron_armor.rollout.backends import backend_of
 
 
 def run_dir_of(config: ArmorConfig) -> Path:
@@ -226,7 +227,7 @@ class Session:
         """Every ``rollout.sglang.health_check_every`` steps: restart dead SGLang servers and
         re-sync their weights before they serve again; returns how many were restarted."""
         every = self.config.rollout.sglang.health_check_every
-        if self.config.rollout.backend != "sglang" or every <= 0 or step % every:
+        if not backend_of(self.config).serves_over_http or every <= 0 or step % every:
             return 0
         return self.weight_sync.heal()
 

@@ -275,12 +275,3 @@ def make_reference_sampler(
         )
         return CachedReferenceSampler(inner)
     raise ValueError(f"rollout.ref_strategy={strategy!r} is not one of {STRATEGIES}")
-
-
-def reference_sampler_from_config(
-    rollout_cfg, algo_cfg, engine: RolloutEngine, **kwargs
-) -> ReferenceSampler:
-    """Sampler for ``rollout.ref_strategy`` and ``algo.anchor_source``
-    (:func:`reference_strategy`)."""
-    strategy, fill = reference_strategy(rollout_cfg.ref_strategy, algo_cfg.anchor_source)
-    return make_reference_sampler(strategy, engine, cache_fill=fill, **kwargs)
