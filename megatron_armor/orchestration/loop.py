@@ -12,9 +12,8 @@ import time
 
 import torch
 
-from megatron_armor.algo.advantages import assign_advantages
+from megatron_armor.algo.advantages import assign_configured_advantages
 from megatron_armor.algo.losses import needs_reference_logprobs
-from megatron_armor.algo.registry import get_advantage
 from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.observability.nvtx import nvtx_range
 from megatron_armor.observability.summary import step_line
@@ -136,9 +135,7 @@ def run_step(s: Session, rollout: AnchorRollout, step: int) -> dict[str, float]:
     with s.timers.phase("rollout"):
         result = rollout.collect(step)
     s.progress.close()
-    algo = s.config.algo
-    estimator = get_advantage(algo.advantage)
-    assign_advantages(result.groups, algo.advantage, **estimator.hparams(algo))
+    assign_configured_advantages(result.groups, s.config.algo)
     write_anchor_file(s.run_dir, step, result)
     batch = pack_groups(result.groups)
     if s.config.orchestration.layout == "colocated":

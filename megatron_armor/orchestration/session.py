@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_armor.algo.ratios import resolve_alpha
+from megatron_armor.algo.registry import get_advantage
 from megatron_armor.algo.reset import ResetSchedule
 from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.data.dataset import load_prompt_dataset
@@ -145,6 +146,7 @@ class Session:
     def _start(cls, config: ArmorConfig, run_dir: Path) -> Session:
         """Everything up and ready for step 1 (or the resumed step)."""
         num_minibatches = check_batch_sizes(config)
+        get_advantage(config.algo.advantage).hparams(config.algo)  # bad advantage_args fail here
         tokenizer = load_model_tokenizer(config.trainer.model_path)
         d = config.data
         dataset = load_prompt_dataset(d.train_files, tokenizer, d.template, d.max_prompt_len)
