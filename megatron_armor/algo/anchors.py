@@ -76,6 +76,19 @@ FILTER_ONLY = AnchorMode(
 )
 
 
+@dataclass(frozen=True)
+class AnchorSource:
+    """One ``algo.anchor_source``: whether a query's reference samples are drawn once per
+    reference period and reused (the anchor cache) instead of fresh each step."""
+
+    name: str
+    reuses_anchors: bool
+
+
+GENERATE = AnchorSource("generate", reuses_anchors=False)
+CACHE = AnchorSource("cache", reuses_anchors=True)
+
+
 def first_correct(samples: list[Sample]) -> Sample | None:
     """The first sample with ``acc`` in generation order, or ``None``."""
     return next((s for s in samples if s.acc), None)
