@@ -197,6 +197,11 @@ def test_policy_samples_per_query():
     assert get_anchor_mode("none").policy_samples(16, "G-1") == 16  # only filter_only reads it
     with pytest.raises(ValueError, match="algo.filter_policy_samples='G-2'"):
         get_anchor_mode("filter_only").policy_samples(16, "G-2")
+    assert [get_anchor_mode(m).draws_reference for m in ("none", "armor", "filter_only")] == [
+        False,
+        True,
+        True,
+    ]
 
 
 def test_rollout_metrics_and_anchor_file(tmp_path):
