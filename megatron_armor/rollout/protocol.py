@@ -101,7 +101,9 @@ class RolloutEngine(ABC):
         """Record ``version`` after the trainer ranks pushed weights to the servers themselves."""
         raise self._no_servers("set_weight_version")
 
-    def update_weights_from_disk(self, path: str, version: int, servers: list | None = None) -> None:
+    def update_weights_from_disk(
+        self, path: str, version: int, servers: list | None = None
+    ) -> None:
         """Load the HF dir ``path`` into ``servers`` (default: all, which then serve ``version``)."""
         raise self._no_servers("update_weights_from_disk")
 
