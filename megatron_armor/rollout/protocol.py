@@ -102,9 +102,10 @@ class RolloutEngine(ABC):
         raise self._no_servers("set_weight_version")
 
     def update_weights_from_disk(
-        self, path: str, version: int, servers: list | None = None
+        self, model_path: str, version: int, servers: list | None = None
     ) -> None:
-        """Load the HF dir ``path`` into ``servers`` (default: all, which then serve ``version``)."""
+        """Load the HF dir ``model_path`` into ``servers`` (default: all, which then serve
+        ``version``)."""
         raise self._no_servers("update_weights_from_disk")
 
     def server_healthy(self, server: Any) -> bool:
