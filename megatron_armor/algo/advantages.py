@@ -10,14 +10,13 @@ penalty included) to advantages, ``[Q, G] -> [Q, G]`` float64, keyword hyperpara
 
 An estimator receives its own hyperparameters only (:meth:`AdvantageEstimator.hparams`):
 those of the config keys its registry entry names (:data:`megatron_armor.algo.registry.ADVANTAGES`)
-and ``algo.advantage_args``, checked against its ``params`` dataclass (or its keyword
-parameters). Every response token of sample ``i`` receives ``A_i`` (done by ``types.pack_groups``).
+and ``algo.advantage_args``, checked by its ``params`` dataclass. Every response token of
+sample ``i`` receives ``A_i`` (done by ``types.pack_groups``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,10 +31,9 @@ class AdvantageEstimator:
     """One ``algo.advantage`` estimator: ``fn(scores[Q, G], **hparams) -> [Q, G]``.
 
     ``settings`` names the config keys (under ``algo.``) that supply hyperparameters,
-    ``{kwarg: dotted key}``; ``algo.advantage_args`` supplies the others. ``params``, a
-    dataclass whose fields are ``fn``'s keyword hyperparameters, checks them (its
-    ``__post_init__`` may validate values); without it the names are checked against ``fn``'s
-    keyword parameters.
+    ``{kwarg: dotted key}``; ``algo.advantage_args`` supplies the fields of ``params``, a
+    dataclass of ``fn``'s keyword hyperparameters that checks them (its ``__post_init__``
+    validates values). Without ``params`` the estimator takes no ``advantage_args``.
     """
 
     fn: Callable[..., torch.Tensor]
@@ -61,13 +59,11 @@ class AdvantageEstimator:
         return dataclasses.asdict(self.params(**values))
 
     def accepted(self) -> list[str]:
-        """The hyperparameter names ``algo.advantage_args`` may set."""
-        if self.params is not None:
-            names = [f.name for f in dataclasses.fields(self.params)]
-        else:
-            sig = inspect.signature(self.fn).parameters.values()
-            names = [p.name for p in list(sig)[1:] if p.kind is not p.VAR_KEYWORD]
-        return [n for n in names if n not in self.settings]
+        """The hyperparameter names ``algo.advantage_args`` may set (``params``' fields that
+        no ``settings`` key supplies)."""
+        if self.params is None:
+            return []
+        return [f.name for f in dataclasses.fields(self.params) if f.name not in self.settings]
 
 
 def _read(node: Any, dotted: str) -> Any:
