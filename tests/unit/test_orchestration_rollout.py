@@ -189,7 +189,7 @@ def test_seeds_depend_only_on_seed_step_batch_role():
     assert roll_a.calls == roll_b.calls and roll_a.calls[0][3] == derive_seed(1, 5, 0, "policy")
 
 
-def test_policy_samples_per_query():
+def test_policy_samples_and_reference_draws_of_each_anchor_mode():
     assert get_anchor_mode("armor").policy_samples(16) == 15
     assert get_anchor_mode("none").policy_samples(16) == 16
     assert get_anchor_mode("filter_only").policy_samples(16) == 16
