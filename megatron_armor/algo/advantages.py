@@ -8,13 +8,15 @@ penalty included) to advantages, ``[Q, G] -> [Q, G]`` float64, keyword hyperpara
   ``Q_k`` the ``k``-quantile under linear interpolation (numpy's default); std unchanged.
 - ``quatro``: ``A_i = (R_i - (lambda* + mu*)) / lambda*`` from the per-query KL trust region.
 
-Each estimator's hyperparameters come from the config keys its registry entry names
-(:data:`megatron_armor.algo.registry.ADVANTAGES`). Every response token of sample ``i``
-receives ``A_i`` (done by ``types.pack_groups``).
+An estimator receives its own hyperparameters only (:meth:`AdvantageEstimator.hparams`):
+those of the config keys its registry entry names (:data:`megatron_armor.algo.registry.ADVANTAGES`)
+and ``algo.advantage_args``, checked by its ``params`` dataclass. Every response token of
+sample ``i`` receives ``A_i`` (done by ``types.pack_groups``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,21 +28,48 @@ from megatron_armor.types import Group
 
 @dataclass(frozen=True)
 class AdvantageEstimator:
-    """One ``algo.advantage`` estimator: ``fn(scores[Q, G], **hparams) -> [Q, G]`` and the
-    config keys (under ``algo.``) that supply its hyperparameters, ``{kwarg: dotted key}``."""
+    """One ``algo.advantage`` estimator: ``fn(scores[Q, G], **hparams) -> [Q, G]``.
+
+    ``settings`` names the config keys (under ``algo.``) that supply hyperparameters,
+    ``{kwarg: dotted key}``; ``algo.advantage_args`` supplies the fields of ``params``, a
+    dataclass of ``fn``'s keyword hyperparameters that checks them (its ``__post_init__``
+    validates values). Without ``params`` the estimator takes no ``advantage_args``.
+    """
 
     fn: Callable[..., torch.Tensor]
     settings: dict[str, str] = field(default_factory=dict)
+    params: type | None = None
 
     def hparams(self, algo_config: Any) -> dict[str, Any]:
-        """``{kwarg: value}`` read from an ``algo`` config node (any object with the attributes)."""
-        out = {}
-        for kwarg, key in self.settings.items():
-            node = algo_config
-            for part in key.split("."):
-                node = getattr(node, part)
-            out[kwarg] = node
-        return out
+        """``{kwarg: value}`` for ``fn`` from an ``algo`` config node (any object with the
+        attributes; ``advantage_args`` optional). Unknown names raise a ``ValueError``."""
+        values = {kwarg: _read(algo_config, key) for kwarg, key in self.settings.items()}
+        extra = dict(getattr(algo_config, "advantage_args", None) or {})
+        unknown = sorted(set(extra) - set(self.accepted()))
+        if unknown:
+            own_keys = "".join(f"; {k} is set by algo.{key}" for k, key in self.settings.items())
+            raise ValueError(
+                f"algo.advantage_args: {unknown} are not hyperparameters of "
+                f"algo.advantage={getattr(algo_config, 'advantage', '?')!r}; "
+                f"use {sorted(self.accepted())} or none{own_keys}"
+            )
+        values.update(extra)
+        if self.params is None:
+            return values
+        return dataclasses.asdict(self.params(**values))
+
+    def accepted(self) -> list[str]:
+        """The hyperparameter names ``algo.advantage_args`` may set (``params``' fields that
+        no ``settings`` key supplies)."""
+        if self.params is None:
+            return []
+        return [f.name for f in dataclasses.fields(self.params) if f.name not in self.settings]
+
+
+def _read(node: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        node = getattr(node, part)
+    return node
 
 
 def as_group_rows(scores: torch.Tensor) -> torch.Tensor:
@@ -89,3 +118,12 @@ def assign_advantages(groups: list[Group], method: str = "grpo", **hparams: Any)
         scores = torch.tensor([g.scores for g in same], dtype=torch.float64)
         for group, row in zip(same, compute_advantages(scores, method, **hparams), strict=True):
             group.advantages = row.tolist()
+
+
+def assign_configured_advantages(groups: list[Group], algo_config: Any) -> None:
+    """:func:`assign_advantages` with the estimator ``algo.advantage`` and the hyperparameters
+    it reads from ``algo_config`` (:meth:`AdvantageEstimator.hparams`)."""
+    from megatron_armor.algo.registry import get_advantage  # registry imports this module
+
+    estimator = get_advantage(algo_config.advantage)
+    assign_advantages(groups, algo_config.advantage, **estimator.hparams(algo_config))

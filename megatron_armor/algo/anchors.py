@@ -32,27 +32,61 @@ from megatron_armor.types import Group, Sample
 REASONS = ("accepted", "all_correct", "all_wrong", "no_reference_correct")
 
 
+FILTER_POLICY_SAMPLES: dict[str, int] = {"G": 0, "G-1": 1}
+"""``algo.filter_policy_samples``: how many fewer than ``G`` policy samples ``filter_only`` draws."""
+
+
 @dataclass(frozen=True)
 class AnchorMode:
-    """One ``algo.anchor`` mode: whether rule (b) applies and whether an anchor is inserted."""
+    """One ``algo.anchor`` mode: whether rule (b) applies, whether an anchor is inserted, and
+    whether ``algo.filter_policy_samples`` sizes its on-policy set."""
 
     name: str
     needs_reference_correct: bool
     inserts_anchor: bool
+    sized_by_filter_policy_samples: bool = False
+
+    @property
+    def draws_reference(self) -> bool:
+        """Whether the mode samples the reference (and so needs reference weights served)."""
+        return self.needs_reference_correct or self.inserts_anchor
+
+    def policy_samples(self, group_size: int, filter_policy_samples: str = "G") -> int:
+        """``n_on``: ``G - 1`` when an anchor takes a slot of the group; ``G`` minus
+        :data:`FILTER_POLICY_SAMPLES` for a mode sized by ``filter_policy_samples``; else ``G``."""
+        if filter_policy_samples not in FILTER_POLICY_SAMPLES:
+            raise ValueError(
+                f"algo.filter_policy_samples={filter_policy_samples!r}: "
+                f"use one of {sorted(FILTER_POLICY_SAMPLES)}"
+            )
+        if self.inserts_anchor:
+            return group_size - 1
+        if self.sized_by_filter_policy_samples:
+            return group_size - FILTER_POLICY_SAMPLES[filter_policy_samples]
+        return group_size
 
 
 NONE = AnchorMode("none", needs_reference_correct=False, inserts_anchor=False)
 ARMOR = AnchorMode("armor", needs_reference_correct=True, inserts_anchor=True)
-FILTER_ONLY = AnchorMode("filter_only", needs_reference_correct=True, inserts_anchor=False)
+FILTER_ONLY = AnchorMode(
+    "filter_only",
+    needs_reference_correct=True,
+    inserts_anchor=False,
+    sized_by_filter_policy_samples=True,
+)
 
 
-def policy_samples_per_query(anchor: str, group_size: int, filter_policy_samples: str = "G") -> int:
-    """``n_on``: ``G - 1`` for ``armor`` and for ``filter_only`` with ``G-1``, else ``G``."""
-    if filter_policy_samples not in ("G", "G-1"):
-        raise ValueError(f"algo.filter_policy_samples={filter_policy_samples!r}: use 'G' or 'G-1'")
-    if anchor == "armor" or (anchor == "filter_only" and filter_policy_samples == "G-1"):
-        return group_size - 1
-    return group_size
+@dataclass(frozen=True)
+class AnchorSource:
+    """One ``algo.anchor_source``: whether a query's reference samples are drawn once per
+    reference period and reused (the anchor cache) instead of fresh each step."""
+
+    name: str
+    reuses_anchors: bool
+
+
+GENERATE = AnchorSource("generate", reuses_anchors=False)
+CACHE = AnchorSource("cache", reuses_anchors=True)
 
 
 def first_correct(samples: list[Sample]) -> Sample | None:

@@ -73,7 +73,11 @@ class LossSettings:
 def needs_reference_logprobs(algo) -> bool:
     """Whether a step needs ``lp_ref`` (docs/algorithm.md, mixed optimization; docs/metrics.md): the mixed and off-policy ratios,
     the KL penalty, and the reference-KL metrics of runs that sample anchors."""
-    return algo.ratio in ("mixed", "off_policy") or algo.kl_coef > 0 or algo.anchor != "none"
+    return (
+        registry.get_ratio(algo.ratio).uses_reference_logprobs
+        or algo.kl_coef > 0
+        or registry.get_anchor_mode(algo.anchor).draws_reference
+    )
 
 
 METRIC_COUNTS: dict[str, str] = {

@@ -53,6 +53,8 @@ class StandardRatio:
     """``standard``: ``log r = lp_theta - lp_old``; clip range ``[1 - eps_low, 1 + eps_high]``."""
 
     name = "standard"
+    uses_reference_logprobs = False
+    """Whether :meth:`log_ratio` reads ``ref_logprobs`` (the trainer then computes ``lp_ref``)."""
 
     def log_ratio(
         self,
@@ -79,6 +81,7 @@ class MixedRatio(StandardRatio):
     """
 
     name = "mixed"
+    uses_reference_logprobs = True
 
     def log_ratio(self, logprobs, old_logprobs, ref_logprobs, is_anchor, alpha):
         m_theta = mixed_logprob(logprobs, ref_logprobs, alpha)
@@ -90,6 +93,7 @@ class OffPolicyRatio(StandardRatio):
     """``off_policy`` (ablation c): on-policy tokens ``lp_theta - lp_old``, anchor tokens ``lp_theta - lp_ref``."""
 
     name = "off_policy"
+    uses_reference_logprobs = True
 
     def log_ratio(self, logprobs, old_logprobs, ref_logprobs, is_anchor, alpha):
         behaviour = torch.where(is_anchor, ref_logprobs, old_logprobs)

@@ -58,6 +58,15 @@ ANCHOR_MODES: dict[str, anchors.AnchorMode] = {
 }
 """``algo.anchor`` (docs/algorithm.md, anchor rollout)."""
 
+ANCHOR_SOURCES: dict[str, anchors.AnchorSource] = {
+    "generate": anchors.GENERATE,
+    "cache": anchors.CACHE,
+}
+"""``algo.anchor_source`` (docs/algorithm.md, anchor rollout)."""
+
+FILTER_POLICY_SAMPLES: dict[str, int] = anchors.FILTER_POLICY_SAMPLES
+"""``algo.filter_policy_samples`` (read by :meth:`~megatron_armor.algo.anchors.AnchorMode.policy_samples`)."""
+
 RESET_SCHEDULES: dict[str, Callable[[int, int, int], bool]] = {
     "none": reset.never,
     "every": reset.every_tau,
@@ -65,6 +74,19 @@ RESET_SCHEDULES: dict[str, Callable[[int, int, int], bool]] = {
     "log2": reset.power_of_two,
 }
 """``algo.reset.schedule`` (docs/algorithm.md, reference reset)."""
+
+ALGO_CHOICES: dict[str, dict] = {
+    "algo.anchor": ANCHOR_MODES,
+    "algo.anchor_source": ANCHOR_SOURCES,
+    "algo.filter_policy_samples": FILTER_POLICY_SAMPLES,
+    "algo.ratio": RATIO_MODES,
+    "algo.advantage": ADVANTAGES,
+    "algo.loss_agg": AGGREGATIONS,
+    "algo.kl_estimator": KL_ESTIMATORS,
+    "algo.reset.schedule": RESET_SCHEDULES,
+}
+"""Every ``algo.*`` setting that names a choice, and its table (a unit test keeps this, the
+schema and docs/config.md in step)."""
 
 T = TypeVar("T")
 
@@ -100,3 +122,8 @@ def get_kl_estimator(name: str) -> Callable[[torch.Tensor, torch.Tensor], torch.
 def get_anchor_mode(name: str) -> anchors.AnchorMode:
     """The :class:`~megatron_armor.algo.anchors.AnchorMode` for ``algo.anchor``."""
     return lookup(ANCHOR_MODES, name, "algo.anchor")
+
+
+def get_anchor_source(name: str) -> anchors.AnchorSource:
+    """The :class:`~megatron_armor.algo.anchors.AnchorSource` for ``algo.anchor_source``."""
+    return lookup(ANCHOR_SOURCES, name, "algo.anchor_source")

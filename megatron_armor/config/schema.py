@@ -59,6 +59,10 @@ class AlgoConfig:
     """``k`` for the QAE quantile baseline."""
     quatro: QuatroConfig = field(default_factory=QuatroConfig)
     """Hyperparameters of ``advantage: quatro``."""
+    advantage_args: dict[str, Any] = field(default_factory=dict)
+    """Hyperparameters of the ``algo.advantage`` estimator, ``{name: value}``, for estimators
+    without fields of their own above; checked against the estimator's own parameters
+    (docs/architecture.md, where to add X)."""
     filter_policy_samples: str = "G"
     """``filter_only`` on-policy samples per query: ``G`` (DAPO's group) | ``G-1`` (ARMOR's
     ``n_on``: rule (a) over the same samples as ARMOR, the same generation compute)."""
@@ -263,8 +267,6 @@ class TrainerConfig:
     """Full activation recomputation."""
     logprob_chunk: int = 1024
     """Sequence chunk for the vocab-parallel log-prob computation."""
-    keep_old_weights: bool = False
-    """Keep an ``old`` CPU weight copy instead of computing old log-probs before the update."""
     offload_train_state: bool = False
     """Colocated: move the optimizer state to CPU and free the gradient buffers after each
     weight sync, while the engines generate; restored before the next update."""

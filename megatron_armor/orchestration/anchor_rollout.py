@@ -25,12 +25,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_armor.algo.anchors import (
-    AcceptanceStats,
-    acceptance_reason,
-    policy_samples_per_query,
-    select_group,
-)
+from megatron_armor.algo.anchors import AcceptanceStats, acceptance_reason, select_group
 from megatron_armor.algo.registry import get_anchor_mode
 from megatron_armor.observability.nvtx import nvtx_range
 from megatron_armor.observability.timers import PhaseTimers
@@ -38,7 +33,6 @@ from megatron_armor.orchestration.groups import merge_reward_stats
 from megatron_armor.rollout.protocol import SamplingParams
 from megatron_armor.types import Group, Sample
 
-REFERENCE_MODES = ("armor", "filter_only")
 FOLLOWUP_FLOOR = 0.25
 """Smallest follow-up generation batch, as a fraction of ``rollout.gen_batch`` (a tiny batch
 would pay a whole round of engine latency for a few queries)."""
@@ -93,9 +87,10 @@ def acceptance_error(stats: AcceptanceStats, need: int, algo, rollout) -> Accept
     hints = [f"raise algo.max_gen_batches (now {algo.max_gen_batches})",
              f"raise rollout.gen_batch (now {rollout.gen_batch})",
              f"lower rollout.batch (now {rollout.batch})"]  # fmt: skip
-    if stats.rejected_no_ref_correct and algo.anchor in REFERENCE_MODES:
+    mode = get_anchor_mode(algo.anchor)
+    if stats.rejected_no_ref_correct and mode.draws_reference:
         hints.append(f"raise algo.ref_n (now {algo.ref_n}) for more reference attempts")
-    if stats.rejected_all_wrong and not algo.weak_filter and algo.anchor != "none":
+    if stats.rejected_all_wrong and not algo.weak_filter and mode.needs_reference_correct:
         hints.append("set algo.weak_filter=true to keep all-wrong groups the reference solved")
     return AcceptanceError(
         f"only {stats.accepted} of the {need} queries a step needs (rollout.batch) were accepted "
@@ -125,6 +120,7 @@ class AnchorRollout:
     ):
         self.timers = timers or PhaseTimers()
         self.algo, self.rollout_cfg, self.seed = config.algo, config.rollout, config.run.seed
+        self.mode = get_anchor_mode(config.algo.anchor)
         self.dataset, self.sampler = dataset, sampler
         self.rollout, self.reward = rollout_group, reward_group
         self.progress = progress
@@ -139,13 +135,13 @@ class AnchorRollout:
         """Policy samples of ``items``, scored; then reference samples, scored, for the items
         that pass rule (a) (``[]`` for the others). Returns ``(policy, reference, stats)``."""
         a = self.algo
-        n_on = policy_samples_per_query(a.anchor, a.group_size, a.filter_policy_samples)
+        n_on = self.mode.policy_samples(a.group_size, a.filter_policy_samples)
         with self.timers.phase("generate"), nvtx_range("rollout/policy"):
             policy = self.rollout.generate(items, n_on, self._params(step, batch, "policy"))
         with self.timers.phase("score"):
             stats = self.reward.score([s for row in policy for s in row])
         reference: list[list[Sample]] = [[] for _ in items]
-        if self.algo.anchor not in REFERENCE_MODES:
+        if not self.mode.draws_reference:
             return policy, reference, stats
         wanted = [
             i for i, row in enumerate(policy)

@@ -26,6 +26,7 @@ from megatron_armor.orchestration.placement import (
     trainer_runtime_env,
 )
 from megatron_armor.orchestration.workers import RewardWorker, RolloutWorker, TrainerWorker
+from megatron_armor.rollout.backends import backend_of
 from megatron_armor.rollout.protocol import GenerationOutput, RolloutEngine, SamplingParams
 from megatron_armor.rollout.sglang.pools import uses_ref_pool
 from megatron_armor.types import Sample, TrainBatch
@@ -272,7 +273,7 @@ class RolloutGroup:
                 self.actors.append(_remote(RolloutWorker, opts).remote(config, i, plan.threads))
             self.policy_actors = self.reference_actors = list(self.actors)
         startup = config.orchestration.ray_init_timeout_s
-        if config.rollout.backend == "sglang":  # the worker waits for every server's health
+        if backend_of(config).serves_over_http:  # the worker waits for every server's health
             startup = max(startup, 2 * config.rollout.sglang.startup_timeout_s)
         try:
             wait([a.health.remote() for a in self.actors], "rollout engine start-up", startup)

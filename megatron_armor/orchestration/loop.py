@@ -12,9 +12,8 @@ import time
 
 import torch
 
-from megatron_armor.algo.advantages import assign_advantages
+from megatron_armor.algo.advantages import assign_configured_advantages
 from megatron_armor.algo.losses import needs_reference_logprobs
-from megatron_armor.algo.registry import get_advantage
 from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.observability.nvtx import nvtx_range
 from megatron_armor.observability.summary import step_line
@@ -31,6 +30,7 @@ from megatron_armor.orchestration.step_metrics import (
     rollout_metrics,
     write_anchor_file,
 )
+from megatron_armor.rollout.backends import backend_of
 from megatron_armor.rollout.protocol import SamplingParams
 from megatron_armor.types import Group, TrainBatch, pack_groups
 
@@ -135,9 +135,7 @@ def run_step(s: Session, rollout: AnchorRollout, step: int) -> dict[str, float]:
     with s.timers.phase("rollout"):
         result = rollout.collect(step)
     s.progress.close()
-    algo = s.config.algo
-    estimator = get_advantage(algo.advantage)
-    assign_advantages(result.groups, algo.advantage, **estimator.hparams(algo))
+    assign_configured_advantages(result.groups, s.config.algo)
     write_anchor_file(s.run_dir, step, result)
     batch = pack_groups(result.groups)
     if s.config.orchestration.layout == "colocated":
@@ -161,7 +159,7 @@ def run_step(s: Session, rollout: AnchorRollout, step: int) -> dict[str, float]:
             "train/response_tokens": float(batch.num_response_tokens),
         }
     )
-    if s.config.rollout.backend == "sglang":
+    if backend_of(s.config).serves_over_http:
         metrics["rollout/servers_restarted"] = float(restarted)
     if validation_due(s.config, step):
         metrics.update(validate(s, step))

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.orchestration.ray_node import LocalRayHead
+from megatron_armor.rollout.backends import backend_of
 
 LAYOUTS = ("cpu", "colocated", "disaggregated")
 OBJECT_STORE_BYTES_CPU = 256 * 1024**2
@@ -95,7 +96,7 @@ def plan_layout(config: ArmorConfig) -> LayoutPlan:
     """The actor counts and resources of ``orchestration.layout``; errors name the fix."""
     plan = _plan_bundles(config)
     plan.nodes = config.orchestration.nodes
-    if config.rollout.backend == "sglang" and plan.layout != "cpu":
+    if backend_of(config).serves_over_http and plan.layout != "cpu":
         from megatron_armor.rollout.sglang.pools import pool_specs
 
         first = plan.trainer_ranks if plan.layout == "disaggregated" else 0
@@ -164,8 +165,8 @@ def _plan_bundles(config: ArmorConfig) -> LayoutPlan:
             rollout_gpus=0.2, bundles=world, trainer_bundles=list(range(world)),
             rollout_bundles=list(range(0, world, tp)),
         )  # fmt: skip
-    sglang = config.rollout.backend == "sglang"  # its pools are checked by pool_problems
-    if not sglang and (orch.rollout_gpus < tp or orch.rollout_gpus % tp):
+    servers = backend_of(config).serves_over_http  # server pools are checked by pool_problems
+    if not servers and (orch.rollout_gpus < tp or orch.rollout_gpus % tp):
         raise ValueError(
             f"orchestration.rollout_gpus={orch.rollout_gpus}: the disaggregated layout needs a "
             f"positive multiple of rollout.sglang.tp={tp}"

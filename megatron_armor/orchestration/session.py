@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_armor.algo.registry import get_advantage
 from megatron_armor.algo.reset import ResetSchedule
 from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.config.validate import updates_per_step
@@ -47,6 +48,7 @@ from megatron_armor.orchestration.step_metrics import compress_anchor_files
 from megatron_armor.orchestration.weight_sync import WeightSync, make_weight_sync
 from megatron_armor.orchestration.workers import load_model_tokenizer
 from megatron_armor.planner.model import load_model_dims
+from megatron_armor.rollout.backends import backend_of
 
 
 def run_dir_of(config: ArmorConfig) -> Path:
@@ -129,6 +131,7 @@ class Session:
     @classmethod
     def _start(cls, config: ArmorConfig, run_dir: Path) -> Session:
         """Everything up and ready for step 1 (or the resumed step)."""
+        get_advantage(config.algo.advantage).hparams(config.algo)  # bad advantage_args fail here
         tokenizer = load_model_tokenizer(config.trainer.model_path)
         d = config.data
         dataset = load_prompt_dataset(d.train_files, tokenizer, d.template, d.max_prompt_len)
@@ -210,7 +213,7 @@ class Session:
         """Every ``rollout.sglang.health_check_every`` steps: restart dead SGLang servers and
         re-sync their weights before they serve again; returns how many were restarted."""
         every = self.config.rollout.sglang.health_check_every
-        if self.config.rollout.backend != "sglang" or every <= 0 or step % every:
+        if not backend_of(self.config).serves_over_http or every <= 0 or step % every:
             return 0
         return self.weight_sync.heal()
 

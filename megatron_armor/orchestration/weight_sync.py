@@ -29,7 +29,9 @@ import shutil
 import time
 from collections.abc import Iterator
 
+from megatron_armor.algo.registry import get_anchor_mode
 from megatron_armor.config.schema import ArmorConfig
+from megatron_armor.rollout.backends import backend_of
 from megatron_armor.rollout.reference import reference_strategy
 
 Servers = dict[int, list[int]]
@@ -48,7 +50,7 @@ class WeightSync:
 
     def __init__(self, config: ArmorConfig, trainer, rollout) -> None:
         self.config, self.trainer, self.rollout = config, trainer, rollout
-        self.anchors = config.algo.anchor != "none"
+        self.anchors = get_anchor_mode(config.algo.anchor).draws_reference
         self.versions = {"policy": 0, "ref": 0}
         self._gb = self._seconds = 0.0
         self._pushes = 0
@@ -261,7 +263,7 @@ TRANSPORTS = {"tensor": TensorSync, "distributed": DistributedSync, "disk": Disk
 
 def make_weight_sync(config: ArmorConfig, trainer, rollout) -> WeightSync:
     """The :class:`WeightSync` of ``rollout.backend`` / ``rollout.sglang.weight_transport``."""
-    if config.rollout.backend != "sglang":
+    if not backend_of(config).serves_over_http:
         return InProcessSync(config, trainer, rollout)
     kind = config.rollout.sglang.weight_transport
     if kind not in TRANSPORTS:

@@ -20,10 +20,12 @@ from typing import Any
 
 import torch
 
+from megatron_armor.algo.registry import get_anchor_mode
 from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.observability.nvtx import enable_nvtx, nvtx_range
 from megatron_armor.observability.throughput import peak_gpu_memory_gb
 from megatron_armor.orchestration.ray_node import ignore_stop_signals
+from megatron_armor.rollout.backends import backend_of
 from megatron_armor.rollout.protocol import GenerationOutput, SamplingParams
 from megatron_armor.types import Sample, SampleSource
 
@@ -225,53 +227,6 @@ class TrainerWorker:
         self.trainer = None
 
 
-def visible_index(gpu_id: int) -> int:
-    """The ``--base-gpu-id`` of Ray GPU ``gpu_id`` for a server started from this process.
-
-    Ray names GPUs by their entries in the node's ``CUDA_VISIBLE_DEVICES`` (e.g. ``4`` on a
-    Slurm node given GPUs 4-7) and leaves that variable alone for an actor without GPUs, so
-    the server inherits it and counts devices from 0 within it: map the id to its position.
-    """
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
-    if not visible:
-        return gpu_id
-    entries = [e.strip() for e in visible.split(",")]
-    if str(gpu_id) not in entries:
-        raise RuntimeError(
-            f"Ray placed an SGLang server on GPU {gpu_id}, which is not in this node's "
-            f"CUDA_VISIBLE_DEVICES={visible!r}; start Ray with the same visible devices as the "
-            "job (slurm/armor.sbatch does)"
-        )
-    return entries.index(str(gpu_id))
-
-
-def make_engine(
-    config: ArmorConfig,
-    device: str,
-    pool: str = "policy",
-    servers: list[tuple[int, int]] | None = None,
-):
-    """The rollout backend named by ``rollout.backend``; for SGLang, the servers ``servers``
-    (``[(index, first GPU id)]``; default: the whole pool on this node) of ``pool``."""
-    backend = config.rollout.backend
-    if backend == "torch":
-        from megatron_armor.rollout.torch_engine import TorchEngine
-
-        return TorchEngine(
-            config.trainer.model_path, device=device, max_batch=config.rollout.engine_batch_size
-        )
-    if backend == "sglang":
-        import ray
-
-        from megatron_armor.rollout.sglang.engine import SGLangEngine
-
-        host = node_ip() if ray.is_initialized() else "127.0.0.1"  # reachable from other nodes
-        indices = [i for i, _ in servers] if servers is not None else None
-        gpu_ids = [visible_index(g) for _, g in servers] if servers is not None else None
-        return SGLangEngine.from_config(config, pool, host=host, gpu_ids=gpu_ids, indices=indices)
-    raise ValueError(f"rollout.backend={backend!r}: expected 'torch' or 'sglang'")
-
-
 def to_samples(
     items: list, outputs: list[list[GenerationOutput]], source: SampleSource, tokenizer
 ) -> list[list[Sample]]:
@@ -340,18 +295,19 @@ class RolloutWorker:
     def _start(self, config, device: str, pools: list[str], servers, wanted_ref: bool) -> None:
         from megatron_armor.rollout.reference import make_reference_sampler
 
+        backend = backend_of(config)
         for pool in pools:
-            engine = make_engine(config, device, pool, (servers or {}).get(pool))
+            engine = backend.build(config, device, pool, (servers or {}).get(pool))
             if pool == "policy":
                 self.engine = engine
             else:
                 self.ref_engine = engine
         self.tokenizer = load_model_tokenizer(config.trainer.model_path)
         strategy, fill = reference_strategy(config)
-        if config.algo.anchor == "none":  # no reference samples: no reference weights either
-            strategy = fill = "none"
+        if not get_anchor_mode(config.algo.anchor).draws_reference:
+            strategy = fill = "none"  # no reference samples: no reference weights either
         ref_engine = self.ref_engine
-        if config.rollout.backend == "sglang" and fill == "swap":
+        if backend.serves_over_http and fill == "swap":
             # the trainer ranks swap the reference into the policy servers around each call
             # (orchestration/weight_sync.py): the servers then serve it like a dedicated pool
             strategy = "dedicated" if strategy == "swap" else strategy
@@ -496,8 +452,6 @@ class RolloutWorker:
         restarted: dict[str, list[int]] = {}
         for pool in self.pools():
             engine = self._pool(pool)
-            if not hasattr(engine, "servers"):
-                continue  # the embedded engine lives in this process
             dead = [s for s in engine.servers if not engine.server_healthy(s)]
             for server in dead:
                 engine.restart_server(server)
@@ -522,7 +476,7 @@ class RolloutWorker:
         versions = {}
         if self.engine is not None:
             versions["policy"] = self.engine.weight_version("policy")
-            if getattr(self.engine, "has_weights", lambda w: False)("ref"):
+            if self.engine.has_weights("ref"):
                 versions["ref"] = self.engine.weight_version("ref")
         if self.ref_engine is not None:
             versions["ref"] = self.ref_engine.weight_version()
@@ -539,10 +493,9 @@ class RolloutWorker:
 
     def close(self) -> None:
         """Stop the engines this worker launched (SGLang servers and routers)."""
-        for engine in (getattr(self, "ref_engine", None), getattr(self, "engine", None)):
-            close = getattr(engine, "close", None)
-            if close is not None:
-                close()
+        for engine in (self.ref_engine, self.engine):
+            if engine is not None:
+                engine.close()
 
 
 def reference_strategy(config: ArmorConfig) -> tuple[str, str]:

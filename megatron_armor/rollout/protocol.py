@@ -1,10 +1,17 @@
-"""The one rollout-engine protocol shared by the embedded ``torch`` engine and SGLang."""
+"""The one rollout-engine protocol shared by the embedded ``torch`` engine and SGLang.
+
+:class:`RolloutEngine` declares every method a rollout worker calls on an engine. The server
+methods (``servers`` and what takes a server) concern backends whose engine is a pool of
+server processes (``RolloutBackend.serves_over_http`` in ``rollout/backends.py``); an embedded
+engine has no servers, so the workers never call them on it.
+"""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -72,3 +79,49 @@ class RolloutEngine(ABC):
     def resume_memory(self) -> None:
         """Take memory back after :meth:`release_memory`; default: nothing to take back."""
         return None
+
+    def has_weights(self, weights: str) -> bool:
+        """Whether weight set ``weights`` is loaded; default: only ``policy``."""
+        return weights == "policy"
+
+    def close(self) -> None:
+        """Stop what the engine started (server processes, routers); default: nothing."""
+        return None
+
+    # ------------------------------------------------------------------ server pools
+    servers: Sequence[Any] = ()
+    """The engine's server processes (``.url``, ``.tp``, ``.index``); an embedded engine: none."""
+
+    @property
+    def api_key(self) -> str:
+        """The key weight pushes send to the servers (``""``: none needed)."""
+        return ""
+
+    def set_weight_version(self, version: int) -> None:
+        """Record ``version`` after the trainer ranks pushed weights to the servers themselves."""
+        raise self._no_servers("set_weight_version")
+
+    def update_weights_from_disk(
+        self, model_path: str, version: int, servers: list | None = None
+    ) -> None:
+        """Load the HF dir ``model_path`` into ``servers`` (default: all, which then serve
+        ``version``)."""
+        raise self._no_servers("update_weights_from_disk")
+
+    def server_healthy(self, server: Any) -> bool:
+        """Whether ``server`` answers its health check."""
+        raise self._no_servers("server_healthy")
+
+    def restart_server(self, server: Any) -> None:
+        """Restart ``server``; it stays out of rotation until :meth:`rejoin`."""
+        raise self._no_servers("restart_server")
+
+    def rejoin(self, server: Any) -> None:
+        """Put a restarted, re-synced ``server`` back into rotation."""
+        raise self._no_servers("rejoin")
+
+    def _no_servers(self, method: str) -> NotImplementedError:
+        return NotImplementedError(
+            f"{type(self).__name__}.{method}: this engine runs in the worker's process and has "
+            "no servers; server methods need a backend that serves over HTTP (rollout.backend)"
+        )

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from megatron_armor.algo.registry import get_anchor_source
 from megatron_armor.rollout.protocol import GenerationOutput, RolloutEngine, SamplingParams
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
@@ -228,10 +229,8 @@ def reference_strategy(ref_strategy: str, anchor_source: str) -> tuple[str, str]
     (``swap`` | ``dedicated``) in the anchor cache; ``ref_strategy: cache`` fills misses with
     ``dedicated`` (docs/algorithm.md, anchor rollout)."""
     fill = ref_strategy if ref_strategy in ("swap", "dedicated") else "dedicated"
-    if anchor_source == "cache" or ref_strategy == "cache":
+    if get_anchor_source(anchor_source).reuses_anchors or ref_strategy == "cache":
         return "cache", fill
-    if anchor_source != "generate":
-        raise ValueError(f"algo.anchor_source={anchor_source!r}: expected 'generate' or 'cache'")
     return ref_strategy, fill
 
 
@@ -275,12 +274,3 @@ def make_reference_sampler(
         )
         return CachedReferenceSampler(inner)
     raise ValueError(f"rollout.ref_strategy={strategy!r} is not one of {STRATEGIES}")
-
-
-def reference_sampler_from_config(
-    rollout_cfg, algo_cfg, engine: RolloutEngine, **kwargs
-) -> ReferenceSampler:
-    """Sampler for ``rollout.ref_strategy`` and ``algo.anchor_source``
-    (:func:`reference_strategy`)."""
-    strategy, fill = reference_strategy(rollout_cfg.ref_strategy, algo_cfg.anchor_source)
-    return make_reference_sampler(strategy, engine, cache_fill=fill, **kwargs)

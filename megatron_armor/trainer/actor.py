@@ -198,8 +198,6 @@ class MegatronTrainer(TrainerInterface):
     def train_step(self, batch, num_minibatches: int) -> dict[str, float]:
         enable_cpu_mode()  # per thread (no-op with CUDA)
         self.offloader.restore()
-        if self.config.trainer.keep_old_weights:
-            self.store.snapshot("old")  # compute_logprobs(batch, "old") after the step
         per_update = [self._update(mb) for mb in split_minibatches(batch, num_minibatches)]
         keys = set().union(*per_update)
         return {

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from megatron_armor.rollout.backends import backend_of
 from megatron_armor.rollout.hf_dir import CONFIG_FILES
 from megatron_armor.rollout.sglang import weights as transport
 from megatron_armor.rollout.sglang.client import update_weights_from_tensor_payload
@@ -298,7 +299,7 @@ class DiskRankSync(RankSync):
 def make_rank_sync(config, trainer) -> RankSync | None:
     """The rank side of ``rollout.sglang.weight_transport`` (``None``: the embedded engine,
     which takes the export through the worker)."""
-    if config.rollout.backend != "sglang":
+    if not backend_of(config).serves_over_http:
         return None
     sg = config.rollout.sglang
     kind = sg.weight_transport

@@ -1,4 +1,4 @@
-"""Group advantages (docs/algorithm.md, advantages), KL estimators and entropy helpers. Tier: unit."""
+"""Group advantages (docs/algorithm.md, advantages), and KL estimators. Tier: unit."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from megatron_armor.algo.advantages import assign_advantages, compute_advantages
-from megatron_armor.algo.entropy import entropy_from_logits, entropy_from_logprobs, sampled_entropy
 from megatron_armor.algo.kl import kl_k1, kl_k2, kl_k3
 from megatron_armor.types import Group, Sample, SampleSource
 
@@ -87,16 +86,3 @@ def test_k1_k3_are_unbiased_in_expectation():
     for k in (kl_k1, kl_k3):
         torch.testing.assert_close((p * k(p.log(), q.log())).sum(), exact)
     assert (kl_k3(p.log(), q.log()) >= 0).all()
-
-
-def test_entropy_helpers():
-    v = 8
-    uniform = torch.full((2, v), -math.log(v))
-    torch.testing.assert_close(entropy_from_logprobs(uniform), torch.full((2,), math.log(v)))
-    logits = torch.tensor([[1.0, 2.0, 3.0], [0.0, 0.0, -math.inf]])
-    probs = torch.softmax(logits, -1)
-    expected = -(probs * probs.clamp_min(1e-30).log()).sum(-1)
-    torch.testing.assert_close(entropy_from_logits(logits), expected)
-    assert entropy_from_logits(logits)[1].item() == pytest.approx(math.log(2))
-    assert entropy_from_logits(logits.bfloat16()).dtype == torch.float32
-    assert sampled_entropy(torch.tensor([-0.5])).item() == 0.5

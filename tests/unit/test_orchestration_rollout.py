@@ -13,6 +13,7 @@ import json
 import pytest
 
 from megatron_armor.algo.advantages import assign_advantages
+from megatron_armor.algo.registry import get_anchor_mode
 from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.data.dataset import PromptItem
 from megatron_armor.data.sampler import ResumableSampler
@@ -21,7 +22,6 @@ from megatron_armor.orchestration.anchor_rollout import (
     AnchorRollout,
     derive_seed,
     followup_size,
-    policy_samples_per_query,
 )
 from megatron_armor.orchestration.step_metrics import (
     anchor_file_steps,
@@ -189,14 +189,19 @@ def test_seeds_depend_only_on_seed_step_batch_role():
     assert roll_a.calls == roll_b.calls and roll_a.calls[0][3] == derive_seed(1, 5, 0, "policy")
 
 
-def test_policy_samples_per_query():
-    assert policy_samples_per_query("armor", 16) == 15
-    assert policy_samples_per_query("none", 16) == 16
-    assert policy_samples_per_query("filter_only", 16) == 16
-    assert policy_samples_per_query("filter_only", 16, "G-1") == 15
-    assert policy_samples_per_query("none", 16, "G-1") == 16  # only filter_only reads it
+def test_policy_samples_and_reference_draws_of_each_anchor_mode():
+    assert get_anchor_mode("armor").policy_samples(16) == 15
+    assert get_anchor_mode("none").policy_samples(16) == 16
+    assert get_anchor_mode("filter_only").policy_samples(16) == 16
+    assert get_anchor_mode("filter_only").policy_samples(16, "G-1") == 15
+    assert get_anchor_mode("none").policy_samples(16, "G-1") == 16  # only filter_only reads it
     with pytest.raises(ValueError, match="algo.filter_policy_samples='G-2'"):
-        policy_samples_per_query("filter_only", 16, "G-2")
+        get_anchor_mode("filter_only").policy_samples(16, "G-2")
+    assert [get_anchor_mode(m).draws_reference for m in ("none", "armor", "filter_only")] == [
+        False,
+        True,
+        True,
+    ]
 
 
 def test_rollout_metrics_and_anchor_file(tmp_path):

@@ -229,7 +229,7 @@ def test_worker_roles_follow_the_pools_on_each_node():
 
 
 def test_server_gpus_are_counted_within_the_visible_devices(monkeypatch):
-    from megatron_armor.orchestration.workers import visible_index
+    from megatron_armor.rollout.backends import visible_index
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     assert visible_index(5) == 5

@@ -8,13 +8,12 @@ import io
 import pytest
 import torch
 
-from megatron_armor.config.schema import AlgoConfig, RolloutConfig
 from megatron_armor.rollout.protocol import SamplingParams
 from megatron_armor.rollout.reference import (
     CachedReferenceSampler,
     SwapReferenceSampler,
     make_reference_sampler,
-    reference_sampler_from_config,
+    reference_strategy,
 )
 from megatron_armor.rollout.torch_engine import TorchEngine
 
@@ -146,7 +145,7 @@ def test_factory_errors_and_config_mapping(models):
         make_reference_sampler("swap", engine)
     with pytest.raises(ValueError, match="'bogus' is not one of"):
         make_reference_sampler("bogus", engine)
-    cfg = reference_sampler_from_config(
-        RolloutConfig(ref_strategy="dedicated"), AlgoConfig(anchor_source="cache"), engine
-    )
-    assert isinstance(cfg, CachedReferenceSampler)
+    strategy, fill = reference_strategy("dedicated", "cache")
+    assert (strategy, fill) == ("cache", "dedicated")
+    sampler = make_reference_sampler(strategy, engine, cache_fill=fill)
+    assert isinstance(sampler, CachedReferenceSampler)

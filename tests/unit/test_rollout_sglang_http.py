@@ -441,21 +441,6 @@ def test_client_errors_are_not_retried(standin):
     assert [e for e, _ in standin.calls] == ["/generate"]
 
 
-def test_generate_until_aborts_the_rest_once_enough_groups(standin):
-    engine = engine_for([standin.url])
-    try:
-        start = time.monotonic()
-        seen = []
-        out = engine.generate_until([[99, 1], [1, 2], [99, 2]], 2, SamplingParams(max_new_tokens=3),
-                                    done=lambda i, outs: seen.append(i) or True)  # fmt: skip
-        assert time.monotonic() - start < standin.slow_s
-        assert seen[0] == 1 and out[1][0].finish_reason == "length"
-        assert {s.finish_reason for i in (0, 2) for s in out[i]} == {"abort"}
-        assert ("/abort_request", {"rid": "", "abort_all": True}) in standin.calls
-    finally:
-        engine.close()
-
-
 def test_disk_transport_and_memory_calls(standin, tmp_path):
     engine = engine_for([standin.url], tmp_path, weight_transport="disk")
     try:

@@ -1,6 +1,6 @@
 """``SGLangEngine``: a pool of SGLang servers (optionally behind ``sglang-router``) as a
-:class:`RolloutEngine`, plus the health monitor that restarts a dead server and re-syncs
-its weights before it serves again.
+:class:`RolloutEngine`. A dead server is restarted out of rotation (:meth:`SGLangEngine.restart_server`)
+and rejoins once the trainer re-synced its weights (``orchestration/weight_sync.py``, ``heal``).
 
 An SGLang server holds one weight set (``policy``). The reference is served by
 ``ref_strategy: swap`` (reload the same servers) or ``dedicated`` (a second
@@ -15,7 +15,7 @@ import itertools
 import os
 import secrets
 import shutil
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +41,6 @@ from megatron_armor.rollout.sglang.pools import PoolSpec, policy_pool, pool_spec
 from megatron_armor.rollout.sglang.router import RouterAdmin
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
-GroupDone = Callable[[int, list[GenerationOutput]], bool]
 
 
 @dataclass
@@ -220,38 +219,19 @@ class SGLangEngine(RolloutEngine):
     def generate(
         self, prompts: list[list[int]], n: int, params: SamplingParams, weights: str = "policy"
     ) -> list[list[GenerationOutput]]:
-        return self.generate_until(prompts, n, params, weights=weights)
-
-    def generate_until(
-        self,
-        prompts: list[list[int]],
-        n: int,
-        params: SamplingParams,
-        done: GroupDone | None = None,
-        weights: str = "policy",
-    ) -> list[list[GenerationOutput]]:
-        """Like :meth:`generate`; ``done(i, outputs)`` sees each prompt's group as it completes
-        and returning ``True`` aborts every request still running (``/abort_request``); the
-        groups cut short come back with ``finish_reason == 'abort'``."""
         self._check_weights(weights)
-        return self._loop.run(self._generate_all(prompts, n, params, done))
+        return self._loop.run(self._generate_all(prompts, n, params))
 
-    async def _generate_all(self, prompts, n, params, done):
-        tasks = [
-            asyncio.ensure_future(self._generate_group(i, p, n, params))
-            for i, p in enumerate(prompts)
-        ]
-        results: list[list[GenerationOutput] | None] = [None] * len(prompts)
-        aborted = False
-        for next_done in asyncio.as_completed(tasks):
-            index, outputs = await next_done
-            results[index] = outputs
-            if done is not None and not aborted and done(index, outputs):
-                aborted = True
-                await asyncio.gather(*(self._client.abort(s.url) for s in self.servers))
-        return results
+    async def _generate_all(self, prompts, n, params) -> list[list[GenerationOutput]]:
+        return list(
+            await asyncio.gather(
+                *(self._generate_group(p, n, params, i) for i, p in enumerate(prompts))
+            )
+        )
 
-    async def _generate_group(self, index: int, prompt: list[int], n: int, params: SamplingParams):
+    async def _generate_group(
+        self, prompt: list[int], n: int, params: SamplingParams, index: int
+    ) -> list[GenerationOutput]:
         seeds = [
             None if params.seed is None else sample_seed(params.seed, index, j, n) for j in range(n)
         ]
@@ -263,7 +243,7 @@ class SGLangEngine(RolloutEngine):
                 for s in seeds
             )
         )
-        return index, [parse_generate_response(b, self._version) for b in bodies]
+        return [parse_generate_response(b, self._version) for b in bodies]
 
     def _pick_url(self) -> str:
         if self.router_url is not None:
@@ -272,10 +252,6 @@ class SGLangEngine(RolloutEngine):
         if not serving:
             raise RuntimeError("rollout: no SGLang server is serving (all restarting or down)")
         return serving[next(self._round_robin) % len(serving)].url
-
-    def abort_all(self) -> None:
-        """``/abort_request`` with ``abort_all`` on every server."""
-        self._loop.run(asyncio.gather(*(self._client.abort(s.url) for s in self.servers)))
 
     # ------------------------------------------------------------------ weights
     def weight_version(self, weights: str = "policy") -> int:
@@ -390,11 +366,9 @@ class SGLangEngine(RolloutEngine):
     def health(self) -> bool:
         return all(self.server_healthy(s) for s in self.servers)
 
-    def restart_server(
-        self, server: EngineServer, weights_fn: Callable[[], NamedTensors] | None = None
-    ) -> None:
-        """Take ``server`` out of rotation and restart it; with ``weights_fn`` also push the
-        current weights and put it back (:meth:`rejoin`), else the caller re-syncs it first."""
+    def restart_server(self, server: EngineServer) -> None:
+        """Take ``server`` out of rotation and restart it; the caller re-syncs its weights,
+        then puts it back with :meth:`rejoin`."""
         server.serving = False
         if self.router_url is not None:
             self._router_call("remove_worker", server.url)
@@ -405,9 +379,6 @@ class SGLangEngine(RolloutEngine):
         server.process.stop()
         server.process.start(env=launch.LOGPROB_ENV)
         server.process.wait_healthy(self.cfg.startup_timeout_s)
-        if weights_fn is not None:
-            self.sync_servers(weights_fn(), self._version, [server])
-            self.rejoin(server)
 
     def rejoin(self, server: EngineServer) -> None:
         """Put a restarted, re-synced ``server`` back into rotation (and behind the router)."""
@@ -418,23 +389,3 @@ class SGLangEngine(RolloutEngine):
     def _router_call(self, verb: str, worker_url: str) -> None:
         admin = RouterAdmin(self._client.session, self.router_url)
         self._loop.run(getattr(admin, verb)(worker_url))
-
-
-class HealthMonitor:
-    """Restarts dead servers of ``engine`` and re-syncs their weights (``weights_fn`` streams
-    the trainer's current policy) before they serve again. Call :meth:`check` between steps."""
-
-    def __init__(self, engine: SGLangEngine, weights_fn: Callable[[], NamedTensors]) -> None:
-        self.engine = engine
-        self.weights_fn = weights_fn
-        self.restarts = 0
-
-    def check(self) -> list[int]:
-        """Indices of the servers restarted by this check."""
-        restarted = []
-        for server in self.engine.servers:
-            if not self.engine.server_healthy(server):
-                self.engine.restart_server(server, self.weights_fn)
-                restarted.append(server.index)
-        self.restarts += len(restarted)
-        return restarted

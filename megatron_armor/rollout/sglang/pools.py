@@ -25,7 +25,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_armor.algo.registry import get_anchor_mode
 from megatron_armor.config.schema import ArmorConfig, SGLangConfig
+from megatron_armor.rollout.backends import backend_of
 from megatron_armor.rollout.reference import reference_strategy
 
 POOLS = ("policy", "ref")
@@ -64,7 +66,7 @@ def uses_ref_pool(config: ArmorConfig) -> bool:
     """Whether the run starts SGLang reference servers (``dedicated``, directly or as the
     anchor cache's fill, with anchors on)."""
     r, a = config.rollout, config.algo
-    if r.backend != "sglang" or a.anchor == "none":
+    if not backend_of(config).serves_over_http or not get_anchor_mode(a.anchor).draws_reference:
         return False
     _, fill = reference_strategy(r.ref_strategy, a.anchor_source)
     return fill == "dedicated"  # ``dedicated`` itself, or the cache filled by it
@@ -126,7 +128,7 @@ def pool_specs(config: ArmorConfig) -> dict[str, PoolSpec]:
 
 def pool_problems(config: ArmorConfig) -> list[str]:
     """What makes the pools impossible, each naming the settings and the fix."""
-    if config.rollout.backend != "sglang" or config.orchestration.layout == "cpu":
+    if not backend_of(config).serves_over_http or config.orchestration.layout == "cpu":
         return []
     sg, o = config.rollout.sglang, config.orchestration
     specs = pool_specs(config)
