@@ -423,6 +423,12 @@ def check_sizes(config: ArmorConfig) -> Problems:
         "must be >= 1 sequence decoded together, e.g. 64",
     )
     yield from _bound(
+        config.rollout.reference_parts,
+        config.rollout.reference_parts >= 1,
+        "rollout.reference_parts",
+        "must be >= 1 part per generation batch (1 = one reference call)",
+    )
+    yield from _bound(
         config.data.max_prompt_len,
         config.data.max_prompt_len >= 1,
         "data.max_prompt_len",
