@@ -200,7 +200,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--set", choices=sorted(SETS), default="fresh")
     parser.add_argument("--rounds", type=int, default=4, help="measured rounds (after warm-up)")
-    parser.add_argument("--recurring", type=int, default=48, help="queries of the cache set")
+    parser.add_argument("--recurring", type=int, default=16, help="queries of the cache set")
     parser.add_argument(
         "--tiny", default=str(REPO / "artifacts" / "tiny"), help="`armor tiny` output"
     )

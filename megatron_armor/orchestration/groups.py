@@ -27,6 +27,7 @@ from megatron_armor.orchestration.placement import (
 )
 from megatron_armor.orchestration.workers import RewardWorker, RolloutWorker, TrainerWorker
 from megatron_armor.rollout.protocol import GenerationOutput, RolloutEngine, SamplingParams
+from megatron_armor.rollout.reference import reference_strategy
 from megatron_armor.rollout.sglang.pools import uses_ref_pool
 from megatron_armor.types import Sample, TrainBatch
 
@@ -256,6 +257,9 @@ class RolloutGroup:
     ):
         self.actors = []
         self.has_ref_pool = uses_ref_pool(config)
+        self.caches_anchors = config.algo.anchor != "none" and (
+            reference_strategy(config.rollout.ref_strategy, config.algo.anchor_source)[0] == "cache"
+        )
         self.weight_sync = None  # set by the session (orchestration/weight_sync.py)
         if hosts:
             for i, host in enumerate(hosts):
@@ -411,8 +415,11 @@ class RolloutGroup:
         )
 
     def reference_metrics(self) -> dict[str, float]:
-        """``anchor/cache_*`` summed over workers (empty without the cache)."""
+        """``anchor/cache_*`` summed over workers (empty, and no call to them, without the
+        anchor cache)."""
         out: dict[str, float] = {}
+        if not self.caches_anchors:
+            return out
         for m in wait(
             [a.reference_metrics.remote() for a in self.reference_actors],
             "rollout reference metrics",
