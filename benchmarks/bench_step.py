@@ -46,8 +46,11 @@ SETS = {
     "overlap": {
         "dapo": ["algo.anchor=none", "algo.ratio=standard"],
         "armor": ["algo.anchor=armor", "algo.anchor_source=generate"],
-        "armor-parts2": ["algo.anchor=armor", "algo.anchor_source=generate",
-                         "rollout.reference_parts=2"],
+        "armor-parts2": [
+            "algo.anchor=armor",
+            "algo.anchor_source=generate",
+            "rollout.reference_parts=2",
+        ],
     },
 }
 

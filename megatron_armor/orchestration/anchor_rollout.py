@@ -216,7 +216,9 @@ class AnchorRollout:
         items that pass rule (a), scored. Returns ``({item index: reference row}, stats)``."""
         with self.timers.phase("score"):
             stats = self.reward.score([s for i in ids for s in policy[i]])
-        wanted = [i for i in ids if passes_rule_a(policy[i], self.algo.anchor, self.algo.weak_filter)]
+        wanted = [
+            i for i in ids if passes_rule_a(policy[i], self.algo.anchor, self.algo.weak_filter)
+        ]
         if not wanted:
             return {}, stats
         params = self._params(step, batch, reference_role(part))

@@ -320,7 +320,11 @@ class OrderedScoring(ScriptedReward):
         self.waiting, self.drawn = waiting, drawn
 
     def score(self, samples):
-        if samples and samples[0].query_id in self.waiting and samples[0].source == SampleSource.POLICY:
+        if (
+            samples
+            and samples[0].query_id in self.waiting
+            and samples[0].source == SampleSource.POLICY
+        ):
             assert self.drawn.wait(timeout=60), "the other part's reference was never drawn"
         return super().score(samples)
 
@@ -352,6 +356,10 @@ def collect_in_order(first_part_waits: bool):
     return result, runner.rollout.calls
 
 
+def group_keys(groups) -> list[list[tuple]]:
+    return [[(s.query_id, s.source, s.response_len, s.acc) for s in g.samples] for g in groups]
+
+
 def test_overlapped_parts_select_the_same_groups_whatever_part_finishes_first():
     """Scoring overlaps reference generation part by part; the accepted groups, the
     records, the reward stats and every call's seed are the same in either finishing order."""
@@ -360,8 +368,7 @@ def test_overlapped_parts_select_the_same_groups_whatever_part_finishes_first():
     assert [c for c in backward_calls if c[0] == "reference"][0][1] == 3  # part 1 drew first
     assert sorted(forward_calls) == sorted(backward_calls)
     assert forward.records == backward.records and forward.reward_stats == backward.reward_stats
-    keys = [[(s.query_id, s.source, s.response_len, s.acc) for s in g.samples] for g in forward.groups]
-    assert keys == [[(s.query_id, s.source, s.response_len, s.acc) for s in g.samples]
-                    for g in backward.groups]  # fmt: skip
+    assert group_keys(forward.groups) == group_keys(backward.groups)
     seeds = {c[3] for c in forward_calls if c[0] == "reference"}
-    assert seeds == {derive_seed(1, 1, 0, "reference"), derive_seed(1, 1, 0, "reference/1")}  # run.seed 1
+    run_seed = 1
+    assert seeds == {derive_seed(run_seed, 1, 0, r) for r in ("reference", "reference/1")}
