@@ -176,14 +176,22 @@ class TrainerGroup:
         """One or more optimizer updates on ``batch`` (a :class:`TrainBatch`, or the object
         ref of :meth:`place` with the mini-batch's ``sample_ids``); metrics of the rank that
         reported the most."""
+        return self.train_result(self.submit_train_step(batch, num_minibatches, sample_ids))
+
+    def submit_train_step(
+        self, batch, num_minibatches: int = 1, sample_ids: list[int] | None = None
+    ) -> list:
+        """Queue :meth:`train_step` on every rank without waiting (a rank runs its calls in
+        the order queued, so a step's updates follow each other with no driver round trip
+        between them); :meth:`train_result` waits for it."""
         import ray
 
         ref = batch if isinstance(batch, ray.ObjectRef) else ray.put(batch)
-        results = wait(
-            [a.train_step.remote(ref, num_minibatches, sample_ids) for a in self.actors],
-            "train step",
-        )
-        return max(results, key=len)
+        return [a.train_step.remote(ref, num_minibatches, sample_ids) for a in self.actors]
+
+    def train_result(self, refs: list) -> dict[str, float]:
+        """The metrics of a :meth:`submit_train_step`, of the rank that reported the most."""
+        return max(wait(refs, "train step"), key=len)
 
     def reset_reference(self) -> None:
         wait([a.reset_reference.remote() for a in self.actors], "trainer reference reset")
