@@ -43,6 +43,15 @@ SETS = {
         "dapo": ["algo.anchor=none", "algo.ratio=standard"],
         "armor-cache": ["algo.anchor=armor", "algo.anchor_source=cache"],
     },
+    "overlap": {
+        "dapo": ["algo.anchor=none", "algo.ratio=standard"],
+        "armor": ["algo.anchor=armor", "algo.anchor_source=generate"],
+        "armor-parts2": [
+            "algo.anchor=armor",
+            "algo.anchor_source=generate",
+            "rollout.reference_parts=2",
+        ],
+    },
 }
 
 
@@ -72,13 +81,33 @@ def timed_step(session, rollout, step: int) -> dict[str, float]:
     from megatron_armor.orchestration.loop import run_step
 
     session.trainer.compute_seconds(), session.rollout.compute_seconds()  # reset the clocks
+    session.timers.pop_metrics()
     start = time.perf_counter()
     metrics = run_step(session, rollout, step)
     seconds = time.perf_counter() - start
-    compute = session.trainer.compute_seconds() + session.rollout.compute_seconds()
-    session.timers.pop_metrics()
+    train_s, engine_s = session.trainer.compute_seconds(), session.rollout.compute_seconds()
+    phases = {k[len("timing/") : -2]: v for k, v in session.timers.pop_metrics().items()}
     return {"step_s": seconds, "tokens": metrics["rollout/generated_tokens"],
-            "kept": metrics["anchor/kept"], "compute_s": compute}  # fmt: skip
+            "kept": metrics["anchor/kept"], "compute_s": train_s + engine_s,
+            "train_compute_s": train_s, "engine_compute_s": engine_s,
+            "cache_hits": metrics.get("anchor/cache_hits", 0.0),
+            "cache_misses": metrics.get("anchor/cache_misses", 0.0),
+            **{f"phase_{k}": v for k, v in phases.items()}}  # fmt: skip
+
+
+def local_ray(cpus: int, out: Path):
+    """A Ray head of this benchmark's own on the loopback address (never another user's
+    cluster), connected; returns it for ``stop``."""
+    import ray
+
+    from megatron_armor.orchestration.placement import LOOPBACK
+    from megatron_armor.orchestration.ray_node import LocalRayHead
+
+    args = ["--include-dashboard=false", f"--num-cpus={cpus}", "--num-gpus=0",
+            f"--object-store-memory={512 << 20}"]  # fmt: skip
+    head = LocalRayHead(args, out / "ray-head.log", 300.0, node_ip=LOOPBACK)
+    ray.init(address=head.address, _node_ip_address=LOOPBACK)
+    return head
 
 
 def run_rounds(configs: dict, rounds: int) -> dict[str, list[dict[str, float]]]:
@@ -88,7 +117,7 @@ def run_rounds(configs: dict, rounds: int) -> dict[str, list[dict[str, float]]]:
     from megatron_armor.orchestration.anchor_rollout import AnchorRollout
     from megatron_armor.orchestration.session import Session
 
-    ray.init(num_cpus=4 * len(configs), include_dashboard=False, object_store_memory=512 << 20)
+    head = local_ray(4 * len(configs), Path(next(iter(configs.values())).run.output_dir))
     sessions, records = {}, {name: [] for name in configs}
     try:
         for name, cfg in configs.items():
@@ -109,6 +138,7 @@ def run_rounds(configs: dict, rounds: int) -> dict[str, list[dict[str, float]]]:
         for s in sessions.values():
             s.close(shutdown_ray=False)
         ray.shutdown()
+        head.stop()
     return records
 
 
@@ -137,11 +167,43 @@ def report(records: dict[str, list[dict[str, float]]]) -> None:
         )
 
 
+PHASES = ("rollout", "generate", "score", "logprobs", "train", "sync")
+
+
+def breakdown(rec: dict[str, float]) -> dict[str, float]:
+    """One step's seconds by where they went: model compute inside the actors (engine,
+    trainer), the loop's phases less that compute, and the driver's rest."""
+    out = {"engine compute": rec["engine_compute_s"], "trainer compute": rec["train_compute_s"]}
+    out["rollout outside compute"] = rec.get("phase_rollout", 0.0) - rec["engine_compute_s"]
+    out["score (in rollout)"] = rec.get("phase_score", 0.0)
+    trainer_phases = rec.get("phase_logprobs", 0.0) + rec.get("phase_train", 0.0)
+    out["logprobs+train outside compute"] = trainer_phases - rec["train_compute_s"]
+    out["sync"] = rec.get("phase_sync", 0.0) + rec.get("phase_reset", 0.0)
+    timed = sum(rec.get(f"phase_{p}", 0.0) for p in ("rollout", "logprobs", "train", "sync"))
+    out["driver rest"] = rec["step_s"] - timed - rec.get("phase_reset", 0.0)
+    return out
+
+
+def report_phases(records: dict[str, list[dict[str, float]]]) -> None:
+    """Median seconds per part of the step (:func:`breakdown`) and the anchor cache's hits."""
+    parts = list(breakdown(next(iter(records.values()))[0]))
+    print(f"{'median seconds':32s}" + "".join(f"{name:>14s}" for name in records))
+    for part in parts:
+        cells = [median(breakdown(r)[part] for r in recs) for recs in records.values()]
+        print(f"{part:32s}" + "".join(f"{c:14.3f}" for c in cells))
+    for name, recs in records.items():
+        hits = sum(r["cache_hits"] for r in recs)
+        lookups = hits + sum(r["cache_misses"] for r in recs)
+        if lookups:
+            print(f"{name}: anchor cache {hits:.0f} hits of {lookups:.0f} look-ups "
+                  f"(hit rate {hits / lookups:.3f}) over the measured rounds")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--set", choices=sorted(SETS), default="fresh")
     parser.add_argument("--rounds", type=int, default=4, help="measured rounds (after warm-up)")
-    parser.add_argument("--recurring", type=int, default=48, help="queries of the cache set")
+    parser.add_argument("--recurring", type=int, default=16, help="queries of the cache set")
     parser.add_argument(
         "--tiny", default=str(REPO / "artifacts" / "tiny"), help="`armor tiny` output"
     )
@@ -155,7 +217,9 @@ def main() -> None:
             train = recurring_data(Path(args.tiny), args.recurring, Path(tmp))
         configs = {name: load_variant(name, ov, train, args, Path(tmp))
                    for name, ov in SETS[args.set].items()}  # fmt: skip
-        report(run_rounds(configs, args.rounds))
+        records = run_rounds(configs, args.rounds)
+        report(records)
+        report_phases(records)
 
 
 if __name__ == "__main__":

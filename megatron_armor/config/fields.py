@@ -97,6 +97,9 @@ def check_rollout(config: ArmorConfig) -> Problems:
     yield from at_least(
         r, "rollout", ("engine_batch_size",), 1, " sequence decoded together, e.g. 64"
     )
+    yield from at_least(
+        r, "rollout", ("reference_parts",), 1, " part per generation batch (1 = one reference call)"
+    )
 
 
 def check_data(config: ArmorConfig) -> Problems:

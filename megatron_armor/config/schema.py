@@ -182,6 +182,9 @@ class RolloutConfig:
     """How the reference is served: ``swap`` | ``dedicated`` | ``cache``."""
     engine_batch_size: int = 64
     """Sequences decoded together by the embedded engine."""
+    reference_parts: int = 1
+    """Parts of a generation batch whose reference samples are drawn separately, each as soon
+    as its policy samples are scored, overlapping the scoring of the others (1 = one call)."""
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     """SGLang settings (``backend: sglang``)."""
 

@@ -13,8 +13,16 @@ The first batch of a step has ``rollout.gen_batch`` queries; each follow-up batc
 the shortfall (:func:`followup_size`: the missing groups over the acceptance rate seen so far
 this step, at least :data:`FOLLOWUP_FLOOR` of ``gen_batch``, at most ``gen_batch``).
 
-Sampling seeds are ``derive_seed(run.seed, step, batch, role)`` and batch sizes depend only on
-the samples drawn, so regenerating a step after a resume draws exactly the same samples.
+Scoring overlaps reference generation: a generation batch is cut into
+``rollout.reference_parts`` contiguous parts (:func:`reference_parts`); each part's policy
+samples are scored and its reference samples drawn and scored as soon as they are, while the
+other parts are still being scored (one driver thread per part waiting on the actors).
+
+Sampling seeds are ``derive_seed(run.seed, step, batch, role)`` (role ``policy``, or
+:func:`reference_role` of the part), the parts are a function of the batch alone and the
+results are merged in part order, and batch sizes depend only on the samples drawn: so
+regenerating a step after a resume draws exactly the same samples, whatever order the parts
+finished in.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,10 +38,12 @@ from megatron_armor.algo.anchors import AcceptanceStats, acceptance_reason, sele
 from megatron_armor.algo.registry import get_anchor_mode
 from megatron_armor.observability.nvtx import nvtx_range
 from megatron_armor.observability.timers import PhaseTimers
-from megatron_armor.orchestration.groups import merge_reward_stats
+from megatron_armor.orchestration.groups import merge_reward_stats, shard
 from megatron_armor.rollout.protocol import SamplingParams
 from megatron_armor.types import Group, Sample
 
+MAX_PART_THREADS = 16
+"""Reference parts of a generation batch in flight at once (driver threads waiting on Ray)."""
 FOLLOWUP_FLOOR = 0.25
 """Smallest follow-up generation batch, as a fraction of ``rollout.gen_batch`` (a tiny batch
 would pay a whole round of engine latency for a few queries)."""
@@ -71,6 +82,40 @@ def followup_size(gen_batch: int, need: int, accepted: int, seen: int) -> int:
     floor = max(1, math.ceil(FOLLOWUP_FLOOR * gen_batch))
     wanted = math.ceil((need - accepted) * seen / accepted)
     return max(floor, min(gen_batch, wanted))
+
+
+def reference_role(part: int) -> str:
+    """The seed role of a generation batch's reference part (part 0 keeps the plain
+    ``reference`` role of a batch sampled in one part)."""
+    return "reference" if part == 0 else f"reference/{part}"
+
+
+def reference_parts(query_ids: list[str], parts: int) -> list[list[int]]:
+    """Item indices of each reference part of a generation batch: ``parts`` contiguous,
+    nearly equal slices (fewer when there are fewer items). A function of the batch alone, so
+    which items share a reference call and its seed does not depend on which part's scoring
+    finished first (exact resume). A query id drawn twice must not be looked up in the anchor
+    cache by two concurrent parts: such a batch is one part."""
+    slices = shard(list(range(len(query_ids))), max(1, min(parts, len(query_ids))))
+    owner: dict[str, int] = {}
+    for p, ids in enumerate(slices):
+        for i in ids:
+            if owner.setdefault(query_ids[i], p) != p:
+                return [list(range(len(query_ids)))]
+    return slices
+
+
+def overlap_parts(config) -> int:
+    """``rollout.reference_parts``, or 1 where the driver swaps the reference weights into the
+    SGLang policy servers around each reference call (``ref_strategy: swap`` without a
+    reference pool, ``orchestration/weight_sync.py``): concurrent calls would interleave
+    the swaps."""
+    from megatron_armor.rollout.reference import reference_strategy
+    from megatron_armor.rollout.sglang.pools import uses_ref_pool
+
+    _, fill = reference_strategy(config.rollout.ref_strategy, config.algo.anchor_source)
+    driver_swaps = config.rollout.backend == "sglang" and fill == "swap"
+    return 1 if driver_swaps and not uses_ref_pool(config) else config.rollout.reference_parts
 
 
 def passes_rule_a(policy: list[Sample], mode: str, weak_filter: bool) -> bool:
@@ -124,6 +169,7 @@ class AnchorRollout:
         self.dataset, self.sampler = dataset, sampler
         self.rollout, self.reward = rollout_group, reward_group
         self.progress = progress
+        self.parts = overlap_parts(config)
         s = config.rollout.sampling
         self.params = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                                      max_new_tokens=s.max_new_tokens)  # fmt: skip
@@ -132,33 +178,53 @@ class AnchorRollout:
         return dataclasses.replace(self.params, seed=derive_seed(self.seed, step, batch, role))
 
     def _generate(self, items: list, step: int, batch: int) -> tuple[list, list, dict]:
-        """Policy samples of ``items``, scored; then reference samples, scored, for the items
-        that pass rule (a) (``[]`` for the others). Returns ``(policy, reference, stats)``."""
+        """Policy samples of ``items``; then, per part of :func:`reference_parts`, its policy
+        samples scored and reference samples, scored, for its items that pass rule (a) (``[]``
+        for the others). The parts run concurrently, so one part's scoring overlaps another's
+        reference generation. Returns ``(policy, reference, stats)``."""
         a = self.algo
         n_on = self.mode.policy_samples(a.group_size, a.filter_policy_samples)
         with self.timers.phase("generate"), nvtx_range("rollout/policy"):
             policy = self.rollout.generate(items, n_on, self._params(step, batch, "policy"))
-        with self.timers.phase("score"):
-            stats = self.reward.score([s for row in policy for s in row])
-        reference: list[list[Sample]] = [[] for _ in items]
         if not self.mode.draws_reference:
-            return policy, reference, stats
+            with self.timers.phase("score"):
+                stats = self.reward.score([s for row in policy for s in row])
+            return policy, [[] for _ in items], stats
+        parts = reference_parts([it.query_id for it in items], self.parts)
+        jobs = [(items, policy, ids, step, batch, p) for p, ids in enumerate(parts)]
+        if len(jobs) == 1:
+            done = [self._score_then_reference(*jobs[0])]
+        else:
+            with ThreadPoolExecutor(max_workers=min(len(jobs), MAX_PART_THREADS)) as pool:
+                done = list(pool.map(lambda job: self._score_then_reference(*job), jobs))
+        reference: list[list[Sample]] = [[] for _ in items]
+        stats: dict[str, float] = {}
+        for drawn, part_stats in done:  # in part order: the same sums whatever finished first
+            for i, row in drawn.items():
+                reference[i] = row
+            stats = merge_reward_stats(stats, part_stats)
+        return policy, reference, stats
+
+    def _score_then_reference(
+        self, items: list, policy: list, ids: list[int], step: int, batch: int, part: int
+    ) -> tuple[dict[int, list[Sample]], dict]:
+        """One part: score its policy samples; reference samples (seed of ``part``) for its
+        items that pass rule (a), scored. Returns ``({item index: reference row}, stats)``."""
+        with self.timers.phase("score"):
+            stats = self.reward.score([s for i in ids for s in policy[i]])
         wanted = [
-            i for i, row in enumerate(policy)
-            if passes_rule_a(row, self.algo.anchor, self.algo.weak_filter)
-        ]  # fmt: skip
+            i for i in ids if passes_rule_a(policy[i], self.algo.anchor, self.algo.weak_filter)
+        ]
         if not wanted:
-            return policy, reference, stats
-        params = self._params(step, batch, "reference")
+            return {}, stats
+        params = self._params(step, batch, reference_role(part))
         with self.timers.phase("generate"), nvtx_range("rollout/reference"):
             drawn = self.rollout.sample_reference(
                 [items[i] for i in wanted], self.algo.ref_n, params
             )
         with self.timers.phase("score"):
             ref_stats = self.reward.score([s for row in drawn for s in row])
-        for i, row in zip(wanted, drawn, strict=True):
-            reference[i] = row
-        return policy, reference, merge_reward_stats(stats, ref_stats)
+        return dict(zip(wanted, drawn, strict=True)), merge_reward_stats(stats, ref_stats)
 
     def _accept(self, items, policy, reference, gen_batch: int, result: RolloutResult) -> None:
         for item, pol, ref in zip(items, policy, reference, strict=True):

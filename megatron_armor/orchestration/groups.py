@@ -28,6 +28,7 @@ from megatron_armor.orchestration.placement import (
 from megatron_armor.orchestration.workers import RewardWorker, RolloutWorker, TrainerWorker
 from megatron_armor.rollout.backends import backend_of
 from megatron_armor.rollout.protocol import GenerationOutput, RolloutEngine, SamplingParams
+from megatron_armor.rollout.reference import reference_strategy
 from megatron_armor.rollout.sglang.pools import uses_ref_pool
 from megatron_armor.types import Sample, TrainBatch
 
@@ -176,14 +177,22 @@ class TrainerGroup:
         """One or more optimizer updates on ``batch`` (a :class:`TrainBatch`, or the object
         ref of :meth:`place` with the mini-batch's ``sample_ids``); metrics of the rank that
         reported the most."""
+        return self.train_result(self.submit_train_step(batch, num_minibatches, sample_ids))
+
+    def submit_train_step(
+        self, batch, num_minibatches: int = 1, sample_ids: list[int] | None = None
+    ) -> list:
+        """Queue :meth:`train_step` on every rank without waiting (a rank runs its calls in
+        the order queued, so a step's updates follow each other with no driver round trip
+        between them); :meth:`train_result` waits for it."""
         import ray
 
         ref = batch if isinstance(batch, ray.ObjectRef) else ray.put(batch)
-        results = wait(
-            [a.train_step.remote(ref, num_minibatches, sample_ids) for a in self.actors],
-            "train step",
-        )
-        return max(results, key=len)
+        return [a.train_step.remote(ref, num_minibatches, sample_ids) for a in self.actors]
+
+    def train_result(self, refs: list) -> dict[str, float]:
+        """The metrics of a :meth:`submit_train_step`, of the rank that reported the most."""
+        return max(wait(refs, "train step"), key=len)
 
     def reset_reference(self) -> None:
         wait([a.reset_reference.remote() for a in self.actors], "trainer reference reset")
@@ -257,6 +266,9 @@ class RolloutGroup:
     ):
         self.actors = []
         self.has_ref_pool = uses_ref_pool(config)
+        self.caches_anchors = config.algo.anchor != "none" and (
+            reference_strategy(config.rollout.ref_strategy, config.algo.anchor_source)[0] == "cache"
+        )
         self.weight_sync = None  # set by the session (orchestration/weight_sync.py)
         if hosts:
             for i, host in enumerate(hosts):
@@ -412,8 +424,11 @@ class RolloutGroup:
         )
 
     def reference_metrics(self) -> dict[str, float]:
-        """``anchor/cache_*`` summed over workers (empty without the cache)."""
+        """``anchor/cache_*`` summed over workers (empty, and no call to them, without the
+        anchor cache)."""
         out: dict[str, float] = {}
+        if not self.caches_anchors:
+            return out
         for m in wait(
             [a.reference_metrics.remote() for a in self.reference_actors],
             "rollout reference metrics",

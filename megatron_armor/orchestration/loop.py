@@ -71,12 +71,15 @@ def exact_kl_tokens(s: Session, batch: TrainBatch, step: int) -> torch.Tensor | 
 
 def train_minibatches(s: Session, batch: TrainBatch, groups: list[Group]) -> dict[str, float]:
     """One optimizer update per mini-batch of ``trainer.ppo_mini_batch`` queries; the batch
-    goes into the object store once and each call names its mini-batch's samples."""
+    goes into the object store once, each call names its mini-batch's samples, and all of
+    them are queued on the ranks at once (they run in order, back to back)."""
     s.progress.start("train", s.num_minibatches)
     placed = s.trainer.place(batch)
+    queued = [s.trainer.submit_train_step(placed, 1, ids)
+              for ids in minibatch_sample_ids(groups, s.num_minibatches)]  # fmt: skip
     updates = []
-    for ids in minibatch_sample_ids(groups, s.num_minibatches):
-        updates.append(s.trainer.train_step(placed, 1, ids))
+    for refs in queued:
+        updates.append(s.trainer.train_result(refs))
         s.progress.advance()
     s.progress.close()
     return reduce_update_metrics(updates)

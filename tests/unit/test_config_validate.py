@@ -81,6 +81,7 @@ def test_defaults_are_valid():
         (["rollout.sampling.top_p=1.5"], ["rollout.sampling.top_p=1.5", "(0, 1]"]),
         (["reward.overlong.buffer=64"], ["reward.overlong.buffer=64", "overlong.enabled=false"]),
         (["run.steps=0"], ["run.steps=0", ">= 1"]),
+        (["rollout.reference_parts=0"], ["rollout.reference_parts=0", ">= 1 part"]),
         (["validation.n_samples=0"], ["validation.n_samples=0", ">= 1"]),
         (["trainer.fp8.enabled=true"], ["trainer.fp8.enabled=true", "transformer_impl=te"]),
     ],

@@ -22,6 +22,7 @@ from megatron_armor.orchestration.anchor_rollout import (
     AnchorRollout,
     derive_seed,
     followup_size,
+    reference_parts,
 )
 from megatron_armor.orchestration.step_metrics import (
     anchor_file_steps,
@@ -307,3 +308,72 @@ def test_anchor_cache_hits_queries_that_recur_within_a_reset_period():
     m = rollout.cache.metrics()
     assert (m["anchor/cache_hits"], m["anchor/cache_misses"]) == (4.0, 8.0)
     assert anchors[3] == anchors[1] and anchors[5] != anchors[1]  # cached, then fresh again
+
+
+def test_reference_parts_are_contiguous_slices_and_keep_repeated_queries_together():
+    assert reference_parts(["a", "b", "c", "d", "e"], 2) == [[0, 1, 2], [3, 4]]
+    assert reference_parts(["a", "b"], 4) == [[0], [1]]
+    assert reference_parts(["a", "b", "a"], 2) == [[0, 1, 2]]  # one cache look-up per query
+
+
+class OrderedScoring(ScriptedReward):
+    """Scores like :class:`ScriptedReward`, but the policy samples of ``waiting`` (a query id
+    set) are scored only after the reference samples of ``after`` were drawn: the parts of a
+    generation batch are made to finish in a chosen order."""
+
+    def __init__(self, waiting: set[str], drawn):
+        self.waiting, self.drawn = waiting, drawn
+
+    def score(self, samples):
+        if (
+            samples
+            and samples[0].query_id in self.waiting
+            and samples[0].source == SampleSource.POLICY
+        ):
+            assert self.drawn.wait(timeout=60), "the other part's reference was never drawn"
+        return super().score(samples)
+
+
+class SignallingRollout(ScriptedRollout):
+    def __init__(self, signal_on: str, drawn):
+        super().__init__()
+        self.signal_on, self.drawn = signal_on, drawn
+
+    def sample_reference(self, items, n, params):
+        rows = super().sample_reference(items, n, params)
+        if any(it.query_id == self.signal_on for it in items):
+            self.drawn.set()
+        return rows
+
+
+def collect_in_order(first_part_waits: bool):
+    """One step of 6 queries in 2 reference parts (q0-q2, q3-q5), one part's scoring held
+    until the other part's reference samples are drawn."""
+    import threading
+
+    runner, _ = make("armor", batch=3, gen_batch=6, queries=("q0", "q1", "q2", "q3", "q4", "q5"))
+    runner.parts = 2
+    drawn = threading.Event()
+    waiting, signal = ({"q0", "q1", "q2"}, "q3") if first_part_waits else ({"q3", "q4", "q5"}, "q0")
+    runner.rollout = SignallingRollout(signal, drawn)
+    runner.reward = OrderedScoring(waiting, drawn)
+    result = runner.collect(step=1)
+    return result, runner.rollout.calls
+
+
+def group_keys(groups) -> list[list[tuple]]:
+    return [[(s.query_id, s.source, s.response_len, s.acc) for s in g.samples] for g in groups]
+
+
+def test_overlapped_parts_select_the_same_groups_whatever_part_finishes_first():
+    """Scoring overlaps reference generation part by part; the accepted groups, the
+    records, the reward stats and every call's seed are the same in either finishing order."""
+    forward, forward_calls = collect_in_order(first_part_waits=False)
+    backward, backward_calls = collect_in_order(first_part_waits=True)
+    assert [c for c in backward_calls if c[0] == "reference"][0][1] == 3  # part 1 drew first
+    assert sorted(forward_calls) == sorted(backward_calls)
+    assert forward.records == backward.records and forward.reward_stats == backward.reward_stats
+    assert group_keys(forward.groups) == group_keys(backward.groups)
+    seeds = {c[3] for c in forward_calls if c[0] == "reference"}
+    run_seed = 1
+    assert seeds == {derive_seed(run_seed, 1, 0, r) for r in ("reference", "reference/1")}
