@@ -20,7 +20,7 @@ from megatron_armor.observability.metrics import read_metrics
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from process_group import kill_leftovers, pids_mentioning, wait_until  # noqa: E402
+from process_group import kill_leftovers, wait_until, wait_until_gone  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 RUN_TIMEOUT_S = 420
@@ -79,20 +79,9 @@ class Run:
         """``sig`` to the run's whole process group, as a shell or a terminal sends it."""
         os.killpg(self.proc.pid, sig)
 
-    def ray_processes(self) -> list[int]:
-        """Live processes of this run's Ray (they name its temp dir on their command line)."""
-        return pids_mentioning(self.ray_tmp)
-
     def wait_for_exit_of_ray(self, timeout: float = RUN_TIMEOUT_S) -> None:
         """Until no Ray process of this run is left (bounded)."""
-        deadline = time.monotonic() + timeout
-        while self.ray_processes():
-            if time.monotonic() > deadline:
-                raise AssertionError(
-                    f"Ray processes {self.ray_processes()} still alive {timeout}s after the "
-                    f"driver exited:\n{self.output()}"
-                )
-            time.sleep(0.2)
+        wait_until_gone(self.ray_tmp, timeout, self.output)
 
     def kill_group(self) -> None:
         """``kill -9`` of this run's process group, then its clean-up."""

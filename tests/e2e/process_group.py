@@ -38,6 +38,18 @@ def kill_leftovers(proc: subprocess.Popen, ray_tmp: str) -> None:
             pass
 
 
+def wait_until_gone(text: str, timeout: float, output: Callable[[], str]) -> None:
+    """Until no process mentions ``text`` on its command line (e.g. a run's Ray temp dir once
+    its driver is gone); fail naming them after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while pids := pids_mentioning(text):
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"processes {pids} still alive {timeout}s after the driver exited:\n{output()}"
+            )
+        time.sleep(0.2)
+
+
 def wait_until(
     proc: subprocess.Popen, predicate: Callable[[], bool], timeout: float, output: Callable[[], str]
 ) -> None:

@@ -6,9 +6,11 @@ fire at its second validation (``min_delta=1``: no validation counts as an impro
 stage 2 ARMOR for 2 steps (a checkpoint each, the reset at step 2) from stage 1's exported
 best checkpoint. One pipeline runs uninterrupted; a second is killed with ``kill -9`` of its
 whole process group inside stage 1 (after the step-2 checkpoint), between the stages (at the
-"stage 1 finished" line) and inside stage 2 (after its step-1 checkpoint), restarted each time with the same command, and must log
-exactly the uninterrupted pipeline's metrics in both stages. Every kill waits on a file or a
-log line. ``armor convert --to-hf STAGE1 best`` reproduces the model stage 2 started from.
+"stage 1 finished" line) and inside stage 2 (after its step-1 checkpoint), restarted each time
+with the same command, and must log exactly the uninterrupted pipeline's metrics in both
+stages. Ray runs in its own session: the group kill reaches the driver, and every Ray process
+of the run stops with it. Every kill waits on a file or a log line.
+``armor convert --to-hf STAGE1 best`` reproduces the model stage 2 started from.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -27,7 +30,7 @@ import pytest
 from megatron_armor.observability.metrics import read_metrics, without_wall_clock
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from process_group import kill_leftovers, wait_until  # noqa: E402
+from process_group import kill_leftovers, wait_until, wait_until_gone  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
@@ -87,6 +90,15 @@ class PipelineProcess:
             return self.proc.wait(timeout=TIMEOUT_S)
         finally:
             self.kill()
+
+    def kill_group(self) -> None:
+        """``kill -9`` of the process group alone, as a shell or a launcher does it: the Ray
+        node (its own session, ``orchestration/ray_node.py``) stops with the driver, and every
+        Ray process of the run is gone (bounded); then the clean-up."""
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=60)
+        wait_until_gone(self.ray_tmp, TIMEOUT_S, self.output)
+        self.kill()
 
     def kill(self) -> None:
         """``kill -9`` of the process group and of Ray processes under its temp dir."""
@@ -154,14 +166,14 @@ def test_kill9_in_each_stage_and_between_resumes_exactly(uninterrupted, tiny_dir
     root = out_dir / name
     first = PipelineProcess(out_dir, name, tiny_dir)
     first.wait_for(checkpoint_written(root / "stage1", 2))
-    first.kill()
+    first.kill_group()
     second = PipelineProcess(out_dir, name, tiny_dir)
     second.wait_for(lambda: "pipeline: stage 1 finished" in second.log_path.read_text())
-    second.kill()
+    second.kill_group()
     assert json.loads((root / "pipeline.json").read_text())["stage"] in ("export", "stage2")
     third = PipelineProcess(out_dir, name, tiny_dir)
     third.wait_for(checkpoint_written(root / "stage2", 1))
-    third.kill()
+    third.kill_group()
     last = PipelineProcess(out_dir, name, tiny_dir)
     assert last.finish() == 0, last.output()
     assert "resumed from" in last.log_path.read_text()
