@@ -95,7 +95,10 @@ class PipelineProcess:
         """``kill -9`` of the process group alone, as a shell or a launcher does it: the Ray
         node (its own session, ``orchestration/ray_node.py``) stops with the driver, and every
         Ray process of the run is gone (bounded); then the clean-up."""
-        os.killpg(self.proc.pid, signal.SIGKILL)
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         self.proc.wait(timeout=60)
         wait_until_gone(self.ray_tmp, TIMEOUT_S, self.output)
         self.kill()
