@@ -40,7 +40,7 @@ def out_dir():
 @pytest.fixture(scope="session")
 def reference_run(tiny_dir, out_dir) -> Path:
     """The uninterrupted 4-step ARMOR run every other test compares against."""
-    run = Run(out_dir, "uninterrupted", tiny_dir, *CACHED)
+    run = Run(out_dir, "uninterrupted", tiny_dir, *CACHED, summary=True)
     code = run.wait()
     assert code == 0, run.output()
     return run.run_dir

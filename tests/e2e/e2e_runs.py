@@ -3,6 +3,8 @@
 Each :class:`Run` is ``armor train configs/tiny_cpu.yaml`` shortened to 4 steps with resets and
 checkpoints every 2 steps, in its own process group and Ray temp dir, so that a signal or a
 ``kill -9`` of the group reaches the driver and the teardown finds every Ray process it started.
+The end-of-run table and plots are made only when asked (``summary=True``: the reference run,
+whose test checks them).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from megatron_armor.observability.metrics import read_metrics
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from process_group import kill_leftovers, pids_mentioning, wait_until  # noqa: E402
+from process_group import kill_leftovers, wait_until, wait_until_gone  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 RUN_TIMEOUT_S = 420
@@ -40,6 +42,7 @@ class Run:
         *overrides: str,
         resume: str = "auto",
         env: dict[str, str] | None = None,
+        summary: bool = False,
     ):
         self.run_dir = out / name
         self.ray_tmp = tempfile.mkdtemp(prefix="ar", dir="/tmp")  # short: unix socket paths
@@ -59,7 +62,8 @@ class Run:
         env = dict(inherited, RAY_TMPDIR=self.ray_tmp, RAY_USAGE_STATS_ENABLED="0",
                    HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", **(env or {}))  # fmt: skip
         cmd = [sys.executable, "-m", "megatron_armor.cli", "train",
-               str(REPO / "configs" / "tiny_cpu.yaml"), *args, "--resume", resume]  # fmt: skip
+               str(REPO / "configs" / "tiny_cpu.yaml"), *args, "--resume", resume,
+               *([] if summary else ["--no-summary"])]  # fmt: skip
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self.log,
                                      stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
 
@@ -79,20 +83,9 @@ class Run:
         """``sig`` to the run's whole process group, as a shell or a terminal sends it."""
         os.killpg(self.proc.pid, sig)
 
-    def ray_processes(self) -> list[int]:
-        """Live processes of this run's Ray (they name its temp dir on their command line)."""
-        return pids_mentioning(self.ray_tmp)
-
     def wait_for_exit_of_ray(self, timeout: float = RUN_TIMEOUT_S) -> None:
         """Until no Ray process of this run is left (bounded)."""
-        deadline = time.monotonic() + timeout
-        while self.ray_processes():
-            if time.monotonic() > deadline:
-                raise AssertionError(
-                    f"Ray processes {self.ray_processes()} still alive {timeout}s after the "
-                    f"driver exited:\n{self.output()}"
-                )
-            time.sleep(0.2)
+        wait_until_gone(self.ray_tmp, timeout, self.output)
 
     def kill_group(self) -> None:
         """``kill -9`` of this run's process group, then its clean-up."""

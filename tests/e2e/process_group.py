@@ -1,9 +1,11 @@
-"""Helpers of the e2e tests for runs started in their own process group and Ray temp dir."""
+"""Helpers of the e2e tests for runs started in their own process group and Ray temp dir:
+finding, waiting on and killing their processes, and the TCP ports those listen on."""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Callable
@@ -36,6 +38,18 @@ def kill_leftovers(proc: subprocess.Popen, ray_tmp: str) -> None:
             pass
 
 
+def wait_until_gone(text: str, timeout: float, output: Callable[[], str]) -> None:
+    """Until no process mentions ``text`` on its command line (e.g. a run's Ray temp dir once
+    its driver is gone); fail naming them after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while pids := pids_mentioning(text):
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"processes {pids} still alive {timeout}s after the driver exited:\n{output()}"
+            )
+        time.sleep(0.2)
+
+
 def wait_until(
     proc: subprocess.Popen, predicate: Callable[[], bool], timeout: float, output: Callable[[], str]
 ) -> None:
@@ -47,3 +61,49 @@ def wait_until(
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not reached in {timeout}s:\n{output()}")
         time.sleep(0.2)
+
+
+def process_group_and_ray(pgid: int, ray_tmp: str) -> set[int]:
+    """A run's processes: its process group ``pgid`` and every process under its Ray temp dir."""
+    pids = set(pids_mentioning(ray_tmp))
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and os.getpgid(int(entry.name)) == pgid:
+                pids.add(int(entry.name))
+        except OSError:
+            continue
+    return pids
+
+
+def _decode(hex_addr: str) -> str:
+    """An address of /proc/net/tcp{,6} (little-endian hex words) as text."""
+    raw = bytes.fromhex(hex_addr)
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    return socket.inet_ntop(socket.AF_INET if len(raw) == 4 else socket.AF_INET6, words)
+
+
+def listening_addresses(pids: set[int]) -> dict[str, int]:
+    """``{"address:port": pid}`` of the TCP sockets in LISTEN state owned by ``pids`` (what
+    ``ss -ltnp`` shows, read from /proc so the tests need no iproute2)."""
+    owner = {}
+    for pid in pids:
+        try:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    owner[target[8:-1]] = pid
+        except OSError:
+            continue
+    found = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in owner:  # 0A = LISTEN
+                addr, port = fields[1].split(":")
+                found[f"{_decode(addr)}:{int(port, 16)}"] = owner[fields[9]]
+    return found
+
+
+def is_loopback(address: str) -> bool:
+    host = address.rsplit(":", 1)[0]
+    return host.startswith("127.") or host in ("::1", "::ffff:127.0.0.1")

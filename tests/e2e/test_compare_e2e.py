@@ -1,7 +1,10 @@
 """e2e tier: `armor compare` on a 2-variant x 2-seed tiny spec, killed and resumed.
 
-Variants: the referee's filter control with ARMOR's ``n_on = G - 1`` on-policy samples, and
-DAPO with QUATRO's advantage (so QUATRO trains end to end here). Each run is 2 steps with a
+Variants: the referee's filter control with ARMOR's ``n_on = G - 1`` on-policy samples (its
+reference samples drawn with the ``swap`` strategy: the reference weights loaded into the
+engine and the policy weights put back), and DAPO with QUATRO's advantage (so QUATRO trains
+end to end here). Their groups are those of docs/algorithm.md, anchor rollout, for
+``anchor: filter_only`` and ``anchor: none``: no anchor inserted. Each run is 2 steps with a
 checkpoint every step. Runs go seed-major (filter_g1/seed_1, quatro/seed_1, then seed 2).
 The comparison is ``kill -9``-ed (its whole process group and its Ray processes) once the
 second run has written its step-1 checkpoint; the rerun skips the finished first run,
@@ -46,7 +49,7 @@ def write_spec(out: Path, tiny: Path) -> Path:
         ],
         "variants": {
             "filter_g1": ["algo.anchor=filter_only", "algo.ratio=standard",
-                          "algo.filter_policy_samples=G-1"],
+                          "algo.filter_policy_samples=G-1", "rollout.ref_strategy=swap"],
             "quatro": ["algo.anchor=none", "algo.ratio=standard", "algo.advantage=quatro"],
         },
         "pairs": [["filter_g1", "quatro"]],
@@ -74,6 +77,22 @@ class Compare(Run):
 def query_ids_of_first_batch(run_dir: Path) -> list[str]:
     rows = read_anchor_file(run_dir, 1)
     return [r["query_id"] for r in rows if r.get("type") == "query" and r["gen_batch"] == 0]
+
+
+def kept_groups(run_dir: Path) -> list[dict]:
+    return [x for x in read_anchor_file(run_dir, 1) if x.get("kept")]
+
+
+def assert_group_composition(run_dir: Path, policy_n: int, ref_n: int) -> None:
+    """Step 1's 4 kept groups: ``policy_n`` on-policy and ``ref_n`` reference samples, no anchor;
+    the engine's policy log-probs are the trainer's."""
+    kept = kept_groups(run_dir)
+    assert len(kept) == 4, kept
+    assert all(x["policy_n"] == policy_n and "anchor_len" not in x for x in kept), kept
+    assert all(x["ref_n"] == ref_n for x in kept), kept
+    record = read_metrics(run_dir)[-1]
+    assert record.get("length/anchor_mean") is None
+    assert record["rollout/policy_logprob_absdiff_max"] < 1e-3
 
 
 @pytest.mark.timeout(2 * TIMEOUT_S)
@@ -108,6 +127,9 @@ def test_compare_runs_resumes_after_kill_and_reports(tiny_dir):
         assert query_ids_of_first_batch(f1) == query_ids_of_first_batch(q1)
         rows = read_anchor_file(f1, 1)
         assert {r["policy_n"] for r in rows if r.get("type") == "query"} == {3}
+        assert_group_composition(f1, policy_n=3, ref_n=2)
+        assert all(x["ref_correct"] >= 1 for x in kept_groups(f1))  # rule (b) applied
+        assert_group_composition(q1, policy_n=4, ref_n=0)
         quatro = read_metrics(q1)[-1]
         assert quatro["reward/advantage_abs_mean"] > 0 and quatro["train/updates"] == 1
 

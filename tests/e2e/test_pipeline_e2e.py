@@ -3,12 +3,14 @@
 A short variant of the tiny pipeline (overrides below): stage 1 DAPO with a detector forced to
 fire at its second validation (``min_delta=1``: no validation counts as an improvement;
 ``patience=2``; any reward trend), so stage 1 ends at step 4 of at most 6 on the detector;
-stage 2 ARMOR for 4 steps from stage 1's exported best checkpoint. One pipeline runs
-uninterrupted; a second is killed with ``kill -9`` of its whole process group inside stage 1
-(after the step-2 checkpoint), between the stages (at the "stage 1 finished" line) and inside
-stage 2 (after its step-2 checkpoint), restarted each time with the same command, and must log
-exactly the uninterrupted pipeline's metrics in both stages. Every kill waits on a file or a
-log line. ``armor convert --to-hf STAGE1 best`` reproduces the model stage 2 started from.
+stage 2 ARMOR for 2 steps (a checkpoint each, the reset at step 2) from stage 1's exported
+best checkpoint. One pipeline runs uninterrupted; a second is killed with ``kill -9`` of its
+whole process group inside stage 1 (after the step-2 checkpoint), between the stages (at the
+"stage 1 finished" line) and inside stage 2 (after its step-1 checkpoint), restarted each time
+with the same command, and must log exactly the uninterrupted pipeline's metrics in both
+stages. Ray runs in its own session: the group kill reaches the driver, and every Ray process
+of the run stops with it. Every kill waits on a file or a log line.
+``armor convert --to-hf STAGE1 best`` reproduces the model stage 2 started from.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -27,7 +30,7 @@ import pytest
 from megatron_armor.observability.metrics import read_metrics, without_wall_clock
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from process_group import kill_leftovers, wait_until  # noqa: E402
+from process_group import kill_leftovers, wait_until, wait_until_gone  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
@@ -46,7 +49,8 @@ def short_pipeline(tiny: Path) -> list[str]:
         f"data.val_files=[{tiny / 'data' / 'val.parquet'}]",
         "stage1.run.steps=6", "stage1.overopt.patience=2", "stage1.overopt.min_delta=1.0",
         "stage1.overopt.min_reward_rise=-1e9",
-        "stage2.run.steps=4", "stage2.algo.ref_n=2", "stage2.algo.reset.every=2",
+        "stage2.run.steps=2", "stage2.run.ckpt_every=1", "stage2.algo.ref_n=2",
+        "stage2.algo.reset.every=2",
     ]  # fmt: skip
 
 
@@ -87,6 +91,18 @@ class PipelineProcess:
         finally:
             self.kill()
 
+    def kill_group(self) -> None:
+        """``kill -9`` of the process group alone, as a shell or a launcher does it: the Ray
+        node (its own session, ``orchestration/ray_node.py``) stops with the driver, and every
+        Ray process of the run is gone (bounded); then the clean-up."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=60)
+        wait_until_gone(self.ray_tmp, TIMEOUT_S, self.output)
+        self.kill()
+
     def kill(self) -> None:
         """``kill -9`` of the process group and of Ray processes under its temp dir."""
         kill_leftovers(self.proc, self.ray_tmp)
@@ -126,7 +142,8 @@ def test_pipeline_runs_both_stages(uninterrupted):
     assert state["best"]["step"] == best["step"] and best["metric"] == "val/*/avg@2"
     assert best["value"] == max(r["val/val/avg@2"] for r in stage1 if "val/val/avg@2" in r)
     stage2 = uninterrupted / "stage2"
-    assert [r["step"] for r in read_metrics(stage2)] == [0, 1, 2, 3, 4]
+    assert [r["step"] for r in read_metrics(stage2)] == [0, 1, 2]
+    assert [r["step"] for r in read_metrics(stage2) if r.get("reset/performed")] == [2]
     assert json.loads((stage2 / "source.json").read_text())["step"] == best["step"]
     assert (stage2 / "stage1").resolve() == (uninterrupted / "stage1").resolve()
     summary = json.loads((uninterrupted / "stage1" / "summary.json").read_text())
@@ -152,14 +169,14 @@ def test_kill9_in_each_stage_and_between_resumes_exactly(uninterrupted, tiny_dir
     root = out_dir / name
     first = PipelineProcess(out_dir, name, tiny_dir)
     first.wait_for(checkpoint_written(root / "stage1", 2))
-    first.kill()
+    first.kill_group()
     second = PipelineProcess(out_dir, name, tiny_dir)
     second.wait_for(lambda: "pipeline: stage 1 finished" in second.log_path.read_text())
-    second.kill()
+    second.kill_group()
     assert json.loads((root / "pipeline.json").read_text())["stage"] in ("export", "stage2")
     third = PipelineProcess(out_dir, name, tiny_dir)
-    third.wait_for(checkpoint_written(root / "stage2", 2))
-    third.kill()
+    third.wait_for(checkpoint_written(root / "stage2", 1))
+    third.kill_group()
     last = PipelineProcess(out_dir, name, tiny_dir)
     assert last.finish() == 0, last.output()
     assert "resumed from" in last.log_path.read_text()

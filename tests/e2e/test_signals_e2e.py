@@ -1,5 +1,6 @@
 """e2e tier: stop signals to the whole process group of ``armor train``, as a shell, a terminal
-(Ctrl-C) or a local launcher sends them, at three moments of one run:
+(Ctrl-C) or a local launcher sends them, at three moments of one run, then its resume past
+damaged checkpoints (``kill -9`` of the group: ``test_pipeline_e2e.py``):
 
 1. SIGTERM to the group while step 2 runs (once its anchor file is written): the step
    finishes, its checkpoint is written, the exit message names the step on disk, exit 75. Ray's processes run in their own session and
@@ -8,15 +9,24 @@
 2. SIGTERM to the group during start-up of the resumed run: exit 75 before any step, nothing
    written (no new checkpoint, no temp directory, ``metrics.jsonl`` untouched).
 3. SIGINT to the group while step 3 runs: the same as SIGTERM, no traceback.
-4. ``kill -9`` of the group while step 4 runs: the Ray node stops with its parent.
+4. Next to the checkpoints of steps 2 and 3, what a kill leaves: step 4's metrics line and
+   anchor file without a checkpoint, a copy of step 3 as step 6 with ``orchestrator.pt`` cut
+   short, a copy as step 5 holding a crafted pickle (manifest re-signed) and the ``.tmp-*`` of
+   a killed save. The last ``--resume auto`` says why it skips 6 and 5, resumes from step 3
+   without running the pickle, removes the temp dir and completes the run, logging step 4
+   once; while it runs, a second run on the directory is refused before Ray starts, and every
+   port the run listens on (Ray, workers) is on loopback.
 
-A last ``--resume auto`` completes the run (from the checkpoint of step 3), and every step's metrics equal the uninterrupted
-reference run's (timings excepted). The run waits on its own log lines, never on a clock.
+Every step's metrics equal the uninterrupted reference run's (timings excepted). The run waits
+on its own log lines and files, never on a clock.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import pickle
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -28,6 +38,7 @@ from megatron_armor.observability.metrics import read_metrics, without_wall_cloc
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from e2e_runs import CACHED, Run  # noqa: E402
+from process_group import is_loopback, listening_addresses, process_group_and_ray  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
@@ -52,7 +63,7 @@ def interrupt(run: Run, sig: int, ready) -> str:
 
 
 @pytest.mark.timeout(1500)
-def test_group_signals_checkpoint_exit_75_and_resume_exactly(reference_run, tiny_dir, out_dir):
+def test_group_signals_and_damaged_checkpoints_then_exact_resume(reference_run, tiny_dir, out_dir):
     name = "signalled"
     run_dir = out_dir / name
     mid_step = lambda step: (run_dir / "anchors" / f"step_{step:06d}.jsonl").is_file  # noqa: E731
@@ -77,18 +88,78 @@ def test_group_signals_checkpoint_exit_75_and_resume_exactly(reference_run, tiny
     assert "SIGINT: checkpoint of step 3 written" in out and "Traceback" not in out, out
     assert checkpoint_steps(run_dir) == [2, 3], out
 
-    fourth = Run(out_dir, name, tiny_dir, *overrides)  # kill -9 of the group mid step 4
-    fourth.wait_for(mid_step(4))
-    fourth.signal_group(signal.SIGKILL)
-    fourth.proc.wait(timeout=60)
-    fourth.wait_for_exit_of_ray()  # the Ray node stops when its parent (the driver) dies
-    fourth.cleanup()
-    assert checkpoint_steps(run_dir) == [2, 3]
-
+    plant_unfinished_step(run_dir, reference_run, 4)
+    marker = plant_damaged_checkpoints(run_dir, out_dir / "pwned")
     last = Run(out_dir, name, tiny_dir, *overrides)
+    ports = ports_and_second_writer_refused(last, lambda: Run(out_dir, name, tiny_dir, *overrides))
     assert last.wait() == 0, last.output()
+    assert ports and all(is_loopback(a) for a in ports), ports
+    text = Path(last.log.name).read_text()
+    ckpts = run_dir / "checkpoints"
+    assert "skipping" in text and "step_000006" in text and "orchestrator.pt has" in text, text
+    assert "step_000005" in text and "safe loader" in text and not marker.exists(), text
+    assert f"resumed from {ckpts / 'step_000003'}" in text, text
+    assert not list(ckpts.glob(".tmp-*")) and (ckpts / "step_000006").is_dir()  # never deleted
+    assert [r["step"] for r in read_metrics(run_dir)] == [0, 1, 2, 3, 4]  # step 4 once
     expected = {r["step"]: without_wall_clock(r) for r in read_metrics(reference_run)}
     got = {r["step"]: without_wall_clock(r) for r in read_metrics(run_dir)}
-    assert sorted(got) == [0, 1, 2, 3, 4]
     for step in (1, 2, 3, 4):
         assert got[step] == expected[step], step
+
+
+def plant_unfinished_step(run_dir: Path, reference_run: Path, step: int) -> None:
+    """What a run killed after logging ``step`` but before checkpointing it leaves: the step's
+    metrics line and anchor file (copied from the reference run); a resume recomputes both."""
+    lines = (reference_run / "metrics.jsonl").read_text().splitlines(keepends=True)
+    with (run_dir / "metrics.jsonl").open("a") as f:
+        f.writelines(line for line in lines if json.loads(line)["step"] == step)
+    for path in (reference_run / "anchors").glob(f"step_{step:06d}.jsonl*"):
+        shutil.copy(path, run_dir / "anchors" / path.name)
+
+
+class _Exec:
+    """Pickles to a call of ``os.system``: what a crafted checkpoint file would hold."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def plant_damaged_checkpoints(run_dir: Path, marker: Path) -> Path:
+    """Next to the run's newest checkpoint (step 3): a copy as step 6 with ``orchestrator.pt``
+    truncated, a copy as step 5 whose ``orchestrator.pt`` is a pickle that would create
+    ``marker`` (manifest re-signed, so only the safe loader stands in its way), and the temp
+    dir of a killed save. Returns ``marker``."""
+    from megatron_armor.orchestration.checkpoints import write_manifest
+
+    ckpts = run_dir / "checkpoints"
+    shutil.copytree(ckpts / "step_000003", ckpts / "step_000006")
+    state = ckpts / "step_000006" / "orchestrator.pt"
+    state.write_bytes(state.read_bytes()[:100])
+    shutil.copytree(ckpts / "step_000003", ckpts / "step_000005")
+    with (ckpts / "step_000005" / "orchestrator.pt").open("wb") as f:
+        pickle.dump({"step": _Exec(marker)}, f)
+    write_manifest(ckpts / "step_000005", 5)
+    (ckpts / ".tmp-step_000004" / "trainer").mkdir(parents=True)
+    return marker
+
+
+def ports_and_second_writer_refused(run: Run, start_second) -> dict[str, int]:
+    """Once ``run`` has resumed, stop its driver (it holds its run-dir lock and Ray), read the
+    ports its processes listen on, and check that a second run on the same directory
+    (``start_second()``) exits 2 before starting Ray; then let ``run`` go on."""
+    log = Path(run.log.name)
+    run.wait_for(lambda: "resumed from" in log.read_text())
+    os.kill(run.proc.pid, signal.SIGSTOP)
+    try:
+        ports = listening_addresses(process_group_and_ray(run.proc.pid, run.ray_tmp))
+        second = start_second()
+        assert second.proc.wait(timeout=120) == 2, second.output()
+        assert "in use by another run" in second.output()
+        assert not any(Path(second.ray_tmp).iterdir())  # refused before Ray started
+        second.cleanup()
+    finally:
+        os.kill(run.proc.pid, signal.SIGCONT)
+    return ports

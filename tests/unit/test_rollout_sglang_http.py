@@ -13,7 +13,9 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -645,6 +647,35 @@ def test_stop_reaches_the_children_of_a_dead_server(tmp_path):
     while Path(f"/proc/{child}").exists() and "Z" not in _state(child):
         assert time.monotonic() < deadline, "the orphaned child survived stop()"
         time.sleep(0.05)
+
+
+@pytest.mark.timeout(120)
+def test_stop_kills_at_once_a_server_started_with_sigterm_blocked():
+    """A Ray actor starts its servers with the stop signals blocked (``ray_node.SHIELDED``,
+    inherited through fork and exec): ``stop`` sees the blocked SIGTERM and sends SIGKILL
+    instead of waiting out its timeout (600 s here, far beyond this test's limit)."""
+    from megatron_armor.orchestration.ray_node import SHIELDED
+
+    started: list[launch.ManagedProcess] = []
+
+    def start_shielded() -> None:  # the mask is per thread: block it in this one only
+        signal.pthread_sigmask(signal.SIG_BLOCK, SHIELDED)
+        process = launch.ManagedProcess(["sleep", "300"], "http://127.0.0.1:9/health_generate")
+        process.start()
+        started.append(process)
+
+    thread = threading.Thread(target=start_shielded)
+    thread.start()
+    thread.join()
+    process = started[0]
+    assert launch.blocks_sigterm(process.process.pid)
+    process.stop(timeout_s=600)
+    assert process.process.returncode == -signal.SIGKILL
+    plain = launch.ManagedProcess(["sleep", "300"], "http://127.0.0.1:9/health_generate")
+    plain.start()
+    assert not launch.blocks_sigterm(plain.process.pid)
+    plain.stop(timeout_s=60)
+    assert plain.process.returncode == -signal.SIGTERM  # the graceful signal first
 
 
 def _state(pid: int) -> str:

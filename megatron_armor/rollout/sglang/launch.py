@@ -20,6 +20,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 ROUTER_POLICIES = ("random", "round_robin", "cache_aware", "power_of_two")
@@ -218,11 +219,15 @@ class ManagedProcess:
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGTERM the process group this process leads, SIGKILL after ``timeout_s``. The
         group is signalled even when the leader is already dead (a crashed server's scheduler
-        and detokenizer children would otherwise keep their GPU memory and port)."""
+        and detokenizer children would otherwise keep their GPU memory and port). A server
+        that blocks SIGTERM gets SIGKILL at once: one started by a Ray actor inherits the
+        stop signals blocked (``orchestration/ray_node.py``: it must outlive a preemption
+        signal while the driver checkpoints), so a SIGTERM would only wait ``timeout_s`` out."""
         if self.process is None:
             return
         pgid = self.process.pid
-        if not _signal_group(pgid, signal.SIGTERM):
+        first = signal.SIGKILL if blocks_sigterm(pgid) else signal.SIGTERM
+        if not _signal_group(pgid, first):
             self.process.poll()
             return
         deadline = time.monotonic() + timeout_s
@@ -241,6 +246,19 @@ def _private_log(path: str):
     """``path`` opened for appending, readable by its owner only (SGLang prints its server
     arguments, the API key among them, at start-up)."""
     return os.fdopen(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "ab")
+
+
+def blocks_sigterm(pid: int) -> bool:
+    """Whether process ``pid`` holds SIGTERM blocked (``SigBlk`` of ``/proc/PID/status``,
+    a hex mask whose bit ``n - 1`` is signal ``n``); False when it is gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    for line in status.splitlines():
+        if line.startswith("SigBlk:"):
+            return bool(int(line.split()[1], 16) >> (signal.SIGTERM - 1) & 1)
+    return False
 
 
 def _signal_group(pgid: int, sig: int) -> bool:
