@@ -53,14 +53,16 @@ def wait_until_gone(text: str, timeout: float, output: Callable[[], str]) -> Non
 def wait_until(
     proc: subprocess.Popen, predicate: Callable[[], bool], timeout: float, output: Callable[[], str]
 ) -> None:
-    """Poll ``predicate`` until it holds; fail if ``proc`` exits first or ``timeout`` passes."""
+    """Poll ``predicate`` until it holds; fail if ``proc`` exits first or ``timeout`` passes.
+    Polled every 10 ms: a signal meant for "the step whose anchor file just appeared" must land
+    before that step's training (a fraction of a second on the tiny config) ends."""
     deadline = time.monotonic() + timeout
     while not predicate():
         if proc.poll() is not None:
             raise AssertionError(f"run exited {proc.returncode} early:\n{output()}")
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not reached in {timeout}s:\n{output()}")
-        time.sleep(0.2)
+        time.sleep(0.01)
 
 
 def process_group_and_ray(pgid: int, ray_tmp: str) -> set[int]:
