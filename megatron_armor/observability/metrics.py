@@ -4,7 +4,9 @@ Every training step produces one flat dict of ``namespace/name -> float`` (docs/
 lists them). :class:`MetricsLogger` writes it as one line of ``run_dir/metrics.jsonl``
 (``{"step": s, "wall_time": t, ...}``), to TensorBoard event files under ``run_dir/tb`` and,
 when asked, to W&B. On resume, lines of steps that will be recomputed are dropped first
-(:func:`truncate_metrics`) so the file always holds one line per step.
+(:func:`truncate_metrics`) so the file always holds one line per step. A checkpoint carries
+the line of its own step (:func:`metrics_record`), so a kill between the checkpoint and the
+line costs nothing: the resume writes the line back (``Session.restore``).
 """
 
 from __future__ import annotations
@@ -25,16 +27,34 @@ def _clean(value: Any) -> float | None:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """All step records of ``run_dir/metrics.jsonl`` in file order (missing file -> ``[]``)."""
+    """All step records of ``run_dir/metrics.jsonl`` in file order (missing file -> ``[]``).
+
+    A last line without its newline is an append cut short by a kill: it is left out (the
+    step's checkpoint, if any, carries the line); a damaged line anywhere else is an error."""
     path = Path(run_dir) / METRICS_FILE
     if not path.is_file():
         return []
+    text = path.read_text()
+    lines = text.split("\n")
     records = []
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if line:
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
             records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if number == len(lines):  # no newline after it: a torn append
+                break
+            raise ValueError(f"{path}:{number} is not a JSON line ({e}); the file was edited "
+                             "or damaged: restore it or delete the line") from None  # fmt: skip
     return records
+
+
+def metrics_record(step: int, metrics: dict[str, Any]) -> dict[str, Any]:
+    """The line of ``step``: ``{"step", "wall_time", <metric>: float | None, ...}``, keys
+    sorted, in types the checkpoint's safe loader accepts."""
+    clean = {k: _clean(v) for k, v in sorted(metrics.items())}
+    return {"step": int(step), "wall_time": time.time(), **clean}
 
 
 WALL_CLOCK_KEYS = ("timing/", "perf/", "wall_time", "reward/verify_seconds")
@@ -124,9 +144,13 @@ class MetricsLogger:
             self.sinks.append(_WandbSink(wandb_project, run_name, self.run_dir, config))
 
     def log(self, step: int, metrics: dict[str, float]) -> dict[str, float | None]:
-        """Append ``metrics`` for ``step``; returns the cleaned record that was written."""
-        clean = {k: _clean(v) for k, v in sorted(metrics.items())}
-        record = {"step": step, "wall_time": time.time(), **clean}
+        """Append ``metrics`` for ``step``; returns the cleaned metrics that were written."""
+        return self.write(metrics_record(step, metrics))
+
+    def write(self, record: dict[str, Any]) -> dict[str, float | None]:
+        """Append a :func:`metrics_record` line to every sink; returns its metrics."""
+        step = int(record["step"])
+        clean = {k: v for k, v in record.items() if k not in ("step", "wall_time")}
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         for sink in self.sinks:

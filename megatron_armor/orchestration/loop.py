@@ -2,8 +2,9 @@
 
 Per step: generate -> score -> accept (anchor rollout, docs/algorithm.md, anchor rollout) -> advantages (§3) ->
 pack -> old/ref log-probs -> train (``B / ppo_mini_batch`` updates, §4) -> weight sync ->
-maybe reset the reference (§5) -> maybe validate -> log -> maybe checkpoint. A SIGTERM, SIGINT
-or SIGUSR1 finishes the step, checkpoints and exits with code 75 for a Slurm requeue.
+maybe reset the reference (§5) -> maybe validate -> maybe checkpoint (it carries the step's
+metrics line) -> log. A SIGTERM, SIGINT or SIGUSR1 finishes the step, checkpoints and exits
+with code 75 for a Slurm requeue.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from megatron_armor.algo.advantages import assign_configured_advantages
 from megatron_armor.algo.losses import needs_reference_logprobs
 from megatron_armor.config.schema import ArmorConfig
+from megatron_armor.observability.metrics import metrics_record
 from megatron_armor.observability.nvtx import nvtx_range
 from megatron_armor.observability.summary import step_line
 from megatron_armor.orchestration import checkpoints
@@ -198,9 +200,10 @@ def run_loop(s: Session, start: int, stop: StopSignal) -> int:
     if start == 0 and cfg.validation.every > 0 and not resumed_at_0 and not stop.received:
         initial = validate(s, 0)
         initial.update(s.watch.observe(0, initial))
-        s.logger.log(0, {**initial, **s.timers.pop_metrics()})
+        line = metrics_record(0, {**initial, **s.timers.pop_metrics()})
+        s.logger.write(line)
         if s.watch.wants_checkpoint:  # the start model is the best so far (run.keep_best)
-            s.save(0)
+            s.save(0, line)
     rollout = AnchorRollout(cfg, s.dataset, s.sampler, s.rollout, s.reward,
                             s.progress.rollout_update, s.timers)  # fmt: skip
     for step in range(start + 1, cfg.run.steps + 1):
@@ -215,17 +218,20 @@ def run_loop(s: Session, start: int, stop: StopSignal) -> int:
         metrics.update(s.weight_sync.pop_metrics())
         metrics.update(s.gpu_memory_metrics())
         metrics.update(s.watch.observe(step, metrics))
-        saved = stop.received or checkpoint_due(cfg, step) or s.watch.wants_checkpoint
-        if saved:
-            with s.timers.phase("checkpoint"):
-                s.save(step)
         metrics.update(s.timers.pop_metrics())
         metrics["timing/step_s"] = time.perf_counter() - t0
-        clean = s.logger.log(step, metrics)
+        saved = stop.received or checkpoint_due(cfg, step) or s.watch.wants_checkpoint
+        if saved:  # the line travels in the checkpoint: a kill before it is appended loses nothing
+            with s.timers.phase("checkpoint"):
+                s.save(step, metrics_record(step, metrics))
+            metrics.update(s.timers.pop_metrics())
+            metrics["timing/step_s"] = time.perf_counter() - t0
+        line = metrics_record(step, metrics)
+        clean = s.logger.write(line)
         print(step_line(step, cfg.run.steps, clean), flush=True)
         if stop.received and step < cfg.run.steps:
             if not saved:  # the signal came while the step was being logged
-                s.save(step)
+                s.save(step, line)
             print(stop_message(s, stop, saved=True), flush=True)
             return EXIT_REQUEUE
         if s.watch.stopped:

@@ -42,6 +42,9 @@ class RunState:
     rollout: list[dict] = field(default_factory=list)
     watch: dict = field(default_factory=dict)
     """Keep-best and over-optimization detector state (``run_watch.py``)."""
+    metrics_line: dict = field(default_factory=dict)
+    """The ``metrics.jsonl`` line of ``step`` (``metrics_record``), written back on resume when a
+    kill came between the checkpoint and the line; ``{}`` in checkpoints that predate it."""
     python_rng: Any = None
     torch_rng: Any = None
 

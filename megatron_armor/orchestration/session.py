@@ -18,7 +18,7 @@ from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.config.validate import updates_per_step
 from megatron_armor.data.dataset import load_prompt_dataset
 from megatron_armor.data.sampler import ResumableSampler, sampled_prompt_count
-from megatron_armor.observability.metrics import MetricsLogger, truncate_metrics
+from megatron_armor.observability.metrics import MetricsLogger, read_metrics, truncate_metrics
 from megatron_armor.observability.throughput import (
     ThroughputMeter,
     gpu_memory_metrics,
@@ -169,10 +169,12 @@ class Session:
         )  # fmt: skip
 
     # ------------------------------------------------------------------ checkpoints
-    def save(self, step: int) -> Path:
-        """Atomic checkpoint of ``step`` (trainer + orchestrator), keeping the last K."""
+    def save(self, step: int, metrics_line: dict | None = None) -> Path:
+        """Atomic checkpoint of ``step`` (trainer + orchestrator), keeping the last K; it
+        carries the step's ``metrics.jsonl`` line (``metrics_line``) for :meth:`restore`."""
         tmp = checkpoints.begin_checkpoint(self.run_dir, step)
         self.state.step = step
+        self.state.metrics_line = dict(metrics_line or {})
         self.state.sampler = self.sampler.state_dict()
         self.state.reset = self.schedule.state_dict()
         self.state.rollout = self.rollout.state_dicts()
@@ -247,10 +249,21 @@ class Session:
         self.push_reference(state.ref_version)
         self.rollout.load_state_dicts(state.rollout)
         truncate_metrics(self.run_dir, state.step)
+        self.restore_metrics_line(state)
         self.state = state
         self.offload_for_rollout()
         print(f"resumed from {path} at step {state.step}", flush=True)
         return state.step
+
+    def restore_metrics_line(self, state: RunState) -> None:
+        """Write the checkpoint's own step line back when ``metrics.jsonl`` lacks it (the
+        process died after the checkpoint was committed, before the line was appended)."""
+        line = state.metrics_line
+        if not line or any(int(r["step"]) == state.step for r in read_metrics(self.run_dir)):
+            return
+        self.logger.write(line)
+        print(f"metrics.jsonl: the line of step {state.step} written back from its checkpoint",
+              flush=True)  # fmt: skip
 
     def close(self, shutdown_ray: bool = True) -> None:
         """Stop the actors and Ray (best effort: a failing close must not hide the real error)."""

@@ -3,19 +3,21 @@
 damaged checkpoints (``kill -9`` of the group: ``test_pipeline_e2e.py``):
 
 1. SIGTERM to the group while step 2 runs (once its anchor file is written): the step
-   finishes, its checkpoint is written, the exit message names the step on disk, exit 75. Ray's processes run in their own session and
-   block the stop signals (``orchestration/ray_node.py``), so the group signal reaches only the
-   driver; they are gone once the driver has exited.
+   finishes, its checkpoint is written, the exit message names the step on disk, exit 75.
+   Ray's processes run in their own session and block the stop signals
+   (``orchestration/ray_node.py``), so the group signal reaches only the driver; they are gone
+   once the driver has exited.
 2. SIGTERM to the group during start-up of the resumed run: exit 75 before any step, nothing
    written (no new checkpoint, no temp directory, ``metrics.jsonl`` untouched).
 3. SIGINT to the group while step 3 runs: the same as SIGTERM, no traceback.
-4. Next to the checkpoints of steps 2 and 3, what a kill leaves: step 4's metrics line and
-   anchor file without a checkpoint, a copy of step 3 as step 6 with ``orchestrator.pt`` cut
-   short, a copy as step 5 holding a crafted pickle (manifest re-signed) and the ``.tmp-*`` of
-   a killed save. The last ``--resume auto`` says why it skips 6 and 5, resumes from step 3
-   without running the pickle, removes the temp dir and completes the run, logging step 4
-   once; while it runs, a second run on the directory is refused before Ray starts, and every
-   port the run listens on (Ray, workers) is on loopback.
+4. Next to the checkpoints of steps 2 and 3, what kills leave: step 3's checkpoint without
+   its metrics line (killed between the two), step 4's metrics line and anchor file without a
+   checkpoint, a copy of step 3 as step 6 with ``orchestrator.pt`` cut short, a copy as step 5
+   holding a crafted pickle (manifest re-signed) and the ``.tmp-*`` of a killed save. The last
+   ``--resume auto`` says why it skips 6 and 5, resumes from step 3 without running the
+   pickle, writes step 3's line back from its checkpoint, removes the temp dir and completes
+   the run, logging step 4 once; while it runs, a second run on the directory is refused
+   before Ray starts, and every port the run listens on (Ray, workers) is on loopback.
 
 Every step's metrics equal the uninterrupted reference run's (timings excepted). The run waits
 on its own log lines and files, never on a clock.
@@ -88,6 +90,7 @@ def test_group_signals_and_damaged_checkpoints_then_exact_resume(reference_run, 
     assert "SIGINT: checkpoint of step 3 written" in out and "Traceback" not in out, out
     assert checkpoint_steps(run_dir) == [2, 3], out
 
+    drop_metrics_line(run_dir, 3)  # killed after step 3's checkpoint, before its line
     plant_unfinished_step(run_dir, reference_run, 4)
     marker = plant_damaged_checkpoints(run_dir, out_dir / "pwned")
     last = Run(out_dir, name, tiny_dir, *overrides)
@@ -99,12 +102,21 @@ def test_group_signals_and_damaged_checkpoints_then_exact_resume(reference_run, 
     assert "skipping" in text and "step_000006" in text and "orchestrator.pt has" in text, text
     assert "step_000005" in text and "safe loader" in text and not marker.exists(), text
     assert f"resumed from {ckpts / 'step_000003'}" in text, text
+    assert "the line of step 3 written back from its checkpoint" in text, text
     assert not list(ckpts.glob(".tmp-*")) and (ckpts / "step_000006").is_dir()  # never deleted
     assert [r["step"] for r in read_metrics(run_dir)] == [0, 1, 2, 3, 4]  # step 4 once
     expected = {r["step"]: without_wall_clock(r) for r in read_metrics(reference_run)}
     got = {r["step"]: without_wall_clock(r) for r in read_metrics(run_dir)}
     for step in (1, 2, 3, 4):
         assert got[step] == expected[step], step
+
+
+def drop_metrics_line(run_dir: Path, step: int) -> None:
+    """What a run killed after committing the checkpoint of ``step`` but before appending its
+    metrics line leaves; the checkpoint carries the line and the resume writes it back."""
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text("".join(line for line in lines if json.loads(line)["step"] != step))
 
 
 def plant_unfinished_step(run_dir: Path, reference_run: Path, step: int) -> None:

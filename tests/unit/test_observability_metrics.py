@@ -116,3 +116,16 @@ def test_step_line_and_summary(tmp_path):
     text = write_summary(tmp_path, {"plots": "x"})
     assert "reference_resets: [2]" in text
     assert json.loads((tmp_path / "summary.json").read_text())["reference_resets"] == [2]
+
+
+def test_a_torn_last_line_is_left_out_and_a_damaged_one_elsewhere_is_named(tmp_path):
+    logger = MetricsLogger(tmp_path, tensorboard=False)
+    logger.log(1, {"a": 1.0})
+    path = tmp_path / "metrics.jsonl"
+    with path.open("a") as f:
+        f.write('{"step": 2, "wall_')  # kill -9 during the append
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1]
+    assert truncate_metrics(tmp_path, 1) == 1 and path.read_text().endswith("}\n")
+    path.write_text('{"step": 1}\n{"step": 2, "wall_\n{"step": 3}\n')
+    with pytest.raises(ValueError, match="metrics.jsonl:2 is not a JSON line"):
+        read_metrics(tmp_path)

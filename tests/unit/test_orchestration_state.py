@@ -7,7 +7,9 @@ import random
 import signal
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -15,6 +17,7 @@ from megatron_armor.algo.losses import needs_reference_logprobs
 from megatron_armor.config import load_config
 from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.config.validate import find_problems, updates_per_step
+from megatron_armor.observability.metrics import MetricsLogger, metrics_record, read_metrics
 from megatron_armor.orchestration import checkpoints, placement
 from megatron_armor.orchestration.groups import shard
 from megatron_armor.orchestration.loop import minibatch_sample_ids
@@ -25,6 +28,7 @@ from megatron_armor.orchestration.placement import (
     trainer_runtime_env,
 )
 from megatron_armor.orchestration.run_state import EXIT_REQUEUE, RunState, StopSignal
+from megatron_armor.orchestration.session import Session
 from megatron_armor.orchestration.step_metrics import reduce_update_metrics
 from megatron_armor.orchestration.workers import reference_strategy
 from megatron_armor.rollout.sglang.pools import pool_problems
@@ -75,6 +79,24 @@ def test_run_state_roundtrip_restores_rng(tmp_path):
     loaded.restore_rng()
     assert (loaded.step, loaded.ref_version, loaded.rollout) == (7, 4, [{"ref_version": 4}])
     assert random.random() == expected[0] and torch.equal(torch.rand(2), expected[1])
+
+
+def test_a_checkpoint_carries_its_step_line_and_a_resume_writes_it_back_once(tmp_path):
+    """A kill after the checkpoint of step 2 is committed and before its metrics line is
+    appended: the resume writes the line from the checkpoint (safe loader), and only then."""
+    logger = MetricsLogger(tmp_path, tensorboard=False)
+    logger.log(1, {"reward/acc": 0.25})
+    line = metrics_record(2, {"reward/acc": np.float32(0.5), "loss/ratio_max": float("inf")})
+    RunState(step=2, metrics_line=line).save(tmp_path)
+    state = RunState.load(tmp_path)
+    session = SimpleNamespace(run_dir=tmp_path, logger=logger)
+    Session.restore_metrics_line(session, state)
+    assert read_metrics(tmp_path) == [read_metrics(tmp_path)[0], line]
+    assert line["reward/acc"] == 0.5 and line["loss/ratio_max"] is None
+    Session.restore_metrics_line(session, state)  # the line is there now: nothing appended
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
+    Session.restore_metrics_line(session, RunState(step=3))  # a checkpoint without a line
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
 
 
 def test_stop_signal_flags_sigterm_and_sigusr1():
