@@ -14,7 +14,7 @@ else
 fi
 export RAY_USAGE_STATS_ENABLED=0 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 rc=0
-.venv/bin/python -m pytest "$@" || rc=$?
+.venv/bin/python -m pytest --durations=15 "$@" || rc=$?
 if [ "$slurm_started" = 1 ] && [ "${ARMOR_SLURM_KEEP:-0}" != 1 ]; then
   bash slurm/ci/install_slurm.sh down || echo "test.sh: stopping the CI Slurm cluster failed" >&2
 fi
