@@ -23,6 +23,12 @@ SUBCOMMANDS = {
 }
 
 
+CHECKPOINT_ON_SIGNAL = ("train", "pipeline")
+"""Subcommands whose run checkpoints on SIGTERM/SIGINT/SIGUSR1 and exits 75: they hold those
+signals from the first line (``ray_node.held_stop_signals``), so one that arrives while the
+command imports torch and Ray reaches the run's handler instead of killing the process."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="armor", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -32,6 +38,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    command = (sys.argv[1:] if argv is None else argv)[:1]
+    if command and command[0] in CHECKPOINT_ON_SIGNAL:
+        from megatron_armor.orchestration.ray_node import held_stop_signals
+
+        with held_stop_signals():  # before any import starts a thread: every thread inherits it
+            return run_command(argv)
+    return run_command(argv)
+
+
+def run_command(argv: list[str] | None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # Dotted overrides may follow options (`armor plan cfg --gpu-mem 80 a.b=1`).

@@ -30,6 +30,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 SHIELDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
@@ -37,6 +39,20 @@ STOP = signal.SIGUSR2
 READY_LINE = "Ray runtime started"
 STOP_TIMEOUT_S = 60.0
 PR_SET_PDEATHSIG = 1
+
+
+@contextmanager
+def held_stop_signals() -> Iterator[None]:
+    """Block :data:`SHIELDED` in the calling thread and the threads it starts meanwhile (around
+    ``armor train``, from its first line): one that arrives while the run imports and loads
+    its config waits, pending, until ``StopSignal.guarded`` hands it to the run's handler
+    (exit 75 before the first step) instead of ending the process by its default action. The
+    previous mask is back at the end (a command that failed before its run started)."""
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, SHIELDED)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def ignore_stop_signals() -> None:

@@ -114,7 +114,12 @@ class StopSignal:
     def guarded(self) -> Iterator[None]:
         """Keep this handler while the body runs: start-up code that installs its own handler
         for these signals (``ray.init`` installs one that exits at once) is refused, as Ray's
-        own ``DeferSigint`` does it, by a ``signal.signal`` that leaves them alone."""
+        own ``DeferSigint`` does it, by a ``signal.signal`` that leaves them alone; and the
+        signals are blocked meanwhile, so a handler installed below Python (Ray's core worker
+        installs absl's failure signal handler, which covers SIGTERM and aborts) never sees
+        one: a signal that arrives stays pending and reaches this handler when the body ends.
+        The end unblocks them also when the caller held them from its first line
+        (:func:`~megatron_armor.orchestration.ray_node.held_stop_signals`)."""
         original = signal.signal
 
         def keep_ours(signum, handler):
@@ -123,11 +128,13 @@ class StopSignal:
             return original(signum, handler)
 
         signal.signal = keep_ours
+        signal.pthread_sigmask(signal.SIG_BLOCK, self.SIGNALS)
         try:
             yield
         finally:
             signal.signal = original
             self.install()
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, self.SIGNALS)
 
     def _handle(self, signum, frame) -> None:
         self.received = signum

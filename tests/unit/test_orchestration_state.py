@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -35,6 +36,7 @@ from megatron_armor.rollout.sglang.pools import pool_problems
 from megatron_armor.types import Group, Sample
 
 pytestmark = pytest.mark.unit
+REPO = Path(__file__).resolve().parents[2]
 # configs/compare/ holds `armor compare` specs (tested with them), not run configs.
 CONFIGS = sorted(
     p
@@ -117,14 +119,46 @@ def test_stop_signal_handles_sigint_and_keeps_its_handler_through_start_up_code(
     with StopSignal() as stop:
         with stop.guarded():  # start-up code: ray.init installs a SIGTERM handler that exits
             signal.signal(signal.SIGTERM, lambda *_: sys.exit(signal.SIGTERM))
+            assert signal.getsignal(signal.SIGTERM) == stop._handle
             signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # other signals are left to it
-            os.kill(os.getpid(), signal.SIGTERM)
-            assert stop.name == "SIGTERM"
         assert signal.getsignal(signal.SIGUSR2) is signal.SIG_IGN
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.name == "SIGTERM"
         os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C: no KeyboardInterrupt
         assert stop.name == "SIGINT"
     signal.signal(signal.SIGUSR2, other)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+HELD_THROUGH_NATIVE_HANDLER = """
+import ctypes, os, signal
+from megatron_armor.orchestration.ray_node import held_stop_signals
+
+held_stop_signals().__enter__()  # armor train's first line
+os.kill(os.getpid(), signal.SIGINT)  # while it imports (torch starts threads)
+from megatron_armor.orchestration.run_state import StopSignal
+with StopSignal() as stop:
+    with stop.guarded():
+        assert stop.received is None, "held until start-up ends"
+    print("imports:", stop.name, flush=True)
+    with stop.guarded():  # start-up code: a native library puts the default action back
+        ctypes.CDLL(None).signal(signal.SIGTERM, 0)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.name == "SIGINT", "the signal waits for the body to end"
+    print("start-up:", stop.name, flush=True)
+    os.kill(os.getpid(), signal.SIGUSR1)
+    print("after:", stop.name, flush=True)
+"""
+
+
+def test_stop_signals_during_imports_and_under_a_native_handler_wait_for_the_run_handler():
+    """A signal before the run's handler exists, or while start-up code has a handler of its
+    own below Python (absl's in Ray's core worker), neither kills the process nor is lost."""
+    out = subprocess.run([sys.executable, "-c", HELD_THROUGH_NATIVE_HANDLER], capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    lines = ["imports: SIGINT", "start-up: SIGTERM", "after: SIGUSR1"]
+    assert out.stdout.splitlines() == lines, out.stdout
 
 
 def test_layouts():
