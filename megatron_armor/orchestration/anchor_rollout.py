@@ -110,11 +110,12 @@ def overlap_parts(config) -> int:
     SGLang policy servers around each reference call (``ref_strategy: swap`` without a
     reference pool, ``orchestration/weight_sync.py``): concurrent calls would interleave
     the swaps."""
+    from megatron_armor.rollout.backends import backend_of
     from megatron_armor.rollout.reference import reference_strategy
     from megatron_armor.rollout.sglang.pools import uses_ref_pool
 
-    _, fill = reference_strategy(config.rollout.ref_strategy, config.algo.anchor_source)
-    driver_swaps = config.rollout.backend == "sglang" and fill == "swap"
+    served = reference_strategy(config.rollout.ref_strategy, config.algo.anchor_source)
+    driver_swaps = backend_of(config).serves_over_http and served.swaps_into_policy
     return 1 if driver_swaps and not uses_ref_pool(config) else config.rollout.reference_parts
 
 

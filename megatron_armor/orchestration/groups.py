@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from megatron_armor.algo.registry import get_anchor_mode
 from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.orchestration.placement import (
     LayoutPlan,
@@ -266,9 +267,9 @@ class RolloutGroup:
     ):
         self.actors = []
         self.has_ref_pool = uses_ref_pool(config)
-        self.caches_anchors = config.algo.anchor != "none" and (
-            reference_strategy(config.rollout.ref_strategy, config.algo.anchor_source)[0] == "cache"
-        )
+        served = reference_strategy(config.rollout.ref_strategy, config.algo.anchor_source)
+        anchors = get_anchor_mode(config.algo.anchor).draws_reference
+        self.caches_anchors = anchors and served.caches_anchors
         self.weight_sync = None  # set by the session (orchestration/weight_sync.py)
         if hosts:
             for i, host in enumerate(hosts):

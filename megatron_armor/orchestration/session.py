@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_armor.algo.registry import get_advantage
 from megatron_armor.algo.reset import ResetSchedule
 from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.config.validate import updates_per_step
@@ -131,7 +130,6 @@ class Session:
     @classmethod
     def _start(cls, config: ArmorConfig, run_dir: Path) -> Session:
         """Everything up and ready for step 1 (or the resumed step)."""
-        get_advantage(config.algo.advantage).hparams(config.algo)  # bad advantage_args fail here
         tokenizer = load_model_tokenizer(config.trainer.model_path)
         d = config.data
         dataset = load_prompt_dataset(d.train_files, tokenizer, d.template, d.max_prompt_len)
