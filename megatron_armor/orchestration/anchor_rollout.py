@@ -38,7 +38,7 @@ from megatron_armor.algo.anchors import AcceptanceStats, acceptance_reason, sele
 from megatron_armor.algo.registry import get_anchor_mode
 from megatron_armor.observability.nvtx import nvtx_range
 from megatron_armor.observability.timers import PhaseTimers
-from megatron_armor.orchestration.groups import merge_reward_stats, shard
+from megatron_armor.orchestration.actor_handles import merge_reward_stats, shard
 from megatron_armor.rollout.protocol import SamplingParams
 from megatron_armor.types import Group, Sample
 
