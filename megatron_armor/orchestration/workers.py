@@ -1,6 +1,6 @@
 """The processes of a run, as plain classes that ``placement.py`` turns into Ray actors.
 
-- :class:`TrainerWorker` — one trainer rank; imports Megatron (``trainer.actor``) lazily,
+- :class:`TrainerWorker` — one trainer rank; imports Megatron (``trainer.megatron_trainer``) lazily,
   inside its own process, so the orchestrator never does.
 - :class:`RolloutWorker` — one rollout engine plus the reference sampler; turns engine
   outputs into :class:`~megatron_armor.types.Sample` objects (token ids + decoded text).
@@ -153,7 +153,8 @@ class TrainerWorker:
 
     def init(self, master_addr: str, master_port: int) -> int:
         """Build the Megatron model on this rank (joins the process group; blocks until all do)."""
-        from megatron_armor.trainer.actor import MegatronTrainer  # Megatron only in this process
+        # Megatron is imported only in this process
+        from megatron_armor.trainer.megatron_trainer import MegatronTrainer
 
         self.trainer = MegatronTrainer(
             self.config, rank=self.rank, world_size=self.world_size,
