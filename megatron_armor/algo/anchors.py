@@ -39,12 +39,17 @@ FILTER_POLICY_SAMPLES: dict[str, int] = {"G": 0, "G-1": 1}
 @dataclass(frozen=True)
 class AnchorMode:
     """One ``algo.anchor`` mode: whether rule (b) applies, whether an anchor is inserted, and
-    whether ``algo.filter_policy_samples`` sizes its on-policy set."""
+    whether it is the filter-only control.
+
+    ``is_filter_control``: Algorithm 1's acceptance without the anchor and without the mixed
+    ratio (docs/algorithm.md, anchor rollout); ``algo.filter_policy_samples`` sizes its
+    on-policy set, and a ratio that mixes in ``pi_ref`` is refused with it.
+    """
 
     name: str
     needs_reference_correct: bool
     inserts_anchor: bool
-    sized_by_filter_policy_samples: bool = False
+    is_filter_control: bool = False
 
     @property
     def draws_reference(self) -> bool:
@@ -53,7 +58,7 @@ class AnchorMode:
 
     def policy_samples(self, group_size: int, filter_policy_samples: str = "G") -> int:
         """``n_on``: ``G - 1`` when an anchor takes a slot of the group; ``G`` minus
-        :data:`FILTER_POLICY_SAMPLES` for a mode sized by ``filter_policy_samples``; else ``G``."""
+        :data:`FILTER_POLICY_SAMPLES` for the filter control; else ``G``."""
         if filter_policy_samples not in FILTER_POLICY_SAMPLES:
             raise ValueError(
                 f"algo.filter_policy_samples={filter_policy_samples!r}: "
@@ -61,7 +66,7 @@ class AnchorMode:
             )
         if self.inserts_anchor:
             return group_size - 1
-        if self.sized_by_filter_policy_samples:
+        if self.is_filter_control:
             return group_size - FILTER_POLICY_SAMPLES[filter_policy_samples]
         return group_size
 
@@ -72,7 +77,7 @@ FILTER_ONLY = AnchorMode(
     "filter_only",
     needs_reference_correct=True,
     inserts_anchor=False,
-    sized_by_filter_policy_samples=True,
+    is_filter_control=True,
 )
 
 

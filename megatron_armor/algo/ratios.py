@@ -55,6 +55,12 @@ class StandardRatio:
     name = "standard"
     uses_reference_logprobs = False
     """Whether :meth:`log_ratio` reads ``ref_logprobs`` (the trainer then computes ``lp_ref``)."""
+    mixes_reference = False
+    """Whether every token's ratio mixes in ``pi_ref`` (ARMOR Eq. 5), the mixed optimization
+    the filter-only control leaves out."""
+    differs_on_anchors_only = False
+    """Whether the ratio differs from ``standard`` only on anchor tokens (so it needs an
+    ``algo.anchor`` that inserts them)."""
 
     def log_ratio(
         self,
@@ -82,6 +88,7 @@ class MixedRatio(StandardRatio):
 
     name = "mixed"
     uses_reference_logprobs = True
+    mixes_reference = True
 
     def log_ratio(self, logprobs, old_logprobs, ref_logprobs, is_anchor, alpha):
         m_theta = mixed_logprob(logprobs, ref_logprobs, alpha)
@@ -94,6 +101,7 @@ class OffPolicyRatio(StandardRatio):
 
     name = "off_policy"
     uses_reference_logprobs = True
+    differs_on_anchors_only = True
 
     def log_ratio(self, logprobs, old_logprobs, ref_logprobs, is_anchor, alpha):
         behaviour = torch.where(is_anchor, ref_logprobs, old_logprobs)

@@ -209,7 +209,7 @@ class FP8Config:
 
 @dataclass
 class TrainerConfig:
-    """The Megatron-core actor: model, parallel layout, precision, optimizer."""
+    """The Megatron-core trainer: model, parallel layout, precision, optimizer."""
 
     model_path: str = ""
     """HF-format model directory (config.json + safetensors) to start from."""

@@ -24,12 +24,9 @@ from megatron_armor.config.schema import ArmorConfig, TrainerConfig
 
 Problems = Iterator[str]
 
-# Names of settings outside algo/ (their implementations live in packages config must not import).
+# Names of settings without a registry of their own (the algo.* names come from
+# algo/registry.py ALGO_CHOICES, the rollout ones from :func:`rollout_choices`).
 CHOICES: dict[str, tuple[str, ...]] = {
-    "algo.anchor_source": ("generate", "cache"),
-    "algo.filter_policy_samples": ("G", "G-1"),
-    "rollout.backend": ("torch", "sglang"),
-    "rollout.ref_strategy": ("swap", "dedicated", "cache"),
     "rollout.sglang.weight_transport": ("tensor", "distributed", "disk"),
     "trainer.precision": ("bf16", "fp16", "fp32"),
     "trainer.transformer_impl": ("local", "te"),
@@ -44,14 +41,24 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "logging.profile": ("none", "nsys", "torch", "dlprof"),
 }
 
-REGISTRY_CHOICES: dict[str, dict] = {
-    "algo.anchor": registry.ANCHOR_MODES,
-    "algo.ratio": registry.RATIO_MODES,
-    "algo.advantage": registry.ADVANTAGES,
-    "algo.loss_agg": registry.AGGREGATIONS,
-    "algo.kl_estimator": registry.KL_ESTIMATORS,
-    "algo.reset.schedule": registry.RESET_SCHEDULES,
-}
+
+def rollout_choices() -> dict[str, tuple[str, ...]]:
+    """``rollout.backend`` and ``rollout.ref_strategy`` names, read from their registries
+    (``rollout/backends.py``, ``rollout/reference.py``; imported here, as rollout imports
+    config)."""
+    from megatron_armor.rollout.backends import BACKENDS
+    from megatron_armor.rollout.reference import STRATEGIES
+
+    return {"rollout.backend": tuple(BACKENDS), "rollout.ref_strategy": STRATEGIES}
+
+
+def serves_over_http(config: ArmorConfig) -> bool:
+    """Whether ``rollout.backend`` runs server pools (``rollout.sglang.*``); ``False`` for an
+    unknown name (named by :func:`check_names`)."""
+    from megatron_armor.rollout.backends import BACKENDS
+
+    backend = BACKENDS.get(config.rollout.backend)
+    return backend is not None and backend.serves_over_http
 
 
 def get_key(config: ArmorConfig, key: str):
@@ -64,7 +71,8 @@ def get_key(config: ArmorConfig, key: str):
 
 def check_names(config: ArmorConfig) -> Problems:
     """Every name-valued setting is one of its known names."""
-    tables = {**CHOICES, **{k: tuple(v) for k, v in REGISTRY_CHOICES.items()}}
+    registries = {k: tuple(v) for k, v in registry.ALGO_CHOICES.items()}
+    tables = {**CHOICES, **rollout_choices(), **registries}
     for key, names in tables.items():
         value = get_key(config, key)
         if value not in names:
@@ -86,41 +94,69 @@ def check_alpha(config: ArmorConfig) -> Problems:
 def check_reference_samples(config: ArmorConfig) -> Problems:
     """An anchor needs reference samples to pick it from."""
     a = config.algo
-    if a.anchor != "none" and a.ref_n < 1:
+    if a.anchor in registry.ANCHOR_MODES and draws_reference(config) and a.ref_n < 1:
         yield (
             f"algo.ref_n={a.ref_n}: anchor {a.anchor!r} needs >= 1 reference sample per "
             "query; set algo.ref_n >= 1 (the paper uses 4)"
         )
 
 
+def draws_reference(config: ArmorConfig) -> bool:
+    """Whether ``algo.anchor`` (a registered name) samples the reference."""
+    return registry.get_anchor_mode(config.algo.anchor).draws_reference
+
+
 def check_algo_combinations(config: ArmorConfig) -> Problems:
     """Switches that only make sense together (docs/algorithm.md, anchor rollout; docs/algorithm.md, mixed optimization)."""
     a = config.algo
-    if a.weak_filter and a.anchor == "none":
-        yield (
-            "algo.weak_filter=true: keeps all-wrong groups only when the reference solved "
-            "the query; set algo.anchor to 'armor' or 'filter_only', or weak_filter=false"
-        )
-    if a.ratio == "off_policy" and a.anchor != "armor":
-        yield (
-            f"algo.ratio='off_policy': differs from 'standard' only on anchor tokens, and "
-            f"algo.anchor={a.anchor!r} inserts none; use algo.ratio=standard or algo.anchor=armor"
-        )
-    if a.anchor == "filter_only" and a.ratio == "mixed":
-        yield (
-            "algo.ratio='mixed' with algo.anchor='filter_only': the filter-only control trains "
-            "with the standard ratio (docs/algorithm.md, anchor rollout); set algo.ratio=standard"
-        )
-    if a.filter_policy_samples != "G" and a.anchor != "filter_only":
-        yield (
-            f"algo.filter_policy_samples={a.filter_policy_samples!r}: only applies to "
-            f"algo.anchor='filter_only' (now {a.anchor!r}); remove it or set it to 'G'"
-        )
+    if a.anchor in registry.ANCHOR_MODES and a.ratio in registry.RATIO_MODES:
+        yield from _anchor_mode_problems(config)
     if a.reset.schedule in registry.RESET_SCHEDULES:
         try:
             check_schedule(a.reset.schedule, a.reset.every, a.reset.until)
         except ValueError as e:
             yield str(e)
+
+
+def _anchor_mode_problems(config: ArmorConfig) -> Problems:
+    """What the ``algo.anchor`` mode's registry entry rules out (both names registered)."""
+    a = config.algo
+    mode, ratio = registry.get_anchor_mode(a.anchor), registry.RATIO_MODES[a.ratio]
+    if a.weak_filter and not mode.needs_reference_correct:
+        yield (
+            "algo.weak_filter=true: keeps all-wrong groups only when the reference solved "
+            "the query; set algo.anchor to 'armor' or 'filter_only', or weak_filter=false"
+        )
+    if ratio.differs_on_anchors_only and not mode.inserts_anchor:
+        yield (
+            f"algo.ratio={a.ratio!r}: differs from 'standard' only on anchor tokens, and "
+            f"algo.anchor={a.anchor!r} inserts none; use algo.ratio=standard or algo.anchor=armor"
+        )
+    if mode.is_filter_control and ratio.mixes_reference:
+        yield (
+            f"algo.ratio={a.ratio!r} with algo.anchor={a.anchor!r}: the filter-only control "
+            "trains with the standard ratio (docs/algorithm.md, anchor rollout); set "
+            "algo.ratio=standard"
+        )
+    if a.filter_policy_samples != "G" and not mode.is_filter_control:
+        yield (
+            f"algo.filter_policy_samples={a.filter_policy_samples!r}: only applies to "
+            f"algo.anchor='filter_only' (now {a.anchor!r}); remove it or set it to 'G'"
+        )
+
+
+def check_advantage_args(config: ArmorConfig) -> Problems:
+    """``algo.advantage_args`` name hyperparameters of ``algo.advantage`` with values its
+    ``params`` dataclass accepts (``AdvantageEstimator.hparams``, docs/config.md)."""
+    a = config.algo
+    if a.advantage not in registry.ADVANTAGES:
+        return  # named by check_names
+    try:
+        registry.get_advantage(a.advantage).hparams(a)
+    except ValueError as e:
+        yield str(e)
+    except TypeError as e:
+        yield f"algo.advantage_args={a.advantage_args!r}: {e}; give values of the types it takes"
 
 
 def check_batches(config: ArmorConfig) -> Problems:
@@ -159,8 +195,14 @@ def _divisor_hint(n: int, near: int) -> int:
 
 def check_reference_serving(config: ArmorConfig) -> Problems:
     """``anchor_source`` and ``ref_strategy`` agree (docs/algorithm.md, anchor rollout)."""
+    from megatron_armor.rollout.reference import REFERENCE_STRATEGIES
+
     a, r = config.algo, config.rollout
-    if a.anchor != "none" and r.ref_strategy == "cache" and a.anchor_source != "cache":
+    served = REFERENCE_STRATEGIES.get(r.ref_strategy)
+    source = registry.ANCHOR_SOURCES.get(a.anchor_source)
+    if a.anchor not in registry.ANCHOR_MODES or served is None or source is None:
+        return  # named by check_names
+    if draws_reference(config) and served.caches_anchors and not source.reuses_anchors:
         yield (
             f"rollout.ref_strategy='cache' with algo.anchor_source={a.anchor_source!r}: the "
             "cache serves reused anchors; set algo.anchor_source=cache, or ref_strategy "
@@ -177,7 +219,7 @@ def check_sglang_reference(config: ArmorConfig) -> Problems:
     from megatron_armor.rollout.sglang.pools import pool_problems
 
     r = config.rollout
-    if r.backend != "sglang":
+    if not serves_over_http(config):
         return
     yield from pool_problems(config)
     if r.sglang.weight_transport == "tensor" and config.orchestration.layout == "disaggregated":
@@ -305,13 +347,13 @@ def check_context(config: ArmorConfig) -> Problems:
             "the model needs there, docs/weight-sync.md 'Context length'), or shorten the "
             "prompts / responses"
         )
-    ctx = r.sglang.context_length
-    if r.backend == "sglang" and ctx > 0 and need > ctx:
+    ctx = r.sglang.context_length if serves_over_http(config) else 0
+    if ctx > 0 and need > ctx:
         yield (
             f"{lengths} exceeds rollout.sglang.context_length={ctx}: raise it to >= {need} "
             "(or 0 for the model's max_position_embeddings)"
         )
-    if r.backend == "sglang" and ctx > 0 and positions and ctx > positions:
+    if ctx > 0 and positions and ctx > positions:
         yield (
             f"rollout.sglang.context_length={ctx} exceeds the model's max_position_embeddings="
             f"{positions}: SGLang refuses it; raise trainer.model_overrides.max_position_embeddings "
@@ -396,6 +438,7 @@ RULES: list[Callable[[ArmorConfig], Problems]] = [
     check_alpha,
     check_reference_samples,
     check_algo_combinations,
+    check_advantage_args,
     check_batches,
     check_reference_serving,
     check_sglang_reference,

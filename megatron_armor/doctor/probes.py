@@ -76,7 +76,7 @@ def trainer_step(spec: dict) -> dict:
     group, the last of each group the anchor), ``trainer`` (``TrainerConfig`` fields) and
     ``temperature``. Returns the samples' response log-probs and the update's metrics."""
     from megatron_armor.config.schema import ArmorConfig, FP8Config
-    from megatron_armor.trainer.actor import MegatronTrainer
+    from megatron_armor.trainer.megatron_trainer import MegatronTrainer
 
     cfg = ArmorConfig()
     for key, value in spec["trainer"].items():

@@ -38,7 +38,7 @@ from megatron_armor.algo.anchors import AcceptanceStats, acceptance_reason, sele
 from megatron_armor.algo.registry import get_anchor_mode
 from megatron_armor.observability.nvtx import nvtx_range
 from megatron_armor.observability.timers import PhaseTimers
-from megatron_armor.orchestration.groups import merge_reward_stats, shard
+from megatron_armor.orchestration.actor_handles import merge_reward_stats, shard
 from megatron_armor.rollout.protocol import SamplingParams
 from megatron_armor.types import Group, Sample
 
@@ -110,11 +110,12 @@ def overlap_parts(config) -> int:
     SGLang policy servers around each reference call (``ref_strategy: swap`` without a
     reference pool, ``orchestration/weight_sync.py``): concurrent calls would interleave
     the swaps."""
+    from megatron_armor.rollout.backends import backend_of
     from megatron_armor.rollout.reference import reference_strategy
     from megatron_armor.rollout.sglang.pools import uses_ref_pool
 
-    _, fill = reference_strategy(config.rollout.ref_strategy, config.algo.anchor_source)
-    driver_swaps = config.rollout.backend == "sglang" and fill == "swap"
+    served = reference_strategy(config.rollout.ref_strategy, config.algo.anchor_source)
+    driver_swaps = backend_of(config).serves_over_http and served.swaps_into_policy
     return 1 if driver_swaps and not uses_ref_pool(config) else config.rollout.reference_parts
 
 

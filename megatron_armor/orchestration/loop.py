@@ -20,8 +20,8 @@ from megatron_armor.observability.metrics import metrics_record
 from megatron_armor.observability.nvtx import nvtx_range
 from megatron_armor.observability.summary import step_line
 from megatron_armor.orchestration import checkpoints
+from megatron_armor.orchestration.actor_handles import RemoteEngine, RemoteScorer
 from megatron_armor.orchestration.anchor_rollout import AnchorRollout, derive_seed
-from megatron_armor.orchestration.groups import RemoteEngine, RemoteScorer
 from megatron_armor.orchestration.placement import shutdown_ray
 from megatron_armor.orchestration.run_state import EXIT_REQUEUE, StopSignal
 from megatron_armor.orchestration.session import Session, run_dir_of

@@ -1,4 +1,4 @@
-"""Set-up and tear-down of a run: Ray, actor groups, data, schedule, sinks, checkpoints.
+"""Set-up and tear-down of a run: Ray, actor handles, data, schedule, sinks, checkpoints.
 
 :class:`Session` owns every long-lived object of a run so the loop (``loop.py``) reads as
 verbs only. ``save``/``restore`` implement the checkpoint contract of docs/algorithm.md, reference reset: the
@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_armor.algo.registry import get_advantage
 from megatron_armor.algo.reset import ResetSchedule
 from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.config.validate import updates_per_step
@@ -26,11 +25,11 @@ from megatron_armor.observability.throughput import (
 )
 from megatron_armor.observability.timers import PhaseTimers
 from megatron_armor.orchestration import checkpoints, placement
-from megatron_armor.orchestration.groups import (
-    RewardGroup,
-    RolloutGroup,
-    TrainerGroup,
-    close_groups,
+from megatron_armor.orchestration.actor_handles import (
+    RewardActors,
+    RolloutActors,
+    TrainerActors,
+    close_actors,
 )
 from megatron_armor.orchestration.placement import (
     LayoutPlan,
@@ -72,7 +71,7 @@ def load_val_datasets(config: ArmorConfig, tokenizer) -> dict:
 
 
 def start_weight_sync(
-    config: ArmorConfig, trainer: TrainerGroup, rollout: RolloutGroup
+    config: ArmorConfig, trainer: TrainerActors, rollout: RolloutActors
 ) -> WeightSync:
     """The run's weight transport, chosen once; reference swaps go through it too."""
     sync = make_weight_sync(config, trainer, rollout)
@@ -95,9 +94,9 @@ def make_meter(config: ArmorConfig, plan: LayoutPlan, device_name: str) -> Throu
 class Session:
     config: ArmorConfig
     run_dir: Path
-    trainer: TrainerGroup
-    rollout: RolloutGroup
-    reward: RewardGroup
+    trainer: TrainerActors
+    rollout: RolloutActors
+    reward: RewardActors
     dataset: object
     val_datasets: dict
     sampler: ResumableSampler
@@ -131,7 +130,6 @@ class Session:
     @classmethod
     def _start(cls, config: ArmorConfig, run_dir: Path) -> Session:
         """Everything up and ready for step 1 (or the resumed step)."""
-        get_advantage(config.algo.advantage).hparams(config.algo)  # bad advantage_args fail here
         tokenizer = load_model_tokenizer(config.trainer.model_path)
         d = config.data
         dataset = load_prompt_dataset(d.train_files, tokenizer, d.template, d.max_prompt_len)
@@ -141,15 +139,15 @@ class Session:
         pg, order, where = create_bundles(plan, config.orchestration.ray_init_timeout_s)
         built: list = []
         try:  # a failed start must not leave actors or SGLang servers behind
-            trainer = TrainerGroup(config, plan, pg, order, str(run_dir / "profile"))
+            trainer = TrainerActors(config, plan, pg, order, str(run_dir / "profile"))
             built.append(trainer)
-            rollout = RolloutGroup(config, plan, pg, order, rollout_hosts(plan, where))
+            rollout = RolloutActors(config, plan, pg, order, rollout_hosts(plan, where))
             built.append(rollout)
-            reward = RewardGroup(config, plan)
+            reward = RewardActors(config, plan)
             built.append(reward)
             trainer.init()
         except BaseException:
-            close_groups(built)
+            close_actors(built)
             raise
         r = config.algo.reset
         log = config.logging
@@ -269,7 +267,7 @@ class Session:
         """Stop the actors and Ray (best effort: a failing close must not hide the real error)."""
         self.progress.close()
         self.logger.close()
-        close_groups([self.trainer, self.rollout, self.reward])
+        close_actors([self.trainer, self.rollout, self.reward])
         if shutdown_ray:
             placement.shutdown_ray()
         if self.lock is not None:

@@ -85,10 +85,10 @@ class WeightSync:
     def _swaps(self) -> bool:
         if not self.anchors or self.rollout.has_ref_pool:
             return False
-        _, fill = reference_strategy(
+        served = reference_strategy(
             self.config.rollout.ref_strategy, self.config.algo.anchor_source
         )
-        return fill == "swap"
+        return served.swaps_into_policy
 
     def heal(self) -> int:
         """Restart dead SGLang servers and give them their pool's current weights before they

@@ -1,6 +1,6 @@
 """The processes of a run, as plain classes that ``placement.py`` turns into Ray actors.
 
-- :class:`TrainerWorker` — one trainer rank; imports Megatron (``trainer.actor``) lazily,
+- :class:`TrainerWorker` — one trainer rank; imports Megatron (``trainer.megatron_trainer``) lazily,
   inside its own process, so the orchestrator never does.
 - :class:`RolloutWorker` — one rollout engine plus the reference sampler; turns engine
   outputs into :class:`~megatron_armor.types.Sample` objects (token ids + decoded text).
@@ -16,7 +16,7 @@ import os
 import socket
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,6 +28,9 @@ from megatron_armor.orchestration.ray_node import ignore_stop_signals
 from megatron_armor.rollout.backends import backend_of
 from megatron_armor.rollout.protocol import GenerationOutput, SamplingParams
 from megatron_armor.types import Sample, SampleSource
+
+if TYPE_CHECKING:
+    from megatron_armor.rollout.reference import ReferencePlan
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 
@@ -150,7 +153,8 @@ class TrainerWorker:
 
     def init(self, master_addr: str, master_port: int) -> int:
         """Build the Megatron model on this rank (joins the process group; blocks until all do)."""
-        from megatron_armor.trainer.actor import MegatronTrainer  # Megatron only in this process
+        # Megatron is imported only in this process
+        from megatron_armor.trainer.megatron_trainer import MegatronTrainer
 
         self.trainer = MegatronTrainer(
             self.config, rank=self.rank, world_size=self.world_size,
@@ -293,7 +297,7 @@ class RolloutWorker:
             raise
 
     def _start(self, config, device: str, pools: list[str], servers, wanted_ref: bool) -> None:
-        from megatron_armor.rollout.reference import make_reference_sampler
+        from megatron_armor.rollout.reference import ReferencePlan, make_reference_sampler
 
         backend = backend_of(config)
         for pool in pools:
@@ -303,23 +307,23 @@ class RolloutWorker:
             else:
                 self.ref_engine = engine
         self.tokenizer = load_model_tokenizer(config.trainer.model_path)
-        strategy, fill = reference_strategy(config)
+        plan = reference_strategy(config)
         if not get_anchor_mode(config.algo.anchor).draws_reference:
-            strategy = fill = "none"  # no reference samples: no reference weights either
+            plan = ReferencePlan("none", "none")  # no reference samples: no reference weights
         ref_engine = self.ref_engine
-        if backend.serves_over_http and fill == "swap":
+        if backend.serves_over_http and plan.swaps_into_policy:
             # the trainer ranks swap the reference into the policy servers around each call
             # (orchestration/weight_sync.py): the servers then serve it like a dedicated pool
-            strategy = "dedicated" if strategy == "swap" else strategy
-            fill, ref_engine = "dedicated", self.engine
-        self.keep_copies = "swap" in (strategy, fill)
+            strategy = plan.strategy if plan.caches_anchors else "dedicated"
+            plan, ref_engine = ReferencePlan(strategy, "dedicated"), self.engine
+        self.keep_copies = plan.swaps_into_policy
         self.copies: dict[str, NamedTensors] = {}
         self.counted: dict[str, float] = {}
         self.reference = None  # a node with only policy servers samples no reference
         if self.ref_engine is not None or not wanted_ref:
             self.reference = make_reference_sampler(
-                strategy, self.engine, weights_fn=self._weights, ref_engine=ref_engine,
-                cache_fill=fill,
+                plan.strategy, self.engine, weights_fn=self._weights, ref_engine=ref_engine,
+                cache_fill=plan.cache_fill,
             )  # fmt: skip
 
     def _weights(self, which: str) -> NamedTensors:
@@ -498,7 +502,7 @@ class RolloutWorker:
                 engine.close()
 
 
-def reference_strategy(config: ArmorConfig) -> tuple[str, str]:
+def reference_strategy(config: ArmorConfig) -> ReferencePlan:
     """``(strategy, cache_fill)`` of ``rollout.ref_strategy`` and ``algo.anchor_source``
     (``rollout.reference.reference_strategy``)."""
     from megatron_armor.rollout.reference import reference_strategy as strategy_of

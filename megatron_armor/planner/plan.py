@@ -29,6 +29,7 @@ from megatron_armor.planner.memory import (
 )
 from megatron_armor.planner.model import ModelDims, load_model_dims, with_padded_vocab
 from megatron_armor.planner.rules import Finding, LayoutSpec, check_layout
+from megatron_armor.rollout.backends import backend_of
 from megatron_armor.rollout.sglang.pools import PoolSpec, pool_specs
 
 USABLE_FRACTION = 0.95
@@ -246,7 +247,7 @@ def make_plan(config: ArmorConfig, model: str | None = None, gpu_mem_gib: float 
     plan.findings = check_layout(layout_spec(config, dims))
     seq_len = config.data.max_prompt_len + config.rollout.sampling.max_new_tokens
     engines = {}
-    if layout in ("colocated", "disaggregated") and config.rollout.backend == "sglang":
+    if layout in ("colocated", "disaggregated") and backend_of(config).serves_over_http:
         for name, pool in pool_specs(config).items():
             engines[name] = EngineShape(dims, pool.tp, pool.share, gpu_bytes)
             for item in _engine_notes(config, pool, engines[name], seq_len):

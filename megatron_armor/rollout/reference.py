@@ -24,19 +24,18 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
-from megatron_armor.algo.registry import get_anchor_source
+from megatron_armor.algo.registry import get_anchor_source, lookup
 from megatron_armor.rollout.protocol import GenerationOutput, RolloutEngine, SamplingParams
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 WeightsFn = Callable[[str], NamedTensors]
 """``weights_fn(which)`` streams the trainer's HF-named ``which`` weights (``policy`` | ``ref``),
 e.g. ``trainer.export_weights``."""
-STRATEGIES = ("swap", "dedicated", "cache")
-"""The ``rollout.ref_strategy`` names; :func:`make_reference_sampler` also takes ``none`` (no
-anchors: versions only)."""
 
 
 class ReferenceSampler(ABC):
@@ -224,14 +223,94 @@ class CachedReferenceSampler(ReferenceSampler):
         }
 
 
-def reference_strategy(ref_strategy: str, anchor_source: str) -> tuple[str, str]:
-    """``(strategy, cache_fill)``: ``algo.anchor_source: cache`` wraps ``rollout.ref_strategy``
-    (``swap`` | ``dedicated``) in the anchor cache; ``ref_strategy: cache`` fills misses with
-    ``dedicated`` (docs/algorithm.md, anchor rollout)."""
-    fill = ref_strategy if ref_strategy in ("swap", "dedicated") else "dedicated"
-    if get_anchor_source(anchor_source).reuses_anchors or ref_strategy == "cache":
-        return "cache", fill
-    return ref_strategy, fill
+@dataclass(frozen=True)
+class ReferenceStrategy:
+    """One ``rollout.ref_strategy`` (or ``none``, no anchors): how its sampler is built and
+    what it asks of the weights.
+
+    ``build(engine, weights_fn, ref_engine, cache_fill, ref_version)`` makes the sampler;
+    ``fill``: the strategy that draws fresh reference samples (itself, or the anchor cache's
+    inner sampler); ``caches_anchors``: samples are reused until the next reset;
+    ``swaps_into_policy``: the reference is loaded into the policy engine around each call
+    (two weight loads per step, no second weight set).
+    """
+
+    name: str
+    build: Callable[..., ReferenceSampler]
+    fill: str
+    caches_anchors: bool = False
+    swaps_into_policy: bool = False
+
+
+class ReferencePlan(NamedTuple):
+    """``rollout.ref_strategy`` with ``algo.anchor_source`` resolved: the sampler to build
+    (``strategy``) and the one drawing its fresh samples (``cache_fill``)."""
+
+    strategy: str
+    cache_fill: str
+
+    @property
+    def caches_anchors(self) -> bool:
+        """Whether anchors are drawn once per reference period and reused (the anchor cache)."""
+        return REFERENCE_STRATEGIES[self.strategy].caches_anchors
+
+    @property
+    def swaps_into_policy(self) -> bool:
+        """Whether fresh reference samples come from the policy engine with the reference
+        swapped in (``swap``), rather than from a weight set of their own (``dedicated``)."""
+        return REFERENCE_STRATEGIES[self.cache_fill].swaps_into_policy
+
+
+def reference_strategy(ref_strategy: str, anchor_source: str) -> ReferencePlan:
+    """The :class:`ReferencePlan` of the two settings: ``algo.anchor_source: cache`` wraps
+    ``rollout.ref_strategy`` (``swap`` | ``dedicated``) in the anchor cache; ``ref_strategy:
+    cache`` fills misses with ``dedicated`` (docs/algorithm.md, anchor rollout)."""
+    served = lookup(REFERENCE_STRATEGIES, ref_strategy, "rollout.ref_strategy")
+    if get_anchor_source(anchor_source).reuses_anchors or served.caches_anchors:
+        return ReferencePlan("cache", served.fill)
+    return ReferencePlan(ref_strategy, served.fill)
+
+
+def _no_reference(engine, weights_fn, ref_engine, cache_fill, ref_version) -> ReferenceSampler:
+    return NoReferenceSampler(ref_version)
+
+
+def _swap(engine, weights_fn, ref_engine, cache_fill, ref_version) -> ReferenceSampler:
+    if weights_fn is None:
+        raise ValueError(
+            "rollout.ref_strategy=swap needs weights_fn(which) streaming the trainer's "
+            "'policy'/'ref' weights; pass it or use ref_strategy=dedicated"
+        )
+    return SwapReferenceSampler(engine, weights_fn, ref_version)
+
+
+def _dedicated(engine, weights_fn, ref_engine, cache_fill, ref_version) -> ReferenceSampler:
+    if ref_engine is not None:
+        return DedicatedReferenceSampler(ref_engine, "policy", ref_version)
+    return DedicatedReferenceSampler(engine, "ref", ref_version)
+
+
+def _cache(engine, weights_fn, ref_engine, cache_fill, ref_version) -> ReferenceSampler:
+    filled_by = REFERENCE_STRATEGIES.get(cache_fill)
+    if filled_by is not None and filled_by.caches_anchors:
+        raise ValueError(f"reference cache_fill must be 'swap' or 'dedicated', not {cache_fill!r}")
+    inner = make_reference_sampler(
+        cache_fill, engine, weights_fn=weights_fn, ref_engine=ref_engine, ref_version=ref_version
+    )
+    return CachedReferenceSampler(inner)
+
+
+REFERENCE_STRATEGIES: dict[str, ReferenceStrategy] = {
+    "none": ReferenceStrategy("none", _no_reference, fill="none"),
+    "swap": ReferenceStrategy("swap", _swap, fill="swap", swaps_into_policy=True),
+    "dedicated": ReferenceStrategy("dedicated", _dedicated, fill="dedicated"),
+    "cache": ReferenceStrategy("cache", _cache, fill="dedicated", caches_anchors=True),
+}
+"""Every sampler :func:`make_reference_sampler` builds; all but ``none`` are
+``rollout.ref_strategy`` names (:data:`STRATEGIES`)."""
+
+STRATEGIES = tuple(name for name in REFERENCE_STRATEGIES if name != "none")
+"""The ``rollout.ref_strategy`` names (``none``: no anchors, versions only)."""
 
 
 def make_reference_sampler(
@@ -249,28 +328,7 @@ def make_reference_sampler(
     given, else ``engine``'s ``ref`` set; ``cache`` wraps a ``cache_fill`` sampler; ``none``
     (``algo.anchor: none``) tracks the version only.
     """
-    if strategy == "none":
-        return NoReferenceSampler(ref_version)
-    if strategy == "swap":
-        if weights_fn is None:
-            raise ValueError(
-                "rollout.ref_strategy=swap needs weights_fn(which) streaming the trainer's "
-                "'policy'/'ref' weights; pass it or use ref_strategy=dedicated"
-            )
-        return SwapReferenceSampler(engine, weights_fn, ref_version)
-    if strategy == "dedicated":
-        if ref_engine is not None:
-            return DedicatedReferenceSampler(ref_engine, "policy", ref_version)
-        return DedicatedReferenceSampler(engine, "ref", ref_version)
-    if strategy == "cache":
-        if cache_fill == "cache":
-            raise ValueError("reference cache_fill must be 'swap' or 'dedicated', not 'cache'")
-        inner = make_reference_sampler(
-            cache_fill,
-            engine,
-            weights_fn=weights_fn,
-            ref_engine=ref_engine,
-            ref_version=ref_version,
-        )
-        return CachedReferenceSampler(inner)
-    raise ValueError(f"rollout.ref_strategy={strategy!r} is not one of {STRATEGIES}")
+    if strategy not in REFERENCE_STRATEGIES:
+        raise ValueError(f"rollout.ref_strategy={strategy!r} is not one of {STRATEGIES}")
+    build = REFERENCE_STRATEGIES[strategy].build
+    return build(engine, weights_fn, ref_engine, cache_fill, ref_version)

@@ -33,7 +33,7 @@ def free_port() -> int:
 def trainer_factory(tmp_path_factory):
     pytest.importorskip("transformer_engine.pytorch")
     from megatron_armor.config.schema import ArmorConfig
-    from megatron_armor.trainer.actor import MegatronTrainer
+    from megatron_armor.trainer.megatron_trainer import MegatronTrainer
 
     models = make_models(str(tmp_path_factory.mktemp("models")))
     made = []

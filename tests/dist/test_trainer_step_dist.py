@@ -74,7 +74,7 @@ def step_logprobs_vs_plain(trainer, batch) -> dict:
 
 def trainer_main(model_dir: str, out: str, port: int) -> None:
     from megatron_armor.config.schema import ArmorConfig
-    from megatron_armor.trainer.actor import MegatronTrainer
+    from megatron_armor.trainer.megatron_trainer import MegatronTrainer
 
     cfg = ArmorConfig()
     cfg.trainer.model_path, cfg.trainer.precision = model_dir, "fp32"

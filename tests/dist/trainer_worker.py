@@ -135,7 +135,7 @@ if __name__ == "__main__":
     tp, pp, distopt = int(sys.argv[7]), int(sys.argv[8]), sys.argv[9] == "1"
     extras = sys.argv[10].split(",")
     rank, world = int(rank), int(world)
-    from megatron_armor.trainer.actor import MegatronTrainer
+    from megatron_armor.trainer.megatron_trainer import MegatronTrainer
 
     models = {n: os.path.join(models_root, n) for n in ("qwen2", "qwen3", "llama")}
     trainer = MegatronTrainer(

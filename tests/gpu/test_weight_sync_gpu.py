@@ -35,7 +35,7 @@ def sibling(name: str):
 @pytest.fixture(scope="module")
 def trainer(tmp_path_factory):
     from megatron_armor.config.schema import ArmorConfig
-    from megatron_armor.trainer.actor import MegatronTrainer
+    from megatron_armor.trainer.megatron_trainer import MegatronTrainer
 
     pytest.importorskip("sglang")
     server = sibling("test_sglang_server")

@@ -65,16 +65,20 @@ def test_a_registered_estimator_gets_its_own_hyperparameter_from_the_config(toy)
     assert groups[1].advantages == pytest.approx([2.25, -0.75, -0.75, -0.75])
 
 
-def test_the_estimator_checks_its_hyperparameters(toy):
-    config = load_config(TINY, ["algo.advantage=toy", "algo.advantage_args.scale=0"])
+def test_the_estimator_checks_its_hyperparameters_at_load(toy):
     with pytest.raises(ValueError, match=r"algo.advantage_args.scale=0.*> 0"):
-        assign_configured_advantages(groups_of([[1.0, 0.0]]), config.algo)
-    config = load_config(TINY, ["algo.advantage=toy", "algo.advantage_args.temperature=2"])
+        load_config(TINY, ["algo.advantage=toy", "algo.advantage_args.scale=0"])
     with pytest.raises(ValueError, match=r"\['temperature'\] are not hyperparameters.*'toy'"):
-        assign_configured_advantages(groups_of([[1.0, 0.0]]), config.algo)
+        load_config(TINY, ["algo.advantage=toy", "algo.advantage_args.temperature=2"])
+    with pytest.raises(ValueError, match=r"algo.advantage_args=\{'scale': 'big'\}.*types"):
+        load_config(TINY, ["algo.advantage=toy", "algo.advantage_args.scale=big"])
+
+
+def test_an_unknown_argument_of_a_builtin_fails_at_load_naming_the_fix():
+    with pytest.raises(ValueError, match=r"\['bogus'\] are not hyperparameters.*'grpo'"):
+        load_config(TINY, ["algo.advantage_args.bogus=1"])
 
 
 def test_builtin_settings_keep_their_keys():
-    config = load_config(TINY, ["algo.advantage=qae", "algo.advantage_args.quantile=0.3"])
     with pytest.raises(ValueError, match="quantile is set by algo.qae_quantile"):
-        assign_configured_advantages(groups_of([[1.0, 0.0]]), config.algo)
+        load_config(TINY, ["algo.advantage=qae", "algo.advantage_args.quantile=0.3"])

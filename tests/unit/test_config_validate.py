@@ -146,6 +146,19 @@ def test_mixed_ratio_without_anchor_is_an_allowed_ablation():
     load_config(None, ["algo.anchor=none", "algo.ratio=mixed"])
 
 
+def test_rules_read_the_registry_entry_not_the_name(monkeypatch):
+    from megatron_armor.algo import registry
+    from megatron_armor.algo.anchors import AnchorMode
+
+    control = AnchorMode("control", True, inserts_anchor=False, is_filter_control=True)
+    monkeypatch.setitem(registry.ANCHOR_MODES, "control", control)
+    load_config(
+        None, ["algo.anchor=control", "algo.ratio=standard", "algo.filter_policy_samples=G-1"]
+    )
+    assert "the filter-only control trains" in _error("algo.anchor=control", "algo.ratio=mixed")
+    assert "set algo.ref_n >= 1" in _error("algo.anchor=control", "algo.ref_n=0")
+
+
 def test_ref_n_unused_without_anchor():
     load_config(None, ["algo.anchor=none", "algo.ratio=standard", "algo.ref_n=0"])
 

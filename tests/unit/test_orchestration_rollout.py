@@ -1,7 +1,7 @@
 """Unit tier: anchor rejection sampling (docs/algorithm.md, anchor rollout) with scripted in-process generators.
 
-The rollout and reward groups here are small deterministic test doubles with the same
-methods as ``orchestration.groups`` (``generate``, ``sample_reference``, ``score``): each query
+The rollout and reward actors here are small deterministic test doubles with the same
+methods as ``orchestration.actor_handles`` (``generate``, ``sample_reference``, ``score``): each query
 has a scripted number of correct policy responses and a scripted reference correctness
 sequence, so group compositions and rejection counts are known exactly.
 """

@@ -20,7 +20,7 @@ from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.config.validate import find_problems, updates_per_step
 from megatron_armor.observability.metrics import MetricsLogger, metrics_record, read_metrics
 from megatron_armor.orchestration import checkpoints, placement
-from megatron_armor.orchestration.groups import shard
+from megatron_armor.orchestration.actor_handles import shard
 from megatron_armor.orchestration.loop import minibatch_sample_ids
 from megatron_armor.orchestration.placement import (
     actor_options,
@@ -289,7 +289,7 @@ def test_every_config_file_loads(path):
 
 
 def test_reward_stats_merge_weights_means_and_adds_counters():
-    from megatron_armor.orchestration.groups import merge_reward_stats
+    from megatron_armor.orchestration.actor_handles import merge_reward_stats
 
     a = {"reward/n": 2.0, "reward/acc": 1.0, "reward/timeouts": 1.0, "reward/overlong_frac": 0.5}
     b = {"reward/n": 6.0, "reward/acc": 0.0, "reward/timeouts": 2.0, "reward/overlong_frac": 0.0}

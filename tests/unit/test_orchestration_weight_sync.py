@@ -1,10 +1,10 @@
 """Driver-side weight sync (``orchestration/weight_sync.py``): which calls each transport
-makes on the trainer and rollout groups for a policy push, a reference push, a swap and the
-recovery of dead SGLang servers, against recording stand-ins of the two groups (the groups'
+makes on the trainer and rollout actors for a policy push, a reference push, a swap and the
+recovery of dead SGLang servers, against recording stand-ins of the two handles (the handles'
 Ray calls are exercised by the e2e tier; the trainer ranks' side by the dist and gpu tiers).
 
 Every SGLang transport is checked to hand no tensor to or from the driver: the recording
-groups fail on any ``torch.Tensor`` in a call's arguments or answer, and on ``export_refs``
+stand-ins fail on any ``torch.Tensor`` in a call's arguments or answer, and on ``export_refs``
 (the object-store path, which only the embedded engine uses)."""
 
 from __future__ import annotations
@@ -214,7 +214,7 @@ def test_only_the_embedded_engine_takes_the_export_through_the_object_store():
 
 
 def test_worker_roles_follow_the_pools_on_each_node():
-    from megatron_armor.orchestration.groups import worker_roles
+    from megatron_armor.orchestration.actor_handles import worker_roles
     from megatron_armor.orchestration.placement import RolloutHost
 
     hosts = [

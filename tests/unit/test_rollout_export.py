@@ -61,7 +61,7 @@ def trainer_main(model_dir: str, samples_path: str, out_path: str, port: int) ->
     """The trainer rank: export the HF weights and compute log-probs of the engine samples."""
     from megatron_armor.config.schema import ArmorConfig
     from megatron_armor.config.validate import validate
-    from megatron_armor.trainer.actor import MegatronTrainer
+    from megatron_armor.trainer.megatron_trainer import MegatronTrainer
 
     cfg = ArmorConfig()
     cfg.trainer.model_path, cfg.trainer.precision = model_dir, "fp32"

@@ -10,6 +10,7 @@ import torch
 
 from megatron_armor.rollout.protocol import SamplingParams
 from megatron_armor.rollout.reference import (
+    STRATEGIES,
     CachedReferenceSampler,
     SwapReferenceSampler,
     make_reference_sampler,
@@ -149,3 +150,21 @@ def test_factory_errors_and_config_mapping(models):
     assert (strategy, fill) == ("cache", "dedicated")
     sampler = make_reference_sampler(strategy, engine, cache_fill=fill)
     assert isinstance(sampler, CachedReferenceSampler)
+
+
+@pytest.mark.parametrize(
+    ("ref_strategy", "anchor_source", "plan", "caches", "swaps"),
+    [
+        ("swap", "generate", ("swap", "swap"), False, True),
+        ("dedicated", "generate", ("dedicated", "dedicated"), False, False),
+        ("cache", "cache", ("cache", "dedicated"), True, False),
+        ("swap", "cache", ("cache", "swap"), True, True),
+    ],
+)
+def test_the_plan_answers_what_the_driver_asks(ref_strategy, anchor_source, plan, caches, swaps):
+    resolved = reference_strategy(ref_strategy, anchor_source)
+    assert resolved == plan
+    assert (resolved.caches_anchors, resolved.swaps_into_policy) == (caches, swaps)
+    assert set(STRATEGIES) == {"swap", "dedicated", "cache"}  # the names config accepts
+    with pytest.raises(ValueError, match="rollout.ref_strategy='bogus': unknown name"):
+        reference_strategy("bogus", anchor_source)

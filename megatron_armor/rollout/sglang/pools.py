@@ -68,8 +68,8 @@ def uses_ref_pool(config: ArmorConfig) -> bool:
     r, a = config.rollout, config.algo
     if not backend_of(config).serves_over_http or not get_anchor_mode(a.anchor).draws_reference:
         return False
-    _, fill = reference_strategy(r.ref_strategy, a.anchor_source)
-    return fill == "dedicated"  # ``dedicated`` itself, or the cache filled by it
+    # ``dedicated`` itself, or the cache filled by it
+    return not reference_strategy(r.ref_strategy, a.anchor_source).swaps_into_policy
 
 
 def policy_pool(sg: SGLangConfig, num_engines: int) -> PoolSpec:

@@ -1,8 +1,8 @@
-"""Driver-side handles on the actor groups: each method is one verb of the RL loop.
+"""Driver-side handles on the Ray actors: each method is one verb of the RL loop.
 
-:class:`TrainerGroup` fans a call out to every trainer rank and combines the answers
+:class:`TrainerActors` fans a call out to every trainer rank and combines the answers
 (per-token tensors are summed over reporting ranks, see ``trainer/interface.py``);
-:class:`RolloutGroup` shards prompts over the engines; :class:`RewardGroup` shards samples
+:class:`RolloutActors` shards prompts over the engines; :class:`RewardActors` shards samples
 over the scoring workers. Every wait is bounded (``ARMOR_CALL_TIMEOUT_S``, default 3600 s;
 start-up by ``orchestration.ray_init_timeout_s``), so a dead or hung actor fails the run
 with a message instead of hanging it.
@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from megatron_armor.algo.registry import get_anchor_mode
 from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.orchestration.placement import (
     LayoutPlan,
@@ -74,18 +75,18 @@ def merge_reward_stats(a: dict[str, float], b: dict[str, float]) -> dict[str, fl
     return out
 
 
-def close_groups(groups: list) -> None:
-    """Close each actor group (trainer, rollout: its SGLang servers, reward), then kill its
-    actors; best effort, so a failing close never hides the error that ended the run."""
+def close_actors(handles: list) -> None:
+    """Close each handle's actors (trainer, rollout: its SGLang servers, reward), then kill
+    them; best effort, so a failing close never hides the error that ended the run."""
     import ray
 
-    for group in groups:
+    for handle in handles:
         try:
-            group.close()
+            handle.close()
         except Exception as err:  # noqa: BLE001 - report and keep shutting down
-            print(f"warning: closing {type(group).__name__} failed: {err}", flush=True)
-    for group in groups:
-        for actor in group.actors:
+            print(f"warning: closing {type(handle).__name__} failed: {err}", flush=True)
+    for handle in handles:
+        for actor in handle.actors:
             ray.kill(actor)
 
 
@@ -109,7 +110,7 @@ def _sum_parts(parts: list) -> torch.Tensor:
     return torch.stack(parts).sum(0) if len(parts) > 1 else parts[0]
 
 
-class TrainerGroup:
+class TrainerActors:
     """All trainer ranks (``trainer.world_size``)."""
 
     def __init__(
@@ -246,7 +247,7 @@ def worker_roles(hosts: list[RolloutHost], has_ref_pool: bool) -> tuple[list[int
     return policy, reference
 
 
-class RolloutGroup:
+class RolloutActors:
     """All rollout workers; prompts are split contiguously, worker ``i`` seeded ``seed + i``.
 
     With the embedded engine every worker serves both the policy and the reference. With
@@ -266,9 +267,9 @@ class RolloutGroup:
     ):
         self.actors = []
         self.has_ref_pool = uses_ref_pool(config)
-        self.caches_anchors = config.algo.anchor != "none" and (
-            reference_strategy(config.rollout.ref_strategy, config.algo.anchor_source)[0] == "cache"
-        )
+        served = reference_strategy(config.rollout.ref_strategy, config.algo.anchor_source)
+        anchors = get_anchor_mode(config.algo.anchor).draws_reference
+        self.caches_anchors = anchors and served.caches_anchors
         self.weight_sync = None  # set by the session (orchestration/weight_sync.py)
         if hosts:
             for i, host in enumerate(hosts):
@@ -474,7 +475,7 @@ class RolloutGroup:
         )
 
 
-class RewardGroup:
+class RewardActors:
     """All scoring workers; :meth:`score` sets ``score`` and ``acc`` in place."""
 
     def __init__(self, config: ArmorConfig, plan: LayoutPlan):
@@ -502,33 +503,33 @@ class RewardGroup:
 
 
 class RemoteEngine(RolloutEngine):
-    """A :class:`RolloutEngine` view of a :class:`RolloutGroup` (for ``evaluation.evaluate``)."""
+    """A :class:`RolloutEngine` view of a :class:`RolloutActors` (for ``evaluation.evaluate``)."""
 
-    def __init__(self, group: RolloutGroup, default_seed: int | None = None):
-        self.group, self.default_seed = group, default_seed
+    def __init__(self, actors: RolloutActors, default_seed: int | None = None):
+        self.actors, self.default_seed = actors, default_seed
 
     def generate(self, prompts, n, params: SamplingParams, weights: str = "policy"):
         if params.seed is None and self.default_seed is not None:
             params = dataclasses.replace(params, seed=self.default_seed)
-        return self.group.generate_raw(prompts, n, params, weights)
+        return self.actors.generate_raw(prompts, n, params, weights)
 
     def update_weights(
         self, named_tensors: Iterable, version: int, weights: str = "policy"
     ) -> None:
-        raise NotImplementedError("RemoteEngine is read-only; sync weights through RolloutGroup")
+        raise NotImplementedError("RemoteEngine is read-only; sync weights through RolloutActors")
 
     def weight_version(self, weights: str = "policy") -> int:
-        return self.group.weight_versions()[0][weights]
+        return self.actors.weight_versions()[0][weights]
 
     def health(self) -> bool:
         return True
 
 
 class RemoteScorer:
-    """A scorer view of a :class:`RewardGroup` (``score`` in place, returns stats)."""
+    """A scorer view of a :class:`RewardActors` (``score`` in place, returns stats)."""
 
-    def __init__(self, group: RewardGroup):
-        self.group = group
+    def __init__(self, actors: RewardActors):
+        self.actors = actors
 
     def score(self, samples: list[Sample]) -> dict[str, Any]:
-        return self.group.score(samples)
+        return self.actors.score(samples)
