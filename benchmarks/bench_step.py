@@ -92,6 +92,9 @@ def timed_step(session, rollout, step: int) -> dict[str, float]:
             "train_compute_s": train_s, "engine_compute_s": engine_s,
             "cache_hits": metrics.get("anchor/cache_hits", 0.0),
             "cache_misses": metrics.get("anchor/cache_misses", 0.0),
+            "gen_batches": metrics["anchor/gen_batches"],
+            "queries_seen": metrics["anchor/queries_seen"],
+            "no_ref_correct": metrics["anchor/rejected_no_ref_correct"],
             **{f"phase_{k}": v for k, v in phases.items()}}  # fmt: skip
 
 
@@ -133,7 +136,10 @@ def run_rounds(configs: dict, rounds: int) -> dict[str, list[dict[str, float]]]:
                 rec = timed_step(sessions[name], rollouts[name], r + 2)
                 records[name].append(rec)
                 print(f"round {r + 1} {name}: {rec['step_s']:.2f}s, {rec['tokens']:.0f} tokens, "
-                      f"compute {rec['compute_s']:.2f}s", flush=True)  # fmt: skip
+                      f"compute {rec['compute_s']:.2f}s, {rec['gen_batches']:.0f} generation "
+                      f"batches, {rec['queries_seen']:.0f} queries seen, "
+                      f"{rec['no_ref_correct']:.0f} rejected without a correct reference",
+                      flush=True)  # fmt: skip
     finally:
         for s in sessions.values():
             s.close(shutdown_ray=False)
