@@ -8,7 +8,8 @@ ARMOR, ``ref_n = 4``) with the same ``B``. Two sets (``--set``):
   reference anchors every step), ``filter_only`` (rule (b) without the anchor).
 - ``cache``: on a recurring-query config (the first ``--recurring`` training queries, so each
   recurs every few steps within a reset period, as the paper's 17k queries do at 512 per step
-  over 160 steps): ``dapo`` and ``armor-cache`` (``algo.anchor_source=cache``).
+  over 160 steps): ``dapo``, ``armor`` (fresh anchors on the same queries) and
+  ``armor-cache`` (``algo.anchor_source=cache``).
 
 After one warm-up step each, every round runs one step of every variant, the order rotated by
 one per round, so load changes on a shared machine hit every variant alike. Per round and
@@ -41,6 +42,7 @@ SETS = {
     },
     "cache": {
         "dapo": ["algo.anchor=none", "algo.ratio=standard"],
+        "armor": ["algo.anchor=armor", "algo.anchor_source=generate"],
         "armor-cache": ["algo.anchor=armor", "algo.anchor_source=cache"],
     },
     "overlap": {

@@ -30,7 +30,10 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 WORKER_START_TIMEOUT_S = 120.0
-MAX_CHUNK = 16
+MAX_CHUNK = 64
+"""Most jobs per chunk. A worker takes its next chunk only after answering the last, so each
+chunk costs a round trip through both processes (a few ms on a loaded machine): with fast
+verifiers (the DAPO rule: ~5 us an answer) that round trip, not the verifying, is the time."""
 
 
 @dataclass(frozen=True)
