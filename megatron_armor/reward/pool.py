@@ -217,7 +217,7 @@ class ScoringPool:
         stats = PoolStats()
         verdicts: list[Verdict | None] = [None] * len(jobs)
         pending = deque(range(len(jobs)))
-        chunk_size = max(1, min(MAX_CHUNK, math.ceil(len(jobs) / (4 * self.num_workers))))
+        chunk_size = self.chunk_size(len(jobs))
         self._ensure_workers()
         try:
             while pending or any(w.busy for w in self._workers):
@@ -230,6 +230,13 @@ class ScoringPool:
             raise
         stats.seconds = time.monotonic() - start
         return [v for v in verdicts if v is not None], stats
+
+    def chunk_size(self, jobs: int) -> int:
+        """Jobs per chunk: a quarter of a worker's share, so the workers stay balanced when
+        answers differ in cost; all of it (up to :data:`MAX_CHUNK`) for a single worker,
+        which has nobody to balance with and would only pay more round trips."""
+        splits = 4 * self.num_workers if self.num_workers > 1 else 1
+        return max(1, min(MAX_CHUNK, math.ceil(jobs / splits)))
 
     def _dispatch(self, jobs: list[Job], pending: deque[int], chunk_size: int) -> None:
         """Give a chunk to every ready, idle worker."""

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_armor.reward import RewardScorer, auto_verifier, overlong_penalty
-from megatron_armor.reward.pool import Job
+from megatron_armor.reward.pool import Job, ScoringPool
 from megatron_armor.types import Sample
 
 pytestmark = pytest.mark.unit
@@ -181,6 +181,14 @@ def test_dead_worker_marks_its_item_and_the_batch_completes(scorer):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("workers", "jobs", "size"),
+    [(1, 40, 40), (1, 256, 64), (1, 1000, 64), (2, 40, 5), (2, 256, 32), (2, 1000, 64)],
+)
+def test_chunks_balance_several_workers_and_spare_a_single_one_round_trips(workers, jobs, size):
+    assert ScoringPool(num_workers=workers).chunk_size(jobs) == size
+
+
 def test_thousand_answers_in_parallel(scorer):
     cases = [
         ("Answer: {n}", "{n}", "math_dapo", True),
