@@ -239,17 +239,16 @@ class AnchorRollout:
 
     def _score_reference(self, items: list, drawn: list[list[Sample]]) -> dict:
         """Score the reference samples not already ``scored`` (cached anchors keep the reward
-        they were given when drawn); with the anchor cache, it remembers the new scores."""
-        fresh = [i for i, row in enumerate(drawn) if any(not s.scored for s in row)]
-        unscored = [s for i in fresh for s in drawn[i] if not s.scored]
+        they were given when drawn); with the anchor cache, the workers then remember the
+        scores of every row of the call (hits again, unchanged: the rows go to the workers
+        sharded exactly as the ``sample_reference`` call that drew them)."""
+        unscored = [s for row in drawn for s in row if not s.scored]
         if not unscored:
             return {}
         with self.timers.phase("score"):
             stats = self.reward.score(unscored)
-        if fresh and self.caches_anchors:
-            self.rollout.remember_reference_scores(
-                [items[i] for i in fresh], [drawn[i] for i in fresh]
-            )
+        if self.caches_anchors:
+            self.rollout.remember_reference_scores(items, drawn)
         return stats
 
     def _accept(self, items, policy, reference, gen_batch: int, result: RolloutResult) -> None:

@@ -338,8 +338,9 @@ class RolloutGroup:
             return self._fan_out(self.reference_actors, "sample_reference", items, n, params=params)
 
     def remember_reference_scores(self, items: list, rows: list[list[Sample]]) -> None:
-        """The anchor cache keeps the scores of ``rows``, the reference samples just drawn for
-        ``items`` (sharded over the workers as :meth:`sample_reference` did)."""
+        """The anchor cache keeps the scores of ``rows``, the reference samples a
+        :meth:`sample_reference` call just returned for the same ``items`` (sharded alike, so
+        each worker gets the rows of its own cache)."""
         workers = len(self.reference_actors)
         ids = shard([it.query_id for it in items], workers)
         scores = shard([[(s.score, s.acc) for s in row] for row in rows], workers)

@@ -220,9 +220,11 @@ class CachedReferenceSampler(ReferenceSampler):
         for q, row in zip(query_ids, scores, strict=True):
             entry = self.cache.get(q)
             if entry is None or len(entry.outputs) < len(row):
+                held = 0 if entry is None else len(entry.outputs)
                 raise KeyError(
                     f"reference cache: scores for {len(row)} samples of query_id {q!r}, which "
-                    "holds fewer; remember scores right after the sample() call that drew them"
+                    f"holds {held}; remember the scores of the rows a sample() call of this "
+                    "cache returned, before the next reset"
                 )
             entry.scores = [(float(s), bool(a)) for s, a in row]
 

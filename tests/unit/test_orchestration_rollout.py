@@ -318,9 +318,12 @@ class RememberingRollout(CachedRollout):
     def sample_reference(self, items, n, params):
         rows = super().sample_reference(items, n, params)
         set_remembered_scores(rows, self.cache.scores([it.query_id for it in items], n))
+        self.last_reference_ids = [it.query_id for it in items]
         return rows
 
     def remember_reference_scores(self, items, rows):
+        # the rows of the whole call: the real group shards them as it sharded the call
+        assert [it.query_id for it in items] == self.last_reference_ids
         self.calls.append(("remember", len(items)))
         self.cache.remember_scores([it.query_id for it in items],
                                    [[(s.score, s.acc) for s in row] for row in rows])  # fmt: skip
