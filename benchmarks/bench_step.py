@@ -8,7 +8,8 @@ ARMOR, ``ref_n = 4``) with the same ``B``. Two sets (``--set``):
   reference anchors every step), ``filter_only`` (rule (b) without the anchor).
 - ``cache``: on a recurring-query config (the first ``--recurring`` training queries, so each
   recurs every few steps within a reset period, as the paper's 17k queries do at 512 per step
-  over 160 steps): ``dapo`` and ``armor-cache`` (``algo.anchor_source=cache``).
+  over 160 steps): ``dapo``, ``armor`` (fresh anchors on the same queries) and
+  ``armor-cache`` (``algo.anchor_source=cache``).
 
 After one warm-up step each, every round runs one step of every variant, the order rotated by
 one per round, so load changes on a shared machine hit every variant alike. Per round and
@@ -41,6 +42,7 @@ SETS = {
     },
     "cache": {
         "dapo": ["algo.anchor=none", "algo.ratio=standard"],
+        "armor": ["algo.anchor=armor", "algo.anchor_source=generate"],
         "armor-cache": ["algo.anchor=armor", "algo.anchor_source=cache"],
     },
     "overlap": {
@@ -92,6 +94,9 @@ def timed_step(session, rollout, step: int) -> dict[str, float]:
             "train_compute_s": train_s, "engine_compute_s": engine_s,
             "cache_hits": metrics.get("anchor/cache_hits", 0.0),
             "cache_misses": metrics.get("anchor/cache_misses", 0.0),
+            "gen_batches": metrics["anchor/gen_batches"],
+            "queries_seen": metrics["anchor/queries_seen"],
+            "no_ref_correct": metrics["anchor/rejected_no_ref_correct"],
             **{f"phase_{k}": v for k, v in phases.items()}}  # fmt: skip
 
 
@@ -133,7 +138,10 @@ def run_rounds(configs: dict, rounds: int) -> dict[str, list[dict[str, float]]]:
                 rec = timed_step(sessions[name], rollouts[name], r + 2)
                 records[name].append(rec)
                 print(f"round {r + 1} {name}: {rec['step_s']:.2f}s, {rec['tokens']:.0f} tokens, "
-                      f"compute {rec['compute_s']:.2f}s", flush=True)  # fmt: skip
+                      f"compute {rec['compute_s']:.2f}s, {rec['gen_batches']:.0f} generation "
+                      f"batches, {rec['queries_seen']:.0f} queries seen, "
+                      f"{rec['no_ref_correct']:.0f} rejected without a correct reference",
+                      flush=True)  # fmt: skip
     finally:
         for s in sessions.values():
             s.close(shutdown_ray=False)

@@ -40,6 +40,9 @@ class Sample:
     response_text: str = ""
     ground_truth: str = ""
     data_source: str = ""
+    scored: bool = False
+    """``score`` and ``acc`` were set before the reward step: a cached anchor's reward,
+    remembered from when it was drawn (``rollout/reference.py``, anchor cache); not scored again."""
 
     @property
     def response_len(self) -> int:

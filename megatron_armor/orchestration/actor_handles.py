@@ -338,6 +338,17 @@ class RolloutActors:
         with swapped:
             return self._fan_out(self.reference_actors, "sample_reference", items, n, params=params)
 
+    def remember_reference_scores(self, items: list, rows: list[list[Sample]]) -> None:
+        """The anchor cache keeps the scores of ``rows``, the reference samples a
+        :meth:`sample_reference` call just returned for the same ``items`` (sharded alike, so
+        each worker gets the rows of its own cache)."""
+        workers = len(self.reference_actors)
+        ids = shard([it.query_id for it in items], workers)
+        scores = shard([[(s.score, s.acc) for s in row] for row in rows], workers)
+        refs = [actor.remember_reference_scores.remote(q, sc)
+                for actor, q, sc in zip(self.reference_actors, ids, scores, strict=True) if q]  # fmt: skip
+        wait(refs, "rollout reference scores")
+
     def generate_raw(self, prompts, n, params, weights="policy") -> list[list[GenerationOutput]]:
         return self._fan_out(
             self.policy_actors, "generate_raw", prompts, n, params=params, weights=weights

@@ -3,7 +3,8 @@
 Per generation batch: ``n_on`` policy samples per query, scored; then, for ``armor`` /
 ``filter_only``, ``algo.ref_n`` reference samples (same sampling settings) only for the
 queries whose on-policy group passes rule (a) — the others are rejected whatever the
-reference does, so sampling it for them would be wasted — scored too;
+reference does, so sampling it for them would be wasted — scored too (with the anchor cache,
+only the fresh ones: a cached anchor keeps the reward it got when drawn);
 :func:`~megatron_armor.algo.anchors.select_group` accepts or rejects each query. Batches
 are drawn until ``rollout.batch`` (``B``) groups are accepted, the first ``B`` are kept, and
 after ``algo.max_gen_batches`` batches without enough groups the step fails with the
@@ -119,6 +120,15 @@ def overlap_parts(config) -> int:
     return 1 if driver_swaps and not uses_ref_pool(config) else config.rollout.reference_parts
 
 
+def caches_anchors(config) -> bool:
+    """Whether reference samples come through the anchor cache (``algo.anchor_source: cache``
+    or ``rollout.ref_strategy: cache``) in a run that draws them."""
+    from megatron_armor.rollout.reference import reference_strategy
+
+    strategy, _ = reference_strategy(config.rollout.ref_strategy, config.algo.anchor_source)
+    return strategy == "cache" and get_anchor_mode(config.algo.anchor).draws_reference
+
+
 def passes_rule_a(policy: list[Sample], mode: str, weak_filter: bool) -> bool:
     """Whether a query's on-policy group passes rule (a), so its acceptance depends on the
     reference (rule (b)): with no reference samples, exactly those queries are rejected for
@@ -171,6 +181,7 @@ class AnchorRollout:
         self.rollout, self.reward = rollout_group, reward_group
         self.progress = progress
         self.parts = overlap_parts(config)
+        self.caches_anchors = caches_anchors(config)
         s = config.rollout.sampling
         self.params = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                                      max_new_tokens=s.max_new_tokens)  # fmt: skip
@@ -223,9 +234,23 @@ class AnchorRollout:
             drawn = self.rollout.sample_reference(
                 [items[i] for i in wanted], self.algo.ref_n, params
             )
+        return dict(zip(wanted, drawn, strict=True)), merge_reward_stats(
+            stats, self._score_reference([items[i] for i in wanted], drawn)
+        )
+
+    def _score_reference(self, items: list, drawn: list[list[Sample]]) -> dict:
+        """Score the reference samples not already ``scored`` (cached anchors keep the reward
+        they were given when drawn); with the anchor cache, the workers then remember the
+        scores of every row of the call (hits again, unchanged: the rows go to the workers
+        sharded exactly as the ``sample_reference`` call that drew them)."""
+        unscored = [s for row in drawn for s in row if not s.scored]
+        if not unscored:
+            return {}
         with self.timers.phase("score"):
-            ref_stats = self.reward.score([s for row in drawn for s in row])
-        return dict(zip(wanted, drawn, strict=True)), merge_reward_stats(stats, ref_stats)
+            stats = self.reward.score(unscored)
+        if self.caches_anchors:
+            self.rollout.remember_reference_scores(items, drawn)
+        return stats
 
     def _accept(self, items, policy, reference, gen_batch: int, result: RolloutResult) -> None:
         for item, pol, ref in zip(items, policy, reference, strict=True):

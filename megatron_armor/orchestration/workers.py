@@ -257,6 +257,15 @@ def to_samples(
     return result
 
 
+def set_remembered_scores(rows: list[list[Sample]], scores: list[list | None]) -> None:
+    """Give each row's samples the anchor cache's ``(score, acc)`` and mark them ``scored``
+    (rows whose scores are ``None`` stay unscored)."""
+    for row, row_scores in zip(rows, scores, strict=True):
+        if row_scores is not None:
+            for sample, (score, acc) in zip(row, row_scores, strict=True):
+                sample.score, sample.acc, sample.scored = score, acc, True
+
+
 class RolloutWorker:
     """One rollout engine and its reference sampler (docs/algorithm.md, anchor rollout step 2).
 
@@ -350,12 +359,20 @@ class RolloutWorker:
         return self.engine.generate(prompts, n, params, weights)
 
     def sample_reference(self, items: list, n: int, params: SamplingParams) -> list[list[Sample]]:
-        """``n`` reference samples per item, in generation order (fresh or cached)."""
+        """``n`` reference samples per item, in generation order (fresh or cached); cached
+        samples whose reward the cache remembers come back ``scored``."""
+        query_ids = [it.query_id for it in items]
         with nvtx_range("rollout/reference"), self.clock.measure():
-            outputs = self.reference.sample(
-                [it.query_id for it in items], [it.prompt_ids for it in items], n, params
-            )
-        return to_samples(items, outputs, SampleSource.REFERENCE, self.tokenizer)
+            outputs = self.reference.sample(query_ids, [it.prompt_ids for it in items], n, params)
+        samples = to_samples(items, outputs, SampleSource.REFERENCE, self.tokenizer)
+        remembered = getattr(self.reference, "scores", None)  # the anchor cache
+        if remembered is not None:
+            set_remembered_scores(samples, remembered(query_ids, n))
+        return samples
+
+    def remember_reference_scores(self, query_ids: list[str], scores: list[list]) -> None:
+        """Keep the driver's ``(score, acc)`` of freshly cached reference samples (anchor cache)."""
+        self.reference.remember_scores(query_ids, scores)
 
     def compute_seconds(self) -> float:
         """Seconds in engine generation (policy and reference) since the last call."""

@@ -28,8 +28,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import lru_cache
 
 TAIL_CHARS = 300
+NORMALIZED_CACHE = 8192
+"""Answers whose normalization :func:`normalize_answer` remembers (least recently used out)."""
 ANSWER_LINE = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
 
 SUBSTITUTIONS = (
@@ -80,8 +83,11 @@ def extract_answer(response: str) -> str | None:
     return matches[-1] if matches else None
 
 
+@lru_cache(maxsize=NORMALIZED_CACHE)
 def normalize_answer(answer: str) -> str:
-    """Minerva normalization of a final answer (see the module docstring for the steps)."""
+    """Minerva normalization of a final answer (see the module docstring for the steps).
+    A pure function of the string, memoized: a batch repeats its ground truths (one per
+    query, ``G`` samples each) and many of its answers."""
     text = answer.split("=")[-1]
     for before, after in SUBSTITUTIONS:
         text = text.replace(before, after)

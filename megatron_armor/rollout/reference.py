@@ -8,7 +8,8 @@ Three strategies, chosen by ``rollout.ref_strategy``:
   set) or in a separate engine pool; it is synced only at a reset (and at start / resume).
 - ``cache``: anchors for a query are generated once per reference period and reused until
   the next reset, which invalidates the cache (the review's replay idea). Misses are filled
-  by an inner ``dedicated`` (default) or ``swap`` sampler.
+  by an inner ``dedicated`` (default) or ``swap`` sampler. The cache also keeps the
+  ``(score, acc)`` the driver gave its samples, so a hit is not scored again.
 
 Every strategy returns :class:`GenerationOutput` objects whose ``weight_version`` is the
 reference version (the step of the last reset). The reference version and the anchor cache
@@ -140,17 +141,52 @@ class DedicatedReferenceSampler(ReferenceSampler):
         return self.engine.generate(prompts, n, params, weights=self.weights)
 
 
+Scores = list[tuple[float, bool]]
+"""``(score, acc)`` of each cached reference sample, in generation order."""
+
+
+@dataclass
+class CacheEntry:
+    """One query's cached reference samples; ``scores`` once the driver scored them."""
+
+    prompt: list[int]
+    outputs: list[GenerationOutput]
+    scores: Scores | None = None
+
+
+def _entry_tensors(entry: CacheEntry) -> dict:
+    saved = {"prompt": torch.tensor(entry.prompt, dtype=torch.int32),
+             "outputs": [_output_tensors(o) for o in entry.outputs]}  # fmt: skip
+    if entry.scores is not None:
+        saved["score"] = torch.tensor([s for s, _ in entry.scores], dtype=torch.float64)
+        saved["acc"] = torch.tensor([a for _, a in entry.scores], dtype=torch.bool)
+    return saved
+
+
+def _entry_from(saved: dict) -> CacheEntry:
+    """A saved entry (checkpoints before the scores were kept have none: scored again)."""
+    scores = None
+    if "score" in saved:
+        scores = list(zip(_as_list(saved["score"]), map(bool, _as_list(saved["acc"])), strict=True))
+    return CacheEntry(
+        _as_list(saved["prompt"]), [_output_from(o) for o in saved["outputs"]], scores
+    )
+
+
 class CachedReferenceSampler(ReferenceSampler):
     """``cache``: per query, the first ``n`` reference samples of this reference period.
 
     Cache entries are keyed by query id and remember the prompt (a different prompt under the
-    same id is an error). ``hits``/``misses`` count queries for the logs.
+    same id is an error) and, once :meth:`remember_scores` recorded them, the samples'
+    ``(score, acc)``: the reward of a response is fixed within a run, so a hit reuses them
+    instead of scoring the same responses again (:meth:`scores`). ``hits``/``misses`` count
+    queries for the logs.
     """
 
     def __init__(self, inner: ReferenceSampler) -> None:
         super().__init__(inner.ref_version)
         self.inner = inner
-        self.cache: dict[str, tuple[list[int], list[GenerationOutput]]] = {}
+        self.cache: dict[str, CacheEntry] = {}
         self.hits = 0
         self.misses = 0
 
@@ -165,10 +201,30 @@ class CachedReferenceSampler(ReferenceSampler):
                 [query_ids[i] for i in missing], [prompts[i] for i in missing], n, params
             )
             for i, outputs in zip(missing, fresh, strict=True):
-                self.cache[query_ids[i]] = (list(prompts[i]), outputs)
+                self.cache[query_ids[i]] = CacheEntry(list(prompts[i]), outputs)
         self.hits += len(query_ids) - len(missing)
         self.misses += len(missing)
-        return [list(self.cache[q][1][:n]) for q in query_ids]
+        return [list(self.cache[q].outputs[:n]) for q in query_ids]
+
+    def scores(self, query_ids: list[str], n: int) -> list[Scores | None]:
+        """The remembered ``(score, acc)`` of each query's first ``n`` cached samples
+        (``None``: not cached, or not scored yet)."""
+        entries = [self.cache.get(q) for q in query_ids]
+        return [e.scores[:n] if e is not None and e.scores is not None else None for e in entries]
+
+    def remember_scores(self, query_ids: list[str], scores: list[Scores]) -> None:
+        """Record the driver's ``(score, acc)`` of the cached samples of ``query_ids`` (the
+        first ``len(row)`` of each entry), valid until the next reset drops the entry."""
+        for q, row in zip(query_ids, scores, strict=True):
+            entry = self.cache.get(q)
+            if entry is None or len(entry.outputs) < len(row):
+                held = 0 if entry is None else len(entry.outputs)
+                raise KeyError(
+                    f"reference cache: scores for {len(row)} samples of query_id {q!r}, which "
+                    f"holds {held}; remember the scores of the rows a sample() call of this "
+                    "cache returned, before the next reset"
+                )
+            entry.scores = [(float(s), bool(a)) for s, a in row]
 
     def uncached(self, query_ids: list[str], prompts: list[list[int]], n: int) -> int:
         """How many of the queries :meth:`sample` would generate afresh (not cached)."""
@@ -178,41 +234,35 @@ class CachedReferenceSampler(ReferenceSampler):
         entry = self.cache.get(query_id)
         if entry is None:
             return False
-        if entry[0] != list(prompt):
+        if entry.prompt != list(prompt):
             raise ValueError(
                 f"reference cache: query_id {query_id!r} came with a different prompt than the "
                 "cached one; query ids must identify prompts uniquely"
             )
-        return len(entry[1]) >= n
+        return len(entry.outputs) >= n
 
     def load_reference(self, version, named_tensors_fn):
         self.inner.load_reference(version, named_tensors_fn)
         super().load_reference(version, named_tensors_fn)
 
     def on_reset(self, version, named_tensors_fn):
-        """Reset: load the new reference and drop every cached anchor."""
+        """Reset: load the new reference and drop every cached anchor (and its scores)."""
         self.inner.on_reset(version, named_tensors_fn)
         self.cache.clear()
         super().load_reference(version, named_tensors_fn)
 
     def state_dict(self) -> dict:
         """The cache as tensors (token ids int32 ``[len]``, log-probs float64 ``[len]`` — the
-        Python floats exactly), so a checkpoint stores 4 / 8 bytes per token and loads with
+        Python floats exactly — and, once scored, ``score`` float64 / ``acc`` bool ``[n]``),
+        so a checkpoint stores 4 / 8 bytes per token and loads with
         ``torch.load(weights_only=True)``."""
-        cache = {
-            q: {"prompt": torch.tensor(p, dtype=torch.int32),
-                "outputs": [_output_tensors(o) for o in outs]}
-            for q, (p, outs) in self.cache.items()
-        }  # fmt: skip
+        cache = {q: _entry_tensors(e) for q, e in self.cache.items()}
         return {"ref_version": self.ref_version, "cache": cache, "inner": self.inner.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         self.inner.load_state_dict(state["inner"])
-        self.cache = {
-            q: (_as_list(e["prompt"]), [_output_from(o) for o in e["outputs"]])
-            for q, e in state["cache"].items()
-        }
+        self.cache = {q: _entry_from(e) for q, e in state["cache"].items()}
 
     def metrics(self) -> dict[str, float]:
         """``anchor/cache_hits``, ``anchor/cache_misses``, ``anchor/cache_size`` so far."""

@@ -20,6 +20,7 @@ from megatron_armor.data.sampler import ResumableSampler
 from megatron_armor.orchestration.anchor_rollout import (
     AcceptanceError,
     AnchorRollout,
+    caches_anchors,
     derive_seed,
     followup_size,
     reference_parts,
@@ -31,6 +32,7 @@ from megatron_armor.orchestration.step_metrics import (
     rollout_metrics,
     write_anchor_file,
 )
+from megatron_armor.orchestration.workers import set_remembered_scores
 from megatron_armor.rollout.protocol import GenerationOutput
 from megatron_armor.rollout.reference import CachedReferenceSampler, ReferenceSampler
 from megatron_armor.types import Sample, SampleSource, pack_groups
@@ -308,6 +310,64 @@ def test_anchor_cache_hits_queries_that_recur_within_a_reset_period():
     m = rollout.cache.metrics()
     assert (m["anchor/cache_hits"], m["anchor/cache_misses"]) == (4.0, 8.0)
     assert anchors[3] == anchors[1] and anchors[5] != anchors[1]  # cached, then fresh again
+
+
+class RememberingRollout(CachedRollout):
+    """:class:`CachedRollout` that hands out remembered scores as ``RolloutWorker`` does."""
+
+    def sample_reference(self, items, n, params):
+        rows = super().sample_reference(items, n, params)
+        set_remembered_scores(rows, self.cache.scores([it.query_id for it in items], n))
+        self.last_reference_ids = [it.query_id for it in items]
+        return rows
+
+    def remember_reference_scores(self, items, rows):
+        # the rows of the whole call: the real group shards them as it sharded the call
+        assert [it.query_id for it in items] == self.last_reference_ids
+        self.calls.append(("remember", len(items)))
+        self.cache.remember_scores([it.query_id for it in items],
+                                   [[(s.score, s.acc) for s in row] for row in rows])  # fmt: skip
+
+
+class CountingReward(ScriptedReward):
+    def __init__(self):
+        self.scored = []
+
+    def score(self, samples):
+        self.scored.extend(s.source for s in samples)
+        return super().score(samples)
+
+
+def test_cached_anchors_are_scored_once_per_reset_period():
+    """With the anchor cache, a query's reference samples are scored when drawn, remembered
+    by the cache, and a hit reuses them: the same groups as scoring them again, and no
+    reference sample goes to the scorer twice until the reset drops the cache."""
+    queries = ("q0", "q1", "q2", "q3", "q4", "q5")
+    runs = {}
+    for remembering in (False, True):
+        runner, _ = make("armor", batch=1, gen_batch=3, queries=queries)
+        runner.caches_anchors = remembering
+        rollout = runner.rollout = RememberingRollout() if remembering else CachedRollout()
+        reward = runner.reward = CountingReward()
+        groups = []
+        for step in range(1, 7):
+            groups.append(group_keys(runner.collect(step).groups))
+            if step == 4:
+                rollout.cache.on_reset(4, None)
+        runs[remembering] = (groups, reward.scored.count(SampleSource.REFERENCE), rollout.calls)
+    assert runs[True][0] == runs[False][0]
+    # 12 look-ups of 3 samples each; the 4 hits (steps 3-4) are not scored again
+    assert (runs[False][1], runs[True][1]) == (12 * 3, 8 * 3)
+    assert sum(c[0] == "remember" for c in runs[True][2]) == 4  # only after fresh draws
+    assert caches_anchors(make_config(anchor_source="cache"))
+    assert not caches_anchors(make_config(anchor="none", anchor_source="cache"))
+    assert not caches_anchors(make_config())
+
+
+def make_config(anchor="armor", anchor_source="generate") -> ArmorConfig:
+    cfg = ArmorConfig()
+    cfg.algo.anchor, cfg.algo.anchor_source = anchor, anchor_source
+    return cfg
 
 
 def test_reference_parts_are_contiguous_slices_and_keep_repeated_queries_together():

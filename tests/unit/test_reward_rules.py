@@ -100,6 +100,15 @@ def test_dapo_extraction_and_normalization_details():
     assert normalize_answer(" 1,000 ") == "1000"
 
 
+def test_normalization_is_memoized_per_string():
+    """A batch repeats its ground truths and many answers: each string is normalized once."""
+    normalize_answer.cache_clear()
+    verdicts = [score_dapo(f"Answer: {a}", "1,000") for a in ("1000", "1,000", "1000", "$1000$")]
+    assert [v.correct for v in verdicts] == [True, True, True, True]
+    info = normalize_answer.cache_info()
+    assert (info.misses, info.hits) == (3, 5)  # "1000", "1,000", "$1000$" once each
+
+
 # (response, ground truth, expected verdict of math-verify)
 MATH_VERIFY_CASES = [
     ("Answer: 0.5", "\\frac{1}{2}", True),

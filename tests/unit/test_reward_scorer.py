@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_armor.reward import RewardScorer, auto_verifier, overlong_penalty
-from megatron_armor.reward.pool import Job
+from megatron_armor.reward.pool import Job, ScoringPool
 from megatron_armor.types import Sample
 
 pytestmark = pytest.mark.unit
@@ -178,6 +178,43 @@ def test_dead_worker_marks_its_item_and_the_batch_completes(scorer):
     assert verdicts[0].status == "error" and not verdicts[0].correct
     assert stats.errors == 1 and stats.worker_restarts == 1
     assert all(v.correct and v.status == "ok" for v in verdicts[1:])
+
+
+@pytest.mark.timeout(60)
+def test_worker_stopped_mid_chunk_loses_only_the_item_under_way(scorer):
+    """Stopped (as in a C call that never yields) after verifying items it has not sent yet,
+    a worker is killed; the shared index names the item it was on (a timeout), the unsent
+    answers are verified again, every other verdict is right."""
+    pool = scorer.pool
+    pool.start()  # both workers up and ready; the first chunk (items 0-4) goes to worker 0
+    worker = pool._workers[0]
+    # math-verify takes milliseconds an answer: the stop lands before the chunk's end
+    jobs = [Job("math_verify", f"Answer: {i}/2", f"\\frac{{{i}}}{{2}}") for i in range(40)]
+
+    def stop_at_item(index: int) -> None:
+        deadline = time.monotonic() + 30
+        while worker.current.value < index and time.monotonic() < deadline:
+            time.sleep(0)  # the worker writes the index before each item
+        os.kill(worker.process.pid, signal.SIGSTOP)
+
+    stopper = threading.Thread(target=stop_at_item, args=(2,))
+    stopper.start()
+    try:
+        verdicts, stats = pool.run(jobs)
+    finally:
+        stopper.join()
+    timed_out = [i for i, v in enumerate(verdicts) if v.status == "timeout"]
+    assert len(timed_out) == 1 and 2 <= timed_out[0] <= 4
+    assert stats.timeouts == 1 and stats.worker_restarts == 1
+    assert all(v.correct for i, v in enumerate(verdicts) if i not in timed_out)
+
+
+@pytest.mark.parametrize(
+    ("workers", "jobs", "size"),
+    [(1, 40, 40), (1, 256, 64), (1, 1000, 64), (2, 40, 5), (2, 256, 32), (2, 1000, 64)],
+)
+def test_chunks_balance_several_workers_and_spare_a_single_one_round_trips(workers, jobs, size):
+    assert ScoringPool(num_workers=workers).chunk_size(jobs) == size
 
 
 @pytest.mark.timeout(120)

@@ -140,6 +140,34 @@ def test_cache_state_dict_round_trip_keeps_anchors_and_version(models):
         restored.sample(["q0"], [[9, 9]], 2, PARAMS)
 
 
+def test_cache_remembers_scores_until_reset_and_through_a_checkpoint(models):
+    """Scores recorded for cached samples come back on a hit, survive the state_dict round
+    trip (a checkpoint written before they were kept has none: they are scored again), and
+    a reset drops them with the samples."""
+    sampler = make_reference_sampler("cache", TorchEngine(models["policy_dir"]))
+    sampler.load_reference(1, models["ref"].state_tensors)
+    sampler.sample(QIDS, PROMPTS, 2, PARAMS)
+    assert sampler.scores(QIDS, 2) == [None, None, None]  # drawn, not scored yet
+    sampler.remember_scores(QIDS[:2], [[(1.0, True), (-1.0, False)], [(-1.5, False)] * 2])
+    assert sampler.scores(QIDS, 2) == [[(1.0, True), (-1.0, False)], [(-1.5, False)] * 2, None]
+    assert sampler.scores(["q0"], 1) == [[(1.0, True)]]
+    buffer = io.BytesIO()
+    torch.save(sampler.state_dict(), buffer)
+    buffer.seek(0)
+    state = torch.load(buffer, weights_only=True)
+    restored = make_reference_sampler("cache", TorchEngine(models["policy_dir"]))
+    restored.load_state_dict(state)
+    assert restored.scores(QIDS, 2) == sampler.scores(QIDS, 2)
+    for entry in state["cache"].values():  # as saved before the scores were kept
+        entry.pop("score", None), entry.pop("acc", None)
+    restored.load_state_dict(state)
+    assert restored.scores(QIDS, 2) == [None, None, None]
+    with pytest.raises(KeyError, match="'q9'"):
+        sampler.remember_scores(["q9"], [[(1.0, True)]])
+    sampler.on_reset(2, models["policy"].state_tensors)
+    assert sampler.scores(QIDS, 2) == [None, None, None]
+
+
 def test_factory_errors_and_config_mapping(models):
     engine = TorchEngine(models["policy_dir"])
     with pytest.raises(ValueError, match="ref_strategy=swap needs weights_fn"):
