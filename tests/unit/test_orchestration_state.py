@@ -134,7 +134,8 @@ HELD_THROUGH_NATIVE_HANDLER = """
 import ctypes, os, signal
 from megatron_armor.orchestration.ray_node import held_stop_signals
 
-held_stop_signals().__enter__()  # armor train's first line
+held = held_stop_signals()  # armor train's first line (the CLI holds it with `with`)
+held.__enter__()
 os.kill(os.getpid(), signal.SIGINT)  # while it imports (torch starts threads)
 from megatron_armor.orchestration.run_state import StopSignal
 with StopSignal() as stop:
