@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import shutil
 import signal
 import sys
@@ -38,7 +37,9 @@ import pytest
 from megatron_armor.observability.metrics import read_metrics, without_wall_clock
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from crafted_checkpoint import plant_crafted_pickle  # noqa: E402
 from e2e_runs import CACHED, Run  # noqa: E402
 from process_group import is_loopback, listening_addresses, process_group_and_ray  # noqa: E402
 
@@ -129,31 +130,17 @@ def plant_unfinished_step(run_dir: Path, reference_run: Path, step: int) -> None
         shutil.copy(path, run_dir / "anchors" / path.name)
 
 
-class _Exec:
-    """Pickles to a call of ``os.system``: what a crafted checkpoint file would hold."""
-
-    def __init__(self, marker: Path):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
-
-
 def plant_damaged_checkpoints(run_dir: Path, marker: Path) -> Path:
     """Next to the run's newest checkpoint (step 3): a copy as step 6 with ``orchestrator.pt``
     truncated, a copy as step 5 whose ``orchestrator.pt`` is a pickle that would create
     ``marker`` (manifest re-signed, so only the safe loader stands in its way), and the temp
     dir of a killed save. Returns ``marker``."""
-    from megatron_armor.orchestration.checkpoints import write_manifest
-
     ckpts = run_dir / "checkpoints"
     shutil.copytree(ckpts / "step_000003", ckpts / "step_000006")
     state = ckpts / "step_000006" / "orchestrator.pt"
     state.write_bytes(state.read_bytes()[:100])
     shutil.copytree(ckpts / "step_000003", ckpts / "step_000005")
-    with (ckpts / "step_000005" / "orchestrator.pt").open("wb") as f:
-        pickle.dump({"step": _Exec(marker)}, f)
-    write_manifest(ckpts / "step_000005", 5)
+    plant_crafted_pickle(ckpts / "step_000005", marker, 5)
     (ckpts / ".tmp-step_000004" / "trainer").mkdir(parents=True)
     return marker
 

@@ -19,6 +19,9 @@ from megatron_armor.orchestration.run_dir import RESUMES_FILE, open_run_dir
 from megatron_armor.orchestration.run_lock import LOCK_FILE, RunDirLocked, RunLock
 from megatron_armor.orchestration.run_state import STATE_FILE, RunState
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from crafted_checkpoint import plant_crafted_pickle  # noqa: E402
+
 pytestmark = pytest.mark.unit
 
 
@@ -30,22 +33,8 @@ def _save(run_dir: Path, step: int, keep: int = 3) -> Path:
     return checkpoints.commit_checkpoint(run_dir, tmp, step, keep)
 
 
-class _Evil:
-    """Pickles to a call of ``os.system``: what a crafted checkpoint file would hold."""
-
-    def __init__(self, marker: Path):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
-
-
 def _plant_pickle(checkpoint: Path, marker: Path) -> None:
-    """Replace ``orchestrator.pt`` by a crafted pickle and re-sign the manifest (as an attacker
-    with write access would)."""
-    with (checkpoint / STATE_FILE).open("wb") as f:
-        pickle.dump({"step": _Evil(marker)}, f)
-    checkpoints.write_manifest(checkpoint, 0)
+    plant_crafted_pickle(checkpoint, marker, 0)
 
 
 def test_manifest_is_written_last_and_detects_truncation(tmp_path):
