@@ -70,9 +70,10 @@ start_munge() {
 node_resources() {
   # slurmd -C prints this host's real topology; keep CPUs/sockets/cores and a memory a
   # little under the total so a node is never marked invalid for memory.
-  local mem
+  local mem topo
   mem=$(awk '/MemTotal/ {print int($2 / 1024 * 0.9)}' /proc/meminfo)
-  slurmd -C | head -1 | sed -E "s/RealMemory=[0-9]+/RealMemory=${mem}/; s/^NodeName=[^ ]+ //; s/ UpTime=.*//"
+  topo=$(slurmd -C)   # read whole: piped into head, slurmd could die of SIGPIPE (pipefail)
+  sed -E "1!d; s/RealMemory=[0-9]+/RealMemory=${mem}/; s/^NodeName=[^ ]+ //; s/ UpTime=.*//" <<<"$topo"
 }
 
 node_lines() {

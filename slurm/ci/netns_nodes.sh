@@ -71,7 +71,7 @@ write_hosts() {
 
 make_node() {
   local i=$1 node=${NODES[$1]} host_end="av${1}$$"
-  ip netns list | grep -qw "^$node" || ip netns add "$node"
+  has_netns "$node" || ip netns add "$node"
   if ! ip netns exec "$node" ip link show "$IFACE" >/dev/null 2>&1; then
     ip link add "$host_end" type veth peer name "$IFACE" netns "$node"
     ip link set "$host_end" master "$BRIDGE" up
@@ -117,7 +117,19 @@ up() {
   for i in "${!NODES[@]}"; do start_slurmd "${NODES[$i]}" "$conf" "$i"; done
 }
 
-has_net() { ip link show "$BRIDGE" >/dev/null 2>&1 && ip addr show dev "$BRIDGE" | grep -q "inet $(controller_ip)/"; }
+# Whole outputs are read before matching: `cmd | grep -q` under pipefail fails at random when
+# grep exits on its match while cmd still writes (SIGPIPE, status 141).
+has_net() {
+  local addrs
+  addrs=$(ip addr show dev "$BRIDGE" 2>/dev/null) || return 1
+  [[ $addrs == *"inet $(controller_ip)/"* ]]
+}
+
+has_netns() {   # has_netns NODE: whether the network namespace NODE exists
+  local names
+  names=$(ip netns list) || return 1
+  grep -qw "^$1" <<<"$names"
+}
 
 stop_slurmd() {
   local pid_file pid
@@ -133,7 +145,7 @@ down() {
   local node pid
   for node in "${NODES[@]}"; do
     stop_slurmd "$node"
-    if ip netns list | grep -qw "^$node"; then
+    if has_netns "$node"; then
       for pid in $(ip netns pids "$node"); do kill -KILL "$pid" 2>/dev/null || true; done
       ip netns del "$node"
     fi
