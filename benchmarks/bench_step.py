@@ -97,6 +97,7 @@ def timed_step(session, rollout, step: int) -> dict[str, float]:
             "gen_batches": metrics["anchor/gen_batches"],
             "queries_seen": metrics["anchor/queries_seen"],
             "no_ref_correct": metrics["anchor/rejected_no_ref_correct"],
+            "cached_verdicts": metrics["anchor/rejected_cached_no_ref_correct"],
             **{f"phase_{k}": v for k, v in phases.items()}}  # fmt: skip
 
 
@@ -140,8 +141,9 @@ def run_rounds(configs: dict, rounds: int) -> dict[str, list[dict[str, float]]]:
                 print(f"round {r + 1} {name}: {rec['step_s']:.2f}s, {rec['tokens']:.0f} tokens, "
                       f"compute {rec['compute_s']:.2f}s, {rec['gen_batches']:.0f} generation "
                       f"batches, {rec['queries_seen']:.0f} queries seen, "
-                      f"{rec['no_ref_correct']:.0f} rejected without a correct reference",
-                      flush=True)  # fmt: skip
+                      f"{rec['no_ref_correct']:.0f} rejected without a correct reference "
+                      f"({rec['cached_verdicts']:.0f} by the anchor cache's verdict, nothing "
+                      "drawn)", flush=True)  # fmt: skip
     finally:
         for s in sessions.values():
             s.close(shutdown_ray=False)

@@ -150,7 +150,9 @@ class AcceptanceStats:
     """Per-step acceptance statistics (docs/algorithm.md, anchor rollout; the reference code logged none).
 
     ``ref_acc`` is the accuracy of all reference responses drawn this step;
-    ``anchor_len_mean`` the mean response length of inserted anchors.
+    ``anchor_len_mean`` the mean response length of inserted anchors;
+    ``rejected_cached_no_ref_correct`` the part of ``rejected_no_ref_correct`` decided by the
+    anchor cache's remembered verdict before any on-policy sample of the query was drawn.
     """
 
     gen_batches: int = 0
@@ -159,6 +161,7 @@ class AcceptanceStats:
     rejected_all_correct: int = 0
     rejected_all_wrong: int = 0
     rejected_no_ref_correct: int = 0
+    rejected_cached_no_ref_correct: int = 0
     ref_samples: int = 0
     ref_correct: int = 0
     anchors: int = 0
@@ -175,10 +178,15 @@ class AcceptanceStats:
         reference_samples: list[Sample],
         anchor: Sample | None,
         query_id: str | None = None,
+        cached_verdict: bool = False,
     ) -> None:
-        """Count one query's outcome; ``anchor`` is the inserted anchor (``None`` if none)."""
+        """Count one query's outcome; ``anchor`` is the inserted anchor (``None`` if none);
+        ``cached_verdict``: rejected by rule (b) from the anchor cache, no samples drawn."""
         if reason not in REASONS:
             raise ValueError(f"acceptance reason {reason!r}: expected one of {REASONS}")
+        if cached_verdict and reason != "no_reference_correct":
+            raise ValueError(f"a cached verdict rejects for no_reference_correct, not {reason!r}")
+        self.rejected_cached_no_ref_correct += int(cached_verdict)
         self.queries_seen += 1
         if reason == "accepted":
             self.accepted += 1
@@ -205,6 +213,7 @@ class AcceptanceStats:
             "anchor/rejected_all_correct": float(self.rejected_all_correct),
             "anchor/rejected_all_wrong": float(self.rejected_all_wrong),
             "anchor/rejected_no_ref_correct": float(self.rejected_no_ref_correct),
+            "anchor/rejected_cached_no_ref_correct": float(self.rejected_cached_no_ref_correct),
             "anchor/acceptance_rate": _ratio(self.accepted, self.queries_seen),
             "anchor/ref_acc": _ratio(self.ref_correct, self.ref_samples),
             "anchor/anchor_len_mean": _ratio(self.anchor_len_sum, self.anchors),

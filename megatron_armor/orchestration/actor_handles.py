@@ -11,6 +11,7 @@ with a message instead of hanging it.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 from collections.abc import Iterable
 from contextlib import nullcontext
@@ -60,6 +61,13 @@ def shard(items: list, parts: int) -> list[list]:
         out.append(items[start:end])
         start = end
     return out
+
+
+def query_worker(query_id: str, workers: int) -> int:
+    """The worker (of ``workers``) that serves ``query_id``'s anchor-cache entry: a hash of
+    the id that is the same in every process and run (unlike Python's salted ``hash``)."""
+    digest = hashlib.blake2b(query_id.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") % workers
 
 
 def merge_reward_stats(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
@@ -305,21 +313,48 @@ class RolloutActors:
             ray.kill(actor)
 
     def _fan_out(
-        self, actors: list, method: str, items: list, *args, params: SamplingParams, **kwargs
+        self,
+        actors: list,
+        method: str,
+        items: list,
+        *args,
+        params: SamplingParams,
+        parts: list[list[int]] | None = None,
+        **kwargs,
     ):
-        """``method(part, *args, params, **kwargs)`` on each worker's contiguous part of
-        ``items`` (worker ``i`` seeded ``params.seed + i``); rows in ``items`` order."""
-        parts = shard(items, len(actors))
-        refs = []
+        """``method(part, *args, params, **kwargs)`` on each worker's part of ``items``
+        (``parts``: the indices of each worker's items, default contiguous; worker ``i`` seeded
+        ``params.seed + i``); rows in ``items`` order."""
+        if parts is None:
+            parts = shard(list(range(len(items))), len(actors))
+        refs, served = [], []
         for i, (actor, part) in enumerate(zip(actors, parts, strict=True)):
             if part:
                 seed = None if params.seed is None else params.seed + i
                 refs.append(
                     getattr(actor, method).remote(
-                        part, *args, dataclasses.replace(params, seed=seed), **kwargs
+                        [items[j] for j in part], *args, dataclasses.replace(params, seed=seed),
+                        **kwargs,
                     )
                 )
-        return [row for rows in wait(refs, f"rollout {method}") for row in rows]
+                served.append(part)
+        out: list = [None] * len(items)
+        for part, rows in zip(served, wait(refs, f"rollout {method}"), strict=True):
+            for j, row in zip(part, rows, strict=True):
+                out[j] = row
+        return out
+
+    def reference_parts(self, items: list) -> list[list[int]]:
+        """The indices of ``items`` each reference worker serves. With the anchor cache a query
+        always goes to the worker holding its cache entry (:func:`query_worker` of its id), so
+        a recurring query hits whatever batch it comes in; otherwise contiguous parts."""
+        workers = len(self.reference_actors)
+        if not self.caches_anchors or workers == 1:
+            return shard(list(range(len(items))), workers)
+        parts: list[list[int]] = [[] for _ in range(workers)]
+        for j, item in enumerate(items):
+            parts[query_worker(item.query_id, workers)].append(j)
+        return parts
 
     def compute_seconds(self) -> float:
         """Seconds the busiest worker spent generating since the last call."""
@@ -336,18 +371,39 @@ class RolloutActors:
             self.weight_sync.reference_swapped(items, n) if self.weight_sync else nullcontext()
         )
         with swapped:
-            return self._fan_out(self.reference_actors, "sample_reference", items, n, params=params)
+            return self._fan_out(
+                self.reference_actors, "sample_reference", items, n, params=params,
+                parts=self.reference_parts(items),
+            )  # fmt: skip
 
     def remember_reference_scores(self, items: list, rows: list[list[Sample]]) -> None:
         """The anchor cache keeps the scores of ``rows``, the reference samples a
-        :meth:`sample_reference` call just returned for the same ``items`` (sharded alike, so
-        each worker gets the rows of its own cache)."""
-        workers = len(self.reference_actors)
-        ids = shard([it.query_id for it in items], workers)
-        scores = shard([[(s.score, s.acc) for s in row] for row in rows], workers)
-        refs = [actor.remember_reference_scores.remote(q, sc)
-                for actor, q, sc in zip(self.reference_actors, ids, scores, strict=True) if q]  # fmt: skip
+        :meth:`sample_reference` call just returned for the same ``items`` (each worker gets
+        the rows of its own cache: :meth:`reference_parts`)."""
+        refs = [
+            actor.remember_reference_scores.remote(
+                [items[j].query_id for j in part],
+                [[(s.score, s.acc) for s in rows[j]] for j in part],
+            )
+            for actor, part in zip(self.reference_actors, self.reference_parts(items), strict=True)
+            if part
+        ]
         wait(refs, "rollout reference scores")
+
+    def reference_unsolved(self, items: list, n: int) -> list[bool]:
+        """Per item, whether the anchor cache already holds ``n`` scored reference samples of
+        it, none correct: rule (b) rejects such a query whatever its on-policy samples are."""
+        parts = self.reference_parts(items)
+        refs, served = [], []
+        for actor, part in zip(self.reference_actors, parts, strict=True):
+            if part:
+                refs.append(actor.reference_unsolved.remote([items[j] for j in part], n))
+                served.append(part)
+        out = [False] * len(items)
+        for part, flags in zip(served, wait(refs, "rollout reference cache"), strict=True):
+            for j, flag in zip(part, flags, strict=True):
+                out[j] = bool(flag)
+        return out
 
     def generate_raw(self, prompts, n, params, weights="policy") -> list[list[GenerationOutput]]:
         return self._fan_out(
@@ -393,9 +449,9 @@ class RolloutActors:
 
     def reference_misses(self, items: list, n: int) -> int:
         """How many of ``items`` the reference workers must sample afresh (not cached)."""
-        parts = shard(items, len(self.reference_actors))
+        parts = self.reference_parts(items)
         refs = [
-            a.reference_misses.remote(p, n)
+            a.reference_misses.remote([items[j] for j in p], n)
             for a, p in zip(self.reference_actors, parts, strict=True)
             if p
         ]

@@ -4,7 +4,9 @@ Per generation batch: ``n_on`` policy samples per query, scored; then, for ``arm
 ``filter_only``, ``algo.ref_n`` reference samples (same sampling settings) only for the
 queries whose on-policy group passes rule (a) — the others are rejected whatever the
 reference does, so sampling it for them would be wasted — scored too (with the anchor cache,
-only the fresh ones: a cached anchor keeps the reward it got when drawn);
+only the fresh ones: a cached anchor keeps the reward it got when drawn). With the anchor
+cache, a query whose cached reference samples of this period are scored and all wrong is
+rejected by rule (b) before anything is drawn for it (``anchor/rejected_cached_no_ref_correct``);
 :func:`~megatron_armor.algo.anchors.select_group` accepts or rejects each query. Batches
 are drawn until ``rollout.batch`` (``B``) groups are accepted, the first ``B`` are kept, and
 after ``algo.max_gen_batches`` batches without enough groups the step fails with the
@@ -252,8 +254,27 @@ class AnchorRollout:
             self.rollout.remember_reference_scores(items, drawn)
         return stats
 
-    def _accept(self, items, policy, reference, gen_batch: int, result: RolloutResult) -> None:
-        for item, pol, ref in zip(items, policy, reference, strict=True):
+    def _cached_verdicts(self, items: list) -> list[bool]:
+        """Per item, whether rule (b) already rejects it: the anchor cache holds its ``ref_n``
+        scored reference samples of this reference period and none is correct. Its on-policy
+        samples would be drawn for nothing, so they are not (all ``False`` without the cache)."""
+        if not (self.caches_anchors and self.mode.needs_reference_correct):
+            return [False] * len(items)
+        return self.rollout.reference_unsolved(items, self.algo.ref_n)
+
+    def _accept(
+        self, items, rejected, policy, reference, gen_batch: int, result: RolloutResult
+    ) -> None:
+        """Accept or reject ``items``; ``rejected[i]``: item ``i`` is rejected by its cached
+        verdict (``policy`` / ``reference`` hold the rows of the other items, in order)."""
+        drawn = iter(zip(policy, reference, strict=True))
+        for item, known in zip(items, rejected, strict=True):
+            if known:
+                result.stats.record("no_reference_correct", [], None, item.query_id, True)
+                record = _record(item, gen_batch, "no_reference_correct", [], [])
+                result.records.append({**record, "cached_verdict": True})
+                continue
+            pol, ref = next(drawn)
             group, reason = select_group(
                 item.query_id, pol, ref, self.algo.anchor, self.algo.weak_filter
             )
@@ -278,14 +299,16 @@ class AnchorRollout:
             size = followup_size(self.rollout_cfg.gen_batch, need, result.stats.accepted,
                                  result.stats.queries_seen)  # fmt: skip
             items = [self.dataset[i] for i in self.sampler.next_indices(size)]
-            policy, reference, stats = self._generate(items, step, gen_batch)
+            rejected = self._cached_verdicts(items)
+            live = [item for item, known in zip(items, rejected, strict=True) if not known]
+            policy, reference, stats = self._generate(live, step, gen_batch) if live else ([], [], {})
             result.reward_stats = merge_reward_stats(result.reward_stats, stats)
             result.stats.add_generation_batch()
             result.policy_samples.extend(s for row in policy for s in row)
             result.generated_tokens += sum(
                 s.response_len for rows in (policy, reference) for row in rows for s in row
             )
-            self._accept(items, policy, reference, gen_batch, result)
+            self._accept(items, rejected, policy, reference, gen_batch, result)
             if self.progress is not None:
                 self.progress(min(len(result.groups), need), need, result.stats)
             if len(result.groups) >= need:

@@ -448,6 +448,14 @@ class RolloutWorker:
             return len(items)
         return uncached([it.query_id for it in items], [it.prompt_ids for it in items], n)
 
+    def reference_unsolved(self, items: list, n: int) -> list[bool]:
+        """Per item, whether the anchor cache holds ``n`` scored reference samples of it, none
+        correct (``False`` for every item without the anchor cache)."""
+        unsolved = getattr(self.reference, "unsolved", None)  # the anchor cache
+        if unsolved is None:
+            return [False] * len(items)
+        return unsolved([it.query_id for it in items], [it.prompt_ids for it in items], n)
+
     def peak_gpu_memory_gb(self) -> float | None:
         """Peak GPU memory of the embedded engine in this process (``None`` without CUDA;
         SGLang servers are separate processes)."""

@@ -226,6 +226,15 @@ class CachedReferenceSampler(ReferenceSampler):
                 )
             entry.scores = [(float(s), bool(a)) for s, a in row]
 
+    def unsolved(self, query_ids: list[str], prompts: list[list[int]], n: int) -> list[bool]:
+        """Per query, whether its first ``n`` cached samples are all scored and none is
+        correct: rule (b) rejects it until the next reset, whatever its on-policy samples."""
+        out = []
+        for q, p in zip(query_ids, prompts, strict=True):
+            scores = self.cache[q].scores if self._cached(q, p, n) else None
+            out.append(scores is not None and len(scores) >= n and not any(a for _, a in scores[:n]))
+        return out
+
     def uncached(self, query_ids: list[str], prompts: list[list[int]], n: int) -> int:
         """How many of the queries :meth:`sample` would generate afresh (not cached)."""
         return sum(not self._cached(q, p, n) for q, p in zip(query_ids, prompts, strict=True))

@@ -117,6 +117,7 @@ def test_acceptance_stats_over_a_step():
         "anchor/rejected_all_correct": 1.0,
         "anchor/rejected_all_wrong": 1.0,
         "anchor/rejected_no_ref_correct": 1.0,
+        "anchor/rejected_cached_no_ref_correct": 0.0,
         "anchor/acceptance_rate": 0.4,
         "anchor/ref_acc": 0.4,  # 4 correct of 10 reference samples
         "anchor/anchor_len_mean": 8.0,  # anchors of length 6 and 10
@@ -129,3 +130,8 @@ def test_acceptance_stats_empty_and_bad_reason():
     assert metrics["anchor/acceptance_rate"] == 0.0 and metrics["anchor/anchor_len_mean"] == 0.0
     with pytest.raises(ValueError, match="acceptance reason"):
         AcceptanceStats().record("maybe", [], None)
+    with pytest.raises(ValueError, match="cached verdict"):
+        AcceptanceStats().record("all_wrong", [], None, "q", cached_verdict=True)
+    stats = AcceptanceStats()
+    stats.record("no_reference_correct", [], None, "q", cached_verdict=True)
+    assert (stats.rejected_no_ref_correct, stats.rejected_cached_no_ref_correct) == (1, 1)

@@ -328,6 +328,10 @@ class RememberingRollout(CachedRollout):
         self.cache.remember_scores([it.query_id for it in items],
                                    [[(s.score, s.acc) for s in row] for row in rows])  # fmt: skip
 
+    def reference_unsolved(self, items, n):
+        self.calls.append(("verdicts", len(items)))
+        return self.cache.unsolved([it.query_id for it in items], [it.prompt_ids for it in items], n)
+
 
 class CountingReward(ScriptedReward):
     def __init__(self):
@@ -437,3 +441,46 @@ def test_overlapped_parts_select_the_same_groups_whatever_part_finishes_first():
     seeds = {c[3] for c in forward_calls if c[0] == "reference"}
     run_seed = 1
     assert seeds == {derive_seed(run_seed, 1, 0, r) for r in ("reference", "reference/1")}
+
+
+def test_a_cached_all_wrong_reference_rejects_a_recurring_query_before_it_is_generated():
+    """q3's reference never solves it. Once its cached samples are scored (step 2), rule (b)
+    rejects it at its next visits of the period (step 4) without drawing its on-policy samples;
+    the groups are those of the run that draws them, and after the reset (step 4) q3 is drawn
+    and looked up afresh (step 6)."""
+    queries = ("q0", "q1", "q2", "q3", "q4", "q5")
+    runs = {}
+    for verdicts in (False, True):
+        runner, _ = make("armor", batch=1, gen_batch=3, queries=queries)
+        runner.caches_anchors = verdicts
+        rollout = runner.rollout = RememberingRollout()
+        groups, stats, records = [], [], []
+        for step in range(1, 7):
+            result = runner.collect(step)
+            groups.append(group_keys(result.groups))
+            stats.append(result.stats.as_metrics())
+            records.append(result.records)
+            if step == 4:
+                rollout.cache.on_reset(4, None)
+        runs[verdicts] = (groups, stats, records, rollout.calls)
+    assert runs[True][0] == runs[False][0]
+    stats, records, calls = runs[True][1:]
+    # step 4: q3 rejected by its cached verdict, q4 accepted; only q4, q5 were generated
+    assert [s["anchor/rejected_cached_no_ref_correct"] for s in stats] == [0, 0, 0, 1, 0, 0]
+    assert stats[3]["anchor/rejected_no_ref_correct"] == 1 == runs[False][1][3]["anchor/rejected_no_ref_correct"]
+    assert records[3][0] == {"query_id": "q3", "gen_batch": 0, "reason": "no_reference_correct",
+                             "policy_correct": 0, "policy_n": 0, "ref_correct": 0, "ref_n": 0,
+                             "cached_verdict": True}  # fmt: skip
+    policy_calls = [c[1] for c in calls if c[0] == "policy"]
+    assert policy_calls == [3, 3, 3, 2, 3, 3]  # q3 skipped at step 4 only (after the reset: drawn)
+    assert sum(c[0] == "verdicts" for c in calls) == 6
+    assert all(s["anchor/rejected_cached_no_ref_correct"] == 0 for s in runs[False][1])
+
+
+def test_no_cached_verdict_without_rule_b_or_without_the_cache():
+    runner, rollout = make("none", batch=1, gen_batch=3)
+    runner.caches_anchors = True  # DAPO never applies rule (b): nothing to ask the cache
+    runner.collect(step=1)
+    assert [c[0] for c in rollout.calls] == ["policy"]
+    runner, rollout = make("armor", batch=1, gen_batch=3)
+    assert not runner.caches_anchors and runner._cached_verdicts(["x", "y"]) == [False, False]

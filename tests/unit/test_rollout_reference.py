@@ -151,6 +151,11 @@ def test_cache_remembers_scores_until_reset_and_through_a_checkpoint(models):
     sampler.remember_scores(QIDS[:2], [[(1.0, True), (-1.0, False)], [(-1.5, False)] * 2])
     assert sampler.scores(QIDS, 2) == [[(1.0, True), (-1.0, False)], [(-1.5, False)] * 2, None]
     assert sampler.scores(["q0"], 1) == [[(1.0, True)]]
+    # rule (b)'s verdict: q1's two samples are scored and wrong; q0 is solved, q2 unscored
+    assert sampler.unsolved(QIDS, PROMPTS, 2) == [False, True, False]
+    assert sampler.unsolved(["q1"], PROMPTS[1:2], 3) == [False]  # only 2 held: a 3rd is due
+    with pytest.raises(ValueError, match="different prompt"):
+        sampler.unsolved(["q1"], [[1, 2]], 2)
     buffer = io.BytesIO()
     torch.save(sampler.state_dict(), buffer)
     buffer.seek(0)
@@ -158,6 +163,7 @@ def test_cache_remembers_scores_until_reset_and_through_a_checkpoint(models):
     restored = make_reference_sampler("cache", TorchEngine(models["policy_dir"]))
     restored.load_state_dict(state)
     assert restored.scores(QIDS, 2) == sampler.scores(QIDS, 2)
+    assert restored.unsolved(QIDS, PROMPTS, 2) == [False, True, False]  # the verdicts resume
     for entry in state["cache"].values():  # as saved before the scores were kept
         entry.pop("score", None), entry.pop("acc", None)
     restored.load_state_dict(state)
@@ -166,6 +172,7 @@ def test_cache_remembers_scores_until_reset_and_through_a_checkpoint(models):
         sampler.remember_scores(["q9"], [[(1.0, True)]])
     sampler.on_reset(2, models["policy"].state_tensors)
     assert sampler.scores(QIDS, 2) == [None, None, None]
+    assert sampler.unsolved(QIDS, PROMPTS, 2) == [False, False, False]
 
 
 def test_factory_errors_and_config_mapping(models):

@@ -1,0 +1,115 @@
+"""Unit tier: the anchor cache across several reference workers (``RolloutActors``).
+
+Each worker keeps the cache entries of the queries it sampled, so a recurring query must go
+back to the same worker whatever batch, position or call it comes in. The workers here are
+real ``RolloutWorker`` methods on a scripted reference pool, called in-process through a
+``.remote`` shim instead of Ray.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_armor.data.dataset import PromptItem
+from megatron_armor.orchestration import actor_handles
+from megatron_armor.orchestration.actor_handles import RolloutActors, query_worker
+from megatron_armor.orchestration.workers import ComputeClock, RolloutWorker
+from megatron_armor.rollout.protocol import GenerationOutput, SamplingParams
+from megatron_armor.rollout.reference import CachedReferenceSampler, ReferenceSampler
+
+pytestmark = pytest.mark.unit
+
+PARAMS = SamplingParams(temperature=1.0, max_new_tokens=4, seed=5)
+
+
+class Pool(ReferenceSampler):
+    """Fresh draws: token 5 (right) for even query numbers, 6 (wrong) for odd; the draw's seed
+    in the second token, so a sample says which call drew it."""
+
+    def sample(self, query_ids, prompts, n, params):
+        return [[GenerationOutput([5 if int(q[1:]) % 2 == 0 else 6, params.seed], [0.0, 0.0],
+                                  "stop", self.ref_version) for _ in range(n)]
+                for q in query_ids]  # fmt: skip
+
+
+class Tokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return "right" if ids[0] == 5 else "wrong"
+
+
+class Remote:
+    """``actor.method.remote(*args)`` runs ``method`` now; the value stands in for its ref."""
+
+    def __init__(self, target):
+        self.target = target
+
+    def __getattr__(self, name):
+        method = getattr(self.target, name)
+        return type("Method", (), {"remote": staticmethod(method)})
+
+
+def worker() -> RolloutWorker:
+    w = object.__new__(RolloutWorker)
+    w.reference = CachedReferenceSampler(Pool())
+    w.clock, w.tokenizer = ComputeClock(), Tokenizer()
+    return w
+
+
+@pytest.fixture
+def actors(monkeypatch):
+    monkeypatch.setattr(actor_handles, "wait", lambda refs, what, timeout=None: refs)
+    group = object.__new__(RolloutActors)
+    group.workers = [worker() for _ in range(3)]
+    group.actors = group.reference_actors = [Remote(w) for w in group.workers]
+    group.caches_anchors, group.weight_sync = True, None
+    return group
+
+
+def items(*numbers) -> list[PromptItem]:
+    return [PromptItem(f"q{i}", [1, i], f"q{i}", "1", "tiny") for i in numbers]
+
+
+def score(rows) -> None:
+    for row in rows:
+        for s in row:
+            s.acc = s.response_text == "right"
+            s.score = 1.0 if s.acc else -1.0
+
+
+def test_a_query_always_reaches_the_worker_holding_its_cache_entry(actors):
+    first = items(*range(12))
+    rows = actors.sample_reference(first, 2, PARAMS)
+    assert [row[0].query_id for row in rows] == [it.query_id for it in first]  # items order
+    score(rows)
+    actors.remember_reference_scores(first, rows)
+    held = [set(w.reference.cache) for w in actors.workers]
+    assert sorted(q for h in held for q in h) == sorted(it.query_id for it in first)  # once each
+    assert all(held), "12 ids spread over all 3 workers"
+    for i, h in enumerate(held):
+        assert all(query_worker(q, 3) == i for q in h)
+
+    again = items(11, 3, 0, 8, 5)  # other batch, other positions
+    assert actors.reference_misses(again, 2) == 0
+    rows_again = actors.sample_reference(again, 2, SamplingParams(temperature=1.0, seed=99))
+    assert [r[0].response_ids for r in rows_again] == [rows[i][0].response_ids for i in (11, 3, 0, 8, 5)]
+    assert all(s.scored for row in rows_again for s in row)  # the remembered scores came back
+    assert sum(w.reference.hits for w in actors.workers) == 5
+    assert sum(w.reference.misses for w in actors.workers) == 12
+    # rule (b)'s verdict from each query's own worker: odd numbers are never solved
+    assert actors.reference_unsolved(again, 2) == [True, True, False, False, True]
+    assert actors.reference_unsolved(items(12, 13), 2) == [False, False]  # not cached
+
+
+def test_without_the_cache_the_workers_take_contiguous_parts(actors):
+    actors.caches_anchors = False
+    assert actors.reference_parts(items(*range(7))) == [[0, 1, 2], [3, 4], [5, 6]]
+    actors.caches_anchors, actors.reference_actors = True, actors.reference_actors[:1]
+    assert actors.reference_parts(items(*range(4))) == [[0, 1, 2, 3]]
+
+
+def test_query_worker_is_stable_and_spreads_ids():
+    assert [query_worker(f"q{i}", 4) for i in range(6)] == [query_worker(f"q{i}", 4) for i in range(6)]
+    counts = [0] * 4
+    for i in range(4000):
+        counts[query_worker(f"query-{i}", 4)] += 1
+    assert min(counts) > 900  # about 1000 each
