@@ -70,6 +70,21 @@ def query_worker(query_id: str, workers: int) -> int:
     return int.from_bytes(digest, "big") % workers
 
 
+def _scatter(actors: list, parts: list[list[int]], items: list, call, what: str) -> list:
+    """``call(i, actor, [items of part i])`` on every worker with a non-empty part (the ref of
+    one row per item), waited on; the rows back in ``items`` order."""
+    refs, served = [], []
+    for i, (actor, part) in enumerate(zip(actors, parts, strict=True)):
+        if part:
+            refs.append(call(i, actor, [items[j] for j in part]))
+            served.append(part)
+    out: list = [None] * len(items)
+    for part, rows in zip(served, wait(refs, what), strict=True):
+        for j, row in zip(part, rows, strict=True):
+            out[j] = row
+    return out
+
+
 def merge_reward_stats(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
     """Combine two scorers' stats: counters add up, means/fractions are weighted by ``reward/n``."""
     na, nb = a.get("reward/n", 0.0), b.get("reward/n", 0.0)
@@ -327,22 +342,13 @@ class RolloutActors:
         ``params.seed + i``); rows in ``items`` order."""
         if parts is None:
             parts = shard(list(range(len(items))), len(actors))
-        refs, served = [], []
-        for i, (actor, part) in enumerate(zip(actors, parts, strict=True)):
-            if part:
-                seed = None if params.seed is None else params.seed + i
-                refs.append(
-                    getattr(actor, method).remote(
-                        [items[j] for j in part], *args, dataclasses.replace(params, seed=seed),
-                        **kwargs,
-                    )
-                )
-                served.append(part)
-        out: list = [None] * len(items)
-        for part, rows in zip(served, wait(refs, f"rollout {method}"), strict=True):
-            for j, row in zip(part, rows, strict=True):
-                out[j] = row
-        return out
+
+        def call(i: int, actor, part: list):
+            seed = None if params.seed is None else params.seed + i
+            params_i = dataclasses.replace(params, seed=seed)
+            return getattr(actor, method).remote(part, *args, params_i, **kwargs)
+
+        return _scatter(actors, parts, items, call, f"rollout {method}")
 
     def reference_parts(self, items: list) -> list[list[int]]:
         """The indices of ``items`` each reference worker serves. With the anchor cache a query
@@ -393,17 +399,10 @@ class RolloutActors:
     def reference_unsolved(self, items: list, n: int) -> list[bool]:
         """Per item, whether the anchor cache already holds ``n`` scored reference samples of
         it, none correct: rule (b) rejects such a query whatever its on-policy samples are."""
-        parts = self.reference_parts(items)
-        refs, served = [], []
-        for actor, part in zip(self.reference_actors, parts, strict=True):
-            if part:
-                refs.append(actor.reference_unsolved.remote([items[j] for j in part], n))
-                served.append(part)
-        out = [False] * len(items)
-        for part, flags in zip(served, wait(refs, "rollout reference cache"), strict=True):
-            for j, flag in zip(part, flags, strict=True):
-                out[j] = bool(flag)
-        return out
+        call = lambda i, actor, part: actor.reference_unsolved.remote(part, n)  # noqa: E731
+        flags = _scatter(self.reference_actors, self.reference_parts(items), items, call,
+                         "rollout reference cache")  # fmt: skip
+        return [bool(f) for f in flags]
 
     def generate_raw(self, prompts, n, params, weights="policy") -> list[list[GenerationOutput]]:
         return self._fan_out(
