@@ -175,18 +175,15 @@ class TrainerActors:
         """Optimizer state to CPU, gradient buffers freed until the next update."""
         wait([a.offload_train_state.remote() for a in self.actors], "trainer offload")
 
-    def place(self, batch: TrainBatch):
-        """``batch`` in the object store once, for several calls (:meth:`train_step`)."""
-        import ray
-
-        return ray.put(batch)
-
     def step_logprobs(
         self, batch: TrainBatch, with_ref: bool, kl_mask: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
-        """One call per step: old log-probs, reference log-probs (``with_ref``) ``[total]``
-        (sums of the reporting ranks' parts) and the exact-KL diagnostic at ``kl_mask``."""
-        ref = self.place(batch)
+        """One call per step: old log-probs, reference log-probs (``with_ref``) ``[total]`` and
+        the exact-KL diagnostic at ``kl_mask``. The batch goes into the object store once:
+        every rank keeps it, with both log-probs filled in, for :meth:`submit_updates`."""
+        import ray
+
+        ref = ray.put(batch)
         results = wait(
             [a.step_logprobs.remote(ref, with_ref, kl_mask) for a in self.actors],
             "step log-probs",
@@ -195,27 +192,19 @@ class TrainerActors:
         reference = _sum_parts([r[1] for r in results]) if with_ref else None
         return old, reference, results[0][2]
 
-    def train_step(
-        self, batch, num_minibatches: int, sample_ids: list[int] | None = None
-    ) -> dict[str, float]:
-        """One or more optimizer updates on ``batch`` (a :class:`TrainBatch`, or the object
-        ref of :meth:`place` with the mini-batch's ``sample_ids``); metrics of the rank that
-        reported the most."""
-        return self.train_result(self.submit_train_step(batch, num_minibatches, sample_ids))
-
-    def submit_train_step(
-        self, batch, num_minibatches: int = 1, sample_ids: list[int] | None = None
-    ) -> list:
-        """Queue :meth:`train_step` on every rank without waiting (a rank runs its calls in
-        the order queued, so a step's updates follow each other with no driver round trip
-        between them); :meth:`train_result` waits for it."""
-        import ray
-
-        ref = batch if isinstance(batch, ray.ObjectRef) else ray.put(batch)
-        return [a.train_step.remote(ref, num_minibatches, sample_ids) for a in self.actors]
+    def submit_updates(self, minibatches: list[list[int]]) -> list[list]:
+        """Queue one optimizer update per mini-batch (its sample ids in the batch every rank
+        kept from :meth:`step_logprobs`) on every rank without waiting: a rank runs its calls
+        in the order queued, so the updates follow each other with no driver round trip and
+        no copy of the batch between them; the last one frees the kept batch.
+        :meth:`train_result` waits for each."""
+        last = len(minibatches) - 1
+        return [[a.train_step.remote(None, 1, ids, i == last) for a in self.actors]
+                for i, ids in enumerate(minibatches)]  # fmt: skip
 
     def train_result(self, refs: list) -> dict[str, float]:
-        """The metrics of a :meth:`submit_train_step`, of the rank that reported the most."""
+        """The metrics of one update of :meth:`submit_updates`, of the rank that reported the
+        most."""
         return max(wait(refs, "train step"), key=len)
 
     def reset_reference(self) -> None:

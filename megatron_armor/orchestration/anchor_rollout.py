@@ -301,7 +301,9 @@ class AnchorRollout:
             items = [self.dataset[i] for i in self.sampler.next_indices(size)]
             rejected = self._cached_verdicts(items)
             live = [item for item, known in zip(items, rejected, strict=True) if not known]
-            policy, reference, stats = self._generate(live, step, gen_batch) if live else ([], [], {})
+            policy, reference, stats = (
+                self._generate(live, step, gen_batch) if live else ([], [], {})
+            )
             result.reward_stats = merge_reward_stats(result.reward_stats, stats)
             result.stats.add_generation_batch()
             result.policy_samples.extend(s for row in policy for s in row)

@@ -71,16 +71,14 @@ def exact_kl_tokens(s: Session, batch: TrainBatch, step: int) -> torch.Tensor | 
     return exact_kl_mask(batch, log.exact_kl_samples, log.exact_kl_positions)
 
 
-def train_minibatches(s: Session, batch: TrainBatch, groups: list[Group]) -> dict[str, float]:
-    """One optimizer update per mini-batch of ``trainer.ppo_mini_batch`` queries; the batch
-    goes into the object store once, each call names its mini-batch's samples, and all of
-    them are queued on the ranks at once (they run in order, back to back)."""
+def train_minibatches(s: Session, groups: list[Group]) -> dict[str, float]:
+    """One optimizer update per mini-batch of ``trainer.ppo_mini_batch`` queries, on the batch
+    the trainer ranks kept from :func:`compute_logprobs` (nothing is sent again but each
+    mini-batch's sample ids); all of them are queued on the ranks at once and run in order,
+    back to back."""
     s.progress.start("train", s.num_minibatches)
-    placed = s.trainer.place(batch)
-    queued = [s.trainer.submit_train_step(placed, 1, ids)
-              for ids in minibatch_sample_ids(groups, s.num_minibatches)]  # fmt: skip
     updates = []
-    for refs in queued:
+    for refs in s.trainer.submit_updates(minibatch_sample_ids(groups, s.num_minibatches)):
         updates.append(s.trainer.train_result(refs))
         s.progress.advance()
     s.progress.close()
@@ -148,7 +146,7 @@ def run_step(s: Session, rollout: AnchorRollout, step: int) -> dict[str, float]:
     with s.timers.phase("logprobs"):
         exact_kl = compute_logprobs(s, batch, step)
     with s.timers.phase("train"):
-        metrics = train_minibatches(s, batch, result.groups)
+        metrics = train_minibatches(s, result.groups)
     s.meter.add_rollout(result.generated_tokens, s.timers.seconds("generate"))
     s.meter.add_train(batch.seq_lengths(), s.timers.seconds("train"))
     metrics.update(rollout_metrics(result))

@@ -134,6 +134,7 @@ class TrainerWorker:
         self.clock = ComputeClock()
         self.trainer = None
         self.sync = None  # this rank's end of the weight transport (made in init)
+        self.step_batch = None  # the step's batch, kept from step_logprobs for its updates
         self.profiler = None
         if profile_dir and config.logging.profile != "none":
             from megatron_armor.observability.profiler import profiler_from_config
@@ -173,15 +174,41 @@ class TrainerWorker:
         self.trainer.offload_train_state()
 
     def step_logprobs(self, batch, with_ref: bool, kl_mask=None):
-        """Old (+ reference) log-probs and the exact-KL diagnostic of a step, one call."""
+        """Old (+ reference) log-probs and the exact-KL diagnostic of a step, one call.
+
+        Every rank gets the whole log-probs (``shared``) and keeps ``batch`` with them filled
+        in for the step's updates (:meth:`train_step` without a batch), so the driver places
+        the batch once. Global rank 0 returns the log-probs, the others ``None``."""
         with nvtx_range("logprobs/step"), self.clock.measure():
-            return self.trainer.step_logprobs(batch, with_ref, kl_mask)
+            old, ref, exact_kl = self.trainer.step_logprobs(batch, with_ref, kl_mask, shared=True)
+        batch.old_logprobs = old
+        if ref is not None:
+            batch.ref_logprobs = ref
+        self.step_batch = batch
+        if self.rank != 0:
+            return None, None, exact_kl
+        return old, ref, exact_kl
 
     def train_step(
-        self, batch, num_minibatches: int, sample_ids: list[int] | None = None
+        self,
+        batch,
+        num_minibatches: int,
+        sample_ids: list[int] | None = None,
+        release: bool = False,
     ) -> dict[str, float]:
-        """Updates on ``batch`` (its samples ``sample_ids`` when given: the driver places the
-        step's batch in the object store once and names each mini-batch by its samples)."""
+        """Updates on ``batch``, or with ``None`` on the batch kept by this step's
+        :meth:`step_logprobs`; on its samples ``sample_ids`` when given (the driver names each
+        mini-batch by its samples). ``release`` drops the kept batch afterwards (the step's
+        last update)."""
+        if batch is None:
+            if self.step_batch is None:
+                raise RuntimeError(
+                    f"trainer rank {self.rank}: an update on the kept batch, but no step_logprobs "
+                    "call since the last release (the driver calls step_logprobs first each step)"
+                )
+            batch = self.step_batch
+        if release:
+            self.step_batch = None
         if sample_ids is not None:
             batch = batch.select(sample_ids)
         with nvtx_range("train"), self.clock.measure():

@@ -232,7 +232,9 @@ class CachedReferenceSampler(ReferenceSampler):
         out = []
         for q, p in zip(query_ids, prompts, strict=True):
             scores = self.cache[q].scores if self._cached(q, p, n) else None
-            out.append(scores is not None and len(scores) >= n and not any(a for _, a in scores[:n]))
+            out.append(
+                scores is not None and len(scores) >= n and not any(a for _, a in scores[:n])
+            )
         return out
 
     def uncached(self, query_ids: list[str], prompts: list[list[int]], n: int) -> int:

@@ -40,12 +40,17 @@ class TrainerInterface(ABC):
 
     @abstractmethod
     def step_logprobs(
-        self, batch: TrainBatch, with_ref: bool, kl_mask: torch.Tensor | None = None
+        self,
+        batch: TrainBatch,
+        with_ref: bool,
+        kl_mask: torch.Tensor | None = None,
+        shared: bool = False,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, dict[str, float]]:
         """A step's log-prob work in one call: ``compute_logprobs(batch, "policy")``,
         ``compute_logprobs(batch, "ref")`` when ``with_ref`` (else ``None``), and ``exact_kl``
         at the tokens flagged by ``kl_mask`` (``[total]``; ``{}`` when ``None``), reusing the
-        policy pass for the diagnostic."""
+        policy pass for the diagnostic. ``shared``: the whole log-probs on every rank (not only
+        the reporting ranks' parts)."""
 
     @abstractmethod
     def train_step(self, batch: TrainBatch, num_minibatches: int) -> dict[str, float]:

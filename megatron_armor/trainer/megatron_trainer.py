@@ -13,6 +13,7 @@ import math
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 
 from megatron_armor.algo.losses import LossSettings, finalize_metrics
 from megatron_armor.config.schema import ArmorConfig
@@ -131,24 +132,37 @@ class MegatronTrainer(TrainerInterface):
             outputs = run_schedule(self.model, mbs, logprob_builder(self.lp), forward_only=True)
         return self._gather_logprobs(outputs, batch)
 
-    def _gather_logprobs(self, outputs: list[dict], batch) -> torch.Tensor | None:
+    def _gather_logprobs(self, outputs: list[dict], batch, shared: bool = False):
         """The ``[total]`` log-probs of ``batch`` (zero off the loss mask) from a log-prob
-        pass's outputs; ``None`` on ranks that do not report."""
-        if not parallel.is_reporting_rank():
+        pass's outputs; ``None`` on ranks that do not report. With ``shared``, every rank
+        gets the whole tensor: the reporting ranks' parts summed over the world group (each
+        token is in exactly one part and zero in the others, so the sum is exact)."""
+        reporting = parallel.is_reporting_rank()
+        if not reporting and not shared:
             return None
         out = torch.zeros(batch.num_tokens)
-        for o in outputs:
-            out[o["index"]] = o["logp"].float().cpu()
-        return out * batch.loss_mask.float()
+        if reporting:
+            for o in outputs:
+                out[o["index"]] = o["logp"].float().cpu()
+            out = out * batch.loss_mask.float()
+        if shared and dist.get_world_size() > 1:
+            total = out.to(parallel.collective_device())
+            dist.all_reduce(total)
+            out = total.cpu()
+        return out
 
-    def step_logprobs(self, batch, with_ref: bool, kl_mask: torch.Tensor | None = None):
+    def step_logprobs(
+        self, batch, with_ref: bool, kl_mask: torch.Tensor | None = None, shared: bool = False
+    ):
         """The log-prob work of a step in one call: ``(old, ref, exact_kl)``.
 
         ``old``: policy log-probs (one pass over ``batch``); ``ref``: reference log-probs when
         ``with_ref`` (a second pass), else ``None``; ``exact_kl``: with ``kl_mask`` (``[total]``,
         the diagnostic's tokens), the ``kl/exact_*`` metrics of :meth:`exact_kl` from the logit
         rows of those tokens in the policy pass and the reference pass — which then runs only
-        over the micro-batches holding such tokens when ``with_ref`` is off. ``{}`` without."""
+        over the micro-batches holding such tokens when ``with_ref`` is off. ``{}`` without.
+        ``shared``: every rank returns the whole ``old`` / ``ref`` (one all-reduce each), so the
+        step's updates can run on the batch the ranks already hold."""
         enable_cpu_mode()  # per thread (no-op with CUDA)
         mbs = self._micro_batches(batch)
         self.model.eval()
@@ -157,7 +171,7 @@ class MegatronTrainer(TrainerInterface):
             outputs = run_schedule(
                 self.model, mbs, logprob_kl_builder(self.lp, kl_mask, captured, None), True
             )
-            old = self._gather_logprobs(outputs, batch)
+            old = self._gather_logprobs(outputs, batch, shared)
             if not with_ref and kl_mask is None:
                 return old, None, {}
             keep = [i for i, mb in enumerate(mbs) if with_ref or kl_mask[mb.token_index].any()]
@@ -166,7 +180,7 @@ class MegatronTrainer(TrainerInterface):
             builder = logprob_kl_builder(self.lp, kl_mask, [], compare)
             with self.store.swapped("ref"):
                 ref_outputs = run_schedule(self.model, [mbs[i] for i in keep], builder, True)
-        ref = self._gather_logprobs(ref_outputs, batch) if with_ref else None
+        ref = self._gather_logprobs(ref_outputs, batch, shared) if with_ref else None
         if kl_mask is None:
             return old, ref, {}
         kl_outputs = [{k: v for k, v in o.items() if k.startswith("kl/")} for o in ref_outputs]

@@ -9,6 +9,8 @@ compares what the ranks wrote with the single-process run and with HF transforme
 - per-token log-probs, the loss/metrics and the weights after two ARMOR updates (mixed
   ratio, dual clip, token-mean, >= 2 micro-batches of unequal lengths) equal the single-process
   run at TP=2, PP=2, DP=2 and DP=2 with the distributed optimizer;
+- ``step_logprobs(shared=True)`` (the loop's call) gives every rank, reporting or not, the
+  whole old and reference log-probs, equal to the reporting ranks' parts summed;
 - reference log-probs after training equal the initial policy's; after ``reset_reference``
   they equal the current policy's;
 - save, exit, load in fresh processes: the next update's metrics and weights are bit-identical;
@@ -124,9 +126,16 @@ def assert_oracle(result: dict, hf_logits: dict, models: str) -> None:
 LAYOUT_DEPENDENT = ("train/padding_fraction",)
 
 
-def assert_same_training(result: dict, single: dict) -> None:
+def assert_same_training(result: dict, single: dict, world: int) -> None:
     for key in ("lp0", "lp_policy", "lp_ref", "lp_ref_after_reset"):
         torch.testing.assert_close(result[key], single[key], atol=LOGPROB_TOL, rtol=0)
+    # step_logprobs(shared=True) hands every rank, reporting or not, the whole log-probs
+    shared = {k: v for k, v in result.items() if k.startswith("shared/")}
+    assert sorted(shared) == [f"shared/{r}" for r in range(world)]
+    for old, ref in shared.values():
+        assert torch.equal(old, shared["shared/0"][0]) and torch.equal(ref, shared["shared/0"][1])
+        torch.testing.assert_close(old, result["lp_policy"], atol=LOGPROB_TOL, rtol=0)
+        torch.testing.assert_close(ref, result["lp_ref"], atol=LOGPROB_TOL, rtol=0)
     for step in ("m1", "m2", "kl2"):  # kl2: the exact vocab-parallel KLs after two updates
         assert sorted(result[step]) == sorted(single[step])
         for k, v in single[step].items():
@@ -236,7 +245,7 @@ def test_single_process_matches_hf(single, hf_logits, models) -> None:
 def test_model_parallel_matches_single(tp, pp, single, hf_logits, models, tmp_path) -> None:
     result = launch("run", str(tmp_path), models, tp, pp, 2, extras="oracle")
     assert_oracle(result, hf_logits, models)
-    assert_same_training(result, single)
+    assert_same_training(result, single, 2)
     assert_reference_swaps(result)
 
 
@@ -248,13 +257,13 @@ def assert_offloaded(result: dict) -> None:
 
 def test_data_parallel_matches_single(single, models, tmp_path) -> None:
     result = launch("run", str(tmp_path), models, 1, 1, 2, extras="offload")
-    assert_same_training(result, single)
+    assert_same_training(result, single, 2)
     assert_offloaded(result)
 
 
 def test_distributed_optimizer_resume_and_convert(single, models, tmp_path) -> None:
     result = launch("run", str(tmp_path), models, 1, 1, 2, distopt=True, extras="ckpt,offload")
-    assert_same_training(result, single)
+    assert_same_training(result, single, 2)
     assert_offloaded(result)
     resumed = launch("resume", str(tmp_path), models, 1, 1, 2, distopt=True)
     assert resumed["step"] == 1

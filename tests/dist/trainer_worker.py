@@ -115,6 +115,8 @@ def run(trainer, out: dict, ckpt: bool, offload: bool = False) -> None:
     out["w2"] = dict(trainer.export_weights())
     out["lp_policy"] = full(trainer.compute_logprobs(batch, "policy"))
     out["lp_ref"] = full(trainer.compute_logprobs(batch, "ref"))
+    # the loop's call: every rank gets the whole log-probs (it keeps the batch for the update)
+    out[f"shared/{dist.get_rank()}"] = trainer.step_logprobs(batch, True, None, shared=True)[:2]
     out["kl2"] = trainer.exact_kl(batch)
     trainer.reset_reference()
     out["lp_ref_after_reset"] = full(trainer.compute_logprobs(batch, "ref"))
