@@ -9,6 +9,7 @@ renamed into place only when complete.
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,7 +46,7 @@ from megatron_armor.orchestration.run_state import RunState
 from megatron_armor.orchestration.run_watch import RunWatch
 from megatron_armor.orchestration.step_metrics import compress_anchor_files
 from megatron_armor.orchestration.weight_sync import WeightSync, make_weight_sync
-from megatron_armor.orchestration.workers import load_model_tokenizer
+from megatron_armor.orchestration.workers import freeze_heap, load_model_tokenizer
 from megatron_armor.planner.model import load_model_dims
 from megatron_armor.rollout.backends import backend_of
 
@@ -125,6 +126,7 @@ class Session:
             lock.release()
             raise
         session.lock, session.resume_from = lock, resume_from
+        freeze_heap()  # the driver's start-up objects too (workers.freeze_heap)
         return session
 
     @classmethod
@@ -272,3 +274,4 @@ class Session:
             placement.shutdown_ray()
         if self.lock is not None:
             self.lock.release()
+        gc.unfreeze()  # what this session held can be collected again (a pipeline's next stage)

@@ -330,7 +330,9 @@ class RememberingRollout(CachedRollout):
 
     def reference_unsolved(self, items, n):
         self.calls.append(("verdicts", len(items)))
-        return self.cache.unsolved([it.query_id for it in items], [it.prompt_ids for it in items], n)
+        return self.cache.unsolved(
+            [it.query_id for it in items], [it.prompt_ids for it in items], n
+        )
 
 
 class CountingReward(ScriptedReward):
@@ -467,7 +469,11 @@ def test_a_cached_all_wrong_reference_rejects_a_recurring_query_before_it_is_gen
     stats, records, calls = runs[True][1:]
     # step 4: q3 rejected by its cached verdict, q4 accepted; only q4, q5 were generated
     assert [s["anchor/rejected_cached_no_ref_correct"] for s in stats] == [0, 0, 0, 1, 0, 0]
-    assert stats[3]["anchor/rejected_no_ref_correct"] == 1 == runs[False][1][3]["anchor/rejected_no_ref_correct"]
+    assert (
+        stats[3]["anchor/rejected_no_ref_correct"]
+        == 1
+        == runs[False][1][3]["anchor/rejected_no_ref_correct"]
+    )
     assert records[3][0] == {"query_id": "q3", "gen_batch": 0, "reason": "no_reference_correct",
                              "policy_correct": 0, "policy_n": 0, "ref_correct": 0, "ref_n": 0,
                              "cached_verdict": True}  # fmt: skip

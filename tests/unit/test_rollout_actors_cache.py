@@ -91,7 +91,9 @@ def test_a_query_always_reaches_the_worker_holding_its_cache_entry(actors):
     again = items(11, 3, 0, 8, 5)  # other batch, other positions
     assert actors.reference_misses(again, 2) == 0
     rows_again = actors.sample_reference(again, 2, SamplingParams(temperature=1.0, seed=99))
-    assert [r[0].response_ids for r in rows_again] == [rows[i][0].response_ids for i in (11, 3, 0, 8, 5)]
+    assert [r[0].response_ids for r in rows_again] == [
+        rows[i][0].response_ids for i in (11, 3, 0, 8, 5)
+    ]
     assert all(s.scored for row in rows_again for s in row)  # the remembered scores came back
     assert sum(w.reference.hits for w in actors.workers) == 5
     assert sum(w.reference.misses for w in actors.workers) == 12
@@ -108,7 +110,9 @@ def test_without_the_cache_the_workers_take_contiguous_parts(actors):
 
 
 def test_query_worker_is_stable_and_spreads_ids():
-    assert [query_worker(f"q{i}", 4) for i in range(6)] == [query_worker(f"q{i}", 4) for i in range(6)]
+    assert [query_worker(f"q{i}", 4) for i in range(6)] == [
+        query_worker(f"q{i}", 4) for i in range(6)
+    ]
     counts = [0] * 4
     for i in range(4000):
         counts[query_worker(f"query-{i}", 4)] += 1
