@@ -28,6 +28,7 @@ from megatron_armor.orchestration.placement import (
     trainer_runtime_env,
 )
 from megatron_armor.orchestration.workers import RewardWorker, RolloutWorker, TrainerWorker
+from megatron_armor.reward.scorer import answers_of
 from megatron_armor.rollout.backends import backend_of
 from megatron_armor.rollout.protocol import GenerationOutput, RolloutEngine, SamplingParams
 from megatron_armor.rollout.reference import reference_strategy
@@ -269,6 +270,8 @@ class RolloutActors:
     policy workers themselves for ``swap``).
     """
 
+    _unsettled: tuple = ()  # refs of remember_reference_scores calls not waited for yet
+
     def __init__(
         self,
         config: ArmorConfig,
@@ -374,16 +377,26 @@ class RolloutActors:
     def remember_reference_scores(self, items: list, rows: list[list[Sample]]) -> None:
         """The anchor cache keeps the scores of ``rows``, the reference samples a
         :meth:`sample_reference` call just returned for the same ``items`` (each worker gets
-        the rows of its own cache: :meth:`reference_parts`)."""
-        refs = [
+        the rows of its own cache: :meth:`reference_parts`).
+
+        Sent without waiting: a Ray actor runs one caller's calls in the order sent (these
+        actors are single-threaded and never retry a call), so the worker's next cache call
+        sees the scores; :meth:`reference_metrics` (once a step) and :meth:`state_dicts` wait
+        for them, and raise what failed."""
+        self._unsettled += tuple(
             actor.remember_reference_scores.remote(
                 [items[j].query_id for j in part],
                 [[(s.score, s.acc) for s in rows[j]] for j in part],
             )
             for actor, part in zip(self.reference_actors, self.reference_parts(items), strict=True)
             if part
-        ]
-        wait(refs, "rollout reference scores")
+        )
+
+    def _settle(self) -> None:
+        """Wait for the unwaited calls of :meth:`remember_reference_scores`."""
+        refs, self._unsettled = self._unsettled, ()
+        if refs:
+            wait(list(refs), "rollout reference scores")
 
     def reference_unsolved(self, items: list, n: int) -> list[bool]:
         """Per item, whether the anchor cache already holds ``n`` scored reference samples of
@@ -482,6 +495,7 @@ class RolloutActors:
     def reference_metrics(self) -> dict[str, float]:
         """``anchor/cache_*`` summed over workers (empty, and no call to them, without the
         anchor cache)."""
+        self._settle()
         out: dict[str, float] = {}
         if not self.caches_anchors:
             return out
@@ -511,6 +525,7 @@ class RolloutActors:
         )
 
     def state_dicts(self) -> list[dict]:
+        self._settle()
         return wait([a.state_dict.remote() for a in self.reference_actors], "rollout state")
 
     def close(self) -> None:
@@ -535,14 +550,16 @@ class RewardActors:
 
     def __init__(self, config: ArmorConfig, plan: LayoutPlan):
         opts = actor_options(plan, None, [], None, 0.0)
+        self.verifier = config.reward.verifier
         self.actors = [
             _remote(RewardWorker, opts).remote(config, plan.threads)
             for _ in range(max(plan.reward_workers, 1))
         ]
 
     def score(self, samples: list[Sample]) -> dict[str, float]:
-        """Score ``samples`` in place; returns the scorers' summed stats (``reward/*``)."""
-        parts = shard(samples, len(self.actors))
+        """Score ``samples`` in place; returns the scorers' summed stats (``reward/*``). The
+        workers get each sample's :class:`~megatron_armor.reward.scorer.Answer` only."""
+        parts = shard(answers_of(samples, self.verifier), len(self.actors))
         refs = [a.score.remote(p) for a, p in zip(self.actors, parts, strict=True) if p]
         stats: dict[str, float] = {}
         results = wait(refs, "reward scoring")

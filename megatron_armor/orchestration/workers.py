@@ -31,6 +31,7 @@ from megatron_armor.rollout.protocol import GenerationOutput, SamplingParams
 from megatron_armor.types import NamedTensorList, Sample, SampleSource
 
 if TYPE_CHECKING:
+    from megatron_armor.reward.scorer import Answer
     from megatron_armor.rollout.reference import ReferencePlan
 
 NamedTensors = list[tuple[str, torch.Tensor]]
@@ -590,10 +591,9 @@ class RewardWorker:
         )
         freeze_heap()
 
-    def score(self, samples: list[Sample]) -> tuple[list[tuple[float, bool]], dict[str, float]]:
-        """``[(score, acc)]`` per sample (same order) and the scorer's stats."""
-        stats = self.scorer.score(samples)
-        return [(float(s.score), bool(s.acc)) for s in samples], dict(stats or {})
+    def score(self, answers: list[Answer]) -> tuple[list[tuple[float, bool]], dict[str, float]]:
+        """``[(score, acc)]`` per answer (same order) and the scorer's stats."""
+        return self.scorer.score_answers(answers)
 
     def close(self) -> None:
         self.scorer.close()

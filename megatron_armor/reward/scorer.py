@@ -12,6 +12,7 @@ before any work starts, so an unknown ``data_source`` fails fast.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from megatron_armor.reward.dapo_rule import TAIL_CHARS
@@ -21,6 +22,31 @@ from megatron_armor.reward.verifiers import check_verifier, resolve_verifier
 
 if TYPE_CHECKING:
     from megatron_armor.types import Sample
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What scoring reads of a :class:`Sample`, and all a scoring worker in another process is
+    sent: not the prompt, the token ids or the log-probs (at the paper's lengths, thousands
+    of numbers a response that the verifiers never look at)."""
+
+    text: str
+    length: int
+    """Response tokens (the overlong penalty)."""
+    ground_truth: str
+    data_source: str
+
+
+def answers_of(samples: list[Sample], verifier: str) -> list[Answer]:
+    """:class:`Answer` of each sample, for ``reward.verifier = verifier``; the DAPO rule reads
+    only the last :data:`TAIL_CHARS` characters, so only they are kept for it."""
+    out = []
+    for s in samples:
+        text = s.response_text
+        if resolve_verifier(verifier, s.data_source) == "dapo":
+            text = text[-TAIL_CHARS:]
+        out.append(Answer(text, s.response_len, s.ground_truth, s.data_source))
+    return out
 
 
 class RewardScorer:
@@ -67,15 +93,15 @@ class RewardScorer:
             response_len, self.max_new_tokens, self.overlong_buffer, self.overlong_factor
         )
 
-    def _job(self, sample: Sample) -> Job:
-        name = resolve_verifier(self.verifier, sample.data_source)
+    def _job(self, answer: Answer) -> Job:
+        name = resolve_verifier(self.verifier, answer.data_source)
         # The DAPO rule reads only the tail; sending only that keeps the pipes light.
-        text = sample.response_text[-TAIL_CHARS:] if name == "dapo" else sample.response_text
-        return Job(name, text, sample.ground_truth)
+        text = answer.text[-TAIL_CHARS:] if name == "dapo" else answer.text
+        return Job(name, text, answer.ground_truth)
 
-    def verify(self, samples: list[Sample]) -> tuple[list[Verdict], dict[str, float]]:
-        """Verdicts for ``samples`` (no score changes) and the pool's counters."""
-        jobs = [self._job(s) for s in samples]
+    def verify(self, answers: list[Answer]) -> tuple[list[Verdict], dict[str, float]]:
+        """Verdicts for ``answers`` and the pool's counters."""
+        jobs = [self._job(a) for a in answers]
         verdicts, pool = self.pool.run(jobs)
         counters = {
             "reward/timeouts": float(pool.timeouts),
@@ -87,26 +113,35 @@ class RewardScorer:
 
     def score(self, samples: list[Sample]) -> dict[str, float]:
         """Set ``sample.acc`` and ``sample.score`` in place; return ``reward/*`` stats."""
-        if not samples:
-            return {"reward/n": 0.0}
-        verdicts, stats = self.verify(samples)
-        penalties = []
-        for sample, verdict in zip(samples, verdicts, strict=True):
-            penalties.append(self.penalty(sample.response_len))
-            sample.acc = verdict.correct
-            sample.score = (1.0 if verdict.correct else -1.0) + penalties[-1]
-        n = float(len(samples))
+        scored, stats = self.score_answers(answers_of(samples, self.verifier))
+        for sample, (score, acc) in zip(samples, scored, strict=True):
+            sample.score, sample.acc = score, acc
+        return stats
+
+    def score_answers(
+        self, answers: list[Answer]
+    ) -> tuple[list[tuple[float, bool]], dict[str, float]]:
+        """``[(score, acc)]`` per answer (same order) and the ``reward/*`` stats."""
+        if not answers:
+            return [], {"reward/n": 0.0}
+        verdicts, stats = self.verify(answers)
+        penalties = [self.penalty(a.length) for a in answers]
+        scored = [
+            ((1.0 if v.correct else -1.0) + p, bool(v.correct))
+            for v, p in zip(verdicts, penalties, strict=True)
+        ]
+        n = float(len(answers))
         stats.update(
             {
                 "reward/n": n,
-                "reward/acc": sum(s.acc for s in samples) / n,
-                "reward/score_mean": sum(s.score for s in samples) / n,
+                "reward/acc": sum(acc for _, acc in scored) / n,
+                "reward/score_mean": sum(score for score, _ in scored) / n,
                 "reward/no_answer_frac": sum(v.prediction is None for v in verdicts) / n,
                 "reward/overlong_frac": sum(p < 0 for p in penalties) / n,
                 "reward/overlong_penalty_mean": sum(penalties) / n,
             }
         )
-        return stats
+        return scored, stats
 
     def start(self) -> None:
         """Start the scoring workers now (else the first :meth:`score` starts them)."""

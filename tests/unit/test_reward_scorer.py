@@ -107,6 +107,57 @@ def test_score_sets_acc_and_score_with_penalty(scorer):
     assert stats["reward/timeouts"] == 0
 
 
+def test_scoring_workers_get_answers_only(scorer, monkeypatch):
+    """``RewardActors.score`` (the loop's scoring): each worker gets the samples' ``Answer``
+    (text, length, ground truth, data source; the DAPO rule's text cut to the tail it reads),
+    pickled as Ray would, never the token ids or log-probs; the scores and stats are those of
+    scoring the samples in-process."""
+    import pickle
+
+    from megatron_armor.orchestration import actor_handles
+    from megatron_armor.orchestration.actor_handles import RewardActors
+    from megatron_armor.orchestration.workers import RewardWorker
+    from megatron_armor.reward.dapo_rule import TAIL_CHARS
+    from megatron_armor.reward.scorer import Answer
+
+    worker, sent = object.__new__(RewardWorker), []
+    worker.scorer = scorer
+
+    class Handle:  # ``actor.score.remote(answers)``, run now on a pickled copy
+        class score:  # noqa: N801
+            @staticmethod
+            def remote(answers):
+                sent.append(pickle.loads(pickle.dumps(answers)))
+                return worker.score(sent[-1])
+
+    monkeypatch.setattr(actor_handles, "wait", lambda refs, what, timeout=None: refs)
+    actors = object.__new__(RewardActors)
+    actors.actors, actors.verifier = [Handle(), Handle()], scorer.verifier
+
+    def batch() -> list[Sample]:
+        long = "work " * 400 + "Answer: 7"  # far longer than the DAPO rule's tail
+        out = [
+            sample(long, "7", "math_dapo", response_len=60),
+            sample("Answer: 8", "7", "math_dapo", response_len=10),
+            sample(long.replace("Answer: 7", "so $\\frac{1}{2}$"), "0.5", "aime24"),
+        ]
+        for s in out:
+            s.response_logprobs = [-0.5] * s.response_len
+        return out
+
+    remote, local = batch(), batch()
+    stats = actors.score(remote)
+    want = scorer.score(local)
+    assert [(s.score, s.acc) for s in remote] == [(s.score, s.acc) for s in local]
+    assert [s.acc for s in remote] == [True, False, True]
+    stats.pop("reward/verify_seconds"), want.pop("reward/verify_seconds")
+    assert stats == pytest.approx(want)
+    answers = [a for part in sent for a in part]
+    assert [type(a) for a in answers] == [Answer] * 3
+    assert len(answers[0].text) == TAIL_CHARS and answers[0].length == 60
+    assert answers[2].text == local[2].response_text  # math-verify reads all of it
+
+
 def test_from_config_reads_reward_settings():
     cfg = SimpleNamespace(
         verifier="dapo",

@@ -102,6 +102,30 @@ def test_a_query_always_reaches_the_worker_holding_its_cache_entry(actors):
     assert actors.reference_unsolved(items(12, 13), 2) == [False, False]  # not cached
 
 
+def test_remembered_scores_are_waited_for_once_a_step(actors, monkeypatch):
+    """``remember_reference_scores`` does not wait (the workers run the driver's calls in
+    order); the step's ``reference_metrics`` (and a checkpoint's ``state_dicts``) wait for the
+    calls sent since, so a failure there still stops the step."""
+    waited = []
+    monkeypatch.setattr(actor_handles, "wait", lambda refs, what, timeout=None: waited.append(
+        (what, list(refs) if isinstance(refs, list) else refs)) or refs)  # fmt: skip
+    for w in actors.workers:
+        w.counted = {}
+    first = items(*range(6))
+    rows = actors.sample_reference(first, 2, PARAMS)
+    score(rows)
+    waited.clear()
+    actors.remember_reference_scores(first, rows)
+    assert waited == [] and len(actors._unsettled) == 3  # one call per worker, none waited
+    metrics = actors.reference_metrics()
+    assert [what for what, _ in waited] == ["rollout reference scores", "rollout reference metrics"]
+    assert len(waited[0][1]) == 3 and actors._unsettled == ()
+    assert metrics["anchor/cache_misses"] == 6
+    waited.clear()
+    actors.reference_metrics()  # nothing left to wait for
+    assert [what for what, _ in waited] == ["rollout reference metrics"]
+
+
 def test_without_the_cache_the_workers_take_contiguous_parts(actors):
     actors.caches_anchors = False
     assert actors.reference_parts(items(*range(7))) == [[0, 1, 2], [3, 4], [5, 6]]
