@@ -138,8 +138,10 @@ def run_rounds(configs: dict, rounds: int) -> dict[str, list[dict[str, float]]]:
             for name in names[r % len(names) :] + names[: r % len(names)]:
                 rec = timed_step(sessions[name], rollouts[name], r + 2)
                 records[name].append(rec)
+                outside = 1.0 - rec["compute_s"] / rec["step_s"]
                 print(f"round {r + 1} {name}: {rec['step_s']:.2f}s, {rec['tokens']:.0f} tokens, "
-                      f"compute {rec['compute_s']:.2f}s, {rec['gen_batches']:.0f} generation "
+                      f"compute {rec['compute_s']:.2f}s ({outside:.1%} outside), "
+                      f"{rec['gen_batches']:.0f} generation "
                       f"batches, {rec['queries_seen']:.0f} queries seen, "
                       f"{rec['no_ref_correct']:.0f} rejected without a correct reference "
                       f"({rec['cached_verdicts']:.0f} by the anchor cache's verdict, nothing "

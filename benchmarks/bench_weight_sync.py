@@ -3,8 +3,10 @@
 One model-sized set of HF-named tensors (``--mb`` MB of bf16 in ``--tensors`` tensors) goes
 from this process (the trainer rank) to a receiving process (the server) by:
 
-- ``object_store``: ``ray.put`` of the CPU copies and ``ray.get`` in a Ray actor (the embedded
-  engine's path, and what every transport did before the weight sync moved to the ranks);
+- ``object_store``: ``ray.put`` of the CPU copies as a ``types.NamedTensorList`` (numpy
+  buffers) and ``ray.get`` in a Ray actor (the embedded engine's path); ``object_store_torch``
+  the same with torch's own pickling (what it did before, and what every transport did before
+  the weight sync moved to the ranks);
 - ``disk``: ``DiskRankSync``'s layout (bucketed safetensors shards) written here and read back
   by the receiver;
 - ``distributed``: ``DistributedWeightSender``'s bucketed broadcasts (gloo on CPU, NCCL when
@@ -59,8 +61,10 @@ def median_seconds(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-def object_store(named, reps: int) -> float:
+def object_store(named, reps: int, wire: bool = True) -> float:
     import ray
+
+    from megatron_armor.types import NamedTensorList
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
 
@@ -71,6 +75,7 @@ def object_store(named, reps: int) -> float:
 
     receiver = Receiver.remote()
     cpu = [(n, t.cpu()) for n, t in named]
+    cpu = NamedTensorList(cpu) if wire else cpu
     try:
         return median_seconds(lambda: ray.get(receiver.load.remote(ray.put(cpu))), reps)
     finally:
@@ -170,6 +175,7 @@ def main() -> None:
     gb = total_bytes(named) / 1e9
     runs = {
         "object_store": lambda: object_store(named, args.reps),
+        "object_store_torch": lambda: object_store(named, args.reps, wire=False),
         "disk": lambda: disk(named, args.bucket_mb, args.reps),
         "distributed": lambda: distributed(named, args.bucket_mb, args.reps, args.device),
     }
@@ -179,9 +185,9 @@ def main() -> None:
           f"device {args.device}")  # fmt: skip
     for name, run in runs.items():
         seconds = run()
-        print(f"{name:>13}: {gb / seconds:7.3f} GB/s  ({seconds:.3f} s per sync)", flush=True)
+        print(f"{name:>18}: {gb / seconds:7.3f} GB/s  ({seconds:.3f} s per sync)", flush=True)
     if args.device != "cuda":
-        print("       tensor: n/a (CUDA IPC needs --device cuda and SGLang)")
+        print(f"{'tensor':>18}: n/a (CUDA IPC needs --device cuda and SGLang)")
 
 
 if __name__ == "__main__":
