@@ -8,8 +8,12 @@ ARMOR, ``ref_n = 4``) with the same ``B``. Two sets (``--set``):
   reference anchors every step), ``filter_only`` (rule (b) without the anchor).
 - ``cache``: on a recurring-query config (the first ``--recurring`` training queries, so each
   recurs every few steps within a reset period, as the paper's 17k queries do at 512 per step
-  over 160 steps): ``dapo``, ``armor`` (fresh anchors on the same queries) and
-  ``armor-cache`` (``algo.anchor_source=cache``).
+  over 160 steps): ``dapo``, ``armor`` (fresh anchors on the same queries),
+  ``armor-cache`` (``algo.anchor_source=cache``) and ``armor-cache-reffirst`` (the cache with
+  ``rollout.reference_first``).
+- ``order``: ``dapo``, ``armor`` and ``armor-reffirst`` (``rollout.reference_first``: the
+  reference samples first, policy samples only for the queries the reference solved).
+- ``overlap``: ``dapo``, ``armor`` and ``armor-parts2`` (``rollout.reference_parts=2``).
 
 After one warm-up step each, every round runs one step of every variant, the order rotated by
 one per round, so load changes on a shared machine hit every variant alike. Per round and
@@ -20,7 +24,7 @@ over rounds of each variant's ratio to DAPO in the same round — step time, gen
 per kept query, step time per generated token — and of the share of step time outside model
 compute (Ray round trips, serialization, scoring, batching, weight sync).
 
-    python benchmarks/bench_step.py [--set fresh|cache] [--rounds 4] [key=value ...]
+    python benchmarks/bench_step.py [--set fresh|cache|order|overlap] [--rounds 4] [key=value ...]
 """
 
 from __future__ import annotations
@@ -44,6 +48,20 @@ SETS = {
         "dapo": ["algo.anchor=none", "algo.ratio=standard"],
         "armor": ["algo.anchor=armor", "algo.anchor_source=generate"],
         "armor-cache": ["algo.anchor=armor", "algo.anchor_source=cache"],
+        "armor-cache-reffirst": [
+            "algo.anchor=armor",
+            "algo.anchor_source=cache",
+            "rollout.reference_first=true",
+        ],
+    },
+    "order": {
+        "dapo": ["algo.anchor=none", "algo.ratio=standard"],
+        "armor": ["algo.anchor=armor", "algo.anchor_source=generate"],
+        "armor-reffirst": [
+            "algo.anchor=armor",
+            "algo.anchor_source=generate",
+            "rollout.reference_first=true",
+        ],
     },
     "overlap": {
         "dapo": ["algo.anchor=none", "algo.ratio=standard"],
@@ -161,7 +179,7 @@ def spread(values: list[float]) -> str:
 def report(records: dict[str, list[dict[str, float]]]) -> None:
     """Per variant: min / median / max over rounds of the ratios to DAPO's step that round."""
     base = records["dapo"]
-    print("variant        ratio to DAPO (min / median / max over rounds)")
+    print(f"{'variant':20s} ratio to DAPO (min / median / max over rounds)")
     for name, recs in records.items():
         step = [r["step_s"] / b["step_s"] for r, b in zip(recs, base, strict=True)]
         per_query = [(r["tokens"] / r["kept"]) / (b["tokens"] / b["kept"])
@@ -170,11 +188,11 @@ def report(records: dict[str, list[dict[str, float]]]) -> None:
                      for r, b in zip(recs, base, strict=True)]  # fmt: skip
         outside = [1.0 - r["compute_s"] / r["step_s"] for r in recs]
         print(
-            f"{name:14s} step time {spread(step)} | generated tokens per kept query "
+            f"{name:20s} step time {spread(step)} | generated tokens per kept query "
             f"{spread(per_query)} | step time per generated token {spread(per_token)}"
         )
         print(
-            f"{'':14s} step s {spread([r['step_s'] for r in recs])} | tokens "
+            f"{'':20s} step s {spread([r['step_s'] for r in recs])} | tokens "
             f"{spread([r['tokens'] for r in recs])} | outside model compute {spread(outside)}"
         )
 
@@ -199,10 +217,11 @@ def breakdown(rec: dict[str, float]) -> dict[str, float]:
 def report_phases(records: dict[str, list[dict[str, float]]]) -> None:
     """Median seconds per part of the step (:func:`breakdown`) and the anchor cache's hits."""
     parts = list(breakdown(next(iter(records.values()))[0]))
-    print(f"{'median seconds':32s}" + "".join(f"{name:>14s}" for name in records))
+    width = max(14, *(len(name) + 2 for name in records))
+    print(f"{'median seconds':32s}" + "".join(f"{name:>{width}s}" for name in records))
     for part in parts:
         cells = [median(breakdown(r)[part] for r in recs) for recs in records.values()]
-        print(f"{part:32s}" + "".join(f"{c:14.3f}" for c in cells))
+        print(f"{part:32s}" + "".join(f"{c:{width}.3f}" for c in cells))
     for name, recs in records.items():
         hits = sum(r["cache_hits"] for r in recs)
         lookups = hits + sum(r["cache_misses"] for r in recs)

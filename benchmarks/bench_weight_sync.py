@@ -66,7 +66,7 @@ def object_store(named, reps: int, wire: bool = True) -> float:
 
     from megatron_armor.types import NamedTensorList
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
 
     @ray.remote
     class Receiver:

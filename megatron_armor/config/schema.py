@@ -185,6 +185,12 @@ class RolloutConfig:
     reference_parts: int = 1
     """Parts of a generation batch whose reference samples are drawn separately, each as soon
     as its policy samples are scored, overlapping the scoring of the others (1 = one call)."""
+    reference_first: bool = False
+    """Draw a generation batch's reference samples first and policy samples only for the
+    queries with a correct one (rule (b) rejects the others whatever their policy samples);
+    reference samples are then drawn for queries rule (a) rejects too. Fewer tokens when rule
+    (b) rejects more than ``ref_n / n_on`` times as many queries as rule (a) (docs/rollout.md).
+    Needs ``algo.anchor`` armor or filter_only and ``reference_parts: 1``."""
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     """SGLang settings (``backend: sglang``)."""
 

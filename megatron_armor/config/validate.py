@@ -210,6 +210,26 @@ def check_reference_serving(config: ArmorConfig) -> Problems:
         )
 
 
+def check_reference_first(config: ArmorConfig) -> Problems:
+    """``rollout.reference_first`` needs rule (b) and the one-call reference order
+    (docs/rollout.md, reference first)."""
+    r = config.rollout
+    if not r.reference_first or config.algo.anchor not in registry.ANCHOR_MODES:
+        return
+    if not registry.get_anchor_mode(config.algo.anchor).needs_reference_correct:
+        yield (
+            f"rollout.reference_first=true with algo.anchor={config.algo.anchor!r}: without rule "
+            "(b) no reference sample decides acceptance; set algo.anchor to armor or "
+            "filter_only, or rollout.reference_first=false"
+        )
+    if r.reference_parts != 1:
+        yield (
+            f"rollout.reference_first=true with rollout.reference_parts={r.reference_parts}: the "
+            "parts overlap scoring with reference generation in the policy-first order; set "
+            "rollout.reference_parts=1 or rollout.reference_first=false"
+        )
+
+
 def check_sglang_reference(config: ArmorConfig) -> Problems:
     """The SGLang pools (``rollout.sglang.pools``) fit the rollout GPUs, and the weight
     transport reaches the servers: ``tensor`` shares CUDA memory, so the servers must sit on
@@ -441,6 +461,7 @@ RULES: list[Callable[[ArmorConfig], Problems]] = [
     check_advantage_args,
     check_batches,
     check_reference_serving,
+    check_reference_first,
     check_sglang_reference,
     check_offload,
     check_parallel,

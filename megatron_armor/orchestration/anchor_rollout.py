@@ -12,6 +12,12 @@ are drawn until ``rollout.batch`` (``B``) groups are accepted, the first ``B`` a
 after ``algo.max_gen_batches`` batches without enough groups the step fails with the
 acceptance statistics and the settings that would help.
 
+With ``rollout.reference_first`` the order is turned around: the reference samples of every
+query first, scored; rule (b) rejects the queries without a correct one (their policy samples
+would be drawn for nothing, whatever rule (a) says), and only the others get policy samples.
+Fewer samples whenever rule (b) rejects more than ``ref_n / n_on`` times as many queries as
+rule (a) does (docs/rollout.md); the accepted groups are selected by the same rules.
+
 The first batch of a step has ``rollout.gen_batch`` queries; each follow-up batch is sized to
 the shortfall (:func:`followup_size`: the missing groups over the acceptance rate seen so far
 this step, at least :data:`FOLLOWUP_FLOOR` of ``gen_batch``, at most ``gen_batch``).
@@ -184,6 +190,7 @@ class AnchorRollout:
         self.progress = progress
         self.parts = overlap_parts(config)
         self.caches_anchors = caches_anchors(config)
+        self.reference_first = config.rollout.reference_first and self.mode.needs_reference_correct
         s = config.rollout.sampling
         self.params = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                                      max_new_tokens=s.max_new_tokens)  # fmt: skip
@@ -254,6 +261,33 @@ class AnchorRollout:
             self.rollout.remember_reference_scores(items, drawn)
         return stats
 
+    def _reference_first(self, items: list, verdicts: list, step: int, batch: int):
+        """``rollout.reference_first``: reference samples of the items without a verdict
+        (``verdicts[i] is None``), scored; an item none of whose samples is correct gets them
+        as its verdict (rejected by rule (b)); then policy samples, scored, for the others.
+        Returns ``(policy, reference, stats)`` of the items still without a verdict, in order."""
+        live = [i for i, v in enumerate(verdicts) if v is None]
+        params = self._params(step, batch, reference_role(0))
+        with self.timers.phase("generate"), nvtx_range("rollout/reference"):
+            drawn = self.rollout.sample_reference([items[i] for i in live], self.algo.ref_n, params)
+        stats = self._score_reference([items[i] for i in live], drawn)
+        reference = []
+        for i, row in zip(live, drawn, strict=True):
+            if any(s.acc for s in row):
+                reference.append(row)
+            else:
+                verdicts[i] = row
+        solved = [items[i] for i, v in enumerate(verdicts) if v is None]
+        if not solved:
+            return [], [], stats
+        a = self.algo
+        n_on = self.mode.policy_samples(a.group_size, a.filter_policy_samples)
+        with self.timers.phase("generate"), nvtx_range("rollout/policy"):
+            policy = self.rollout.generate(solved, n_on, self._params(step, batch, "policy"))
+        with self.timers.phase("score"):
+            stats = merge_reward_stats(stats, self.reward.score([s for r in policy for s in r]))
+        return policy, reference, stats
+
     def _cached_verdicts(self, items: list) -> list[bool]:
         """Per item, whether rule (b) already rejects it: the anchor cache holds its ``ref_n``
         scored reference samples of this reference period and none is correct. Its on-policy
@@ -263,16 +297,19 @@ class AnchorRollout:
         return self.rollout.reference_unsolved(items, self.algo.ref_n)
 
     def _accept(
-        self, items, rejected, policy, reference, gen_batch: int, result: RolloutResult
+        self, items, verdicts, policy, reference, gen_batch: int, result: RolloutResult
     ) -> None:
-        """Accept or reject ``items``; ``rejected[i]``: item ``i`` is rejected by its cached
-        verdict (``policy`` / ``reference`` hold the rows of the other items, in order)."""
+        """Accept or reject ``items``. ``verdicts[i]``: ``None``, item ``i`` is decided by its
+        rows in ``policy`` / ``reference`` (those hold the rows of such items, in order); else
+        it is rejected by rule (b) before its policy samples were drawn: ``[]`` by the anchor
+        cache's verdict, or its reference samples, none correct (``rollout.reference_first``)."""
         drawn = iter(zip(policy, reference, strict=True))
-        for item, known in zip(items, rejected, strict=True):
-            if known:
-                result.stats.record("no_reference_correct", [], None, item.query_id, True)
-                record = _record(item, gen_batch, "no_reference_correct", [], [])
-                result.records.append({**record, "cached_verdict": True})
+        for item, verdict in zip(items, verdicts, strict=True):
+            if verdict is not None:
+                cached = not verdict
+                result.stats.record("no_reference_correct", verdict, None, item.query_id, cached)
+                record = _record(item, gen_batch, "no_reference_correct", [], verdict)
+                result.records.append({**record, "cached_verdict": True} if cached else record)
                 continue
             pol, ref = next(drawn)
             group, reason = select_group(
@@ -299,18 +336,22 @@ class AnchorRollout:
             size = followup_size(self.rollout_cfg.gen_batch, need, result.stats.accepted,
                                  result.stats.queries_seen)  # fmt: skip
             items = [self.dataset[i] for i in self.sampler.next_indices(size)]
-            rejected = self._cached_verdicts(items)
-            live = [item for item, known in zip(items, rejected, strict=True) if not known]
-            policy, reference, stats = (
-                self._generate(live, step, gen_batch) if live else ([], [], {})
-            )
+            verdicts = [[] if known else None for known in self._cached_verdicts(items)]
+            live = [item for item, v in zip(items, verdicts, strict=True) if v is None]
+            if not live:
+                policy, reference, stats = [], [], {}
+            elif self.reference_first:
+                policy, reference, stats = self._reference_first(items, verdicts, step, gen_batch)
+            else:
+                policy, reference, stats = self._generate(live, step, gen_batch)
             result.reward_stats = merge_reward_stats(result.reward_stats, stats)
             result.stats.add_generation_batch()
             result.policy_samples.extend(s for row in policy for s in row)
             result.generated_tokens += sum(
-                s.response_len for rows in (policy, reference) for row in rows for s in row
-            )
-            self._accept(items, rejected, policy, reference, gen_batch, result)
+                s.response_len for rows in (policy, reference, verdicts) for row in rows
+                if row for s in row
+            )  # fmt: skip
+            self._accept(items, verdicts, policy, reference, gen_batch, result)
             if self.progress is not None:
                 self.progress(min(len(result.groups), need), need, result.stats)
             if len(result.groups) >= need:

@@ -83,6 +83,14 @@ def test_defaults_are_valid():
         (["run.steps=0"], ["run.steps=0", ">= 1"]),
         (["rollout.reference_parts=0"], ["rollout.reference_parts=0", ">= 1 part"]),
         (["validation.n_samples=0"], ["validation.n_samples=0", ">= 1"]),
+        (
+            ["rollout.reference_first=true", "algo.anchor=none"],
+            ["rollout.reference_first=true", "algo.anchor='none'", "rule (b)"],
+        ),
+        (
+            ["rollout.reference_first=true", "rollout.reference_parts=2"],
+            ["rollout.reference_parts=2", "rollout.reference_parts=1"],
+        ),
         (["trainer.fp8.enabled=true"], ["trainer.fp8.enabled=true", "transformer_impl=te"]),
     ],
 )

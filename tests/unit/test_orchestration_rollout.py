@@ -82,8 +82,9 @@ class ScriptedReward:
 
 
 def make(anchor="armor", batch=2, gen_batch=3, max_gen_batches=4, weak_filter=False, group_size=4,
-         filter_policy_samples="G", queries=tuple(SCRIPT)):  # fmt: skip
+         filter_policy_samples="G", queries=tuple(SCRIPT), reference_first=False):  # fmt: skip
     cfg = ArmorConfig()
+    cfg.rollout.reference_first = reference_first
     cfg.algo.filter_policy_samples = filter_policy_samples
     cfg.algo.anchor, cfg.algo.weak_filter, cfg.algo.group_size = anchor, weak_filter, group_size
     cfg.algo.ref_n, cfg.algo.max_gen_batches = 3, max_gen_batches
@@ -117,6 +118,46 @@ def test_armor_groups_are_n_on_policy_plus_first_correct_reference():
     assert [c[:3] for c in rollout.calls] == [
         ("policy", 3, 3), ("reference", 1, 3), ("policy", 3, 3), ("reference", 3, 3)
     ]  # fmt: skip
+
+
+def samples_of(groups) -> list:
+    return [[(s.source, s.response_len, s.acc) for s in g.samples] for g in groups]
+
+
+def test_reference_first_draws_policy_samples_only_for_queries_the_reference_solved():
+    """``rollout.reference_first``: the reference samples of every query first; q3 (none
+    correct) is rejected by rule (b) before its policy samples are drawn; the same groups,
+    anchors and counts as the policy-first order."""
+    runner, rollout = make("armor", batch=2, gen_batch=3, reference_first=True)
+    result = runner.collect(step=1)
+    plain = make("armor", batch=2, gen_batch=3)[0].collect(step=1)
+    assert [g.query_id for g in result.groups] == ["q0", "q4"]
+    assert samples_of(result.groups) == samples_of(plain.groups)
+    assert [c[:3] for c in rollout.calls] == [
+        ("reference", 3, 3), ("policy", 3, 3), ("reference", 3, 3), ("policy", 2, 3)
+    ]  # fmt: skip
+    assert rollout.calls[0][3] == plain_seed(1, 0, "reference")
+    s = result.stats
+    assert (s.gen_batches, s.queries_seen, s.accepted) == (2, 6, 3)
+    assert (s.rejected_all_correct, s.rejected_all_wrong, s.rejected_no_ref_correct) == (1, 1, 1)
+    assert s.rejected_cached_no_ref_correct == 0
+    (q3,) = [r for r in result.records if r["query_id"] == "q3"]
+    assert (q3["reason"], q3["policy_n"], q3["ref_n"], q3["ref_correct"]) == (
+        "no_reference_correct", 0, 3, 0
+    )  # fmt: skip
+    assert "cached_verdict" not in q3
+    # reference samples of 10, 11, 12 tokens for all 6 queries; policy 3 + 4 + 5 for 5
+    assert result.generated_tokens == 6 * 33 + 5 * 12
+
+
+def plain_seed(step: int, batch: int, role: str) -> int:
+    return derive_seed(ArmorConfig().run.seed, step, batch, role)
+
+
+def test_reference_first_is_off_without_rule_b():
+    runner, rollout = make("none", batch=3, gen_batch=6, reference_first=True)
+    runner.collect(step=1)
+    assert all(c[0] == "policy" for c in rollout.calls)
 
 
 def test_none_is_dapo_dynamic_sampling_without_reference():
@@ -481,6 +522,31 @@ def test_a_cached_all_wrong_reference_rejects_a_recurring_query_before_it_is_gen
     assert policy_calls == [3, 3, 3, 2, 3, 3]  # q3 skipped at step 4 only (after the reset: drawn)
     assert sum(c[0] == "verdicts" for c in calls) == 6
     assert all(s["anchor/rejected_cached_no_ref_correct"] == 0 for s in runs[False][1])
+
+
+def test_reference_first_with_the_anchor_cache_selects_the_same_groups():
+    """Reference first over the anchor cache: cached verdicts still come first (no reference
+    look-up for them), every other query's reference samples (hits or fresh) decide rule (b)
+    before its policy samples are drawn; the groups are the policy-first run's, and a query
+    whose reference never solves it (q3) never gets policy samples."""
+    queries = ("q0", "q1", "q2", "q3", "q4", "q5")
+    runs = {}
+    for first in (False, True):
+        runner, _ = make("armor", batch=1, gen_batch=3, queries=queries, reference_first=first)
+        runner.caches_anchors = True
+        rollout = runner.rollout = RememberingRollout()
+        groups = []
+        for step in range(1, 7):
+            groups.append(group_keys(runner.collect(step).groups))
+            if step == 4:
+                rollout.cache.on_reset(4, None)
+        runs[first] = (groups, rollout.calls)
+    assert runs[True][0] == runs[False][0]
+    calls = runs[True][1]
+    policy = [c[1] for c in calls if c[0] == "policy"]
+    reference = [c[1] for c in calls if c[0] == "reference"]
+    # q3 sits in the second batch of each cycle: its policy samples are never drawn
+    assert policy == [3, 2, 3, 2, 3, 2] and reference == [3, 3, 3, 2, 3, 3]
 
 
 def test_no_cached_verdict_without_rule_b_or_without_the_cache():
