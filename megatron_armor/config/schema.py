@@ -189,7 +189,7 @@ class RolloutConfig:
     """Draw a generation batch's reference samples first and policy samples only for the
     queries with a correct one (rule (b) rejects the others whatever their policy samples);
     reference samples are then drawn for queries rule (a) rejects too. Fewer tokens when rule
-    (b) rejects more than ``ref_n / n_on`` times as many queries as rule (a) (docs/rollout.md).
+    (b) rejects more than ``ref_n / n_on`` times as many queries as rule (a) (docs/algorithm.md).
     Needs ``algo.anchor`` armor or filter_only and ``reference_parts: 1``."""
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     """SGLang settings (``backend: sglang``)."""

@@ -16,7 +16,7 @@ With ``rollout.reference_first`` the order is turned around: the reference sampl
 query first, scored; rule (b) rejects the queries without a correct one (their policy samples
 would be drawn for nothing, whatever rule (a) says), and only the others get policy samples.
 Fewer samples whenever rule (b) rejects more than ``ref_n / n_on`` times as many queries as
-rule (a) does (docs/rollout.md); the accepted groups are selected by the same rules.
+rule (a) does (docs/algorithm.md); the accepted groups are selected by the same rules.
 
 The first batch of a step has ``rollout.gen_batch`` queries; each follow-up batch is sized to
 the shortfall (:func:`followup_size`: the missing groups over the acceptance rate seen so far
