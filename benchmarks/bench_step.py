@@ -38,39 +38,27 @@ from statistics import median
 
 REPO = Path(__file__).resolve().parents[1]
 PAPER_SHAPE = ["algo.group_size=16", "algo.ref_n=4"]
+DAPO = ["algo.anchor=none", "algo.ratio=standard"]
+ARMOR = ["algo.anchor=armor", "algo.anchor_source=generate"]
+ARMOR_CACHE = ["algo.anchor=armor", "algo.anchor_source=cache"]
+REFERENCE_FIRST = "rollout.reference_first=true"
 SETS = {
     "fresh": {
-        "dapo": ["algo.anchor=none", "algo.ratio=standard"],
-        "armor": ["algo.anchor=armor", "algo.anchor_source=generate"],
+        "dapo": DAPO,
+        "armor": ARMOR,
         "filter_only": ["algo.anchor=filter_only", "algo.ratio=standard"],
     },
     "cache": {
-        "dapo": ["algo.anchor=none", "algo.ratio=standard"],
-        "armor": ["algo.anchor=armor", "algo.anchor_source=generate"],
-        "armor-cache": ["algo.anchor=armor", "algo.anchor_source=cache"],
-        "armor-cache-reffirst": [
-            "algo.anchor=armor",
-            "algo.anchor_source=cache",
-            "rollout.reference_first=true",
-        ],
+        "dapo": DAPO,
+        "armor": ARMOR,
+        "armor-cache": ARMOR_CACHE,
+        "armor-cache-reffirst": [*ARMOR_CACHE, REFERENCE_FIRST],
     },
-    "order": {
-        "dapo": ["algo.anchor=none", "algo.ratio=standard"],
-        "armor": ["algo.anchor=armor", "algo.anchor_source=generate"],
-        "armor-reffirst": [
-            "algo.anchor=armor",
-            "algo.anchor_source=generate",
-            "rollout.reference_first=true",
-        ],
-    },
+    "order": {"dapo": DAPO, "armor": ARMOR, "armor-reffirst": [*ARMOR, REFERENCE_FIRST]},
     "overlap": {
-        "dapo": ["algo.anchor=none", "algo.ratio=standard"],
-        "armor": ["algo.anchor=armor", "algo.anchor_source=generate"],
-        "armor-parts2": [
-            "algo.anchor=armor",
-            "algo.anchor_source=generate",
-            "rollout.reference_parts=2",
-        ],
+        "dapo": DAPO,
+        "armor": ARMOR,
+        "armor-parts2": [*ARMOR, "rollout.reference_parts=2"],
     },
 }
 

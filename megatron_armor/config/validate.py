@@ -212,7 +212,7 @@ def check_reference_serving(config: ArmorConfig) -> Problems:
 
 def check_reference_first(config: ArmorConfig) -> Problems:
     """``rollout.reference_first`` needs rule (b) and the one-call reference order
-    (docs/rollout.md, reference first)."""
+    (docs/algorithm.md, anchor rollout)."""
     r = config.rollout
     if not r.reference_first or config.algo.anchor not in registry.ANCHOR_MODES:
         return

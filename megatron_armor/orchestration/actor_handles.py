@@ -126,14 +126,6 @@ def _remote(cls, options: dict):
     return ray.remote(cls).options(**options)
 
 
-def _sum_parts(parts: list) -> torch.Tensor:
-    """The per-token result of the trainer ranks: the sum of the reporting ranks' parts."""
-    parts = [p for p in parts if p is not None]
-    if not parts:
-        raise RuntimeError("no trainer rank reported log-probs (check trainer.pp / tp layout)")
-    return torch.stack(parts).sum(0) if len(parts) > 1 else parts[0]
-
-
 class TrainerActors:
     """All trainer ranks (``trainer.world_size``)."""
 
@@ -189,9 +181,7 @@ class TrainerActors:
             [a.step_logprobs.remote(ref, with_ref, kl_mask) for a in self.actors],
             "step log-probs",
         )
-        old = _sum_parts([r[0] for r in results])
-        reference = _sum_parts([r[1] for r in results]) if with_ref else None
-        return old, reference, results[0][2]
+        return results[0]  # global rank 0 returns the whole log-probs (the others None)
 
     def submit_updates(self, minibatches: list[list[int]]) -> list[list]:
         """Queue one optimizer update per mini-batch (its sample ids in the batch every rank

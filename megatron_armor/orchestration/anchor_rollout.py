@@ -198,15 +198,19 @@ class AnchorRollout:
     def _params(self, step: int, batch: int, role: str) -> SamplingParams:
         return dataclasses.replace(self.params, seed=derive_seed(self.seed, step, batch, role))
 
+    def _draw_policy(self, items: list, step: int, batch: int) -> list[list[Sample]]:
+        """The ``n_on`` policy samples of each of ``items`` (seed role ``policy``)."""
+        a = self.algo
+        n_on = self.mode.policy_samples(a.group_size, a.filter_policy_samples)
+        with self.timers.phase("generate"), nvtx_range("rollout/policy"):
+            return self.rollout.generate(items, n_on, self._params(step, batch, "policy"))
+
     def _generate(self, items: list, step: int, batch: int) -> tuple[list, list, dict]:
         """Policy samples of ``items``; then, per part of :func:`reference_parts`, its policy
         samples scored and reference samples, scored, for its items that pass rule (a) (``[]``
         for the others). The parts run concurrently, so one part's scoring overlaps another's
         reference generation. Returns ``(policy, reference, stats)``."""
-        a = self.algo
-        n_on = self.mode.policy_samples(a.group_size, a.filter_policy_samples)
-        with self.timers.phase("generate"), nvtx_range("rollout/policy"):
-            policy = self.rollout.generate(items, n_on, self._params(step, batch, "policy"))
+        policy = self._draw_policy(items, step, batch)
         if not self.mode.draws_reference:
             with self.timers.phase("score"):
                 stats = self.reward.score([s for row in policy for s in row])
@@ -280,10 +284,7 @@ class AnchorRollout:
         solved = [items[i] for i, v in enumerate(verdicts) if v is None]
         if not solved:
             return [], [], stats
-        a = self.algo
-        n_on = self.mode.policy_samples(a.group_size, a.filter_policy_samples)
-        with self.timers.phase("generate"), nvtx_range("rollout/policy"):
-            policy = self.rollout.generate(solved, n_on, self._params(step, batch, "policy"))
+        policy = self._draw_policy(solved, step, batch)
         with self.timers.phase("score"):
             stats = merge_reward_stats(stats, self.reward.score([s for r in policy for s in r]))
         return policy, reference, stats

@@ -94,10 +94,9 @@ class RewardScorer:
         )
 
     def _job(self, answer: Answer) -> Job:
-        name = resolve_verifier(self.verifier, answer.data_source)
-        # The DAPO rule reads only the tail; sending only that keeps the pipes light.
-        text = answer.text[-TAIL_CHARS:] if name == "dapo" else answer.text
-        return Job(name, text, answer.ground_truth)
+        # the DAPO rule's answers hold only the tail it reads (answers_of)
+        return Job(resolve_verifier(self.verifier, answer.data_source), answer.text,
+                   answer.ground_truth)  # fmt: skip
 
     def verify(self, answers: list[Answer]) -> tuple[list[Verdict], dict[str, float]]:
         """Verdicts for ``answers`` and the pool's counters."""

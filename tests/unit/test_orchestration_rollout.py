@@ -317,6 +317,17 @@ class ScriptedReferencePool(ReferenceSampler):
                 for q in query_ids]  # fmt: skip
 
 
+def reset_period_steps(runner, rollout) -> list:
+    """Steps 1-6 of ``runner`` with a reference reset after step 4 (``rollout``'s anchor cache
+    dropped); each step's result."""
+    results = []
+    for step in range(1, 7):
+        results.append(runner.collect(step))
+        if step == 4:
+            rollout.cache.on_reset(4, None)
+    return results
+
+
 class CachedRollout(ScriptedRollout):
     """Policy samples as :class:`ScriptedRollout`; reference samples through the anchor cache."""
 
@@ -342,12 +353,8 @@ def test_anchor_cache_hits_queries_that_recur_within_a_reset_period():
         "armor", batch=1, gen_batch=3, queries=("q0", "q1", "q2", "q3", "q4", "q5")
     )
     rollout = runner.rollout = CachedRollout()
-    anchors = {}
-    for step in range(1, 7):
-        result = runner.collect(step)
-        anchors[step] = result.groups[0].samples[-1].response_len
-        if step == 4:
-            rollout.cache.on_reset(4, None)
+    anchors = {step: r.groups[0].samples[-1].response_len
+               for step, r in enumerate(reset_period_steps(runner, rollout), start=1)}  # fmt: skip
     m = rollout.cache.metrics()
     assert (m["anchor/cache_hits"], m["anchor/cache_misses"]) == (4.0, 8.0)
     assert anchors[3] == anchors[1] and anchors[5] != anchors[1]  # cached, then fresh again
@@ -396,11 +403,7 @@ def test_cached_anchors_are_scored_once_per_reset_period():
         runner.caches_anchors = remembering
         rollout = runner.rollout = RememberingRollout() if remembering else CachedRollout()
         reward = runner.reward = CountingReward()
-        groups = []
-        for step in range(1, 7):
-            groups.append(group_keys(runner.collect(step).groups))
-            if step == 4:
-                rollout.cache.on_reset(4, None)
+        groups = [group_keys(r.groups) for r in reset_period_steps(runner, rollout)]
         runs[remembering] = (groups, reward.scored.count(SampleSource.REFERENCE), rollout.calls)
     assert runs[True][0] == runs[False][0]
     # 12 look-ups of 3 samples each; the 4 hits (steps 3-4) are not scored again
@@ -497,14 +500,10 @@ def test_a_cached_all_wrong_reference_rejects_a_recurring_query_before_it_is_gen
         runner, _ = make("armor", batch=1, gen_batch=3, queries=queries)
         runner.caches_anchors = verdicts
         rollout = runner.rollout = RememberingRollout()
-        groups, stats, records = [], [], []
-        for step in range(1, 7):
-            result = runner.collect(step)
-            groups.append(group_keys(result.groups))
-            stats.append(result.stats.as_metrics())
-            records.append(result.records)
-            if step == 4:
-                rollout.cache.on_reset(4, None)
+        results = reset_period_steps(runner, rollout)
+        groups = [group_keys(r.groups) for r in results]
+        stats = [r.stats.as_metrics() for r in results]
+        records = [r.records for r in results]
         runs[verdicts] = (groups, stats, records, rollout.calls)
     assert runs[True][0] == runs[False][0]
     stats, records, calls = runs[True][1:]
@@ -535,11 +534,7 @@ def test_reference_first_with_the_anchor_cache_selects_the_same_groups():
         runner, _ = make("armor", batch=1, gen_batch=3, queries=queries, reference_first=first)
         runner.caches_anchors = True
         rollout = runner.rollout = RememberingRollout()
-        groups = []
-        for step in range(1, 7):
-            groups.append(group_keys(runner.collect(step).groups))
-            if step == 4:
-                rollout.cache.on_reset(4, None)
+        groups = [group_keys(r.groups) for r in reset_period_steps(runner, rollout)]
         runs[first] = (groups, rollout.calls)
     assert runs[True][0] == runs[False][0]
     calls = runs[True][1]
