@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers.cache_utils import DynamicLayer
 
 from megatron_armor.rollout.protocol import SamplingParams
-from megatron_armor.rollout.torch_engine import TorchEngine
+from megatron_armor.rollout.torch_engine import BufferedKVLayer, TorchEngine
 
 pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_torch_thread")]
 
@@ -133,3 +134,46 @@ def test_chunking_matches_contract_and_memory_calls_are_safe_on_cpu(model_dirs):
     engine.resume_memory()
     with pytest.raises(ValueError, match="empty prompt"):
         engine.generate([[]], 1, SamplingParams())
+
+
+def test_buffered_kv_layer_holds_what_dynamic_layer_holds():
+    """Same keys/values as transformers' concatenating layer through a prefill, decode steps
+    that cross the growth blocks, a longer-than-block input, and row selections."""
+    gen = torch.Generator().manual_seed(0)
+    ours, theirs = BufferedKVLayer(limit=9, block=2), DynamicLayer()
+
+    def step(rows: int, tokens: int) -> None:
+        k, v = (torch.randn(rows, 2, tokens, 4, generator=gen) for _ in range(2))
+        got, want = ours.update(k, v), theirs.update(k, v)
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b)
+        assert ours.get_seq_length() == theirs.get_seq_length() == want[0].shape[-2]
+
+    step(3, 4)  # prefill: room for 2 more
+    assert ours._k.shape[-2] == 6
+    step(3, 1)
+    for layer in (ours, theirs):
+        layer.batch_select_indices(torch.tensor([0, 0, 2, 1]))  # a prompt repeated, reordered
+    step(4, 1)
+    step(4, 1)  # 7 > 6: grows to the limit 9, not past it
+    assert ours._k.shape[-2] == 9
+    for layer in (ours, theirs):
+        layer.batch_select_indices(torch.tensor([3, 1]))  # rows that stopped leave
+    step(2, 5)  # longer than the limit: grows to fit
+    assert ours._k.shape[-2] == 12
+    assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
+
+
+@pytest.mark.parametrize("kv_block", [1, 3])
+def test_buffered_cache_samples_what_dynamic_cache_samples(model_dirs, kv_block):
+    """Growth every 1 or 3 tokens, rows stopping early, chunks of 4 rows: the same tokens and
+    bit-identical log-probs as transformers' ``DynamicCache`` (``kv_block=0``)."""
+    params = SamplingParams(temperature=1.0, max_new_tokens=14, stop_token_ids=(2, 3, 4), seed=5)
+    buffered = TorchEngine(model_dirs[0], max_batch=4, kv_block=kv_block)
+    plain = TorchEngine(model_dirs[0], max_batch=4, kv_block=0)
+    out = buffered.generate(PROMPTS, 3, params)
+    assert out == plain.generate(PROMPTS, 3, params)
+    lengths = {len(s.token_ids) for g in out for s in g}
+    assert len(lengths) > 1 and max(lengths) == 14  # some rows left the batch early
+    with pytest.raises(ValueError, match="kv_block=-1"):
+        TorchEngine(model_dirs[0], kv_block=-1)
