@@ -9,11 +9,16 @@ ARMOR, ``ref_n = 4``) with the same ``B``. Two sets (``--set``):
 - ``cache``: on a recurring-query config (the first ``--recurring`` training queries, so each
   recurs every few steps within a reset period, as the paper's 17k queries do at 512 per step
   over 160 steps): ``dapo``, ``armor`` (fresh anchors on the same queries),
-  ``armor-cache`` (``algo.anchor_source=cache``) and ``armor-cache-reffirst`` (the cache with
-  ``rollout.reference_first``).
-- ``order``: ``dapo``, ``armor`` and ``armor-reffirst`` (``rollout.reference_first``: the
-  reference samples first, policy samples only for the queries the reference solved).
+  ``armor-cache`` (``algo.anchor_source=cache``) and ``armor-cache-policyfirst`` (the cache
+  with ``rollout.reference_first=false``).
+- ``order``: ``dapo``, ``armor-policyfirst`` (``rollout.reference_first=false``),
+  ``armor-reffirst`` (``true``: the reference samples first, policy samples only for the
+  queries the reference solved) and ``armor`` (the default ``auto``: each step's order from
+  the shares of the step before).
 - ``overlap``: ``dapo``, ``armor`` and ``armor-parts2`` (``rollout.reference_parts=2``).
+
+ARMOR variants without an order in their name run the default ``rollout.reference_first:
+auto``.
 
 After one warm-up step each, every round runs one step of every variant, the order rotated by
 one per round, so load changes on a shared machine hit every variant alike. Per round and
@@ -42,6 +47,7 @@ DAPO = ["algo.anchor=none", "algo.ratio=standard"]
 ARMOR = ["algo.anchor=armor", "algo.anchor_source=generate"]
 ARMOR_CACHE = ["algo.anchor=armor", "algo.anchor_source=cache"]
 REFERENCE_FIRST = "rollout.reference_first=true"
+POLICY_FIRST = "rollout.reference_first=false"
 SETS = {
     "fresh": {
         "dapo": DAPO,
@@ -52,9 +58,14 @@ SETS = {
         "dapo": DAPO,
         "armor": ARMOR,
         "armor-cache": ARMOR_CACHE,
-        "armor-cache-reffirst": [*ARMOR_CACHE, REFERENCE_FIRST],
+        "armor-cache-policyfirst": [*ARMOR_CACHE, POLICY_FIRST],
     },
-    "order": {"dapo": DAPO, "armor": ARMOR, "armor-reffirst": [*ARMOR, REFERENCE_FIRST]},
+    "order": {
+        "dapo": DAPO,
+        "armor-policyfirst": [*ARMOR, POLICY_FIRST],
+        "armor-reffirst": [*ARMOR, REFERENCE_FIRST],
+        "armor": ARMOR,
+    },
     "overlap": {
         "dapo": DAPO,
         "armor": ARMOR,
@@ -104,6 +115,7 @@ def timed_step(session, rollout, step: int) -> dict[str, float]:
             "queries_seen": metrics["anchor/queries_seen"],
             "no_ref_correct": metrics["anchor/rejected_no_ref_correct"],
             "cached_verdicts": metrics["anchor/rejected_cached_no_ref_correct"],
+            "reference_first": metrics["anchor/reference_first"],
             **{f"phase_{k}": v for k, v in phases.items()}}  # fmt: skip
 
 
@@ -147,6 +159,7 @@ def run_rounds(configs: dict, rounds: int) -> dict[str, list[dict[str, float]]]:
                 outside = 1.0 - rec["compute_s"] / rec["step_s"]
                 print(f"round {r + 1} {name}: {rec['step_s']:.2f}s, {rec['tokens']:.0f} tokens, "
                       f"compute {rec['compute_s']:.2f}s ({outside:.1%} outside), "
+                      f"{'reference first, ' if rec['reference_first'] else ''}"
                       f"{rec['gen_batches']:.0f} generation "
                       f"batches, {rec['queries_seen']:.0f} queries seen, "
                       f"{rec['no_ref_correct']:.0f} rejected without a correct reference "

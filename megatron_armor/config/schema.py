@@ -8,7 +8,7 @@ on the command line (``algo.alpha=0.875``). Single-field checks live in ``fields
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Union
 
 
 @dataclass
@@ -185,12 +185,15 @@ class RolloutConfig:
     reference_parts: int = 1
     """Parts of a generation batch whose reference samples are drawn separately, each as soon
     as its policy samples are scored, overlapping the scoring of the others (1 = one call)."""
-    reference_first: bool = False
-    """Draw a generation batch's reference samples first and policy samples only for the
-    queries with a correct one (rule (b) rejects the others whatever their policy samples);
-    reference samples are then drawn for queries rule (a) rejects too. Fewer tokens when rule
-    (b) rejects more than ``ref_n / n_on`` times as many queries as rule (a) (docs/algorithm.md).
-    Needs ``algo.anchor`` armor or filter_only and ``reference_parts: 1``."""
+    reference_first: Union[bool, str] = "auto"  # noqa: UP007 (OmegaConf reads typing.Union)
+    """``true``: draw a generation batch's reference samples first and policy samples only for
+    the queries with a correct one (rule (b) rejects the others whatever their policy
+    samples); reference samples are then drawn for queries rule (a) rejects too. Fewer tokens
+    when rule (b) rejects more than ``ref_n / n_on`` times as many queries as rule (a)
+    (docs/algorithm.md); needs ``algo.anchor`` armor or filter_only and ``reference_parts: 1``.
+    ``false``: policy samples first. ``auto``: each step the order that rule picks from the
+    rejection shares of the step before (policy first at the first step, and always where
+    ``true`` does not apply). Same rules, same distribution of groups in every order."""
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     """SGLang settings (``backend: sglang``)."""
 

@@ -210,11 +210,30 @@ def check_reference_serving(config: ArmorConfig) -> Problems:
         )
 
 
+def reference_order(value: object) -> bool | str:
+    """``rollout.reference_first`` as ``True``, ``False`` or ``"auto"`` (YAML/CLI strings
+    ``true``/``false`` in any case too); anything else is a :class:`ValueError` naming it."""
+    if isinstance(value, str) and value.strip().lower() in ("true", "false", "auto"):
+        value = {"true": True, "false": False}.get(value.strip().lower(), "auto")
+    if isinstance(value, bool) or value == "auto":
+        return value
+    raise ValueError(
+        f"rollout.reference_first={value!r} is not one of true, false, auto "
+        "(auto: each step's order by the rejection shares of the step before)"
+    )
+
+
 def check_reference_first(config: ArmorConfig) -> Problems:
-    """``rollout.reference_first`` needs rule (b) and the one-call reference order
-    (docs/algorithm.md, anchor rollout)."""
+    """``rollout.reference_first`` is true, false or auto; ``true`` needs rule (b) and the
+    one-call reference order (docs/algorithm.md, anchor rollout); ``auto`` falls back to
+    policy first where ``true`` does not apply."""
     r = config.rollout
-    if not r.reference_first or config.algo.anchor not in registry.ANCHOR_MODES:
+    try:
+        order = reference_order(r.reference_first)
+    except ValueError as err:
+        yield str(err)
+        return
+    if order is not True or config.algo.anchor not in registry.ANCHOR_MODES:
         return
     if not registry.get_anchor_mode(config.algo.anchor).needs_reference_correct:
         yield (

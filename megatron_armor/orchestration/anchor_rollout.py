@@ -17,6 +17,9 @@ query first, scored; rule (b) rejects the queries without a correct one (their p
 would be drawn for nothing, whatever rule (a) says), and only the others get policy samples.
 Fewer samples whenever rule (b) rejects more than ``ref_n / n_on`` times as many queries as
 rule (a) does (docs/algorithm.md); the accepted groups are selected by the same rules.
+``rollout.reference_first: auto`` (the default) picks the order of each step by that rule from
+the rejection shares of the step before (:func:`prefers_reference_first`): the previous step's
+metrics, which a checkpoint carries, so a resumed run picks the same order.
 
 The first batch of a step has ``rollout.gen_batch`` queries; each follow-up batch is sized to
 the shortfall (:func:`followup_size`: the missing groups over the acceptance rate seen so far
@@ -45,6 +48,7 @@ from typing import Any
 
 from megatron_armor.algo.anchors import AcceptanceStats, acceptance_reason, select_group
 from megatron_armor.algo.registry import get_anchor_mode
+from megatron_armor.config.validate import reference_order
 from megatron_armor.observability.nvtx import nvtx_range
 from megatron_armor.observability.timers import PhaseTimers
 from megatron_armor.orchestration.actor_handles import merge_reward_stats, shard
@@ -79,6 +83,8 @@ class RolloutResult:
     reward_stats: dict[str, float] = field(default_factory=dict)
     generated_tokens: int = 0
     """Response tokens generated this step (policy + reference, fresh or cached)."""
+    reference_first: bool = False
+    """Whether this step drew the reference samples first (``rollout.reference_first``)."""
 
 
 def followup_size(gen_batch: int, need: int, accepted: int, seen: int) -> int:
@@ -145,6 +151,39 @@ def passes_rule_a(policy: list[Sample], mode: str, weak_filter: bool) -> bool:
     return reason == "no_reference_correct"
 
 
+def prefers_reference_first(previous: dict[str, Any], n_on: int, ref_n: int) -> bool:
+    """``rollout.reference_first: auto``: whether the step after one with metrics ``previous``
+    draws the reference samples first (docs/algorithm.md, the cost rule).
+
+    Per query that has no cached verdict, policy first draws ``n_on + m ref_n (1 - p_a)``
+    samples and reference first ``m ref_n + n_on (1 - q)``, with ``p_a`` the share rule (a)
+    rejects, ``q`` the share rule (b) rejects and ``m`` the share of reference look-ups that
+    generate (the anchor cache's misses; 1 without the cache): reference first is cheaper iff
+    ``n_on q > m ref_n p_a``. The shares are those of the previous step: each rule's rejections
+    over the queries it judged (rule (b) judges only the queries that passed rule (a) in the
+    policy-first order, rule (a) only those that passed rule (b) in the other). Policy first
+    when the previous step judged nothing (the first step, or a checkpoint line without
+    ``anchor/*``)."""
+    keys = ("anchor/queries_seen", "anchor/rejected_all_correct", "anchor/rejected_all_wrong",
+            "anchor/rejected_no_ref_correct")  # fmt: skip
+    if any(previous.get(k) is None for k in keys):
+        return False
+    cached = previous.get("anchor/rejected_cached_no_ref_correct") or 0.0
+    live = previous["anchor/queries_seen"] - cached
+    rule_a = previous["anchor/rejected_all_correct"] + previous["anchor/rejected_all_wrong"]
+    rule_b = previous["anchor/rejected_no_ref_correct"] - cached
+    if previous.get("anchor/reference_first"):
+        judged_a, judged_b = live - rule_b, live
+    else:
+        judged_a, judged_b = live, live - rule_a
+    if judged_a <= 0 or judged_b <= 0:
+        return False
+    misses = previous.get("anchor/cache_misses") or 0.0
+    lookups = misses + (previous.get("anchor/cache_hits") or 0.0)
+    generated = misses / lookups if lookups else 1.0
+    return n_on * (rule_b / judged_b) > generated * ref_n * (rule_a / judged_a)
+
+
 def acceptance_error(stats: AcceptanceStats, need: int, algo, rollout) -> AcceptanceError:
     """The error after ``max_gen_batches``: the rates seen and which settings to change."""
     m = stats.as_metrics()
@@ -190,7 +229,11 @@ class AnchorRollout:
         self.progress = progress
         self.parts = overlap_parts(config)
         self.caches_anchors = caches_anchors(config)
-        self.reference_first = config.rollout.reference_first and self.mode.needs_reference_correct
+        order = reference_order(config.rollout.reference_first)
+        self.reference_first = order if self.mode.needs_reference_correct else False
+        if self.parts != 1 and order == "auto":  # the parts overlap the policy-first order
+            self.reference_first = False
+        self.previous: dict[str, Any] = {}
         s = config.rollout.sampling
         self.params = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                                      max_new_tokens=s.max_new_tokens)  # fmt: skip
@@ -329,10 +372,24 @@ class AnchorRollout:
                     result.groups.append(group)
             result.records.append(record)
 
+    def observe(self, metrics: dict[str, Any]) -> None:
+        """Keep a finished step's metrics (or, on resume, the checkpoint's line): with
+        ``rollout.reference_first: auto`` the next step's order follows from them."""
+        self.previous = dict(metrics)
+
+    def step_reference_first(self) -> bool:
+        """Whether the next step draws the reference samples first."""
+        if self.reference_first != "auto":
+            return self.reference_first
+        a = self.algo
+        n_on = self.mode.policy_samples(a.group_size, a.filter_policy_samples)
+        return prefers_reference_first(self.previous, n_on, a.ref_n)
+
     def collect(self, step: int) -> RolloutResult:
         """Draw generation batches until ``rollout.batch`` groups are accepted; keep the first ``B``."""
         need = self.rollout_cfg.batch
         result = RolloutResult(groups=[], stats=AcceptanceStats())
+        result.reference_first = self.step_reference_first()
         for gen_batch in range(self.algo.max_gen_batches):
             size = followup_size(self.rollout_cfg.gen_batch, need, result.stats.accepted,
                                  result.stats.queries_seen)  # fmt: skip
@@ -341,7 +398,7 @@ class AnchorRollout:
             live = [item for item, v in zip(items, verdicts, strict=True) if v is None]
             if not live:
                 policy, reference, stats = [], [], {}
-            elif self.reference_first:
+            elif result.reference_first:
                 policy, reference, stats = self._reference_first(items, verdicts, step, gen_batch)
             else:
                 policy, reference, stats = self._generate(live, step, gen_batch)

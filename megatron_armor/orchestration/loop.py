@@ -166,6 +166,7 @@ def run_step(s: Session, rollout: AnchorRollout, step: int) -> dict[str, float]:
         metrics["rollout/servers_restarted"] = float(restarted)
     if validation_due(s.config, step):
         metrics.update(validate(s, step))
+    rollout.observe(metrics)  # rollout.reference_first=auto: the next step's order
     return metrics
 
 
@@ -204,6 +205,7 @@ def run_loop(s: Session, start: int, stop: StopSignal) -> int:
             s.save(0, line)
     rollout = AnchorRollout(cfg, s.dataset, s.sampler, s.rollout, s.reward,
                             s.progress.rollout_update, s.timers)  # fmt: skip
+    rollout.observe(s.state.metrics_line)  # resumed: the checkpointed step's line
     for step in range(start + 1, cfg.run.steps + 1):
         if stop.received:
             print(stop_message(s, stop, saved=False), flush=True)

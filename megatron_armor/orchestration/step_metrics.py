@@ -53,6 +53,7 @@ def rollout_metrics(result: RolloutResult) -> dict[str, float]:
     for reason in ("all_correct", "all_wrong", "no_ref_correct"):
         m[f"anchor/rejected_{reason}_frac"] = m[f"anchor/rejected_{reason}"] / seen
     m["anchor/kept"] = float(len(result.groups))
+    m["anchor/reference_first"] = float(result.reference_first)
     m["rollout/generated_tokens"] = float(result.generated_tokens)
     policy, anchors = split_groups(result.groups)
     m.update(sample_metrics("policy", result.policy_samples))

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from megatron_armor.config import ArmorConfig, ConfigError, load_config
-from megatron_armor.config.validate import find_problems, validate
+from megatron_armor.config.validate import find_problems, reference_order, validate
 
 pytestmark = pytest.mark.unit
 
@@ -91,6 +91,10 @@ def test_defaults_are_valid():
             ["rollout.reference_first=true", "rollout.reference_parts=2"],
             ["rollout.reference_parts=2", "rollout.reference_parts=1"],
         ),
+        (
+            ["rollout.reference_first=maybe"],
+            ["rollout.reference_first='maybe'", "one of true, false, auto"],
+        ),
         (["trainer.fp8.enabled=true"], ["trainer.fp8.enabled=true", "transformer_impl=te"]),
     ],
 )
@@ -152,6 +156,16 @@ def test_registry_names_are_accepted():
 
 def test_mixed_ratio_without_anchor_is_an_allowed_ablation():
     load_config(None, ["algo.anchor=none", "algo.ratio=mixed"])
+
+
+def test_reference_first_auto_is_the_default_and_fits_every_anchor_mode():
+    """``auto`` falls back to policy first where ``true`` would be an error."""
+    assert load_config(None, []).rollout.reference_first == "auto"
+    load_config(None, ["algo.anchor=none", "algo.ratio=standard"])
+    load_config(None, ["rollout.reference_parts=2"])
+    for text, value in (("TRUE", True), ("false", False), ("Auto", "auto"), ("'true'", True)):
+        cfg = load_config(None, [f"rollout.reference_first={text}"])
+        assert reference_order(cfg.rollout.reference_first) == value
 
 
 def test_rules_read_the_registry_entry_not_the_name(monkeypatch):

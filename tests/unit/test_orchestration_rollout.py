@@ -23,6 +23,7 @@ from megatron_armor.orchestration.anchor_rollout import (
     caches_anchors,
     derive_seed,
     followup_size,
+    prefers_reference_first,
     reference_parts,
 )
 from megatron_armor.orchestration.step_metrics import (
@@ -155,9 +156,79 @@ def plain_seed(step: int, batch: int, role: str) -> int:
 
 
 def test_reference_first_is_off_without_rule_b():
-    runner, rollout = make("none", batch=3, gen_batch=6, reference_first=True)
-    runner.collect(step=1)
-    assert all(c[0] == "policy" for c in rollout.calls)
+    for order in (True, "auto"):
+        runner, rollout = make("none", batch=3, gen_batch=6, reference_first=order)
+        runner.collect(step=1)
+        runner.observe(
+            {
+                "anchor/queries_seen": 6.0,
+                "anchor/rejected_all_correct": 0.0,
+                "anchor/rejected_all_wrong": 0.0,
+                "anchor/rejected_no_ref_correct": 6.0,
+            }
+        )
+        runner.collect(step=2)
+        assert all(c[0] == "policy" for c in rollout.calls)
+
+
+def shares(seen, all_correct, all_wrong, no_ref, first=False, cached=0, hits=None, misses=None):
+    """A previous step's ``anchor/*`` metrics as :func:`prefers_reference_first` reads them."""
+    m = {
+        "anchor/queries_seen": seen,
+        "anchor/rejected_all_correct": all_correct,
+        "anchor/rejected_all_wrong": all_wrong,
+        "anchor/rejected_no_ref_correct": no_ref,
+        "anchor/rejected_cached_no_ref_correct": cached,
+        "anchor/reference_first": float(first),
+    }
+    if hits is not None:
+        m.update({"anchor/cache_hits": hits, "anchor/cache_misses": misses})
+    return {k: float(v) for k, v in m.items()}
+
+
+def test_auto_order_follows_the_cost_rule_on_the_previous_steps_shares():
+    """Reference first iff ``n_on q > m ref_n p_a`` (docs/algorithm.md), each share over the
+    queries its rule judged; policy first without a previous step."""
+    assert not prefers_reference_first({}, 15, 4)
+    assert not prefers_reference_first({"anchor/queries_seen": 16.0}, 15, 4)  # validation line
+    # policy first before: p_a = 12/16 over all, q = 1/4 over the 4 that passed rule (a)
+    before = shares(16, 8, 4, 1)
+    assert prefers_reference_first(before, 15, 4)  # 15 * 0.25 = 3.75 > 4 * 0.75 = 3
+    assert not prefers_reference_first(before, 15, 8)  # 3.75 < 8 * 0.75 = 6
+    # the anchor cache generates for half of the look-ups only: 3.75 > 0.5 * 6
+    assert prefers_reference_first(shares(16, 8, 4, 1, hits=5, misses=5), 15, 8)
+    assert not prefers_reference_first(shares(16, 8, 4, 1, hits=1, misses=9), 15, 8)
+    # reference first before: q = 4/16 over all, p_a = 6/12 over those rule (b) passed
+    assert prefers_reference_first(shares(16, 4, 2, 4, first=True), 15, 4)  # 3.75 > 2
+    assert not prefers_reference_first(shares(16, 4, 2, 4, first=True), 3, 4)  # 0.75 < 2
+    # rejections by a cached verdict judged nothing: here no live query rule (b) rejected
+    assert not prefers_reference_first(shares(16, 2, 2, 10, cached=10), 15, 4)
+    assert not prefers_reference_first(shares(16, 16, 0, 0), 15, 4)  # rule (b) judged none
+
+
+def test_auto_order_switches_after_a_step_rule_b_rejected_much():
+    """``auto``: step 1 policy first; q3 (no correct reference) is rejected three times and
+    rule (a) never rejects, so step 2 draws the reference first; a runner that resumes from
+    step 1's metrics line picks the same order and draws the same."""
+    queries = ("q3", "q0", "q3", "q4", "q3", "q5")
+    runner, rollout = make("armor", batch=2, gen_batch=3, queries=queries, reference_first="auto")
+    first = runner.collect(step=1)
+    assert not first.reference_first and rollout.calls[0][0] == "policy"
+    line = rollout_metrics(first)
+    assert line["anchor/reference_first"] == 0.0 and line["anchor/rejected_no_ref_correct"] == 3
+    runner.observe(line)
+    state = runner.sampler.state_dict()
+    rollout.calls.clear()
+    second = runner.collect(step=2)
+    assert second.reference_first and rollout.calls[0][0] == "reference"
+    assert rollout_metrics(second)["anchor/reference_first"] == 1.0
+    resumed, resumed_rollout = make("armor", batch=2, gen_batch=3, queries=queries,
+                                    reference_first="auto")  # fmt: skip
+    resumed.sampler.load_state_dict(state)
+    resumed.observe(line)
+    again = resumed.collect(step=2)
+    assert group_keys(again.groups) == group_keys(second.groups)
+    assert resumed_rollout.calls == rollout.calls
 
 
 def test_none_is_dapo_dynamic_sampling_without_reference():
