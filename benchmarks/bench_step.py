@@ -2,7 +2,7 @@
 
 One Ray cluster, one session per variant (each its own Megatron actor, embedded engine and
 scorer), all at the paper's group shape scaled down (``G = 16``: 15 on-policy + 1 anchor for
-ARMOR, ``ref_n = 4``) with the same ``B``. Two sets (``--set``):
+ARMOR, ``ref_n = 4``) with the same ``B``. Four sets (``--set``):
 
 - ``fresh`` (default): ``dapo`` (``anchor=none``, ``ratio=standard``), ``armor`` (fresh
   reference anchors every step), ``filter_only`` (rule (b) without the anchor).

@@ -158,7 +158,8 @@ def prefers_reference_first(previous: dict[str, Any], n_on: int, ref_n: int) -> 
     Per query that has no cached verdict, policy first draws ``n_on + m ref_n (1 - p_a)``
     samples and reference first ``m ref_n + n_on (1 - q)``, with ``p_a`` the share rule (a)
     rejects, ``q`` the share rule (b) rejects and ``m`` the share of reference look-ups that
-    generate (the anchor cache's misses; 1 without the cache): reference first is cheaper iff
+    generate (the anchor cache's misses; 1 without the cache or after a reset, which empties
+    it): reference first is cheaper iff
     ``n_on q > m ref_n p_a``. The shares are those of the previous step: each rule's rejections
     over the queries it judged (rule (b) judges only the queries that passed rule (a) in the
     policy-first order, rule (a) only those that passed rule (b) in the other). Policy first
@@ -181,6 +182,8 @@ def prefers_reference_first(previous: dict[str, Any], n_on: int, ref_n: int) -> 
     misses = previous.get("anchor/cache_misses") or 0.0
     lookups = misses + (previous.get("anchor/cache_hits") or 0.0)
     generated = misses / lookups if lookups else 1.0
+    if previous.get("reset/performed"):  # the reset emptied the anchor cache: all will miss
+        generated = 1.0
     return n_on * (rule_b / judged_b) > generated * ref_n * (rule_a / judged_a)
 
 

@@ -61,8 +61,8 @@ class BufferedKVLayer(DynamicLayer):
     call: ``update`` copies the new tokens into free room and ``keys``/``values`` are views of
     the filled part. When an update does not fit, the buffer is copied once into one with room
     for ``block`` tokens more, at most up to ``limit`` (the longest sequence the chunk can
-    reach) unless the input itself is longer. Row selection
-    (finished rows leaving, prompts repeated for their samples) indexes the buffers.
+    reach) unless the input itself is longer. Row selection (finished rows leaving, prompts
+    repeated for their samples), repetition, cropping, reset and offloading act on the buffers.
     """
 
     def __init__(self, limit: int, block: int) -> None:
@@ -71,11 +71,17 @@ class BufferedKVLayer(DynamicLayer):
         self._k: torch.Tensor | None = None
         self._v: torch.Tensor | None = None
 
+    def lazy_initialization(self, key_states: torch.Tensor, value_states=None, *args, **kwargs):
+        values = key_states if value_states is None else value_states
+        self.device, self.dtype, self.is_initialized = key_states.device, key_states.dtype, True
+        self._k = key_states.new_empty((*key_states.shape[:2], 0, key_states.shape[-1]))
+        self._v = values.new_empty((*values.shape[:2], 0, values.shape[-1]))
+        self.length = 0
+        self._view()
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
-            self.device, self.is_initialized = key_states.device, True
-            self._k = key_states.new_empty((*key_states.shape[:2], 0, key_states.shape[-1]))
-            self._v = value_states.new_empty((*value_states.shape[:2], 0, value_states.shape[-1]))
+            self.lazy_initialization(key_states, value_states)
         end = self.length + key_states.shape[-2]
         if end > self._k.shape[-2]:
             self._grow(max(end, min(self.limit, end + self.block)))
@@ -94,11 +100,45 @@ class BufferedKVLayer(DynamicLayer):
             self._view()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self.batch_select_indices(beam_idx.to(self.device))
+        if self.is_initialized:
+            self.batch_select_indices(beam_idx.to(self._k.device))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            self._k = self._k.repeat_interleave(repeats, dim=0)
+            self._v = self._v.repeat_interleave(repeats, dim=0)
+            self._view()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` tokens (``DynamicLayer.crop``'s convention)."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop({tokens_to_remove}): pass minus the number of tokens to drop")
+        if self.is_initialized and tokens_to_remove:
+            self.length = max(0, self.length + tokens_to_remove)
+            self._view()
+
+    def reset(self) -> None:
+        """Empty the cache (the next update starts new buffers, of its own batch size)."""
+        self._k = self._v = self.keys = self.values = None
+        self.length, self.is_initialized = 0, False
+
+    def offload(self) -> None:
+        if self.is_initialized:
+            self._k, self._v = (
+                self._k.to("cpu", non_blocking=True),
+                self._v.to("cpu", non_blocking=True),
+            )
+            self._view()
+
+    def prefetch(self) -> None:
+        if self.is_initialized and self._k.device != self.device:
+            self._k = self._k.to(self.device, non_blocking=True)
+            self._v = self._v.to(self.device, non_blocking=True)
+            self._view()
 
     def _grow(self, capacity: int) -> None:
-        shape = (*self._k.shape[:2], capacity, self._k.shape[-1])
-        k, v = self._k.new_empty(shape), self._v.new_empty(shape)
+        k = self._k.new_empty((*self._k.shape[:2], capacity, self._k.shape[-1]))
+        v = self._v.new_empty((*self._v.shape[:2], capacity, self._v.shape[-1]))
         k[:, :, : self.length] = self._k[:, :, : self.length]
         v[:, :, : self.length] = self._v[:, :, : self.length]
         self._k, self._v = k, v

@@ -198,6 +198,8 @@ def test_auto_order_follows_the_cost_rule_on_the_previous_steps_shares():
     # the anchor cache generates for half of the look-ups only: 3.75 > 0.5 * 6
     assert prefers_reference_first(shares(16, 8, 4, 1, hits=5, misses=5), 15, 8)
     assert not prefers_reference_first(shares(16, 8, 4, 1, hits=1, misses=9), 15, 8)
+    after_reset = {**shares(16, 8, 4, 1, hits=5, misses=5), "reset/performed": 1.0}
+    assert not prefers_reference_first(after_reset, 15, 8)  # the cache is empty: m = 1
     # reference first before: q = 4/16 over all, p_a = 6/12 over those rule (b) passed
     assert prefers_reference_first(shares(16, 4, 2, 4, first=True), 15, 4)  # 3.75 > 2
     assert not prefers_reference_first(shares(16, 4, 2, 4, first=True), 3, 4)  # 0.75 < 2

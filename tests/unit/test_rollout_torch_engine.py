@@ -162,6 +162,17 @@ def test_buffered_kv_layer_holds_what_dynamic_layer_holds():
     step(2, 5)  # longer than the limit: grows to fit
     assert ours._k.shape[-2] == 12
     assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
+    for layer in (ours, theirs):  # the rest of the layer API keeps the buffers in step
+        layer.crop(-3)
+        layer.batch_repeat_interleave(2)
+    step(4, 1)
+    for layer in (ours, theirs):
+        layer.reset()
+    step(2, 3)
+    fresh = BufferedKVLayer(limit=4, block=1)
+    fresh.reorder_cache(torch.tensor([0]))  # before any update: nothing to reorder
+    with pytest.raises(ValueError, match="minus the number"):
+        fresh.crop(2)
 
 
 @pytest.mark.parametrize("kv_block", [1, 3])
