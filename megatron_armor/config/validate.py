@@ -213,10 +213,11 @@ def check_reference_serving(config: ArmorConfig) -> Problems:
 def reference_order(value: object) -> bool | str:
     """``rollout.reference_first`` as ``True``, ``False`` or ``"auto"`` (YAML/CLI strings
     ``true``/``false`` in any case too); anything else is a :class:`ValueError` naming it."""
-    if isinstance(value, str) and value.strip().lower() in ("true", "false", "auto"):
-        value = {"true": True, "false": False}.get(value.strip().lower(), "auto")
-    if isinstance(value, bool) or value == "auto":
+    if isinstance(value, bool):
         return value
+    words = {"true": True, "false": False, "auto": "auto"}
+    if isinstance(value, str) and value.strip().lower() in words:
+        return words[value.strip().lower()]
     raise ValueError(
         f"rollout.reference_first={value!r} is not one of true, false, auto "
         "(auto: each step's order by the rejection shares of the step before)"

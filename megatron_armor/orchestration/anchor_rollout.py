@@ -159,12 +159,11 @@ def prefers_reference_first(previous: dict[str, Any], n_on: int, ref_n: int) -> 
     samples and reference first ``m ref_n + n_on (1 - q)``, with ``p_a`` the share rule (a)
     rejects, ``q`` the share rule (b) rejects and ``m`` the share of reference look-ups that
     generate (the anchor cache's misses; 1 without the cache or after a reset, which empties
-    it): reference first is cheaper iff
-    ``n_on q > m ref_n p_a``. The shares are those of the previous step: each rule's rejections
-    over the queries it judged (rule (b) judges only the queries that passed rule (a) in the
-    policy-first order, rule (a) only those that passed rule (b) in the other). Policy first
-    when the previous step judged nothing (the first step, or a checkpoint line without
-    ``anchor/*``)."""
+    it): reference first is cheaper iff ``n_on q > m ref_n p_a``. The shares are those of the
+    previous step: each rule's rejections over the queries it judged (rule (b) judges only
+    the queries that passed rule (a) in the policy-first order, rule (a) only those that
+    passed rule (b) in the other). Policy first when the previous step judged nothing (the
+    first step, or a checkpoint line without ``anchor/*``)."""
     keys = ("anchor/queries_seen", "anchor/rejected_all_correct", "anchor/rejected_all_wrong",
             "anchor/rejected_no_ref_correct")  # fmt: skip
     if any(previous.get(k) is None for k in keys):

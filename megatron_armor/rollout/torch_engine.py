@@ -12,8 +12,9 @@ that hit a stop token leave the batch. The KV cache of each layer is a buffer gr
 ``kv_block`` tokens at a time (:class:`BufferedKVLayer`): a decode step writes one token's
 keys and values into it, where ``DynamicCache`` concatenates the whole cache again (at the
 tiny config's shape that copy was ~13% of generation time). The attention mask is one
-buffer per chunk (prompt mask, then ones), passed as a view. Seeds: one ``torch.Generator`` per call, so the same
-seed, prompts, ``n`` and ``max_batch`` give the same samples on the same device.
+buffer per chunk (prompt mask, then ones), passed as a view. Seeds: one ``torch.Generator``
+per call, so the same seed, prompts, ``n`` and ``max_batch`` give the same samples on the
+same device.
 
 Weight sets: ``policy`` is the loaded model; ``ref`` is a second model created on the first
 ``update_weights(..., weights="ref")`` (a copy of the policy, then overwritten).
@@ -124,24 +125,24 @@ class BufferedKVLayer(DynamicLayer):
 
     def offload(self) -> None:
         if self.is_initialized:
-            self._k, self._v = (
-                self._k.to("cpu", non_blocking=True),
-                self._v.to("cpu", non_blocking=True),
-            )
-            self._view()
+            self._move("cpu")
 
     def prefetch(self) -> None:
         if self.is_initialized and self._k.device != self.device:
-            self._k = self._k.to(self.device, non_blocking=True)
-            self._v = self._v.to(self.device, non_blocking=True)
-            self._view()
+            self._move(self.device)
+
+    def _move(self, device) -> None:
+        self._k = self._k.to(device, non_blocking=True)
+        self._v = self._v.to(device, non_blocking=True)
+        self._view()
 
     def _grow(self, capacity: int) -> None:
-        k = self._k.new_empty((*self._k.shape[:2], capacity, self._k.shape[-1]))
-        v = self._v.new_empty((*self._v.shape[:2], capacity, self._v.shape[-1]))
-        k[:, :, : self.length] = self._k[:, :, : self.length]
-        v[:, :, : self.length] = self._v[:, :, : self.length]
-        self._k, self._v = k, v
+        def grown(buf: torch.Tensor) -> torch.Tensor:
+            out = buf.new_empty((*buf.shape[:2], capacity, buf.shape[-1]))
+            out[:, :, : self.length] = buf[:, :, : self.length]
+            return out
+
+        self._k, self._v = grown(self._k), grown(self._v)
 
     def _view(self) -> None:
         self.keys = self._k[:, :, : self.length]
