@@ -401,13 +401,15 @@ class RolloutActors:
             self.policy_actors, "generate_raw", prompts, n, params=params, weights=weights
         )
 
-    def update_weights(self, version: int, export_refs: list) -> int:
+    def submit_update_weights(self, version: int, export_refs: list) -> list:
         """Embedded engine: every policy worker loads the trainer's exported tensors at
-        ``version`` (``orchestration/weight_sync.InProcessSync``); bytes per worker."""
-        return wait(
-            [a.update_weights.remote(version, *export_refs) for a in self.policy_actors],
-            "weight sync",
-        )[0]
+        ``version`` (``orchestration/weight_sync.InProcessSync``), queued without waiting;
+        :meth:`wait_update_weights` waits."""
+        return [a.update_weights.remote(version, *export_refs) for a in self.policy_actors]
+
+    def wait_update_weights(self, refs: list) -> int:
+        """The bytes per worker of a :meth:`submit_update_weights`, once every worker loaded."""
+        return wait(refs, "weight sync")[0]
 
     def _pool_actors(self, pool: str) -> list:
         return self.policy_actors if pool == "policy" else self.reference_actors

@@ -71,14 +71,17 @@ def exact_kl_tokens(s: Session, batch: TrainBatch, step: int) -> torch.Tensor | 
     return exact_kl_mask(batch, log.exact_kl_samples, log.exact_kl_positions)
 
 
-def train_minibatches(s: Session, groups: list[Group]) -> dict[str, float]:
+def train_minibatches(s: Session, groups: list[Group], step: int) -> dict[str, float]:
     """One optimizer update per mini-batch of ``trainer.ppo_mini_batch`` queries, on the batch
     the trainer ranks kept from :func:`compute_logprobs` (nothing is sent again but each
     mini-batch's sample ids); all of them are queued on the ranks at once and run in order,
-    back to back."""
+    back to back, and the policy's weight push of ``step`` behind them
+    (:meth:`~megatron_armor.orchestration.weight_sync.WeightSync.queue_policy_push`)."""
     s.progress.start("train", s.num_minibatches)
     updates = []
-    for refs in s.trainer.submit_updates(minibatch_sample_ids(groups, s.num_minibatches)):
+    queued = s.trainer.submit_updates(minibatch_sample_ids(groups, s.num_minibatches))
+    s.weight_sync.queue_policy_push(step)  # the export follows the last update on the ranks
+    for refs in queued:
         updates.append(s.trainer.train_result(refs))
         s.progress.advance()
     s.progress.close()
@@ -146,7 +149,7 @@ def run_step(s: Session, rollout: AnchorRollout, step: int) -> dict[str, float]:
     with s.timers.phase("logprobs"):
         exact_kl = compute_logprobs(s, batch, step)
     with s.timers.phase("train"):
-        metrics = train_minibatches(s, result.groups)
+        metrics = train_minibatches(s, result.groups, step)
     s.meter.add_rollout(result.generated_tokens, s.timers.seconds("generate"))
     s.meter.add_train(batch.seq_lengths(), s.timers.seconds("train"))
     metrics.update(rollout_metrics(result))

@@ -125,6 +125,12 @@ class WeightSync:
     def _send(self, version: int, weights: str, pool: str, servers: Servers | None) -> int:
         raise NotImplementedError
 
+    def queue_policy_push(self, version: int) -> None:
+        """Called once a step's updates are queued on the trainer ranks, before the driver
+        waits for them, with the version :meth:`push_policy` will push; a transport that can
+        start the push then does (:class:`InProcessSync`), the others push in
+        :meth:`push_policy`."""
+
     def pop_metrics(self) -> dict[str, float]:
         """``perf/weight_sync_<transport>_{gb,s,pushes}`` of every push since the last call."""
         if not self._pushes:
@@ -148,10 +154,34 @@ class InProcessSync(WeightSync):
 
     transport = "inprocess"
 
+    def __init__(self, config: ArmorConfig, trainer, rollout) -> None:
+        super().__init__(config, trainer, rollout)
+        self._queued: list | None = None
+
+    def queue_policy_push(self, version: int) -> None:
+        """Queue the policy's export on the trainer ranks behind the updates just queued, and
+        its load into the engines behind it: an actor runs its calls in order, so the export
+        starts as the last update ends and the load as the export ends, while the driver is
+        still reading the step's results; :meth:`push_policy` waits for them. The load waits
+        for :meth:`push_policy` where the engines must take their memory back first
+        (``colocated``, ``trainer.offload_train_state``)."""
+        refs = self.trainer.export_refs("policy")
+        early = self.config.orchestration.layout != "colocated" and not (
+            self.config.trainer.offload_train_state
+        )
+        loads = self.rollout.submit_update_weights(version, refs) if early else None
+        self._queued = (version, refs, loads)
+
     def push_policy(self, version: int) -> int:
         self.versions["policy"] = version
         start = time.perf_counter()
-        num_bytes = self.rollout.update_weights(version, self.trainer.export_refs("policy"))
+        queued, self._queued = self._queued, None
+        if queued is None or queued[0] != version:
+            queued = (version, self.trainer.export_refs("policy"), None)
+        _, refs, loads = queued
+        if loads is None:
+            loads = self.rollout.submit_update_weights(version, refs)
+        num_bytes = self.rollout.wait_update_weights(loads)
         self._record(start, num_bytes)
         return num_bytes
 

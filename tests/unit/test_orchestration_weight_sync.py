@@ -96,8 +96,11 @@ class Rollout(Recorder):
     def reference_in_place(self, version, reset):
         self.record("in_place", version, reset)
 
-    def update_weights(self, version, refs):
-        return self.record("update", version, tuple(refs), answer=99)
+    def submit_update_weights(self, version, refs):
+        return self.record("update", version, tuple(refs), answer=[f"loaded-{version}"])
+
+    def wait_update_weights(self, loads):
+        return self.record("wait", tuple(loads), answer=99)
 
     def load_reference(self, version, refs):
         self.record("load", version, tuple(refs))
@@ -208,9 +211,39 @@ def test_only_the_embedded_engine_takes_the_export_through_the_object_store():
     assert sync.push_policy(3) == 99
     sync.push_reference(0)
     sync.push_reference(40, reset=True)
-    assert rollout.calls == [("update", 3, ("policy-tensors",)), ("load", 0, ("ref-tensors",)),
-                             ("reset", 40, ("ref-tensors",))]  # fmt: skip
+    assert rollout.calls == [("update", 3, ("policy-tensors",)), ("wait", ("loaded-3",)),
+                             ("load", 0, ("ref-tensors",)), ("reset", 40, ("ref-tensors",))]  # fmt: skip
     assert sync.heal() == 0
+
+
+@pytest.mark.parametrize("extra, early", [
+    ([], True),
+    (["orchestration.layout=colocated"], False),  # the engines take their memory back first
+    (["trainer.offload_train_state=true"], False),
+])  # fmt: skip
+def test_the_embedded_push_is_queued_behind_the_updates(extra, early):
+    """``queue_policy_push`` (called with the step's updates queued) queues the export on the
+    ranks and, where the engines hold their memory, the load behind it: ``push_policy`` only
+    waits. Elsewhere the load is sent by ``push_policy``; a push of another version than the
+    queued one exports afresh."""
+    trainer, rollout = Trainer(), Rollout()
+    trainer.object_store = True
+    sync = make_weight_sync(load_config(None, ["rollout.backend=torch", *extra]), trainer, rollout)
+    sync.queue_policy_push(7)
+    queued = list(rollout.calls)
+    assert trainer.calls == [("export", "policy")]
+    assert queued == ([("update", 7, ("policy-tensors",))] if early else [])
+    assert sync.push_policy(7) == 99
+    assert trainer.calls == [("export", "policy")]  # not exported twice
+    assert rollout.calls[len(queued) :] == [
+        *([] if early else [("update", 7, ("policy-tensors",))]),
+        ("wait", ("loaded-7",)),
+    ]
+    assert sync.pop_metrics()["perf/weight_sync_inprocess_pushes"] == 1.0
+    sync.queue_policy_push(8)
+    sync.push_policy(9)  # not what was queued: exported and loaded at 9
+    assert trainer.calls[-1] == ("export", "policy") and len(trainer.calls) == 3
+    assert rollout.calls[-2:] == [("update", 9, ("policy-tensors",)), ("wait", ("loaded-9",))]
 
 
 def test_worker_roles_follow_the_pools_on_each_node():
