@@ -100,6 +100,19 @@ def verify_job(job: Job) -> Verdict:
     return Verdict(result.correct, result.prediction)
 
 
+def _error(e: Exception) -> Verdict:
+    return Verdict(False, f"{type(e).__name__}: {e}"[:200], "error")
+
+
+def verify_inline(job: Job) -> Verdict:
+    """:func:`verify_job` in the calling process, without a time limit (for verifiers whose
+    cost is bounded, ``reward/scorer.INLINE_VERIFIERS``); exceptions become ``error`` verdicts."""
+    try:
+        return verify_job(job)
+    except Exception as e:  # a verifier bug must not kill the batch; report it
+        return _error(e)
+
+
 def _verify_bounded(job: Job, timeout_s: float) -> Verdict:
     """:func:`verify_job` under an interval timer; exceptions become ``error`` verdicts."""
     signal.setitimer(signal.ITIMER_REAL, timeout_s)
@@ -108,7 +121,7 @@ def _verify_bounded(job: Job, timeout_s: float) -> Verdict:
     except _ItemTimeout:
         return Verdict(False, None, "timeout")
     except Exception as e:  # a verifier bug must not kill the batch; report it
-        return Verdict(False, f"{type(e).__name__}: {e}"[:200], "error")
+        return _error(e)
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
 

@@ -158,6 +158,44 @@ def test_scoring_workers_get_answers_only(scorer, monkeypatch):
     assert answers[2].text == local[2].response_text  # math-verify reads all of it
 
 
+def test_the_dapo_rule_runs_in_the_scoring_process_with_the_pools_verdicts(monkeypatch):
+    """``dapo`` answers are verified in the scorer's own process (no pool process starts for
+    a batch of them) with the verdicts the pool gives the same jobs; a rule that raises is an
+    ``error`` verdict, counted, and the batch completes; mixed batches keep their order."""
+    from megatron_armor.reward import verifiers
+
+    jobs = [
+        Job("dapo", f"x\nAnswer: {t}", g)
+        for t, g in [
+            ("7", "7"),
+            ("8", "7"),
+            ("1,000", "1000"),
+            ("\\frac12", "\\frac{1}{2}"),
+            ("", "3"),
+        ]
+    ]
+    with RewardScorer(verifier="dapo", num_workers=1, max_new_tokens=64) as inline:
+        samples = [sample(j.response, j.ground_truth, "math_dapo") for j in jobs]
+        stats = inline.score(samples)
+        assert inline.pool._workers == []  # nothing spawned
+        pooled, _ = inline.pool.run(jobs)
+        assert [(s.acc, s.score) for s in samples] == [
+            (v.correct, 1.0 if v.correct else -1.0) for v in pooled
+        ]
+        assert [s.acc for s in samples] == [True, False, True, True, False]
+        assert stats["reward/errors"] == 0
+
+        def rule(response, truth):
+            if "boom" in response:
+                raise ValueError("boom")
+            return verifiers.score_dapo(response, truth)
+
+        monkeypatch.setitem(verifiers.VERIFIERS, "dapo", rule)
+        samples = [sample("Answer: boom", "1", "math_dapo"), sample("Answer: 2", "2", "math_dapo")]
+        stats = inline.score(samples)
+        assert [s.acc for s in samples] == [False, True] and stats["reward/errors"] == 1
+
+
 def test_from_config_reads_reward_settings():
     cfg = SimpleNamespace(
         verifier="dapo",
