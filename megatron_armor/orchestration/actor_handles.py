@@ -86,6 +86,50 @@ def _scatter(actors: list, parts: list[list[int]], items: list, call, what: str)
     return out
 
 
+def assign_scores(samples: list[Sample], results: list) -> dict[str, float]:
+    """Write the scorers' ``[(score, acc)]`` (``results``: one ``(scored, stats)`` per scoring
+    worker, in shard order) into ``samples`` in order; returns the merged stats."""
+    flat = [sa for scored, _ in results for sa in scored]
+    for sample, (score, acc) in zip(samples, flat, strict=True):
+        sample.score, sample.acc = score, acc
+    stats: dict[str, float] = {}
+    for _, part_stats in results:
+        stats = merge_reward_stats(stats, part_stats)
+    return stats
+
+
+class ScoredRows:
+    """One generation call of :meth:`RolloutActors.submit_scored` with its scoring chained to
+    it: each rollout worker returns its rows and, as a second object, the answers of their
+    samples not already ``scored``; those objects go to the scoring workers as refs, so
+    scoring starts as generation ends, with no round trip through the driver between them.
+    :meth:`rows` waits for the samples, :meth:`score` for their rewards (set in place)."""
+
+    def __init__(self, row_refs: list, served: list[list[int]], size: int, score_refs: list,
+                 what: str):  # fmt: skip
+        self.row_refs, self.served, self.size = row_refs, served, size
+        self.score_refs, self.what = score_refs, what
+        self._rows: list | None = None
+
+    def rows(self) -> list[list[Sample]]:
+        """``[item][sample]`` in the items' order."""
+        if self._rows is None:
+            out: list = [None] * self.size
+            for part, rows in zip(self.served, wait(self.row_refs, self.what), strict=True):
+                for j, row in zip(part, rows, strict=True):
+                    out[j] = row
+            self._rows = out
+        return self._rows
+
+    def score(self) -> dict[str, float]:
+        """Set ``score`` and ``acc`` of the samples that were not ``scored`` (the answers' order:
+        worker by worker, each in its items' and samples' order); the ``reward/*`` stats."""
+        rows = self.rows()
+        results = wait(self.score_refs, "reward scoring")
+        fresh = [s for part in self.served for j in part for s in rows[j] if not s.scored]
+        return assign_scores(fresh, results)
+
+
 def merge_reward_stats(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
     """Combine two scorers' stats: counters add up, means/fractions are weighted by ``reward/n``."""
     na, nb = a.get("reward/n", 0.0), b.get("reward/n", 0.0)
@@ -344,6 +388,43 @@ class RolloutActors:
             parts[query_worker(item.query_id, workers)].append(j)
         return parts
 
+    def submit_scored(
+        self, method: str, items: list, n: int, params: SamplingParams, reward: RewardActors
+    ) -> ScoredRows:
+        """:meth:`generate` (``method="generate"``) or :meth:`sample_reference`
+        (``"sample_reference"``) with ``reward``'s scoring chained to it (:class:`ScoredRows`):
+        the same workers, parts and seeds as those calls; nothing is waited for here but, when
+        the reference is swapped into the policy servers around the sampling, the rows."""
+        if method == "generate":
+            actors, parts, swapped = self.policy_actors, None, nullcontext()
+        elif method == "sample_reference":
+            actors, parts = self.reference_actors, self.reference_parts(items)
+            swapped = (
+                self.weight_sync.reference_swapped(items, n) if self.weight_sync else nullcontext()
+            )
+        else:
+            raise ValueError(f"submit_scored: no generation call {method!r}")
+        if parts is None:
+            parts = shard(list(range(len(items))), len(actors))
+        with swapped:
+            row_refs, answer_refs, served = [], [], []
+            for i, (actor, part) in enumerate(zip(actors, parts, strict=True)):
+                if not part:
+                    continue
+                seed = None if params.seed is None else params.seed + i
+                rows, answers = getattr(actor, method).options(num_returns=2).remote(
+                    [items[j] for j in part], n, dataclasses.replace(params, seed=seed),
+                    answers_for=reward.verifier,
+                )  # fmt: skip
+                row_refs.append(rows)
+                answer_refs.append(answers)
+                served.append(part)
+            call = ScoredRows(row_refs, served, len(items), reward.submit_score(answer_refs),
+                              f"rollout {method}")  # fmt: skip
+            if not isinstance(swapped, nullcontext):
+                call.rows()  # drawn before the policy is swapped back
+        return call
+
     def compute_seconds(self) -> float:
         """Seconds the busiest worker spent generating since the last call."""
         return max(wait([a.compute_seconds.remote() for a in self.actors], "compute seconds"))
@@ -484,17 +565,25 @@ class RolloutActors:
             "rollout reference load",
         )
 
-    def reference_metrics(self) -> dict[str, float]:
-        """``anchor/cache_*`` summed over workers (empty, and no call to them, without the
-        anchor cache)."""
+    def submit_reference_metrics(self) -> list:
+        """Queue the workers' read of their anchor-cache counters without waiting (right after
+        a step's rollout, so it runs while the trainer works and ahead of anything queued on
+        the workers later); :meth:`reference_metrics` waits for it. ``[]`` without the cache."""
+        if not self.caches_anchors:
+            return []
+        return [a.reference_metrics.remote() for a in self.reference_actors]
+
+    def reference_metrics(self, queued: list | None = None) -> dict[str, float]:
+        """``anchor/cache_*`` summed over workers, of the read ``queued`` by
+        :meth:`submit_reference_metrics` (else read now); empty, and no call to the workers,
+        without the anchor cache. Waits for the scores :meth:`remember_reference_scores` sent."""
         self._settle()
         out: dict[str, float] = {}
         if not self.caches_anchors:
             return out
-        for m in wait(
-            [a.reference_metrics.remote() for a in self.reference_actors],
-            "rollout reference metrics",
-        ):
+        if queued is None:
+            queued = self.submit_reference_metrics()
+        for m in wait(queued, "rollout reference metrics"):
             for k, v in m.items():
                 out[k] = out.get(k, 0.0) + float(v)
         return out
@@ -553,14 +642,14 @@ class RewardActors:
         workers get each sample's :class:`~megatron_armor.reward.scorer.Answer` only."""
         parts = shard(answers_of(samples, self.verifier), len(self.actors))
         refs = [a.score.remote(p) for a, p in zip(self.actors, parts, strict=True) if p]
-        stats: dict[str, float] = {}
-        results = wait(refs, "reward scoring")
-        flat = [sa for scored, _ in results for sa in scored]
-        for sample, (score, acc) in zip(samples, flat, strict=True):
-            sample.score, sample.acc = score, acc
-        for _, part_stats in results:
-            stats = merge_reward_stats(stats, part_stats)
-        return stats
+        return assign_scores(samples, wait(refs, "reward scoring"))
+
+    def submit_score(self, answer_refs: list) -> list:
+        """Refs of the scores of the answers behind ``answer_refs`` (one list of answers each,
+        taken one after another), sharded over the workers as :meth:`score` shards; not
+        waited for (:class:`ScoredRows`)."""
+        shards = len(self.actors)
+        return [a.score_shard.remote(k, shards, *answer_refs) for k, a in enumerate(self.actors)]
 
     def close(self) -> None:
         wait([a.close.remote() for a in self.actors], "reward close", 60.0)

@@ -244,27 +244,57 @@ class AnchorRollout:
         return dataclasses.replace(self.params, seed=derive_seed(self.seed, step, batch, role))
 
     def _draw_policy(self, items: list, step: int, batch: int) -> list[list[Sample]]:
-        """The ``n_on`` policy samples of each of ``items`` (seed role ``policy``)."""
-        a = self.algo
-        n_on = self.mode.policy_samples(a.group_size, a.filter_policy_samples)
+        """The ``n_on`` policy samples of each of ``items`` (seed role ``policy``), unscored."""
         with self.timers.phase("generate"), nvtx_range("rollout/policy"):
-            return self.rollout.generate(items, n_on, self._params(step, batch, "policy"))
+            return self.rollout.generate(items, self._n_on(), self._params(step, batch, "policy"))
+
+    def _n_on(self) -> int:
+        return self.mode.policy_samples(self.algo.group_size, self.algo.filter_policy_samples)
+
+    def _draw_scored(self, method: str, items: list, n: int, params: SamplingParams):
+        """``rollout.<method>`` (``generate`` | ``sample_reference``) with the scoring chained
+        to it (``RolloutActors.submit_scored``): ``(rows, reward stats)``. The time until the
+        rows are in is ``generate``, the wait for their scores after that ``score``."""
+        role = "rollout/policy" if method == "generate" else "rollout/reference"
+        with self.timers.phase("generate"), nvtx_range(role):
+            call = self.rollout.submit_scored(method, items, n, params, self.reward)
+            rows = call.rows()
+        with self.timers.phase("score"):
+            return rows, call.score()
+
+    def _draw_policy_scored(self, items: list, step: int, batch: int):
+        """:meth:`_draw_policy`, scored: ``(rows, reward stats)``."""
+        return self._draw_scored("generate", items, self._n_on(),
+                                 self._params(step, batch, "policy"))  # fmt: skip
+
+    def _draw_reference(self, items: list, params: SamplingParams):
+        """The ``ref_n`` reference samples of each of ``items``, scored: ``(rows, stats)``.
+        Scoring is chained to the sampling, except with the anchor cache, whose hits come back
+        scored: then only the fresh samples are sent, after the rows are in
+        (:meth:`_score_reference`)."""
+        if not self.caches_anchors:
+            return self._draw_scored("sample_reference", items, self.algo.ref_n, params)
+        with self.timers.phase("generate"), nvtx_range("rollout/reference"):
+            drawn = self.rollout.sample_reference(items, self.algo.ref_n, params)
+        return drawn, self._score_reference(items, drawn)
 
     def _generate(self, items: list, step: int, batch: int) -> tuple[list, list, dict]:
-        """Policy samples of ``items``; then, per part of :func:`reference_parts`, its policy
-        samples scored and reference samples, scored, for its items that pass rule (a) (``[]``
-        for the others). The parts run concurrently, so one part's scoring overlaps another's
-        reference generation. Returns ``(policy, reference, stats)``."""
-        policy = self._draw_policy(items, step, batch)
+        """Policy samples of ``items``, scored; then, per part of :func:`reference_parts`,
+        reference samples, scored, for its items that pass rule (a) (``[]`` for the others).
+        With several parts the policy samples are scored part by part and the parts run
+        concurrently, so one part's scoring overlaps another's reference generation.
+        Returns ``(policy, reference, stats)``."""
         if not self.mode.draws_reference:
-            with self.timers.phase("score"):
-                stats = self.reward.score([s for row in policy for s in row])
+            policy, stats = self._draw_policy_scored(items, step, batch)
             return policy, [[] for _ in items], stats
         parts = reference_parts([it.query_id for it in items], self.parts)
-        jobs = [(items, policy, ids, step, batch, p) for p, ids in enumerate(parts)]
-        if len(jobs) == 1:
-            done = [self._score_then_reference(*jobs[0])]
+        if len(parts) == 1:
+            policy, stats = self._draw_policy_scored(items, step, batch)
+            drawn, ref_stats = self._reference_of_passing(items, policy, parts[0], step, batch, 0)
+            done = [(drawn, merge_reward_stats(stats, ref_stats))]
         else:
+            policy = self._draw_policy(items, step, batch)
+            jobs = [(items, policy, ids, step, batch, p) for p, ids in enumerate(parts)]
             with ThreadPoolExecutor(max_workers=min(len(jobs), MAX_PART_THREADS)) as pool:
                 done = list(pool.map(lambda job: self._score_then_reference(*job), jobs))
         reference: list[list[Sample]] = [[] for _ in items]
@@ -278,23 +308,26 @@ class AnchorRollout:
     def _score_then_reference(
         self, items: list, policy: list, ids: list[int], step: int, batch: int, part: int
     ) -> tuple[dict[int, list[Sample]], dict]:
-        """One part: score its policy samples; reference samples (seed of ``part``) for its
-        items that pass rule (a), scored. Returns ``({item index: reference row}, stats)``."""
+        """One part of several: score its policy samples, then
+        :meth:`_reference_of_passing`. Returns ``({item index: reference row}, stats)``."""
         with self.timers.phase("score"):
             stats = self.reward.score([s for i in ids for s in policy[i]])
+        drawn, ref_stats = self._reference_of_passing(items, policy, ids, step, batch, part)
+        return drawn, merge_reward_stats(stats, ref_stats)
+
+    def _reference_of_passing(
+        self, items: list, policy: list, ids: list[int], step: int, batch: int, part: int
+    ) -> tuple[dict[int, list[Sample]], dict]:
+        """Reference samples (seed of ``part``), scored, for the items of ``ids`` whose scored
+        policy samples pass rule (a): ``({item index: reference row}, stats)``."""
         wanted = [
             i for i in ids if passes_rule_a(policy[i], self.algo.anchor, self.algo.weak_filter)
         ]
         if not wanted:
-            return {}, stats
+            return {}, {}
         params = self._params(step, batch, reference_role(part))
-        with self.timers.phase("generate"), nvtx_range("rollout/reference"):
-            drawn = self.rollout.sample_reference(
-                [items[i] for i in wanted], self.algo.ref_n, params
-            )
-        return dict(zip(wanted, drawn, strict=True)), merge_reward_stats(
-            stats, self._score_reference([items[i] for i in wanted], drawn)
-        )
+        drawn, stats = self._draw_reference([items[i] for i in wanted], params)
+        return dict(zip(wanted, drawn, strict=True)), stats
 
     def _score_reference(self, items: list, drawn: list[list[Sample]]) -> dict:
         """Score the reference samples not already ``scored`` (cached anchors keep the reward
@@ -317,9 +350,7 @@ class AnchorRollout:
         Returns ``(policy, reference, stats)`` of the items still without a verdict, in order."""
         live = [i for i, v in enumerate(verdicts) if v is None]
         params = self._params(step, batch, reference_role(0))
-        with self.timers.phase("generate"), nvtx_range("rollout/reference"):
-            drawn = self.rollout.sample_reference([items[i] for i in live], self.algo.ref_n, params)
-        stats = self._score_reference([items[i] for i in live], drawn)
+        drawn, stats = self._draw_reference([items[i] for i in live], params)
         reference = []
         for i, row in zip(live, drawn, strict=True):
             if any(s.acc for s in row):
@@ -329,10 +360,8 @@ class AnchorRollout:
         solved = [items[i] for i, v in enumerate(verdicts) if v is None]
         if not solved:
             return [], [], stats
-        policy = self._draw_policy(solved, step, batch)
-        with self.timers.phase("score"):
-            stats = merge_reward_stats(stats, self.reward.score([s for r in policy for s in r]))
-        return policy, reference, stats
+        policy, policy_stats = self._draw_policy_scored(solved, step, batch)
+        return policy, reference, merge_reward_stats(stats, policy_stats)
 
     def _cached_verdicts(self, items: list) -> list[bool]:
         """Per item, whether rule (b) already rejects it: the anchor cache holds its ``ref_n``
@@ -383,9 +412,7 @@ class AnchorRollout:
         """Whether the next step draws the reference samples first."""
         if self.reference_first != "auto":
             return self.reference_first
-        a = self.algo
-        n_on = self.mode.policy_samples(a.group_size, a.filter_policy_samples)
-        return prefers_reference_first(self.previous, n_on, a.ref_n)
+        return prefers_reference_first(self.previous, self._n_on(), self.algo.ref_n)
 
     def collect(self, step: int) -> RolloutResult:
         """Draw generation batches until ``rollout.batch`` groups are accepted; keep the first ``B``."""

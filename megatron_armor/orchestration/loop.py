@@ -141,6 +141,7 @@ def run_step(s: Session, rollout: AnchorRollout, step: int) -> dict[str, float]:
     with s.timers.phase("rollout"):
         result = rollout.collect(step)
     s.progress.close()
+    cache_counters = s.rollout.submit_reference_metrics()  # read while the trainer works
     assign_configured_advantages(result.groups, s.config.algo)
     write_anchor_file(s.run_dir, step, result)
     batch = pack_groups(result.groups)
@@ -157,7 +158,7 @@ def run_step(s: Session, rollout: AnchorRollout, step: int) -> dict[str, float]:
     metrics.update(
         logprob_mismatch_metrics(batch, result.groups, needs_reference_logprobs(s.config.algo))
     )
-    metrics.update(s.rollout.reference_metrics())
+    metrics.update(s.rollout.reference_metrics(cache_counters))
     metrics.update(sync_and_maybe_reset(s, step))
     metrics.update(
         {

@@ -299,6 +299,18 @@ def to_samples(
     return result
 
 
+def with_answers(rows: list[list[Sample]], verifier: str | None):
+    """``rows``, or with a ``verifier`` ``(rows, answers)``: the :class:`Answer` of each sample
+    not ``scored``, in row order, which a generation call returns as a second object so the
+    scorers get them from the worker without the driver in between
+    (``actor_handles.RolloutActors.submit_scored``)."""
+    if verifier is None:
+        return rows
+    from megatron_armor.reward.scorer import answers_of
+
+    return rows, answers_of([s for row in rows for s in row if not s.scored], verifier)
+
+
 def set_remembered_scores(rows: list[list[Sample]], scores: list[list | None]) -> None:
     """Give each row's samples the anchor cache's ``(score, acc)`` and mark them ``scored``
     (rows whose scores are ``None`` stay unscored)."""
@@ -389,11 +401,14 @@ class RolloutWorker:
             raise ValueError(f"rollout worker {self.index} has no {pool!r} engine pool")
         return engine
 
-    def generate(self, items: list, n: int, params: SamplingParams) -> list[list[Sample]]:
-        """``n`` policy samples per item."""
+    def generate(self, items: list, n: int, params: SamplingParams, answers_for: str | None = None):
+        """``n`` policy samples per item; with ``answers_for`` (a ``reward.verifier``) also
+        their :class:`~megatron_armor.reward.scorer.Answer` s, for scoring chained to this call
+        (:func:`with_answers`)."""
         with nvtx_range("rollout/policy"), self.clock.measure():
             outputs = self.engine.generate([it.prompt_ids for it in items], n, params, "policy")
-        return to_samples(items, outputs, SampleSource.POLICY, self.tokenizer)
+        return with_answers(to_samples(items, outputs, SampleSource.POLICY, self.tokenizer),
+                            answers_for)  # fmt: skip
 
     def generate_raw(
         self, prompts: list[list[int]], n: int, params: SamplingParams, weights: str = "policy"
@@ -401,9 +416,12 @@ class RolloutWorker:
         """Engine outputs as they are (used by validation through ``RemoteEngine``)."""
         return self.engine.generate(prompts, n, params, weights)
 
-    def sample_reference(self, items: list, n: int, params: SamplingParams) -> list[list[Sample]]:
+    def sample_reference(
+        self, items: list, n: int, params: SamplingParams, answers_for: str | None = None
+    ):
         """``n`` reference samples per item, in generation order (fresh or cached); cached
-        samples whose reward the cache remembers come back ``scored``."""
+        samples whose reward the cache remembers come back ``scored``. ``answers_for``: as in
+        :meth:`generate` (answers of the samples not ``scored``)."""
         query_ids = [it.query_id for it in items]
         with nvtx_range("rollout/reference"), self.clock.measure():
             outputs = self.reference.sample(query_ids, [it.prompt_ids for it in items], n, params)
@@ -411,7 +429,7 @@ class RolloutWorker:
         remembered = getattr(self.reference, "scores", None)  # the anchor cache
         if remembered is not None:
             set_remembered_scores(samples, remembered(query_ids, n))
-        return samples
+        return with_answers(samples, answers_for)
 
     def remember_reference_scores(self, query_ids: list[str], scores: list[list]) -> None:
         """Keep the driver's ``(score, acc)`` of freshly cached reference samples (anchor cache)."""
@@ -594,6 +612,17 @@ class RewardWorker:
     def score(self, answers: list[Answer]) -> tuple[list[tuple[float, bool]], dict[str, float]]:
         """``[(score, acc)]`` per answer (same order) and the scorer's stats."""
         return self.scorer.score_answers(answers)
+
+    def score_shard(
+        self, index: int, shards: int, *answer_lists: list[Answer]
+    ) -> tuple[list[tuple[float, bool]], dict[str, float]]:
+        """:meth:`score` of shard ``index`` of ``shards`` (``actor_handles.shard``) of the
+        answers of ``answer_lists`` one after another: the rollout workers' answers of one
+        generation call, passed as object refs that Ray resolves here."""
+        from megatron_armor.orchestration.actor_handles import shard
+
+        answers = [a for answers in answer_lists for a in answers]
+        return self.scorer.score_answers(shard(answers, shards)[index])
 
     def close(self) -> None:
         self.scorer.close()

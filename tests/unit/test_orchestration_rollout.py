@@ -73,6 +73,22 @@ class ScriptedRollout:
         return [self._samples(it, n, lambda i, it=it: SCRIPT[it.query_id][1][i], SampleSource.REFERENCE, 10)
                 for it in items]  # fmt: skip
 
+    def submit_scored(self, method, items, n, params, reward):
+        """``RolloutActors.submit_scored`` in-process: the call, then ``reward`` scores the
+        samples not already scored when the rows' scores are asked for."""
+        return EagerScoredRows(getattr(self, method)(items, n, params), reward)
+
+
+class EagerScoredRows:
+    def __init__(self, rows, reward):
+        self.rows_, self.reward = rows, reward
+
+    def rows(self):
+        return self.rows_
+
+    def score(self):
+        return self.reward.score([s for row in self.rows_ for s in row if not s.scored])
+
 
 class ScriptedReward:
     def score(self, samples):

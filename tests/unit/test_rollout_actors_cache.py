@@ -45,7 +45,9 @@ class Remote:
 
     def __getattr__(self, name):
         method = getattr(self.target, name)
-        return type("Method", (), {"remote": staticmethod(method)})
+        call = type("Method", (), {"remote": staticmethod(method)})
+        call.options = staticmethod(lambda **options: call)  # num_returns=2: the tuple itself
+        return call
 
 
 def worker() -> RolloutWorker:
@@ -55,14 +57,18 @@ def worker() -> RolloutWorker:
     return w
 
 
-@pytest.fixture
-def actors(monkeypatch):
-    monkeypatch.setattr(actor_handles, "wait", lambda refs, what, timeout=None: refs)
+def rollout_group() -> RolloutActors:
     group = object.__new__(RolloutActors)
     group.workers = [worker() for _ in range(3)]
     group.actors = group.reference_actors = [Remote(w) for w in group.workers]
     group.caches_anchors, group.weight_sync = True, None
     return group
+
+
+@pytest.fixture
+def actors(monkeypatch):
+    monkeypatch.setattr(actor_handles, "wait", lambda refs, what, timeout=None: refs)
+    return rollout_group()
 
 
 def items(*numbers) -> list[PromptItem]:
@@ -124,6 +130,15 @@ def test_remembered_scores_are_waited_for_once_a_step(actors, monkeypatch):
     waited.clear()
     actors.reference_metrics()  # nothing left to wait for
     assert [what for what, _ in waited] == ["rollout reference metrics"]
+    # the loop queues the read right after the rollout and waits for it after training
+    actors.sample_reference(items(20, 21), 2, PARAMS)
+    waited.clear()
+    queued = actors.submit_reference_metrics()
+    assert waited == [] and len(queued) == 3
+    assert actors.reference_metrics(queued)["anchor/cache_misses"] == 2
+    assert [what for what, _ in waited] == ["rollout reference metrics"]
+    actors.caches_anchors = False
+    assert actors.submit_reference_metrics() == [] and actors.reference_metrics([]) == {}
 
 
 def test_without_the_cache_the_workers_take_contiguous_parts(actors):
@@ -141,3 +156,79 @@ def test_query_worker_is_stable_and_spreads_ids():
     for i in range(4000):
         counts[query_worker(f"query-{i}", 4)] += 1
     assert min(counts) > 900  # about 1000 each
+
+
+class Engine:
+    """Policy samples: token 5 (right) for even query numbers (the prompt's second id), 6 for
+    odd; the worker's seed in the second token."""
+
+    def generate(self, prompts, n, params, weights):
+        return [[GenerationOutput([5 if p[1] % 2 == 0 else 6, params.seed], [0.0, 0.0], "stop", 1)
+                 for _ in range(n)] for p in prompts]  # fmt: skip
+
+
+class Scorer:
+    """``score_answers`` of a ``RewardScorer``: right answers +1, the others -1; records what
+    each scoring worker was given."""
+
+    def __init__(self):
+        self.given = []
+
+    def score_answers(self, answers):
+        self.given.append([a.text for a in answers])
+        scored = [(1.0, True) if a.text == "right" else (-1.0, False) for a in answers]
+        return scored, {"reward/n": float(len(answers))}
+
+
+def reward_group(workers: int):
+    from megatron_armor.orchestration.actor_handles import RewardActors
+    from megatron_armor.orchestration.workers import RewardWorker
+
+    group, scorers = object.__new__(RewardActors), []
+    group.actors, group.verifier = [], "dapo"
+    for _ in range(workers):
+        w = object.__new__(RewardWorker)
+        w.scorer = Scorer()
+        scorers.append(w.scorer)
+        group.actors.append(Remote(w))
+    return group, scorers
+
+
+def test_scoring_chained_to_a_generation_call_scores_what_the_call_drew(actors):
+    """``submit_scored``: the rows of the plain call (same workers, parts and seeds); the
+    answers of the samples not already scored go, worker by worker, to every scoring worker,
+    each of which scores its shard of them; the scores land on the right samples, and a cached
+    anchor keeps its remembered score without being sent. The same for policy samples."""
+    plain = rollout_group()
+    reward, scorers = reward_group(2)
+    for group in (actors, plain):  # the same cache in both: q0-q3 drawn, scored, remembered
+        rows = group.sample_reference(items(0, 1, 2, 3), 2, PARAMS)
+        score(rows)
+        group.remember_reference_scores(items(0, 1, 2, 3), rows)
+    mixed = items(5, 0, 7, 2, 4, 1, 9)  # hits q0, q2, q1; the others fresh
+    expected = plain.sample_reference(mixed, 2, PARAMS)
+    fresh = [s for row in expected for s in row if not s.scored]
+    score([[s for s in fresh]])
+    call = actors.submit_scored("sample_reference", mixed, 2, PARAMS, reward)
+    chained = call.rows()
+    stats = call.score()
+    key = lambda rows: [[(s.query_id, s.response_ids, s.score, s.acc, s.scored) for s in row]  # noqa: E731
+                        for row in rows]  # fmt: skip
+    assert key(chained) == key(expected)
+    assert stats == {"reward/n": 8.0} and len(fresh) == 8  # 4 fresh queries x 2
+    served = [j for part in actors.reference_parts(mixed) for j in part]  # worker by worker
+    sent = [s.response_text for j in served for s in chained[j] if not s.scored]
+    assert [t for sc in scorers for t in sc.given[-1]] == sent  # two shards, in order
+    assert [len(sc.given[-1]) for sc in scorers] == [4, 4]
+
+    for group in (actors, plain):
+        group.policy_actors = group.actors
+        for w in group.workers:
+            w.engine = Engine()
+    expected = plain.generate(items(*range(5)), 3, PARAMS)
+    score(expected)
+    call = actors.submit_scored("generate", items(*range(5)), 3, PARAMS, reward)
+    assert key(call.rows()) != key(expected)  # not scored yet
+    assert call.score() == {"reward/n": 15.0} and key(call.rows()) == key(expected)
+    with pytest.raises(ValueError, match="no generation call 'validate'"):
+        actors.submit_scored("validate", items(1), 1, PARAMS, reward)
