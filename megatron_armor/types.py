@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
+from itertools import chain
 
 import numpy as np
 import torch
@@ -221,10 +222,12 @@ def _train_batch_from_wire(fields: list, data: dict) -> TrainBatch:
 
 
 def pack_groups(groups: list[Group]) -> TrainBatch:
-    """Pack every sample of ``groups`` into one :class:`TrainBatch` (advantages must be set)."""
-    tokens, positions, loss_mask, advantages, is_anchor, sample_index = [], [], [], [], [], []
-    lengths = []
-    n = 0
+    """Pack every sample of ``groups`` into one :class:`TrainBatch` (advantages must be set).
+
+    Per token: the sample's prompt then response ids, positions from 0 in each sample,
+    ``loss_mask`` 1 on response tokens, the sample's advantage times the mask, ``is_anchor``
+    on the anchor's response tokens, zeros for the log-probs the trainer fills in."""
+    samples, advantages, anchors, lengths = [], [], [], []
     for group in groups:
         if len(group.advantages) != len(group.samples):
             raise ValueError(
@@ -232,32 +235,35 @@ def pack_groups(groups: list[Group]) -> TrainBatch:
                 f"{len(group.advantages)} advantages; compute advantages before packing"
             )
         for i, sample in enumerate(group.samples):
-            p, r = len(sample.prompt_ids), len(sample.response_ids)
-            seq = sample.prompt_ids + sample.response_ids
-            tokens.extend(seq)
-            positions.extend(range(p + r))
-            mask = [0.0] * p + [1.0] * r
-            loss_mask.extend(mask)
-            advantages.extend([group.advantages[i] * m for m in mask])
-            is_anchor.extend([group.is_anchor(i) and m > 0 for m in mask])
-            sample_index.extend([n] * (p + r))
-            lengths.append(p + r)
-            n += 1
-    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-    if lengths:
-        cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0)
-    total = len(tokens)
+            samples.append(sample)
+            advantages.append(group.advantages[i])
+            anchors.append(group.is_anchor(i))
+            lengths += (len(sample.prompt_ids), len(sample.response_ids))
+    n = len(samples)
+    spans = torch.tensor(lengths, dtype=torch.long).view(n, 2)  # [sample, (prompt, response)]
+    per_sample = spans.sum(1)
+    total = int(per_sample.sum())
+    tokens = torch.tensor(
+        list(chain.from_iterable(chain(s.prompt_ids, s.response_ids) for s in samples)),
+        dtype=torch.long,
+    )
+    cu = torch.zeros(n + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(per_sample, 0)
+    sample_index = torch.repeat_interleave(torch.arange(n), per_sample)
+    position_ids = torch.arange(total) - cu[:-1].long()[sample_index]
+    # 0 on each prompt's tokens, 1 on each response's
+    loss_mask = torch.repeat_interleave(torch.tensor([0.0, 1.0]).repeat(n), spans.flatten())
     token_data = {
-        "loss_mask": torch.tensor(loss_mask, dtype=torch.float32),
-        "advantages": torch.tensor(advantages, dtype=torch.float32),
+        "loss_mask": loss_mask,
+        "advantages": torch.tensor(advantages, dtype=torch.float32)[sample_index] * loss_mask,
         "old_logprobs": torch.zeros(total),
         "ref_logprobs": torch.zeros(total),
-        "is_anchor": torch.tensor(is_anchor, dtype=torch.bool),
+        "is_anchor": torch.tensor(anchors, dtype=torch.bool)[sample_index] & (loss_mask > 0),
     }
     return TrainBatch(
-        tokens=torch.tensor(tokens, dtype=torch.long),
-        position_ids=torch.tensor(positions, dtype=torch.long),
+        tokens=tokens,
+        position_ids=position_ids,
         cu_seqlens=cu,
-        sample_index=torch.tensor(sample_index, dtype=torch.long),
+        sample_index=sample_index,
         token_data=token_data,
     )

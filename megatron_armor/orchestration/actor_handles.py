@@ -212,26 +212,30 @@ class TrainerActors:
         """Optimizer state to CPU, gradient buffers freed until the next update."""
         wait([a.offload_train_state.remote() for a in self.actors], "trainer offload")
 
-    def step_logprobs(
+    def submit_logprobs(
         self, batch: TrainBatch, with_ref: bool, kl_mask: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
-        """One call per step: old log-probs, reference log-probs (``with_ref``) ``[total]`` and
-        the exact-KL diagnostic at ``kl_mask``. The batch goes into the object store once:
-        every rank keeps it, with both log-probs filled in, for :meth:`submit_updates`."""
+    ) -> list:
+        """One call per step, queued on every rank without waiting: old log-probs, reference
+        log-probs (``with_ref``) ``[total]`` and the exact-KL diagnostic at ``kl_mask``. The
+        batch goes into the object store once: every rank keeps it, with both log-probs
+        filled in, for :meth:`submit_updates`. :meth:`logprobs_result` waits."""
         import ray
 
         ref = ray.put(batch)
-        results = wait(
-            [a.step_logprobs.remote(ref, with_ref, kl_mask) for a in self.actors],
-            "step log-probs",
-        )
-        return results[0]  # global rank 0 returns the whole log-probs (the others None)
+        return [a.step_logprobs.remote(ref, with_ref, kl_mask) for a in self.actors]
+
+    def logprobs_result(
+        self, refs: list
+    ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
+        """``(old, ref, exact_kl)`` of a :meth:`submit_logprobs`."""
+        return wait(refs, "step log-probs")[0]  # global rank 0 returns the whole log-probs
 
     def submit_updates(self, minibatches: list[list[int]]) -> list[list]:
         """Queue one optimizer update per mini-batch (its sample ids in the batch every rank
         kept from :meth:`step_logprobs`) on every rank without waiting: a rank runs its calls
         in the order queued, so the updates follow each other with no driver round trip and
-        no copy of the batch between them; the last one frees the kept batch.
+        no copy of the batch between them (nor a wait for the log-probs: the updates may be
+        queued right after :meth:`submit_logprobs`); the last one frees the kept batch.
         :meth:`train_result` waits for each."""
         last = len(minibatches) - 1
         return [[a.train_step.remote(None, 1, ids, i == last) for a in self.actors]

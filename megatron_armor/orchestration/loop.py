@@ -48,13 +48,19 @@ def minibatch_sample_ids(groups: list[Group], num_minibatches: int) -> list[list
     return out
 
 
-def compute_logprobs(s: Session, batch: TrainBatch, step: int) -> dict[str, float]:
-    """Fill ``old_logprobs`` (pre-update policy) and ``ref_logprobs`` (reference) from the
-    trainer in one call, which also computes the exact-KL diagnostic when it is due."""
+def submit_logprobs(s: Session, batch: TrainBatch, step: int) -> list:
+    """Queue the step's one log-prob call on the trainer ranks: old (pre-update policy) and
+    reference log-probs, and the exact-KL diagnostic when it is due (:func:`finish_logprobs`)."""
+    return s.trainer.submit_logprobs(
+        batch, needs_reference_logprobs(s.config.algo), exact_kl_tokens(s, batch, step)
+    )
+
+
+def finish_logprobs(s: Session, batch: TrainBatch, refs: list) -> dict[str, float]:
+    """Wait for :func:`submit_logprobs`; fill ``old_logprobs`` and ``ref_logprobs`` of the
+    driver's ``batch`` (the ranks filled their own copies); the exact-KL metrics."""
     with nvtx_range("logprobs/step"):
-        old, ref, exact_kl = s.trainer.step_logprobs(
-            batch, needs_reference_logprobs(s.config.algo), exact_kl_tokens(s, batch, step)
-        )
+        old, ref, exact_kl = s.trainer.logprobs_result(refs)
     batch.old_logprobs = old
     if ref is not None:
         batch.ref_logprobs = ref
@@ -71,16 +77,22 @@ def exact_kl_tokens(s: Session, batch: TrainBatch, step: int) -> torch.Tensor | 
     return exact_kl_mask(batch, log.exact_kl_samples, log.exact_kl_positions)
 
 
-def train_minibatches(s: Session, groups: list[Group], step: int) -> dict[str, float]:
-    """One optimizer update per mini-batch of ``trainer.ppo_mini_batch`` queries, on the batch
-    the trainer ranks kept from :func:`compute_logprobs` (nothing is sent again but each
-    mini-batch's sample ids); all of them are queued on the ranks at once and run in order,
-    back to back, and the policy's weight push of ``step`` behind them
+def submit_minibatches(s: Session, groups: list[Group], step: int) -> list[list]:
+    """Queue one optimizer update per mini-batch of ``trainer.ppo_mini_batch`` queries on the
+    trainer ranks, on the batch they keep from :func:`submit_logprobs` (nothing is sent again
+    but each mini-batch's sample ids), right behind that call: a rank runs its calls in order,
+    so the updates follow the log-probs and each other with no driver round trip; then the
+    policy's weight push of ``step`` behind them
     (:meth:`~megatron_armor.orchestration.weight_sync.WeightSync.queue_policy_push`)."""
-    s.progress.start("train", s.num_minibatches)
-    updates = []
     queued = s.trainer.submit_updates(minibatch_sample_ids(groups, s.num_minibatches))
-    s.weight_sync.queue_policy_push(step)  # the export follows the last update on the ranks
+    s.weight_sync.queue_policy_push(step)
+    return queued
+
+
+def finish_minibatches(s: Session, queued: list[list]) -> dict[str, float]:
+    """Wait for the updates of :func:`submit_minibatches`; their reduced metrics."""
+    s.progress.start("train", len(queued))
+    updates = []
     for refs in queued:
         updates.append(s.trainer.train_result(refs))
         s.progress.advance()
@@ -143,14 +155,18 @@ def run_step(s: Session, rollout: AnchorRollout, step: int) -> dict[str, float]:
     s.progress.close()
     cache_counters = s.rollout.submit_reference_metrics()  # read while the trainer works
     assign_configured_advantages(result.groups, s.config.algo)
-    write_anchor_file(s.run_dir, step, result)
     batch = pack_groups(result.groups)
     if s.config.orchestration.layout == "colocated":
         s.rollout.release_memory()
     with s.timers.phase("logprobs"):
-        exact_kl = compute_logprobs(s, batch, step)
+        logprobs = submit_logprobs(s, batch, step)
     with s.timers.phase("train"):
-        metrics = train_minibatches(s, result.groups, step)
+        updates = submit_minibatches(s, result.groups, step)  # queued behind the log-probs
+    write_anchor_file(s.run_dir, step, result)  # while the ranks work
+    with s.timers.phase("logprobs"):
+        exact_kl = finish_logprobs(s, batch, logprobs)
+    with s.timers.phase("train"):
+        metrics = finish_minibatches(s, updates)
     s.meter.add_rollout(result.generated_tokens, s.timers.seconds("generate"))
     s.meter.add_train(batch.seq_lengths(), s.timers.seconds("train"))
     metrics.update(rollout_metrics(result))

@@ -157,12 +157,11 @@ def exact_kl_mask(batch: TrainBatch, samples: int, positions: int) -> torch.Tens
     a few evenly spaced on-policy samples — the tokens of the trainer's exact-KL diagnostic.
     ``None`` when the batch has no on-policy response token."""
     bounds = batch.cu_seqlens.tolist()
-    on_policy = [
-        i
-        for i in range(batch.num_samples)
-        if batch.loss_mask[bounds[i] : bounds[i + 1]].any()
-        and not batch.is_anchor[bounds[i] : bounds[i + 1]].any()
-    ]
+    n = batch.num_samples
+    owner = torch.repeat_interleave(torch.arange(n), batch.cu_seqlens.diff().long())
+    per_sample = lambda flags: torch.zeros(n).index_add_(0, owner, flags.float()) > 0  # noqa: E731
+    on_policy = (per_sample(batch.loss_mask != 0) & ~per_sample(batch.is_anchor)).nonzero()
+    on_policy = on_policy.squeeze(1).tolist()
     if not on_policy or samples < 1 or positions < 1:
         return None
     take = min(samples, len(on_policy))

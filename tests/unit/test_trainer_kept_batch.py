@@ -1,9 +1,10 @@
 """Unit tier: a step's batch crosses from the driver to the trainer ranks once.
 
-``TrainerActors.step_logprobs`` puts the packed batch into the object store; every rank
+``TrainerActors.submit_logprobs`` puts the packed batch into the object store; every rank
 (``TrainerWorker``) fills in the whole old / reference log-probs the trainer hands every rank
 (``step_logprobs(shared=True)``, checked at TP/PP/DP in ``tests/dist/test_trainer_dist.py``)
-and keeps it; ``submit_updates`` then sends only each mini-batch's sample ids. The ranks here
+and keeps it; ``submit_updates``, queued right behind it (the loop does not wait for the
+log-probs first), sends only each mini-batch's sample ids. The ranks here
 are real ``TrainerWorker`` methods over a trainer that records what it is given, called
 in-process through a ``.remote`` shim that pickles the arguments as Ray would.
 """
@@ -96,13 +97,15 @@ def trainer(monkeypatch):
 def test_updates_train_on_the_kept_batch_with_its_logprobs(trainer):
     gs = groups()
     batch = pack_groups(gs)
-    old, ref, kl = trainer.step_logprobs(batch, True, None)
+    logprobs = trainer.submit_logprobs(batch, True, None)
+    minibatches = minibatch_sample_ids(gs, 2)
+    queued = trainer.submit_updates(minibatches)  # behind the log-probs, before their result
+    old, ref, kl = trainer.logprobs_result(logprobs)
     torch.testing.assert_close(old, -0.01 * batch.tokens.float() * batch.loss_mask, rtol=0, atol=0)
     torch.testing.assert_close(ref, -0.02 * batch.tokens.float() * batch.loss_mask, rtol=0, atol=0)
     assert kl == {"kl/exact_reverse": 0.5}
     batch.old_logprobs, batch.ref_logprobs = old, ref  # as the loop fills the driver's copy
-    minibatches = minibatch_sample_ids(gs, 2)
-    metrics = [trainer.train_result(refs) for refs in trainer.submit_updates(minibatches)]
+    metrics = [trainer.train_result(refs) for refs in queued]
     assert metrics == [{"loss/objective": 1.0}, {"loss/objective": 2.0}]
     for w in trainer.workers:
         assert w.trainer.shared == [True]  # the ranks asked for the whole log-probs
