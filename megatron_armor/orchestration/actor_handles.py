@@ -100,9 +100,10 @@ def assign_scores(samples: list[Sample], results: list) -> dict[str, float]:
 
 class ScoredRows:
     """One generation call of :meth:`RolloutActors.submit_scored` with its scoring chained to
-    it: each rollout worker returns its rows and, as a second object, the answers of their
-    samples not already ``scored``; those objects go to the scoring workers as refs, so
-    scoring starts as generation ends, with no round trip through the driver between them.
+    it: each rollout worker returns its rows and, as objects of their own, the answers of their
+    samples not already ``scored`` in one part per scoring worker; scoring worker ``k`` takes
+    part ``k`` of every rollout worker as object refs, so scoring starts as generation ends,
+    with no round trip through the driver and each answer sent once.
     :meth:`rows` waits for the samples, :meth:`score` for their rewards (set in place)."""
 
     def __init__(self, row_refs: list, served: list[list[int]], size: int, score_refs: list,
@@ -110,24 +111,35 @@ class ScoredRows:
         self.row_refs, self.served, self.size = row_refs, served, size
         self.score_refs, self.what = score_refs, what
         self._rows: list | None = None
+        self._parts: list | None = None
 
     def rows(self) -> list[list[Sample]]:
         """``[item][sample]`` in the items' order."""
         if self._rows is None:
             out: list = [None] * self.size
-            for part, rows in zip(self.served, wait(self.row_refs, self.what), strict=True):
+            parts = wait(self.row_refs, self.what)
+            for part, rows in zip(self.served, parts, strict=True):
                 for j, row in zip(part, rows, strict=True):
                     out[j] = row
-            self._rows = out
+            self._rows, self._parts = out, parts
         return self._rows
 
     def score(self) -> dict[str, float]:
-        """Set ``score`` and ``acc`` of the samples that were not ``scored`` (the answers' order:
-        worker by worker, each in its items' and samples' order); the ``reward/*`` stats."""
-        rows = self.rows()
-        results = wait(self.score_refs, "reward scoring")
-        fresh = [s for part in self.served for j in part for s in rows[j] if not s.scored]
-        return assign_scores(fresh, results)
+        """Set ``score`` and ``acc`` of the samples that were not ``scored`` (per rollout worker,
+        its items' and samples' order, the scoring workers' parts one after another); the
+        ``reward/*`` stats."""
+        self.rows()
+        results = wait(self.score_refs, "reward scoring")  # [(scores per rollout worker, stats)]
+        samples, scores = [], []
+        for w, rows in enumerate(self._parts):
+            samples += [s for row in rows for s in row if not s.scored]
+            scores += [sa for per_worker, _ in results for sa in per_worker[w]]
+        stats: dict[str, float] = {}
+        for _, part_stats in results:
+            stats = merge_reward_stats(stats, part_stats)
+        for sample, (score, acc) in zip(samples, scores, strict=True):
+            sample.score, sample.acc = score, acc
+        return stats
 
 
 def merge_reward_stats(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
@@ -410,15 +422,16 @@ class RolloutActors:
             raise ValueError(f"submit_scored: no generation call {method!r}")
         if parts is None:
             parts = shard(list(range(len(items))), len(actors))
+        scorers = len(reward.actors)
         with swapped:
             row_refs, answer_refs, served = [], [], []
             for i, (actor, part) in enumerate(zip(actors, parts, strict=True)):
                 if not part:
                     continue
                 seed = None if params.seed is None else params.seed + i
-                rows, answers = getattr(actor, method).options(num_returns=2).remote(
+                rows, *answers = getattr(actor, method).options(num_returns=1 + scorers).remote(
                     [items[j] for j in part], n, dataclasses.replace(params, seed=seed),
-                    answers_for=reward.verifier,
+                    answers_for=reward.verifier, answer_parts=scorers,
                 )  # fmt: skip
                 row_refs.append(rows)
                 answer_refs.append(answers)
@@ -648,12 +661,12 @@ class RewardActors:
         refs = [a.score.remote(p) for a, p in zip(self.actors, parts, strict=True) if p]
         return assign_scores(samples, wait(refs, "reward scoring"))
 
-    def submit_score(self, answer_refs: list) -> list:
-        """Refs of the scores of the answers behind ``answer_refs`` (one list of answers each,
-        taken one after another), sharded over the workers as :meth:`score` shards; not
-        waited for (:class:`ScoredRows`)."""
-        shards = len(self.actors)
-        return [a.score_shard.remote(k, shards, *answer_refs) for k, a in enumerate(self.actors)]
+    def submit_score(self, answer_refs: list[list]) -> list:
+        """Refs of the scores of ``answer_refs``: per rollout worker, the refs of its answers'
+        parts, one per scoring worker (:func:`~megatron_armor.orchestration.workers.with_answers`);
+        worker ``k`` scores part ``k`` of each. Not waited for (:class:`ScoredRows`)."""
+        return [a.score_parts.remote(*(parts[k] for parts in answer_refs))
+                for k, a in enumerate(self.actors)]  # fmt: skip
 
     def close(self) -> None:
         wait([a.close.remote() for a in self.actors], "reward close", 60.0)

@@ -299,16 +299,19 @@ def to_samples(
     return result
 
 
-def with_answers(rows: list[list[Sample]], verifier: str | None):
-    """``rows``, or with a ``verifier`` ``(rows, answers)``: the :class:`Answer` of each sample
-    not ``scored``, in row order, which a generation call returns as a second object so the
-    scorers get them from the worker without the driver in between
-    (``actor_handles.RolloutActors.submit_scored``)."""
+def with_answers(rows: list[list[Sample]], verifier: str | None, parts: int = 1):
+    """``rows``, or with a ``verifier`` ``(rows, *answer parts)``: the :class:`Answer` of each
+    sample not ``scored``, in row order, split into ``parts`` contiguous parts (one per scoring
+    worker, ``actor_handles.shard``), which a generation call returns as objects of their own
+    so each scoring worker takes its part from the object store, with no driver in between
+    and no answer sent twice (``actor_handles.RolloutActors.submit_scored``)."""
     if verifier is None:
         return rows
+    from megatron_armor.orchestration.actor_handles import shard
     from megatron_armor.reward.scorer import answers_of
 
-    return rows, answers_of([s for row in rows for s in row if not s.scored], verifier)
+    answers = answers_of([s for row in rows for s in row if not s.scored], verifier)
+    return (rows, *shard(answers, parts))
 
 
 def set_remembered_scores(rows: list[list[Sample]], scores: list[list | None]) -> None:
@@ -401,14 +404,21 @@ class RolloutWorker:
             raise ValueError(f"rollout worker {self.index} has no {pool!r} engine pool")
         return engine
 
-    def generate(self, items: list, n: int, params: SamplingParams, answers_for: str | None = None):
+    def generate(
+        self,
+        items: list,
+        n: int,
+        params: SamplingParams,
+        answers_for: str | None = None,
+        answer_parts: int = 1,
+    ):
         """``n`` policy samples per item; with ``answers_for`` (a ``reward.verifier``) also
-        their :class:`~megatron_armor.reward.scorer.Answer` s, for scoring chained to this call
-        (:func:`with_answers`)."""
+        their :class:`~megatron_armor.reward.scorer.Answer` s in ``answer_parts`` parts, for
+        scoring chained to this call (:func:`with_answers`)."""
         with nvtx_range("rollout/policy"), self.clock.measure():
             outputs = self.engine.generate([it.prompt_ids for it in items], n, params, "policy")
         return with_answers(to_samples(items, outputs, SampleSource.POLICY, self.tokenizer),
-                            answers_for)  # fmt: skip
+                            answers_for, answer_parts)  # fmt: skip
 
     def generate_raw(
         self, prompts: list[list[int]], n: int, params: SamplingParams, weights: str = "policy"
@@ -417,11 +427,16 @@ class RolloutWorker:
         return self.engine.generate(prompts, n, params, weights)
 
     def sample_reference(
-        self, items: list, n: int, params: SamplingParams, answers_for: str | None = None
+        self,
+        items: list,
+        n: int,
+        params: SamplingParams,
+        answers_for: str | None = None,
+        answer_parts: int = 1,
     ):
         """``n`` reference samples per item, in generation order (fresh or cached); cached
         samples whose reward the cache remembers come back ``scored``. ``answers_for``: as in
-        :meth:`generate` (answers of the samples not ``scored``)."""
+        :meth:`generate` (answers of the samples not ``scored``), ``answer_parts`` likewise."""
         query_ids = [it.query_id for it in items]
         with nvtx_range("rollout/reference"), self.clock.measure():
             outputs = self.reference.sample(query_ids, [it.prompt_ids for it in items], n, params)
@@ -429,7 +444,7 @@ class RolloutWorker:
         remembered = getattr(self.reference, "scores", None)  # the anchor cache
         if remembered is not None:
             set_remembered_scores(samples, remembered(query_ids, n))
-        return with_answers(samples, answers_for)
+        return with_answers(samples, answers_for, answer_parts)
 
     def remember_reference_scores(self, query_ids: list[str], scores: list[list]) -> None:
         """Keep the driver's ``(score, acc)`` of freshly cached reference samples (anchor cache)."""
@@ -613,16 +628,18 @@ class RewardWorker:
         """``[(score, acc)]`` per answer (same order) and the scorer's stats."""
         return self.scorer.score_answers(answers)
 
-    def score_shard(
-        self, index: int, shards: int, *answer_lists: list[Answer]
-    ) -> tuple[list[tuple[float, bool]], dict[str, float]]:
-        """:meth:`score` of shard ``index`` of ``shards`` (``actor_handles.shard``) of the
-        answers of ``answer_lists`` one after another: the rollout workers' answers of one
-        generation call, passed as object refs that Ray resolves here."""
-        from megatron_armor.orchestration.actor_handles import shard
-
-        answers = [a for answers in answer_lists for a in answers]
-        return self.scorer.score_answers(shard(answers, shards)[index])
+    def score_parts(
+        self, *answer_parts: list[Answer]
+    ) -> tuple[list[list[tuple[float, bool]]], dict[str, float]]:
+        """:meth:`score` of this worker's part of each rollout worker's answers of one
+        generation call (object refs that Ray resolves here; :func:`with_answers`), scored in
+        one batch: ``[(score, acc)]`` per part, in order, and the scorer's stats."""
+        scored, stats = self.scorer.score_answers([a for part in answer_parts for a in part])
+        out, start = [], 0
+        for part in answer_parts:
+            out.append(scored[start : start + len(part)])
+            start += len(part)
+        return out, stats
 
     def close(self) -> None:
         self.scorer.close()

@@ -12,7 +12,7 @@ import pytest
 
 from megatron_armor.data.dataset import PromptItem
 from megatron_armor.orchestration import actor_handles
-from megatron_armor.orchestration.actor_handles import RolloutActors, query_worker
+from megatron_armor.orchestration.actor_handles import RolloutActors, query_worker, shard
 from megatron_armor.orchestration.workers import ComputeClock, RolloutWorker
 from megatron_armor.rollout.protocol import GenerationOutput, SamplingParams
 from megatron_armor.rollout.reference import CachedReferenceSampler, ReferenceSampler
@@ -46,7 +46,7 @@ class Remote:
     def __getattr__(self, name):
         method = getattr(self.target, name)
         call = type("Method", (), {"remote": staticmethod(method)})
-        call.options = staticmethod(lambda **options: call)  # num_returns=2: the tuple itself
+        call.options = staticmethod(lambda **options: call)  # num_returns: the returned tuple itself
         return call
 
 
@@ -195,10 +195,11 @@ def reward_group(workers: int):
 
 
 def test_scoring_chained_to_a_generation_call_scores_what_the_call_drew(actors):
-    """``submit_scored``: the rows of the plain call (same workers, parts and seeds); the
-    answers of the samples not already scored go, worker by worker, to every scoring worker,
-    each of which scores its shard of them; the scores land on the right samples, and a cached
-    anchor keeps its remembered score without being sent. The same for policy samples."""
+    """``submit_scored``: the rows of the plain call (same workers, parts and seeds); each
+    rollout worker splits the answers of its samples not already scored into one part per
+    scoring worker, which scores its part of every rollout worker's answers; the scores land
+    on the right samples, and a cached anchor keeps its remembered score without being sent.
+    The same for policy samples."""
     plain = rollout_group()
     reward, scorers = reward_group(2)
     for group in (actors, plain):  # the same cache in both: q0-q3 drawn, scored, remembered
@@ -216,10 +217,14 @@ def test_scoring_chained_to_a_generation_call_scores_what_the_call_drew(actors):
                         for row in rows]  # fmt: skip
     assert key(chained) == key(expected)
     assert stats == {"reward/n": 8.0} and len(fresh) == 8  # 4 fresh queries x 2
-    served = [j for part in actors.reference_parts(mixed) for j in part]  # worker by worker
-    sent = [s.response_text for j in served for s in chained[j] if not s.scored]
-    assert [t for sc in scorers for t in sc.given[-1]] == sent  # two shards, in order
-    assert [len(sc.given[-1]) for sc in scorers] == [4, 4]
+    # each rollout worker splits its fresh answers in two; scorer k gets part k of each, once
+    fresh_by_worker = [
+        [s.response_text for j in part for s in chained[j] if not s.scored]
+        for part in actors.reference_parts(mixed) if part
+    ]  # fmt: skip
+    for k, scorer in enumerate(scorers):
+        assert scorer.given[-1] == [t for texts in fresh_by_worker for t in shard(texts, 2)[k]]
+    assert sum(len(sc.given[-1]) for sc in scorers) == 8  # every fresh answer, once
 
     for group in (actors, plain):
         group.policy_actors = group.actors
