@@ -404,14 +404,8 @@ class RolloutWorker:
             raise ValueError(f"rollout worker {self.index} has no {pool!r} engine pool")
         return engine
 
-    def generate(
-        self,
-        items: list,
-        n: int,
-        params: SamplingParams,
-        answers_for: str | None = None,
-        answer_parts: int = 1,
-    ):
+    def generate(self, items: list, n: int, params: SamplingParams,
+                 answers_for: str | None = None, answer_parts: int = 1):  # fmt: skip
         """``n`` policy samples per item; with ``answers_for`` (a ``reward.verifier``) also
         their :class:`~megatron_armor.reward.scorer.Answer` s in ``answer_parts`` parts, for
         scoring chained to this call (:func:`with_answers`)."""
@@ -426,14 +420,8 @@ class RolloutWorker:
         """Engine outputs as they are (used by validation through ``RemoteEngine``)."""
         return self.engine.generate(prompts, n, params, weights)
 
-    def sample_reference(
-        self,
-        items: list,
-        n: int,
-        params: SamplingParams,
-        answers_for: str | None = None,
-        answer_parts: int = 1,
-    ):
+    def sample_reference(self, items: list, n: int, params: SamplingParams,
+                         answers_for: str | None = None, answer_parts: int = 1):  # fmt: skip
         """``n`` reference samples per item, in generation order (fresh or cached); cached
         samples whose reward the cache remembers come back ``scored``. ``answers_for``: as in
         :meth:`generate` (answers of the samples not ``scored``), ``answer_parts`` likewise."""

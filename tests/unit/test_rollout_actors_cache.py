@@ -46,7 +46,9 @@ class Remote:
     def __getattr__(self, name):
         method = getattr(self.target, name)
         call = type("Method", (), {"remote": staticmethod(method)})
-        call.options = staticmethod(lambda **options: call)  # num_returns: the returned tuple itself
+        call.options = staticmethod(
+            lambda **options: call
+        )  # num_returns: the returned tuple itself
         return call
 
 
