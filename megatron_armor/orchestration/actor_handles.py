@@ -71,6 +71,13 @@ def query_worker(query_id: str, workers: int) -> int:
     return int.from_bytes(digest, "big") % workers
 
 
+def worker_params(params: SamplingParams, worker: int) -> SamplingParams:
+    """``params`` for rollout worker ``worker`` of a fanned-out call: seed ``params.seed +
+    worker`` (unseeded stays unseeded)."""
+    seed = None if params.seed is None else params.seed + worker
+    return dataclasses.replace(params, seed=seed)
+
+
 def _scatter(actors: list, parts: list[list[int]], items: list, call, what: str) -> list:
     """``call(i, actor, [items of part i])`` on every worker with a non-empty part (the ref of
     one row per item), waited on; the rows back in ``items`` order."""
@@ -86,16 +93,15 @@ def _scatter(actors: list, parts: list[list[int]], items: list, call, what: str)
     return out
 
 
-def assign_scores(samples: list[Sample], results: list) -> dict[str, float]:
-    """Write the scorers' ``[(score, acc)]`` (``results``: one ``(scored, stats)`` per scoring
-    worker, in shard order) into ``samples`` in order; returns the merged stats."""
-    flat = [sa for scored, _ in results for sa in scored]
-    for sample, (score, acc) in zip(samples, flat, strict=True):
+def assign_scores(samples: list[Sample], scores: list, stats: list[dict]) -> dict[str, float]:
+    """Write ``scores`` (``[(score, acc)]``, one per sample) into ``samples`` in order; returns
+    the scoring workers' ``stats`` merged."""
+    for sample, (score, acc) in zip(samples, scores, strict=True):
         sample.score, sample.acc = score, acc
-    stats: dict[str, float] = {}
-    for _, part_stats in results:
-        stats = merge_reward_stats(stats, part_stats)
-    return stats
+    merged: dict[str, float] = {}
+    for part in stats:
+        merged = merge_reward_stats(merged, part)
+    return merged
 
 
 class ScoredRows:
@@ -134,12 +140,7 @@ class ScoredRows:
         for w, rows in enumerate(self._parts):
             samples += [s for row in rows for s in row if not s.scored]
             scores += [sa for per_worker, _ in results for sa in per_worker[w]]
-        stats: dict[str, float] = {}
-        for _, part_stats in results:
-            stats = merge_reward_stats(stats, part_stats)
-        for sample, (score, acc) in zip(samples, scores, strict=True):
-            sample.score, sample.acc = score, acc
-        return stats
+        return assign_scores(samples, scores, [stats for _, stats in results])
 
 
 def merge_reward_stats(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
@@ -386,9 +387,7 @@ class RolloutActors:
             parts = shard(list(range(len(items))), len(actors))
 
         def call(i: int, actor, part: list):
-            seed = None if params.seed is None else params.seed + i
-            params_i = dataclasses.replace(params, seed=seed)
-            return getattr(actor, method).remote(part, *args, params_i, **kwargs)
+            return getattr(actor, method).remote(part, *args, worker_params(params, i), **kwargs)
 
         return _scatter(actors, parts, items, call, f"rollout {method}")
 
@@ -409,10 +408,12 @@ class RolloutActors:
     ) -> ScoredRows:
         """:meth:`generate` (``method="generate"``) or :meth:`sample_reference`
         (``"sample_reference"``) with ``reward``'s scoring chained to it (:class:`ScoredRows`):
-        the same workers, parts and seeds as those calls; nothing is waited for here but, when
-        the reference is swapped into the policy servers around the sampling, the rows."""
+        the same workers, parts and seeds as those calls. Returns once the rows are in (the
+        scoring is under way); with the reference swapped into the policy servers around the
+        sampling, before the policy is swapped back."""
         if method == "generate":
-            actors, parts, swapped = self.policy_actors, None, nullcontext()
+            actors, swapped = self.policy_actors, nullcontext()
+            parts = shard(list(range(len(items))), len(actors))
         elif method == "sample_reference":
             actors, parts = self.reference_actors, self.reference_parts(items)
             swapped = (
@@ -420,17 +421,14 @@ class RolloutActors:
             )
         else:
             raise ValueError(f"submit_scored: no generation call {method!r}")
-        if parts is None:
-            parts = shard(list(range(len(items))), len(actors))
         scorers = len(reward.actors)
         with swapped:
             row_refs, answer_refs, served = [], [], []
             for i, (actor, part) in enumerate(zip(actors, parts, strict=True)):
                 if not part:
                     continue
-                seed = None if params.seed is None else params.seed + i
                 rows, *answers = getattr(actor, method).options(num_returns=1 + scorers).remote(
-                    [items[j] for j in part], n, dataclasses.replace(params, seed=seed),
+                    [items[j] for j in part], n, worker_params(params, i),
                     answers_for=reward.verifier, answer_parts=scorers,
                 )  # fmt: skip
                 row_refs.append(rows)
@@ -438,8 +436,7 @@ class RolloutActors:
                 served.append(part)
             call = ScoredRows(row_refs, served, len(items), reward.submit_score(answer_refs),
                               f"rollout {method}")  # fmt: skip
-            if not isinstance(swapped, nullcontext):
-                call.rows()  # drawn before the policy is swapped back
+            call.rows()
         return call
 
     def compute_seconds(self) -> float:
@@ -659,7 +656,9 @@ class RewardActors:
         workers get each sample's :class:`~megatron_armor.reward.scorer.Answer` only."""
         parts = shard(answers_of(samples, self.verifier), len(self.actors))
         refs = [a.score.remote(p) for a, p in zip(self.actors, parts, strict=True) if p]
-        return assign_scores(samples, wait(refs, "reward scoring"))
+        results = wait(refs, "reward scoring")
+        return assign_scores(samples, [sa for scored, _ in results for sa in scored],
+                             [stats for _, stats in results])  # fmt: skip
 
     def submit_score(self, answer_refs: list[list]) -> list:
         """Refs of the scores of ``answer_refs``: per rollout worker, the refs of its answers'

@@ -157,8 +157,7 @@ def exact_kl_mask(batch: TrainBatch, samples: int, positions: int) -> torch.Tens
     a few evenly spaced on-policy samples — the tokens of the trainer's exact-KL diagnostic.
     ``None`` when the batch has no on-policy response token."""
     bounds = batch.cu_seqlens.tolist()
-    n = batch.num_samples
-    owner = torch.repeat_interleave(torch.arange(n), batch.cu_seqlens.diff().long())
+    n, owner = batch.num_samples, batch.sample_index
     per_sample = lambda flags: torch.zeros(n).index_add_(0, owner, flags.float()) > 0  # noqa: E731
     on_policy = (per_sample(batch.loss_mask != 0) & ~per_sample(batch.is_anchor)).nonzero()
     on_policy = on_policy.squeeze(1).tolist()
