@@ -11,6 +11,8 @@ no EOS), one torch thread for both (``--threads``). Printed, side by side in one
   (``num_return_sequences``) and with 1: ``--reps`` rounds after one warm-up each, every
   round times both, the order swapped each round; min / median / max over rounds of the
   per-round ratio engine / generate;
+- the same for the engine's decode steps through ``DecodeStep`` (the default) vs through the
+  HF forward (``fast_decode=False``): same tokens, same log-probs;
 - bytes/s of ``TorchEngine.update_weights`` from a full HF-named state dict (median).
 
     python benchmarks/bench_rollout.py [--reps 6] [--device cuda] [--like ""] [--hidden 256 ...]
@@ -126,6 +128,18 @@ def compare_generation(engine: TorchEngine, prompts, n: int, args) -> list[float
     )
 
 
+def compare_decode_step(
+    fast: TorchEngine, plain: TorchEngine, prompts, n: int, args
+) -> list[float]:
+    """Per-round tokens/s ratios ``DecodeStep`` / HF-forward decode steps (same samples)."""
+    params = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, seed=0)
+    return interleaved_ratios(
+        lambda: fast.generate(prompts, n, params),
+        lambda: plain.generate(prompts, n, params),
+        args.reps,
+    )
+
+
 def weight_sync_bandwidth(engine: TorchEngine, source: TorchEngine, reps: int) -> tuple[float, int]:
     tensors = source.state_tensors()
     nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
@@ -139,6 +153,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         engine = TorchEngine(build_model(f"{tmp}/a", args, 0), device=args.device, max_batch=256)
+        plain = TorchEngine(engine.model_dir, device=args.device, max_batch=256, fast_decode=False)
         source = TorchEngine(build_model(f"{tmp}/b", args, 1), device=args.device)
         prompts = make_prompts(args)
         n_params = sum(t.numel() for _, t in engine.state_tensors())
@@ -147,6 +162,12 @@ def main() -> None:
         print(f"{'case':<40}{'engine / generate tokens/s (min / median / max)':>50}")
         for n in (args.n, 1):
             ratios = compare_generation(engine, prompts, n, args)
+            label = f"{args.batch} prompts x {n}, {args.new_tokens} new tokens"
+            print(f"{label:<40}{min(ratios):>20.2f} / {statistics.median(ratios):.2f} / "
+                  f"{max(ratios):.2f}")  # fmt: skip
+        print(f"{'case':<40}{'DecodeStep / HF forward tokens/s (min / median / max)':>50}")
+        for n in (args.n, 1):
+            ratios = compare_decode_step(engine, plain, prompts, n, args)
             label = f"{args.batch} prompts x {n}, {args.new_tokens} new tokens"
             print(f"{label:<40}{min(ratios):>20.2f} / {statistics.median(ratios):.2f} / "
                   f"{max(ratios):.2f}")  # fmt: skip

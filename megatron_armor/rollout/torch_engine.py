@@ -12,7 +12,9 @@ that hit a stop token leave the batch. The KV cache of each layer is a buffer gr
 ``kv_block`` tokens at a time (:class:`BufferedKVLayer`): a decode step writes one token's
 keys and values into it, where ``DynamicCache`` concatenates the whole cache again (at the
 tiny config's shape that copy was ~13% of generation time). The attention mask is one
-buffer per chunk (prompt mask, then ones), passed as a view. Seeds: one ``torch.Generator``
+buffer per chunk (prompt mask, then ones), passed as a view. Decode steps of Qwen2 and
+Llama models skip the HF module machinery (:mod:`megatron_armor.rollout.decode_step`: the
+same operations on the same parameters; prefill keeps the HF forward). Seeds: one ``torch.Generator``
 per call, so the same seed, prompts, ``n`` and ``max_batch`` give the same samples on the
 same device.
 
@@ -31,6 +33,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
+from megatron_armor.rollout.decode_step import DecodeStep, decode_step_for
 from megatron_armor.rollout.protocol import GenerationOutput, RolloutEngine, SamplingParams
 from megatron_armor.rollout.sampling import sample_next_tokens, scaled_log_probs
 
@@ -196,9 +199,13 @@ class TorchEngine(RolloutEngine):
         dtype: torch.dtype = torch.float32,
         max_batch: int = 64,
         kv_block: int = 256,
+        fast_decode: bool = True,
     ) -> None:
         """``kv_block``: tokens of KV-cache room added at a time (:class:`BufferedKVLayer`);
-        0 keeps transformers' ``DynamicCache``, which concatenates per decode step."""
+        0 keeps transformers' ``DynamicCache``, which concatenates per decode step.
+        ``fast_decode``: decode steps through :class:`~megatron_armor.rollout.decode_step.DecodeStep`
+        where the model's family has one (prefill always runs the HF forward); ``False`` runs
+        every step through the HF forward."""
         if max_batch < 1:
             raise ValueError(f"rollout.engine_batch_size={max_batch} must be >= 1")
         if kv_block < 0:
@@ -207,6 +214,8 @@ class TorchEngine(RolloutEngine):
         self.device = torch.device(device)
         self.max_batch = max_batch
         self.kv_block = kv_block
+        self.fast_decode = fast_decode
+        self._decode_steps: dict[str, DecodeStep | None] = {}
         self._models: dict[str, PreTrainedModel] = {
             "policy": load_hf_model(model_dir, device, dtype)
         }
@@ -249,6 +258,7 @@ class TorchEngine(RolloutEngine):
             raise ValueError(f"rollout: weights={weights!r} is not one of {WEIGHT_SETS}")
         if weights not in self._models:
             self._models[weights] = copy.deepcopy(self._models["policy"])
+            self._decode_steps.pop(weights, None)
         targets = self._models[weights].state_dict(keep_vars=True)
         with torch.no_grad():
             for name, tensor in named_tensors:
@@ -261,6 +271,7 @@ class TorchEngine(RolloutEngine):
             raise ValueError("rollout: the policy weight set cannot be dropped")
         self._models.pop(weights, None)
         self._versions.pop(weights, None)
+        self._decode_steps.pop(weights, None)
 
     def state_tensors(self, weights: str = "policy") -> list[tuple[str, torch.Tensor]]:
         """Detached ``(name, tensor)`` pairs of weight set ``weights`` (shared storage)."""
@@ -301,6 +312,7 @@ class TorchEngine(RolloutEngine):
             raise RuntimeError("rollout: engine memory is released; call resume_memory() first")
         model = self._model(weights)
         version = self._versions[weights]
+        step = self._decode_step(weights)
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
@@ -308,7 +320,7 @@ class TorchEngine(RolloutEngine):
         results: list[list[GenerationOutput]] = [[] for _ in prompts]
         for start in range(0, len(rows), self.max_batch):
             chunk_prompts = [i for i, _ in rows[start : start + self.max_batch]]
-            outs = self._generate_chunk(model, prompts, chunk_prompts, params, generator)
+            outs = self._generate_chunk(model, step, prompts, chunk_prompts, params, generator)
             for prompt_index, (tokens, logps) in zip(chunk_prompts, outs, strict=True):
                 results[prompt_index].append(self._output(tokens, logps, params, version))
         return results
@@ -332,6 +344,15 @@ class TorchEngine(RolloutEngine):
                 f"call update_weights(..., weights={weights!r}) first"
             )
         return self._models[weights]
+
+    def _decode_step(self, weights: str) -> DecodeStep | None:
+        """The :class:`DecodeStep` of weight set ``weights`` (``None``: decode through the HF
+        forward, with ``fast_decode=False`` or for a model family it does not mirror)."""
+        if not self.fast_decode:
+            return None
+        if weights not in self._decode_steps:
+            self._decode_steps[weights] = decode_step_for(self._models[weights])
+        return self._decode_steps[weights]
 
     def _output(self, tokens, logps, params: SamplingParams, version: int) -> GenerationOutput:
         stops = self.stop_ids.union(params.stop_token_ids)
@@ -362,7 +383,7 @@ class TorchEngine(RolloutEngine):
         return out.logits[:, -1, :]
 
     @torch.inference_mode()
-    def _generate_chunk(self, model, prompts, chunk_prompts, params, generator):
+    def _generate_chunk(self, model, step, prompts, chunk_prompts, params, generator):
         """Decode one chunk; returns per row ``(token_ids, logprobs)`` lists."""
         distinct = sorted(set(chunk_prompts))
         ids, mask, positions = left_pad([prompts[i] for i in distinct], self.pad_id, self.device)
@@ -384,9 +405,11 @@ class TorchEngine(RolloutEngine):
             logits[expand],
         )
         chunk.rows = torch.arange(len(chunk_prompts), device=self.device)
-        return self._decode(model, chunk, logits, params, generator)
+        return self._decode(model, step, chunk, logits, params, generator)
 
-    def _decode(self, model, chunk: _Chunk, logits, params: SamplingParams, generator):
+    def _decode(self, model, step, chunk: _Chunk, logits, params: SamplingParams, generator):
+        """Sample up to ``max_new_tokens`` per row from the prefill's ``logits``; each further
+        token goes through ``step`` (a :class:`DecodeStep`) or, when ``None``, the HF forward."""
         num_rows = chunk.rows.numel()
         tokens = torch.zeros(
             (num_rows, params.max_new_tokens), dtype=torch.long, device=self.device
@@ -396,12 +419,12 @@ class TorchEngine(RolloutEngine):
         )
         lengths = torch.zeros(num_rows, dtype=torch.long, device=self.device)
         stops = torch.tensor(sorted(self.stop_ids.union(params.stop_token_ids)), device=self.device)
-        for step in range(params.max_new_tokens):
+        for t in range(params.max_new_tokens):
             next_tokens, next_logps = sample_next_tokens(logits, params, generator)
-            tokens[chunk.rows, step], logps[chunk.rows, step] = next_tokens, next_logps
-            lengths[chunk.rows] = step + 1
+            tokens[chunk.rows, t], logps[chunk.rows, t] = next_tokens, next_logps
+            lengths[chunk.rows] = t + 1
             live = ~torch.isin(next_tokens, stops)
-            if step + 1 == params.max_new_tokens or not bool(live.any()):
+            if t + 1 == params.max_new_tokens or not bool(live.any()):
                 break
             if not bool(live.all()):
                 keep = live.nonzero().squeeze(-1)
@@ -413,9 +436,11 @@ class TorchEngine(RolloutEngine):
                 )
                 next_tokens = next_tokens[keep]
             chunk.width += 1
-            logits = self._forward(
-                model, next_tokens.unsqueeze(-1), chunk, chunk.positions.unsqueeze(-1)
-            )
+            ids, positions = next_tokens.unsqueeze(-1), chunk.positions.unsqueeze(-1)
+            if step is None:
+                logits = self._forward(model, ids, chunk, positions)
+            else:
+                logits = step(ids, chunk.mask[:, : chunk.width], positions, chunk.cache)
             chunk.positions = chunk.positions + 1
         lengths_list, tokens_list, logps_list = lengths.tolist(), tokens.tolist(), logps.tolist()
         return [
