@@ -13,8 +13,9 @@ ARMOR, ``ref_n = 4``) with the same ``B``. Four sets (``--set``):
   with ``rollout.reference_first=false``).
 - ``order``: ``dapo``, ``armor-policyfirst`` (``rollout.reference_first=false``),
   ``armor-reffirst`` (``true``: the reference samples first, policy samples only for the
-  queries the reference solved) and ``armor`` (the default ``auto``: each step's order from
-  the shares of the step before).
+  queries the reference solved), ``armor`` (the default ``auto``: each step's order from
+  the shares of the step before) and ``armor-noprefetch`` (``auto`` with
+  ``rollout.prefetch_reference=false``: no reference call drawn while the trainer works).
 - ``overlap``: ``dapo``, ``armor`` and ``armor-parts2`` (``rollout.reference_parts=2``).
 
 ARMOR variants without an order in their name run the default ``rollout.reference_first:
@@ -27,7 +28,9 @@ ranks and the engine spent in model compute, measured inside the actors (trainer
 and update calls, engine generation; ``workers.ComputeClock``). Printed: min / median / max
 over rounds of each variant's ratio to DAPO in the same round — step time, generated tokens
 per kept query, step time per generated token — and of the share of step time outside model
-compute (Ray round trips, serialization, scoring, batching, weight sync).
+compute (Ray round trips, serialization, scoring, batching, weight sync): the step time less
+the union of the actors' compute intervals within it, so compute that overlaps (the next
+step's reference samples drawn while the trainer works) counts once.
 
     python benchmarks/bench_step.py [--set fresh|cache|order|overlap] [--rounds 4] [key=value ...]
 """
@@ -65,6 +68,7 @@ SETS = {
         "armor-policyfirst": [*ARMOR, POLICY_FIRST],
         "armor-reffirst": [*ARMOR, REFERENCE_FIRST],
         "armor": ARMOR,
+        "armor-noprefetch": [*ARMOR, "rollout.prefetch_reference=false"],
     },
     "overlap": {
         "dapo": DAPO,
@@ -95,20 +99,39 @@ def load_variant(name: str, overrides: list[str], train_file: Path, args, out: P
     ])  # fmt: skip
 
 
+def covered(intervals: list[tuple[float, float]], start: float, end: float) -> float:
+    """Seconds of ``[start, end]`` inside at least one of ``intervals`` (their union)."""
+    total, reach = 0.0, start
+    for a, b in sorted(intervals):
+        a, b = max(a, reach), min(b, end)
+        if b > a:
+            total += b - a
+            reach = b
+    return total
+
+
 def timed_step(session, rollout, step: int) -> dict[str, float]:
-    """One step of the loop; its seconds, generated tokens and actor-side compute seconds."""
+    """One step of the loop; its seconds, generated tokens and actor-side compute seconds:
+    the union of the actors' compute intervals within the step, so the engine's work under
+    the trainer's (the next step's reference samples drawn while the trainer works,
+    ``rollout.prefetch_reference``) counts once; ``engine_compute_s`` is the engine's compute
+    outside the trainer's, ``engine_overlap_s`` the rest."""
     from megatron_armor.orchestration.loop import run_step
 
-    session.trainer.compute_seconds(), session.rollout.compute_seconds()  # reset the clocks
+    session.trainer.compute_intervals(), session.rollout.compute_intervals()  # reset the clocks
     session.timers.pop_metrics()
-    start = time.perf_counter()
+    start = time.monotonic()
     metrics = run_step(session, rollout, step)
-    seconds = time.perf_counter() - start
-    train_s, engine_s = session.trainer.compute_seconds(), session.rollout.compute_seconds()
+    end = time.monotonic()
+    train, engine = session.trainer.compute_intervals(), session.rollout.compute_intervals()
+    train_s, compute_s = covered(train, start, end), covered(train + engine, start, end)
+    engine_s = compute_s - train_s
     phases = {k[len("timing/") : -2]: v for k, v in session.timers.pop_metrics().items()}
-    return {"step_s": seconds, "tokens": metrics["rollout/generated_tokens"],
-            "kept": metrics["anchor/kept"], "compute_s": train_s + engine_s,
+    return {"step_s": end - start, "tokens": metrics["rollout/generated_tokens"],
+            "kept": metrics["anchor/kept"], "compute_s": compute_s,
             "train_compute_s": train_s, "engine_compute_s": engine_s,
+            "engine_overlap_s": covered(engine, start, end) - engine_s,
+            "prefetched": metrics.get("perf/reference_prefetched", 0.0),
             "cache_hits": metrics.get("anchor/cache_hits", 0.0),
             "cache_misses": metrics.get("anchor/cache_misses", 0.0),
             "gen_batches": metrics["anchor/gen_batches"],
@@ -160,6 +183,7 @@ def run_rounds(configs: dict, rounds: int) -> dict[str, list[dict[str, float]]]:
                 print(f"round {r + 1} {name}: {rec['step_s']:.2f}s, {rec['tokens']:.0f} tokens, "
                       f"compute {rec['compute_s']:.2f}s ({outside:.1%} outside), "
                       f"{'reference first, ' if rec['reference_first'] else ''}"
+                      f"{'its first reference call prefetched, ' if rec['prefetched'] else ''}"
                       f"{rec['gen_batches']:.0f} generation "
                       f"batches, {rec['queries_seen']:.0f} queries seen, "
                       f"{rec['no_ref_correct']:.0f} rejected without a correct reference "
@@ -204,7 +228,8 @@ PHASES = ("rollout", "generate", "score", "logprobs", "train", "sync")
 def breakdown(rec: dict[str, float]) -> dict[str, float]:
     """One step's seconds by where they went: model compute inside the actors (engine,
     trainer), the loop's phases less that compute, and the driver's rest."""
-    out = {"engine compute": rec["engine_compute_s"], "trainer compute": rec["train_compute_s"]}
+    out = {"engine compute": rec["engine_compute_s"], "trainer compute": rec["train_compute_s"],
+           "engine under trainer compute": rec["engine_overlap_s"]}  # fmt: skip
     out["rollout outside compute"] = rec.get("phase_rollout", 0.0) - rec["engine_compute_s"]
     out["score (in rollout)"] = rec.get("phase_score", 0.0)
     trainer_phases = rec.get("phase_logprobs", 0.0) + rec.get("phase_train", 0.0)

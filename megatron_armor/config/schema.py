@@ -194,6 +194,12 @@ class RolloutConfig:
     ``false``: policy samples first. ``auto``: each step the order that rule picks from the
     rejection shares of the step before (policy first at the first step, and always where
     ``true`` does not apply). Same rules, same distribution of groups in every order."""
+    prefetch_reference: bool = True
+    """When the next step will draw the reference first, send its first generation batch's
+    reference call while the trainer works on this step (the same queries, seed and
+    reference weights, so the same samples; not before a reference reset, with the anchor
+    cache, ``colocated`` or a reference swapped into the policy servers by the driver).
+    ``false``: every reference call in its own step's rollout."""
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     """SGLang settings (``backend: sglang``)."""
 

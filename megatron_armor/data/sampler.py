@@ -54,6 +54,14 @@ class ResumableSampler:
                 self._order = self._epoch_order(self.epoch)
         return out
 
+    def peek(self, k: int) -> list[int]:
+        """The ``k`` indices :meth:`next_indices` would return next, without advancing."""
+        saved = (self.epoch, self.position, self._order)
+        try:
+            return self.next_indices(k)
+        finally:
+            self.epoch, self.position, self._order = saved
+
     def state_dict(self) -> dict[str, Any]:
         """``{num_items, seed, shuffle, epoch, position}`` (plain ints/bools)."""
         return {

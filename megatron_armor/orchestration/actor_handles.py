@@ -217,9 +217,10 @@ class TrainerActors:
         if self.profiling:
             wait([a.profile_end.remote(step) for a in self.actors], "profiler end")
 
-    def compute_seconds(self) -> float:
-        """Seconds the slowest rank spent in model compute since the last call."""
-        return max(wait([a.compute_seconds.remote() for a in self.actors], "compute seconds"))
+    def compute_intervals(self) -> list[tuple[float, float]]:
+        """Every rank's model-compute intervals since the last call (:class:`ComputeClock`)."""
+        per_rank = wait([a.compute_intervals.remote() for a in self.actors], "compute intervals")
+        return [interval for intervals in per_rank for interval in intervals]
 
     def offload_train_state(self) -> None:
         """Optimizer state to CPU, gradient buffers freed until the next update."""
@@ -404,17 +405,28 @@ class RolloutActors:
         return parts
 
     def submit_scored(
-        self, method: str, items: list, n: int, params: SamplingParams, reward: RewardActors
+        self,
+        method: str,
+        items: list,
+        n: int,
+        params: SamplingParams,
+        reward: RewardActors,
+        wait_rows: bool = True,
     ) -> ScoredRows:
         """:meth:`generate` (``method="generate"``) or :meth:`sample_reference`
         (``"sample_reference"``) with ``reward``'s scoring chained to it (:class:`ScoredRows`):
         the same workers, parts and seeds as those calls. Returns once the rows are in (the
         scoring is under way); with the reference swapped into the policy servers around the
-        sampling, before the policy is swapped back."""
+        sampling, before the policy is swapped back. ``wait_rows=False`` returns as soon as
+        the calls are sent (an error where the reference is swapped into the policy servers:
+        the policy must not go back before the rows are in)."""
         if method == "generate":
             actors, swapped = self.policy_actors, nullcontext()
             parts = shard(list(range(len(items))), len(actors))
         elif method == "sample_reference":
+            if not wait_rows and self.weight_sync and self.weight_sync.swaps_into_policy_servers():
+                raise ValueError("submit_scored: the reference is swapped into the policy "
+                                 "servers around this call; it must wait for its rows")  # fmt: skip
             actors, parts = self.reference_actors, self.reference_parts(items)
             swapped = (
                 self.weight_sync.reference_swapped(items, n) if self.weight_sync else nullcontext()
@@ -436,12 +448,15 @@ class RolloutActors:
                 served.append(part)
             call = ScoredRows(row_refs, served, len(items), reward.submit_score(answer_refs),
                               f"rollout {method}")  # fmt: skip
-            call.rows()
+            if wait_rows:
+                call.rows()
         return call
 
-    def compute_seconds(self) -> float:
-        """Seconds the busiest worker spent generating since the last call."""
-        return max(wait([a.compute_seconds.remote() for a in self.actors], "compute seconds"))
+    def compute_intervals(self) -> list[tuple[float, float]]:
+        """Every worker's generation intervals since the last call (:class:`ComputeClock`)."""
+        per_worker = wait([a.compute_intervals.remote() for a in self.actors],
+                          "compute intervals")  # fmt: skip
+        return [interval for intervals in per_worker for interval in intervals]
 
     def generate(self, items: list, n: int, params: SamplingParams) -> list[list[Sample]]:
         """``n`` policy samples per prompt item, ``[len(items)][n]``."""

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -54,6 +55,8 @@ from megatron_armor.observability.timers import PhaseTimers
 from megatron_armor.orchestration.actor_handles import merge_reward_stats, shard
 from megatron_armor.rollout.protocol import SamplingParams
 from megatron_armor.types import Group, Sample
+
+log = logging.getLogger(__name__)
 
 MAX_PART_THREADS = 16
 """Reference parts of a generation batch in flight at once (driver threads waiting on Ray)."""
@@ -85,6 +88,9 @@ class RolloutResult:
     """Response tokens generated this step (policy + reference, fresh or cached)."""
     reference_first: bool = False
     """Whether this step drew the reference samples first (``rollout.reference_first``)."""
+    reference_prefetched: bool = False
+    """Whether its first batch's reference samples were drawn during the step before
+    (:meth:`AnchorRollout.prefetch`)."""
 
 
 def followup_size(gen_batch: int, need: int, accepted: int, seen: int) -> int:
@@ -120,18 +126,40 @@ def reference_parts(query_ids: list[str], parts: int) -> list[list[int]]:
     return slices
 
 
-def overlap_parts(config) -> int:
-    """``rollout.reference_parts``, or 1 where the driver swaps the reference weights into the
-    SGLang policy servers around each reference call (``ref_strategy: swap`` without a
-    reference pool, ``orchestration/weight_sync.py``): concurrent calls would interleave
-    the swaps."""
+def driver_swaps(config) -> bool:
+    """Whether the driver swaps the reference weights into the SGLang policy servers around
+    each reference call (``ref_strategy: swap`` without a reference pool,
+    ``orchestration/weight_sync.py``)."""
     from megatron_armor.rollout.backends import backend_of
     from megatron_armor.rollout.reference import reference_strategy
     from megatron_armor.rollout.sglang.pools import uses_ref_pool
 
     served = reference_strategy(config.rollout.ref_strategy, config.algo.anchor_source)
-    driver_swaps = backend_of(config).serves_over_http and served.swaps_into_policy
-    return 1 if driver_swaps and not uses_ref_pool(config) else config.rollout.reference_parts
+    swaps = backend_of(config).serves_over_http and served.swaps_into_policy
+    return swaps and not uses_ref_pool(config)
+
+
+def overlap_parts(config) -> int:
+    """``rollout.reference_parts``, or 1 where the driver swaps the reference weights into the
+    policy servers (:func:`driver_swaps`): concurrent calls would interleave the swaps."""
+    return 1 if driver_swaps(config) else config.rollout.reference_parts
+
+
+def prefetches_reference(config) -> bool:
+    """``rollout.prefetch_reference`` where it applies: an order that can draw the reference
+    first (rule (b): ``armor`` / ``filter_only``; ``reference_first`` not ``false``; one
+    reference part), fresh anchors (the anchor cache decides per query what it generates),
+    engines that keep serving while the trainer works (not ``colocated``) and a reference
+    call the driver need not wrap in a weight swap (:func:`driver_swaps`)."""
+    return bool(
+        config.rollout.prefetch_reference
+        and get_anchor_mode(config.algo.anchor).needs_reference_correct
+        and reference_order(config.rollout.reference_first) is not False
+        and overlap_parts(config) == 1
+        and not caches_anchors(config)
+        and config.orchestration.layout != "colocated"
+        and not driver_swaps(config)
+    )
 
 
 def caches_anchors(config) -> bool:
@@ -236,6 +264,8 @@ class AnchorRollout:
         if self.parts != 1 and order == "auto":  # the parts overlap the policy-first order
             self.reference_first = False
         self.previous: dict[str, Any] = {}
+        self.prefetches = prefetches_reference(config) and self.reference_first is not False
+        self._prefetched: tuple | None = None
         s = config.rollout.sampling
         self.params = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
                                      max_new_tokens=s.max_new_tokens)  # fmt: skip
@@ -343,14 +373,16 @@ class AnchorRollout:
             self.rollout.remember_reference_scores(items, drawn)
         return stats
 
-    def _reference_first(self, items: list, verdicts: list, step: int, batch: int):
+    def _reference_first(self, items: list, verdicts: list, step: int, batch: int, ready=None):
         """``rollout.reference_first``: reference samples of the items without a verdict
         (``verdicts[i] is None``), scored; an item none of whose samples is correct gets them
         as its verdict (rejected by rule (b)); then policy samples, scored, for the others.
-        Returns ``(policy, reference, stats)`` of the items still without a verdict, in order."""
+        ``ready``: the ``(rows, stats)`` of the reference call, drawn already by
+        :meth:`prefetch`. Returns ``(policy, reference, stats)`` of the items still without a
+        verdict, in order."""
         live = [i for i, v in enumerate(verdicts) if v is None]
         params = self._params(step, batch, reference_role(0))
-        drawn, stats = self._draw_reference([items[i] for i in live], params)
+        drawn, stats = ready or self._draw_reference([items[i] for i in live], params)
         reference = []
         for i, row in zip(live, drawn, strict=True):
             if any(s.acc for s in row):
@@ -414,11 +446,56 @@ class AnchorRollout:
             return self.reference_first
         return prefers_reference_first(self.previous, self._n_on(), self.algo.ref_n)
 
+    def prefetch(self, step: int, result: RolloutResult) -> bool:
+        """Send the first reference call of step ``step + 1`` now, while the trainer works on
+        step ``step`` (``result``), when that step will draw the reference first
+        (``rollout.prefetch_reference``, :func:`prefetches_reference`). The call is the one
+        :meth:`collect` would make: the same queries (the sampler's next ``rollout.gen_batch``,
+        read without advancing it), the same seed (``derive_seed(run.seed, step + 1, 0,
+        "reference")``) and the same reference weights — the caller sends it only when no
+        reference reset comes between — so it draws the same samples, and a resumed run,
+        which draws them itself, stays exact. :meth:`collect` of step ``step + 1`` takes it
+        when its first batch is that call (``perf/reference_prefetched``); otherwise it is
+        left unused. Returns whether it was sent."""
+        self._prefetched = None
+        if not self.prefetches:
+            return False
+        if self.reference_first == "auto":
+            upcoming = {**result.stats.as_metrics(),
+                        "anchor/reference_first": float(result.reference_first)}  # fmt: skip
+            if not prefers_reference_first(upcoming, self._n_on(), self.algo.ref_n):
+                return False
+        size = followup_size(self.rollout_cfg.gen_batch, self.rollout_cfg.batch, 0, 0)
+        items = [self.dataset[i] for i in self.sampler.peek(size)]
+        params = self._params(step + 1, 0, reference_role(0))
+        call = self.rollout.submit_scored("sample_reference", items, self.algo.ref_n, params,
+                                          self.reward, wait_rows=False)  # fmt: skip
+        self._prefetched = (step + 1, items, call)
+        return True
+
+    def _prefetched_rows(self, pending: tuple | None, step: int, items: list):
+        """The ``(rows, stats)`` of :meth:`prefetch`'s call ``pending`` when it is the
+        reference call of this step's first batch (same step, same queries: without the
+        anchor cache every query of the batch is live), else ``None`` (it is left unused)."""
+        if pending is None or pending[:2] != (step, items):
+            return None
+        call = pending[2]
+        try:
+            with self.timers.phase("generate"), nvtx_range("rollout/reference"):
+                rows = call.rows()
+            with self.timers.phase("score"):
+                return rows, call.score()
+        except Exception as err:  # e.g. a server died since: draw it again, same seed
+            log.warning("step %d: the reference call sent during the step before failed (%s); "
+                        "drawing it again", step, err)  # fmt: skip
+            return None
+
     def collect(self, step: int) -> RolloutResult:
         """Draw generation batches until ``rollout.batch`` groups are accepted; keep the first ``B``."""
         need = self.rollout_cfg.batch
         result = RolloutResult(groups=[], stats=AcceptanceStats())
         result.reference_first = self.step_reference_first()
+        pending, self._prefetched = self._prefetched, None
         for gen_batch in range(self.algo.max_gen_batches):
             size = followup_size(self.rollout_cfg.gen_batch, need, result.stats.accepted,
                                  result.stats.queries_seen)  # fmt: skip
@@ -428,7 +505,10 @@ class AnchorRollout:
             if not live:
                 policy, reference, stats = [], [], {}
             elif result.reference_first:
-                policy, reference, stats = self._reference_first(items, verdicts, step, gen_batch)
+                ready = self._prefetched_rows(pending, step, items) if gen_batch == 0 else None
+                result.reference_prefetched |= ready is not None
+                policy, reference, stats = self._reference_first(items, verdicts, step,
+                                                                 gen_batch, ready)  # fmt: skip
             else:
                 policy, reference, stats = self._generate(live, step, gen_batch)
             result.reward_stats = merge_reward_stats(result.reward_stats, stats)

@@ -160,6 +160,8 @@ def run_step(s: Session, rollout: AnchorRollout, step: int) -> dict[str, float]:
         s.rollout.release_memory()
     with s.timers.phase("logprobs"):
         logprobs = submit_logprobs(s, batch, step)
+    if step < s.config.run.steps and not s.schedule.should_reset(step):
+        rollout.prefetch(step, result)  # before the weight push queued on the engines
     with s.timers.phase("train"):
         updates = submit_minibatches(s, result.groups, step)  # queued behind the log-probs
     write_anchor_file(s.run_dir, step, result)  # while the ranks work

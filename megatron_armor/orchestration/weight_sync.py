@@ -82,6 +82,11 @@ class WeightSync:
         finally:
             self.push(self.versions["policy"], "policy", "policy")
 
+    def swaps_into_policy_servers(self) -> bool:
+        """Whether :meth:`reference_swapped` loads the reference into the policy servers (the
+        driver must then wait for a reference call before the policy goes back)."""
+        return self._swaps()
+
     def _swaps(self) -> bool:
         if not self.anchors or self.rollout.has_ref_pool:
             return False
@@ -202,6 +207,9 @@ class InProcessSync(WeightSync):
 
     def reference_swapped(self, items: list, n: int):
         return contextlib.nullcontext()  # the worker swaps its own copies in-process
+
+    def swaps_into_policy_servers(self) -> bool:
+        return False
 
     def heal(self) -> int:
         return 0  # the engine lives in the worker's process

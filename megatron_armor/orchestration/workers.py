@@ -11,6 +11,7 @@ Every method takes and returns picklable values (lists of tensors instead of ite
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import gc
 import os
@@ -68,24 +69,29 @@ def freeze_heap() -> None:
 
 
 class ComputeClock:
-    """Wall seconds an actor spent in model compute (trainer forward/backward passes, engine
-    generation) since the last :meth:`pop`: what ``benchmarks/bench_step.py`` sets against
-    the step time to find the share spent outside model compute."""
+    """The intervals an actor spent in model compute (trainer forward/backward passes, engine
+    generation) since the last :meth:`pop`, as ``(start, end)`` of ``time.monotonic()`` (one
+    clock for every process of a node): ``benchmarks/bench_step.py`` takes their union over
+    the actors, so compute that overlaps (the engine drawing while the trainer works) counts
+    once against the step time. The latest :data:`KEPT` intervals are kept between pops."""
+
+    KEPT = 4096
 
     def __init__(self) -> None:
-        self.seconds = 0.0
+        self.intervals: collections.deque = collections.deque(maxlen=self.KEPT)
 
     @contextlib.contextmanager
     def measure(self):
-        start = time.perf_counter()
+        start = time.monotonic()
         try:
             yield
         finally:
-            self.seconds += time.perf_counter() - start
+            self.intervals.append((start, time.monotonic()))
 
-    def pop(self) -> float:
-        seconds, self.seconds = self.seconds, 0.0
-        return seconds
+    def pop(self) -> list[tuple[float, float]]:
+        intervals = list(self.intervals)
+        self.intervals.clear()
+        return intervals
 
 
 def enable_worker_nvtx(config: ArmorConfig) -> None:
@@ -180,8 +186,8 @@ class TrainerWorker:
         freeze_heap()
         return self.rank
 
-    def compute_seconds(self) -> float:
-        """Seconds in the trainer's log-prob and update calls since the last call."""
+    def compute_intervals(self) -> list[tuple[float, float]]:
+        """The trainer's log-prob and update calls since the last call (:class:`ComputeClock`)."""
         return self.clock.pop()
 
     def offload_train_state(self) -> None:
@@ -438,8 +444,8 @@ class RolloutWorker:
         """Keep the driver's ``(score, acc)`` of freshly cached reference samples (anchor cache)."""
         self.reference.remember_scores(query_ids, scores)
 
-    def compute_seconds(self) -> float:
-        """Seconds in engine generation (policy and reference) since the last call."""
+    def compute_intervals(self) -> list[tuple[float, float]]:
+        """Engine generation (policy and reference) since the last call (:class:`ComputeClock`)."""
         return self.clock.pop()
 
     def update_weights(self, version: int, *shards: NamedTensors) -> int:

@@ -64,3 +64,12 @@ def test_resume_with_other_data_or_seed_is_an_error():
 def test_empty_dataset_is_an_error():
     with pytest.raises(ValueError, match="non-empty dataset"):
         ResumableSampler(0, seed=0)
+
+
+def test_peek_returns_the_next_indices_without_advancing():
+    sampler = ResumableSampler(7, seed=3)
+    sampler.next_indices(5)
+    state = sampler.state_dict()
+    ahead = sampler.peek(6)  # crosses into the next epoch
+    assert sampler.state_dict() == state
+    assert ahead == sampler.next_indices(6)

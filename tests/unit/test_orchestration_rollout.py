@@ -73,7 +73,7 @@ class ScriptedRollout:
         return [self._samples(it, n, lambda i, it=it: SCRIPT[it.query_id][1][i], SampleSource.REFERENCE, 10)
                 for it in items]  # fmt: skip
 
-    def submit_scored(self, method, items, n, params, reward):
+    def submit_scored(self, method, items, n, params, reward, wait_rows=True):
         """``RolloutActors.submit_scored`` in-process: the call, then ``reward`` scores the
         samples not already scored when the rows' scores are asked for."""
         return EagerScoredRows(getattr(self, method)(items, n, params), reward)
@@ -640,3 +640,76 @@ def test_no_cached_verdict_without_rule_b_or_without_the_cache():
     assert [c[0] for c in rollout.calls] == ["policy"]
     runner, rollout = make("armor", batch=1, gen_batch=3)
     assert not runner.caches_anchors and runner._cached_verdicts(["x", "y"]) == [False, False]
+
+
+def two_steps(order, prefetch: bool, queries=("q3", "q0", "q3", "q4", "q3", "q5")):
+    """Steps 1 and 2 as the loop runs them (``observe`` the step's line; with ``prefetch``,
+    :meth:`AnchorRollout.prefetch` after step 1's rollout). Returns the runner, the
+    scripted rollout and both results."""
+    runner, rollout = make("armor", batch=2, gen_batch=3, queries=queries, reference_first=order)
+    runner.rollout_cfg.prefetch_reference = prefetch
+    first = runner.collect(step=1)
+    sent = runner.prefetch(1, first) if prefetch else False
+    runner.observe(rollout_metrics(first))
+    return runner, rollout, first, runner.collect(step=2), sent
+
+
+@pytest.mark.parametrize("order", [True, "auto"])
+def test_prefetched_reference_call_is_the_call_the_next_step_makes(order):
+    """Step 2 draws the reference first (``true``, or ``auto`` after step 1's rule (b)
+    rejections): its first batch's reference call, sent after step 1's rollout (while the
+    trainer works), is the same call with the same seed; step 2 makes no call of its own for
+    it and accepts the same groups as without the prefetch, and the sampler is where it
+    would be."""
+    runner, rollout, _, second, sent = two_steps(order, prefetch=True)
+    plain_runner, plain_rollout, _, plain, _ = two_steps(order, prefetch=False)
+    assert sent and second.reference_prefetched and not plain.reference_prefetched
+    assert rollout.calls == plain_rollout.calls  # the same calls, the prefetched one earlier
+    step2 = [c for c in rollout.calls if c[3] in {plain_seed(2, b, r) for b in range(4)
+                                                  for r in ("policy", "reference")}]  # fmt: skip
+    assert step2[0] == ("reference", 3, 3, plain_seed(2, 0, "reference"))
+    assert group_keys(second.groups) == group_keys(plain.groups)
+    assert samples_of(second.groups) == samples_of(plain.groups)
+    assert second.records == plain.records and second.generated_tokens == plain.generated_tokens
+    assert rollout_metrics(second)["perf/reference_prefetched"] == 1.0
+    assert runner.sampler.state_dict() == plain_runner.sampler.state_dict()
+
+
+def test_no_prefetch_when_the_next_step_draws_policy_first_or_the_call_differs():
+    """``auto`` after a step rule (b) did not reject: nothing sent. A prefetched call that is
+    not the next step's first reference call (another step collects next) is left unused:
+    that step draws its own, the same as without the prefetch."""
+    runner, rollout, first, _, sent = two_steps("auto", True, queries=("q0", "q4", "q5"))
+    assert not first.reference_first and not sent
+    runner, rollout = make("armor", batch=2, gen_batch=3, reference_first=True)
+    first = runner.collect(step=1)
+    assert runner.prefetch(1, first)
+    rollout.calls.clear()
+    third = runner.collect(step=3)  # not step 2: the prefetched call is not this step's
+    assert not third.reference_prefetched
+    assert rollout.calls[0] == ("reference", 3, 3, plain_seed(3, 0, "reference"))
+    assert runner._prefetched is None
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"rollout.prefetch_reference": False},
+        {"rollout.reference_first": False},
+        {"algo.anchor": "none"},
+        {"algo.anchor_source": "cache"},
+        {"orchestration.layout": "colocated"},
+        {"rollout.reference_parts": 2},
+        {"rollout.backend": "sglang", "rollout.ref_strategy": "swap"},  # the driver swaps
+    ],
+)
+def test_prefetch_applies_only_where_the_call_is_known_and_the_engines_are_free(change):
+    from megatron_armor.orchestration.anchor_rollout import prefetches_reference
+
+    config = make_config()
+    config.rollout.ref_strategy = "dedicated"
+    assert prefetches_reference(config)
+    for key, value in change.items():
+        section, name = key.split(".")
+        setattr(getattr(config, section), name, value)
+    assert not prefetches_reference(config)
