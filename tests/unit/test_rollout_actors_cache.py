@@ -239,3 +239,26 @@ def test_scoring_chained_to_a_generation_call_scores_what_the_call_drew(actors):
     assert call.score() == {"reward/n": 15.0} and key(call.rows()) == key(expected)
     with pytest.raises(ValueError, match="no generation call 'validate'"):
         actors.submit_scored("validate", items(1), 1, PARAMS, reward)
+
+
+def test_a_call_sent_without_waiting_for_its_rows_gives_the_same_rows_and_scores(actors):
+    """``submit_scored(..., wait_rows=False)`` (the next step's reference call sent while the
+    trainer works): nothing is read back until asked for; then the rows and scores of the
+    waited call. Refused where the driver swaps the reference into the policy servers: the
+    policy must not go back before the rows are in."""
+    plain = rollout_group()
+    reward, _ = reward_group(2)
+    expected = plain.submit_scored("sample_reference", items(0, 4, 2), 2, PARAMS, reward)
+    call = actors.submit_scored("sample_reference", items(0, 4, 2), 2, PARAMS, reward,
+                                wait_rows=False)  # fmt: skip
+    assert call._rows is None
+    key = lambda rows: [[(s.response_ids, s.score, s.acc) for s in row] for row in rows]  # noqa: E731
+    assert call.score() == expected.score() and key(call.rows()) == key(expected.rows())
+
+    class Swapping:
+        def swaps_into_policy_servers(self):
+            return True
+
+    actors.weight_sync = Swapping()
+    with pytest.raises(ValueError, match="swapped into the policy servers"):
+        actors.submit_scored("sample_reference", items(1), 2, PARAMS, reward, wait_rows=False)
