@@ -181,3 +181,25 @@ def test_sglang_backend_with_a_reference_pool_and_a_wedged_server(
         assert [len(list(d.iterdir())) for d in sorted(weights.iterdir())] == [1] * len(pools)
     else:  # streamed by the trainer rank: nothing written
         assert not weights.exists() or not any(weights.rglob("*.safetensors"))
+
+
+@pytest.mark.timeout(900)
+def test_prefetched_reference_calls_draw_what_the_next_step_would(tiny_dir, out_dir):
+    """Fresh anchors, reference first: a step's first reference call is sent while the
+    trainer works on the step before and waited for a step later (real Ray actors and object
+    refs), except right after a reset (steps 1 and 3 here: resets every 2 steps); the run logs
+    the same values as with ``rollout.prefetch_reference=false``."""
+    from megatron_armor.observability.metrics import without_wall_clock
+
+    common = ("rollout.reference_first=true", "validation.every=0", "run.ckpt_every=0")
+    records = {}
+    for prefetch in ("true", "false"):
+        run = Run(out_dir, f"prefetch_{prefetch}", tiny_dir, *common,
+                  f"rollout.prefetch_reference={prefetch}")  # fmt: skip
+        assert run.wait() == 0, run.output()
+        records[prefetch] = [r for r in read_metrics(run.run_dir) if r["step"] >= 1]
+    on, off = records["true"], records["false"]
+    assert [r["anchor/reference_first"] for r in on] == [1.0] * 4
+    assert [r["perf/reference_prefetched"] for r in on] == [0.0, 1.0, 0.0, 1.0]
+    assert [r["perf/reference_prefetched"] for r in off] == [0.0] * 4
+    assert [without_wall_clock(r) for r in on] == [without_wall_clock(r) for r in off]
