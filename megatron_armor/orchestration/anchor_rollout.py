@@ -264,7 +264,7 @@ class AnchorRollout:
         if self.parts != 1 and order == "auto":  # the parts overlap the policy-first order
             self.reference_first = False
         self.previous: dict[str, Any] = {}
-        self.prefetches = prefetches_reference(config) and self.reference_first is not False
+        self.prefetches = prefetches_reference(config)
         self._prefetched: tuple | None = None
         s = config.rollout.sampling
         self.params = SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,

@@ -5,10 +5,10 @@ model, a few dozen rows) the model's arithmetic is small and most of an HF forwa
 machinery around it: keyword plumbing and decorators on every module, the 4-D mask built
 again each step, output dataclasses. :class:`DecodeStep` runs the same operations on the same
 parameters, in the same order, for the decoder families it knows (Qwen2, Llama): per layer
-RMSNorm, the q/k/v projections, rotary embedding (the model's own ``rotary_emb``, so every
-RoPE scaling type it supports), the KV-cache update, PyTorch's scaled-dot-product attention,
-the output projection, RMSNorm and the gated MLP; then the final norm and ``lm_head`` on the
-one position.
+the model's own input norm, the q/k/v projections, rotary embedding (the model's own
+``rotary_emb``, so every RoPE scaling type it supports), the KV-cache update, PyTorch's
+scaled-dot-product attention, the output projection, the post-attention norm and the gated
+MLP; then the final norm and ``lm_head`` on the one position.
 
 Attention follows transformers' SDPA path for one query token: when no column of the chunk
 is padding no mask is passed and grouped-query heads use ``enable_gqa``; otherwise the
@@ -30,14 +30,6 @@ from torch import nn
 
 FAMILIES = {"qwen2": "Qwen2", "llama": "Llama"}
 """``config.model_type`` -> the transformers class prefix whose decode step this mirrors."""
-
-
-def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
-    """``Qwen2RMSNorm`` / ``LlamaRMSNorm``: normalise in fp32, scale in the input's dtype."""
-    dtype = x.dtype
-    x = x.to(torch.float32)
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-    return norm.weight * x.to(dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -106,7 +98,7 @@ class DecodeStep:
         for index, layer in enumerate(body.layers):
             attn, mlp = layer.self_attn, layer.mlp
             dim, groups = attn.head_dim, attn.num_key_value_groups
-            x = _rms_norm(hidden, layer.input_layernorm)
+            x = layer.input_layernorm(hidden)
             q = _linear(x, attn.q_proj).view(rows, 1, -1, dim).transpose(1, 2)
             k = _linear(x, attn.k_proj).view(rows, 1, -1, dim).transpose(1, 2)
             v = _linear(x, attn.v_proj).view(rows, 1, -1, dim).transpose(1, 2)
@@ -123,8 +115,8 @@ class DecodeStep:
                                                      scale=attn.scaling)  # fmt: skip
             out = out.reshape(rows, -1, 1, dim).transpose(1, 2).contiguous().reshape(rows, 1, -1)
             hidden = hidden + _linear(out, attn.o_proj)
-            x = _rms_norm(hidden, layer.post_attention_layernorm)
+            x = layer.post_attention_layernorm(hidden)
             x = F.silu(_linear(x, mlp.gate_proj)) * _linear(x, mlp.up_proj)
             hidden = hidden + _linear(x, mlp.down_proj)
-        hidden = _rms_norm(hidden, body.norm)
+        hidden = body.norm(hidden)
         return _linear(hidden, self.model.lm_head)[:, -1, :]
