@@ -2,7 +2,7 @@
 
 One Ray cluster, one session per variant (each its own Megatron actor, embedded engine and
 scorer), all at the paper's group shape scaled down (``G = 16``: 15 on-policy + 1 anchor for
-ARMOR, ``ref_n = 4``) with the same ``B``. Four sets (``--set``):
+ARMOR, ``ref_n = 4``) with the same ``B``. Five sets (``--set``):
 
 - ``fresh`` (default): ``dapo`` (``anchor=none``, ``ratio=standard``), ``armor`` (fresh
   reference anchors every step), ``filter_only`` (rule (b) without the anchor).
@@ -17,6 +17,11 @@ ARMOR, ``ref_n = 4``) with the same ``B``. Four sets (``--set``):
   the shares of the step before) and ``armor-noprefetch`` (``auto`` with
   ``rollout.prefetch_reference=false``: no reference call drawn while the trainer works).
 - ``overlap``: ``dapo``, ``armor`` and ``armor-parts2`` (``rollout.reference_parts=2``).
+- ``reset``: ``dapo``, ``armor`` (the tiny config's reset every 20 steps) and
+  ``armor-reset1`` (``algo.reset.every=1``, the Qwen3-8B recipe's schedule until step 180:
+  the reference is the policy at every step's log-prob call, so the trainer skips the
+  reference pass, while the reference weights are pushed to the engine every step and no
+  reference call is prefetched).
 
 ARMOR variants without an order in their name run the default ``rollout.reference_first:
 auto``.
@@ -32,7 +37,7 @@ compute (Ray round trips, serialization, scoring, batching, weight sync): the st
 the union of the actors' compute intervals within it, so compute that overlaps (the next
 step's reference samples drawn while the trainer works) counts once.
 
-    python benchmarks/bench_step.py [--set fresh|cache|order|overlap] [--rounds 4] [key=value ...]
+    python benchmarks/bench_step.py [--set fresh|cache|order|overlap|reset] [--rounds 4] [key=value ...]
 """
 
 from __future__ import annotations
@@ -74,6 +79,11 @@ SETS = {
         "dapo": DAPO,
         "armor": ARMOR,
         "armor-parts2": [*ARMOR, "rollout.reference_parts=2"],
+    },
+    "reset": {
+        "dapo": DAPO,
+        "armor": ARMOR,
+        "armor-reset1": [*ARMOR, "algo.reset.every=1"],
     },
 }
 

@@ -50,7 +50,8 @@ class TrainerInterface(ABC):
         ``compute_logprobs(batch, "ref")`` when ``with_ref`` (else ``None``), and ``exact_kl``
         at the tokens flagged by ``kl_mask`` (``[total]``; ``{}`` when ``None``), reusing the
         policy pass for the diagnostic. ``shared``: the whole log-probs on every rank (not only
-        the reporting ranks' parts)."""
+        the reporting ranks' parts). While the reference equals the policy (reset, no update
+        since) ``ref`` is the policy pass's result, bit for bit what a reference pass gives."""
 
     @abstractmethod
     def train_step(self, batch: TrainBatch, num_minibatches: int) -> dict[str, float]:

@@ -30,6 +30,7 @@ from megatron_armor.trainer.schedule import (
     LogprobSettings,
     capture_builder,
     exact_kl_builder,
+    exact_kl_sums,
     global_units,
     logprob_builder,
     logprob_kl_builder,
@@ -112,6 +113,7 @@ class MegatronTrainer(TrainerInterface):
         builder = policy_loss_builder(self.lp, self.loss_settings, normalizer)
         outputs = run_schedule(self.model, mbs, builder, forward_only=False)
         _, grad_norm, _ = self.optimizer.step()
+        self.store.live_changed()  # the reference (if reset since) is no longer the policy
         self.updates += 1
         sums = reduce_metric_sums(outputs)
         objective = sums.pop("loss/objective", 0.0)
@@ -162,7 +164,12 @@ class MegatronTrainer(TrainerInterface):
         rows of those tokens in the policy pass and the reference pass — which then runs only
         over the micro-batches holding such tokens when ``with_ref`` is off. ``{}`` without.
         ``shared``: every rank returns the whole ``old`` / ``ref`` (one all-reduce each), so the
-        step's updates can run on the batch the ranks already hold."""
+        step's updates can run on the batch the ranks already hold.
+
+        While the reference copy equals the live weights (a reset and no update since: under a
+        ``reset: every 1`` schedule, every step) the reference pass would repeat the policy
+        pass bit for bit, so it is not run: ``ref`` is a copy of ``old`` and the exact KLs are
+        taken between the policy pass's rows and themselves (zero, as the pass would give)."""
         enable_cpu_mode()  # per thread (no-op with CUDA)
         mbs = self._micro_batches(batch)
         self.model.eval()
@@ -174,6 +181,8 @@ class MegatronTrainer(TrainerInterface):
             old = self._gather_logprobs(outputs, batch, shared)
             if not with_ref and kl_mask is None:
                 return old, None, {}
+            if with_ref and self.store.matches_live("ref"):
+                return old, None if old is None else old.clone(), self._self_kl(kl_mask, captured)
             keep = [i for i, mb in enumerate(mbs) if with_ref or kl_mask[mb.token_index].any()]
             keep = keep or [0]  # every rank runs the collective schedule
             compare = [captured[i] for i in keep] if captured else []
@@ -185,6 +194,15 @@ class MegatronTrainer(TrainerInterface):
             return old, ref, {}
         kl_outputs = [{k: v for k, v in o.items() if k.startswith("kl/")} for o in ref_outputs]
         return old, ref, exact_kl_means(reduce_metric_sums(kl_outputs))
+
+    def _self_kl(self, kl_mask, captured: list[torch.Tensor]) -> dict[str, float]:
+        """The exact-KL metrics of a reference pass whose rows are the policy pass's own."""
+        if kl_mask is None:
+            return {}
+        dev = parallel.collective_device()
+        return exact_kl_means(
+            reduce_metric_sums([exact_kl_sums(r, r, self.lp, dev) for r in captured])
+        )
 
     def exact_kl(self, batch) -> dict[str, float]:
         """Exact ``KL(policy || ref)`` (``kl/exact_reverse``) and ``KL(ref || policy)``
@@ -240,7 +258,13 @@ class MegatronTrainer(TrainerInterface):
     def load_checkpoint(self, path: str) -> dict:
         enable_cpu_mode()  # per thread (no-op with CUDA)
         self.offloader.restore()
-        return checkpoint.load_trainer(self, path)
+        run_state = checkpoint.load_trainer(self, path)
+        self.store.live_changed()
+        # saved right after a reset, the reference is the policy: found so on every rank, the
+        # step after the resume skips its reference pass as the uninterrupted run does
+        if parallel.all_ranks_agree(self.store.equals_live("ref")):
+            self.store.mark_live("ref")
+        return run_state
 
     def close(self) -> None:
         """Destroy the process groups (the rank can be torn down afterwards)."""

@@ -159,3 +159,12 @@ def collective_device() -> torch.device:
         if torch.cuda.is_available()
         else torch.device("cpu")
     )
+
+
+def all_ranks_agree(flag: bool) -> bool:
+    """``flag`` and-ed over every rank of the world group (one all-reduce)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return flag
+    value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=collective_device())
+    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return bool(value.item())

@@ -4,6 +4,11 @@ A copy holds this rank's shard of every parameter (TP/PP-local, like the live mo
 forward pass under a stored copy, :meth:`WeightStore.swapped` copies it into the live
 parameters and restores the live values afterwards (bit-exact). On a GPU the copies sit in
 pinned memory so the swaps are fast host-to-device copies.
+
+The store also knows which copies equal the live parameters bit for bit: a copy does from its
+:meth:`~WeightStore.snapshot` until the owner reports a write to the live parameters
+(:meth:`~WeightStore.live_changed`: an optimizer update, a checkpoint load). A pass under such
+a copy would repeat the live pass exactly (the reference right after a reset).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ class WeightStore:
     def __init__(self, model: torch.nn.Module):
         self.model = model
         self.copies: dict[str, dict[str, torch.Tensor]] = {}
+        self._live: set[str] = set()  # copies known to equal the live parameters bit for bit
 
     def _params(self) -> dict[str, torch.Tensor]:
         return dict(self.model.named_parameters())
@@ -34,6 +40,7 @@ class WeightStore:
         """Store the live parameters as copy ``name`` (``reset``: ``snapshot("ref")``)."""
         with torch.no_grad():
             self.copies[name] = {k: self._host_copy(p) for k, p in self._params().items()}
+        self._live.add(name)
 
     def has(self, name: str) -> bool:
         return name in self.copies
@@ -50,11 +57,35 @@ class WeightStore:
         if missing:
             raise KeyError(f"weights {name!r} lack parameters {sorted(missing)[:3]}...")
         self.copies[name] = {k: self._host_copy(values[k]) for k in params}
+        self._live.discard(name)
+
+    def live_changed(self) -> None:
+        """The live parameters were written (an update, a load): no copy is known to equal them."""
+        self._live.clear()
+
+    def matches_live(self, name: str) -> bool:
+        """Whether copy ``name`` is known to equal the live parameters bit for bit."""
+        return name in self._live
+
+    def equals_live(self, name: str) -> bool:
+        """Compare copy ``name`` with the live parameters, bit for bit (one read of each)."""
+        stored = self.get(name)
+        with torch.no_grad():
+            return all(
+                torch.equal(p.detach(), stored[k].to(p.device, non_blocking=True))
+                for k, p in self._params().items()
+            )
+
+    def mark_live(self, name: str) -> None:
+        """Record that copy ``name`` equals the live parameters (after :meth:`equals_live`)."""
+        self.get(name)
+        self._live.add(name)
 
     @contextlib.contextmanager
     def swapped(self, name: str) -> Iterator[None]:
-        """Run the block with copy ``name`` in the live parameters (``policy``: no swap)."""
-        if name == "policy":
+        """Run the block with copy ``name`` in the live parameters (``policy``, or a copy that
+        equals them: no swap)."""
+        if name == "policy" or self.matches_live(name):
             yield
             return
         stored, params = self.get(name), self._params()

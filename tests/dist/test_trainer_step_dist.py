@@ -11,6 +11,11 @@ One megatron-core trainer rank (gloo, CPU, padded layout) in a subprocess, bound
   the policy pass) equals ``compute_logprobs`` twice and ``exact_kl`` on the diagnostic's
   own batch, after an update moved the policy away from the reference; with ``with_ref``
   off it returns no reference log-probs but the same diagnostic.
+- Right after a reset the reference pass is not run (no weight swap) and its results are what
+  it would give, bit for bit: reference log-probs equal to the policy's and to a reference
+  pass's, exact KLs of zero with the diagnostic's positions. An update brings the pass back; a
+  checkpoint saved right after a reset skips it again once loaded, one saved after an update
+  does not.
 
 Run as a script (``python this_file.py MODEL_DIR OUT PORT``) it is the trainer rank.
 """
@@ -72,6 +77,44 @@ def step_logprobs_vs_plain(trainer, batch) -> dict:
     }
 
 
+def reference_after_reset(trainer, batch, ckpt_dir: str) -> dict:
+    """``step_logprobs`` and the weight swaps it made: after a reset, after an update, and
+    after loading checkpoints saved at each point; with the plain passes to compare."""
+    from megatron_armor.orchestration.step_metrics import exact_kl_batch, exact_kl_mask
+
+    swaps: list[str] = []
+    swapped = trainer.store.swapped
+
+    def counting(name):
+        swaps.append(name)
+        return swapped(name)
+
+    trainer.store.swapped = counting
+    mask = exact_kl_mask(batch, 3, 4)
+
+    def one_call():
+        swaps.clear()
+        result = trainer.step_logprobs(batch, True, mask)
+        return result, list(swaps)
+
+    out = {}
+    trainer.reset_reference()
+    trainer.save_checkpoint(os.path.join(ckpt_dir, "reset"), {"at": "reset"})
+    out["reset"] = one_call()
+    out["reset_plain"] = (
+        trainer.compute_logprobs(batch, "ref"),
+        trainer.exact_kl(exact_kl_batch(batch, 3, 4)),
+    )
+    trainer.train_step(batch, 1)
+    trainer.save_checkpoint(os.path.join(ckpt_dir, "updated"), {"at": "updated"})
+    out["updated"] = one_call()
+    trainer.load_checkpoint(os.path.join(ckpt_dir, "reset"))
+    out["loaded_reset"] = one_call()
+    trainer.load_checkpoint(os.path.join(ckpt_dir, "updated"))
+    out["loaded_updated"] = one_call()
+    return out
+
+
 def trainer_main(model_dir: str, out: str, port: int) -> None:
     from megatron_armor.config.schema import ArmorConfig
     from megatron_armor.trainer.megatron_trainer import MegatronTrainer
@@ -95,6 +138,7 @@ def trainer_main(model_dir: str, out: str, port: int) -> None:
         }
         trainer.train_step(batch, 1)  # the policy moves away from the reference
         results["step"] = step_logprobs_vs_plain(trainer, batch)
+        results["reset"] = reference_after_reset(trainer, batch, os.path.dirname(out))
         torch.save(results, out)
     finally:
         trainer.close()
@@ -134,6 +178,24 @@ def test_trainer_step_work(tmp_path) -> None:
         assert sorted(got) == sorted(kl)
         for key, value in kl.items():
             assert abs(got[key] - value) <= 1e-5 * max(1.0, abs(value)), key
+    check_reference_after_reset(results["reset"], results["step"]["positions"])
+
+
+def check_reference_after_reset(got: dict, positions: int) -> None:
+    (old, ref, kl), swaps = got["reset"]
+    plain_ref, plain_kl = got["reset_plain"]
+    assert swaps == []  # no reference pass
+    assert torch.equal(ref, old) and torch.equal(ref, plain_ref) and ref is not old
+    assert kl == plain_kl  # what the two passes give, exactly
+    assert kl["kl/exact_positions"] == positions
+    assert all(v == 0.0 for k, v in kl.items() if k != "kl/exact_positions")
+    (old_u, ref_u, kl_u), swaps = got["updated"]
+    assert swaps == ["ref"] and not torch.equal(ref_u, old_u) and kl_u["kl/exact_reverse"] > 0
+    (old_l, ref_l, kl_l), swaps = got["loaded_reset"]
+    assert swaps == [] and torch.equal(old_l, old) and torch.equal(ref_l, ref) and kl_l == kl
+    (old_l, ref_l, kl_l), swaps = got["loaded_updated"]
+    assert swaps == ["ref"] and torch.equal(old_l, old_u) and torch.equal(ref_l, ref_u)
+    assert kl_l == kl_u
 
 
 if __name__ == "__main__":
