@@ -72,7 +72,12 @@ class WeightSync:
     @contextlib.contextmanager
     def reference_swapped(self, items: list, n: int) -> Iterator[None]:
         """``swap`` with SGLang: the reference in the policy servers for the block, the policy
-        back after it; skipped when every item's anchors are cached."""
+        back after it; skipped when every item's anchors are cached, and while the servers'
+        policy is the reference (the same version: a reset since the last policy push, as
+        under ``reset: every 1`` at every step, or both the start weights)."""
+        if self.versions["ref"] == self.versions["policy"]:
+            yield
+            return
         if not self._swaps() or not self.rollout.reference_misses(items, n):
             yield
             return

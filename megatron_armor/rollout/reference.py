@@ -108,6 +108,9 @@ class SwapReferenceSampler(ReferenceSampler):
 
     The trainer keeps ``theta_ref`` (pinned CPU copies on its ranks), so :meth:`load_reference`
     only records the version; the tensors are streamed by ``weights_fn`` at every :meth:`sample`.
+    While the engine's policy is at the reference's version (a reset since the last policy
+    push, or both at the start weights: versions name the trainer's weights after that step)
+    the engine already serves the reference, and :meth:`sample` loads nothing.
     """
 
     def __init__(self, engine: RolloutEngine, weights_fn: WeightsFn, ref_version: int = 0) -> None:
@@ -117,6 +120,8 @@ class SwapReferenceSampler(ReferenceSampler):
 
     def sample(self, query_ids, prompts, n, params):
         policy_version = self.engine.weight_version("policy")
+        if policy_version == self.ref_version:
+            return self.engine.generate(prompts, n, params)
         self.engine.update_weights(self.weights_fn("ref"), self.ref_version)
         try:
             return self.engine.generate(prompts, n, params)

@@ -197,6 +197,26 @@ def test_swap_pushes_the_reference_into_the_policy_servers_and_back():
     assert trainer.calls == []
 
 
+def test_swap_sends_nothing_while_the_policy_servers_hold_the_reference():
+    """A reset at the step whose policy the servers hold (``reset: every 1``: every step), or
+    both at the start weights: the reference is already in the policy servers."""
+    trainer, rollout = Trainer(), Rollout(has_ref_pool=False)
+    sync = make_weight_sync(config("tensor", "swap"), trainer, rollout)
+    with sync.reference_swapped(["item"], 2):  # version 0 both: the start weights
+        trainer.record("sampling")
+    sync.push_policy(5)
+    sync.push_reference(5, reset=True)
+    with sync.reference_swapped(["item"], 2):
+        trainer.record("sampling")
+    assert [c[:2] for c in trainer.calls] == [("sampling",), ("push", 5), ("sampling",)]
+    sync.push_policy(6)  # the policy moves on: the reference is swapped in again
+    trainer.calls = []
+    with sync.reference_swapped(["item"], 2):
+        pass
+    pushed = [(c[1], c[2], c[3]) for c in trainer.calls if c[0] == "push"]
+    assert pushed == [(5, "ref", "policy"), (6, "policy", "policy")]
+
+
 def test_reference_pushes_without_anchors_send_nothing():
     trainer, rollout = Trainer(), Rollout()
     sync = make_weight_sync(config("tensor", "dedicated", "algo.anchor=none"), trainer, rollout)

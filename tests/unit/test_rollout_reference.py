@@ -93,6 +93,30 @@ def test_swap_calls_two_syncs_per_sample(models):
         return weights_fn_for(models)(which)
 
     sampler = SwapReferenceSampler(TorchEngine(models["policy_dir"]), weights_fn)
+    sampler.load_reference(3, None)  # a reference of another step than the policy's (0)
+    sampler.sample(QIDS, PROMPTS, 1, PARAMS)
+    assert calls == ["ref", "policy"]
+
+
+def test_swap_loads_nothing_while_the_policy_is_the_reference(models):
+    """A reset since the last policy push (the same version): the engine serves the reference
+    already, so a swap would load the same weights twice. The samples are the policy's."""
+    calls = []
+
+    def weights_fn(which):
+        calls.append(which)
+        return weights_fn_for(models)(which)
+
+    engine = TorchEngine(models["policy_dir"])
+    engine.update_weights(models["policy"].state_tensors(), version=6)
+    sampler = SwapReferenceSampler(engine, weights_fn)
+    sampler.on_reset(6, None)
+    outputs = sampler.sample(QIDS, PROMPTS, 2, PARAMS)
+    assert calls == [] and engine.weight_version() == 6
+    assert all(s.weight_version == 6 for g in outputs for s in g)
+    policy = engine.generate(PROMPTS, 2, PARAMS)
+    assert [[s.token_ids for s in g] for g in outputs] == [[s.token_ids for s in g] for g in policy]
+    sampler.load_reference(5, None)  # the policy moved on: swapped again
     sampler.sample(QIDS, PROMPTS, 1, PARAMS)
     assert calls == ["ref", "policy"]
 
