@@ -244,6 +244,7 @@ def breakdown(rec: dict[str, float]) -> dict[str, float]:
     out["score (in rollout)"] = rec.get("phase_score", 0.0)
     trainer_phases = rec.get("phase_logprobs", 0.0) + rec.get("phase_train", 0.0)
     out["logprobs+train outside compute"] = trainer_phases - rec["train_compute_s"]
+    out["log-prob phase (in the above)"] = rec.get("phase_logprobs", 0.0)
     out["sync"] = rec.get("phase_sync", 0.0) + rec.get("phase_reset", 0.0)
     timed = sum(rec.get(f"phase_{p}", 0.0) for p in ("rollout", "logprobs", "train", "sync"))
     out["driver rest"] = rec["step_s"] - timed - rec.get("phase_reset", 0.0)

@@ -623,6 +623,13 @@ class RolloutActors:
             "rollout reference reset",
         )
 
+    def reset_reference_from_policy(self, version: int) -> None:
+        """A reset to the policy the engines serve at ``version``: each takes its own."""
+        wait(
+            [a.reset_reference_from_policy.remote(version) for a in self.reference_actors],
+            "rollout reference reset",
+        )
+
     def release_memory(self) -> None:
         wait([a.release_memory.remote() for a in self.actors], "rollout release_memory")
 

@@ -196,12 +196,18 @@ class InProcessSync(WeightSync):
         return num_bytes
 
     def push_reference(self, version: int, reset: bool = False) -> None:
+        """The trainer's reference into the engines; a reset to the policy they were pushed at
+        this version takes the engines' own policy weights instead (nothing exported)."""
         self.versions["ref"] = version
         if not self.anchors:
             self.rollout.reference_in_place(version, reset)
             return
-        refs = self.trainer.export_refs("ref")
         start = time.perf_counter()
+        if reset and version == self.versions["policy"]:
+            self.rollout.reset_reference_from_policy(version)
+            self._record(start, 0)
+            return
+        refs = self.trainer.export_refs("ref")
         (self.rollout.reset_reference if reset else self.rollout.load_reference)(version, refs)
         self._record(start, 0)
 

@@ -470,6 +470,22 @@ class RolloutWorker:
             self.copies["ref"] = tensors
         self.reference.on_reset(version, lambda: iter(tensors))
 
+    def reset_reference_from_policy(self, version: int) -> None:
+        """A reset to the policy this worker's engine serves at ``version`` (pushed this
+        step; embedded engine): the reference is copied from it, nothing is received."""
+        held = self.engine.weight_version("policy")
+        if held != version or self.ref_engine is not None:
+            raise RuntimeError(
+                f"rollout worker {self.index}: a reset to the policy at version {version} from "
+                f"the engine's own weights, but it serves version {held}"
+                f"{' and its reference from another engine' if self.ref_engine else ''}; "
+                "push the reference with reset_reference instead"
+            )
+        tensors = self.engine.state_tensors("policy")
+        if self.keep_copies:
+            self.copies["ref"] = self.copies["policy"]
+        self.reference.on_reset(version, lambda: iter(tensors))
+
     def reference_in_place(self, version: int, reset: bool) -> None:
         """Record reference ``version`` (on a ``reset`` also drop the anchor cache) without
         receiving weights: the trainer ranks streamed them into the reference pool (NCCL

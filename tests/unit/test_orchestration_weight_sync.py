@@ -108,6 +108,9 @@ class Rollout(Recorder):
     def reset_reference(self, version, refs):
         self.record("reset", version, tuple(refs))
 
+    def reset_reference_from_policy(self, version):
+        self.record("reset_from_policy", version)
+
 
 def config(transport="tensor", strategy="dedicated", *extra, output_dir="/tmp"):
     return load_config(None, ["rollout.backend=sglang", "orchestration.layout=colocated",
@@ -234,6 +237,21 @@ def test_only_the_embedded_engine_takes_the_export_through_the_object_store():
     assert rollout.calls == [("update", 3, ("policy-tensors",)), ("wait", ("loaded-3",)),
                              ("load", 0, ("ref-tensors",)), ("reset", 40, ("ref-tensors",))]  # fmt: skip
     assert sync.heal() == 0
+
+
+def test_a_reset_to_the_pushed_policy_exports_nothing():
+    """The embedded engine serves the policy of the step a reset happens at: the reference
+    is taken from it (``reset_reference_from_policy``), nothing exported or sent."""
+    trainer, rollout = Trainer(), Rollout()
+    trainer.object_store = True
+    sync = make_weight_sync(load_config(None, ["rollout.backend=torch"]), trainer, rollout)
+    sync.push_policy(5)
+    sync.push_reference(5, reset=True)
+    assert trainer.calls == [("export", "policy")]
+    assert rollout.calls[-1] == ("reset_from_policy", 5)
+    assert sync.pop_metrics()["perf/weight_sync_inprocess_pushes"] == 2.0
+    sync.push_reference(5)  # a load (resume) is sent as before
+    assert trainer.calls[-1] == ("export", "ref") and rollout.calls[-1][0] == "load"
 
 
 @pytest.mark.parametrize("extra, early", [
