@@ -32,7 +32,7 @@ variant: step seconds, generated tokens (policy + reference), and the seconds th
 ranks and the engine spent in model compute, measured inside the actors (trainer log-prob
 and update calls, engine generation; ``workers.ComputeClock``). Printed: min / median / max
 over rounds of each variant's ratio to DAPO in the same round — step time, generated tokens
-per kept query, step time per generated token — and of the share of step time outside model
+per kept query, step time per generated token, response tokens trained — and of the share of step time outside model
 compute (Ray round trips, serialization, scoring, batching, weight sync): the step time less
 the union of the actors' compute intervals within it, so compute that overlaps (the next
 step's reference samples drawn while the trainer works) counts once.
@@ -139,6 +139,7 @@ def timed_step(session, rollout, step: int) -> dict[str, float]:
     phases = {k[len("timing/") : -2]: v for k, v in session.timers.pop_metrics().items()}
     return {"step_s": end - start, "tokens": metrics["rollout/generated_tokens"],
             "kept": metrics["anchor/kept"], "compute_s": compute_s,
+            "train_tokens": metrics["train/response_tokens"],
             "train_compute_s": train_s, "engine_compute_s": engine_s,
             "engine_overlap_s": covered(engine, start, end) - engine_s,
             "prefetched": metrics.get("perf/reference_prefetched", 0.0),
@@ -222,9 +223,11 @@ def report(records: dict[str, list[dict[str, float]]]) -> None:
         per_token = [(r["step_s"] / r["tokens"]) / (b["step_s"] / b["tokens"])
                      for r, b in zip(recs, base, strict=True)]  # fmt: skip
         outside = [1.0 - r["compute_s"] / r["step_s"] for r in recs]
+        trained = [r["train_tokens"] / b["train_tokens"] for r, b in zip(recs, base, strict=True)]
         print(
             f"{name:20s} step time {spread(step)} | generated tokens per kept query "
-            f"{spread(per_query)} | step time per generated token {spread(per_token)}"
+            f"{spread(per_query)} | step time per generated token {spread(per_token)} | "
+            f"trained response tokens {spread(trained)}"
         )
         print(
             f"{'':20s} step s {spread([r['step_s'] for r in recs])} | tokens "

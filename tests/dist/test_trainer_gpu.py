@@ -5,6 +5,8 @@ Transformer Engine layer spec and FP8 through the real megatron-core actor, one 
   reproduces every HF tensor (TE parameter names: fused ``layer_norm_weight``).
 - TE spec, FP8 (hybrid, delayed scaling): two ARMOR updates run and give finite metrics.
 - TE spec, packed ``thd`` micro-batches: the same log-probs as the padded layout, no padding.
+- No reference pass right after a reset: the policy pass's log-probs, equal to a pass through
+  the swapped-in pinned copy; an update brings the pass back.
 """
 
 from __future__ import annotations
@@ -118,3 +120,26 @@ def test_packed_thd_matches_the_padded_layout(trainer_factory) -> None:
     torch.testing.assert_close(lp, logprobs[True], atol=1e-3, rtol=1e-3)
     batch.old_logprobs, batch.ref_logprobs = lp.clone(), lp.clone()
     assert trainer.train_step(batch, 1)["train/padding_fraction"] == 0.0
+
+
+def test_no_reference_pass_while_the_reference_is_the_policy_on_gpu(trainer_factory) -> None:
+    """Right after a reset ``step_logprobs`` gives the policy pass as the reference log-probs
+    (no swap of the pinned copy) and they equal a reference pass through the swapped-in copy;
+    the bitwise check of the copies (``equals_live``, used after a checkpoint load) runs on
+    the GPU's parameters; an update brings the reference pass back."""
+    _, make = trainer_factory
+    trainer = make(fp8=False)
+    batch = make_batch()
+    trainer.reset_reference()
+    assert trainer.store.matches_live("ref") and trainer.store.equals_live("ref")
+    old, ref, _ = trainer.step_logprobs(batch, True)
+    assert torch.equal(ref, old)
+    trainer.store.live_changed()  # forget: the next reference pass swaps the copy in
+    swapped = trainer.compute_logprobs(batch, "ref")
+    torch.testing.assert_close(swapped, old, atol=1e-6, rtol=0)
+    trainer.store.mark_live("ref")
+    batch.old_logprobs, batch.ref_logprobs = old.clone(), ref.clone()
+    trainer.train_step(batch, 1)
+    assert not trainer.store.matches_live("ref") and not trainer.store.equals_live("ref")
+    old, ref, _ = trainer.step_logprobs(batch, True)
+    assert not torch.equal(ref, old)
