@@ -26,8 +26,12 @@ ARMOR, ``ref_n = 4``) with the same ``B``. Five sets (``--set``):
 ARMOR variants without an order in their name run the default ``rollout.reference_first:
 auto``.
 
-After one warm-up step each, every round runs one step of every variant, the order rotated by
-one per round, so load changes on a shared machine hit every variant alike. Per round and
+After one warm-up step each, every round runs one step of every variant in an order from a
+Williams design (:func:`balanced_orders`): over a cycle of rounds (``n`` variants: ``n`` rounds,
+``2n`` for odd ``n``) every variant runs in every position equally often and right after every
+other variant equally often, so load changes on a shared machine and what a step leaves
+behind for the next one (its garbage, its engines' queued work) hit every variant alike. A
+plain rotation keeps each variant behind the same predecessor in every round. Per round and
 variant: step seconds, generated tokens (policy + reference), and the seconds the trainer
 ranks and the engine spent in model compute, measured inside the actors (trainer log-prob
 and update calls, engine generation; ``workers.ComputeClock``). Printed: min / median / max
@@ -168,8 +172,25 @@ def local_ray(cpus: int, out: Path):
     return head
 
 
+def balanced_orders(n: int) -> list[list[int]]:
+    """A Williams design: orders of ``range(n)`` in which each index takes every position
+    equally often and follows every other index equally often (``n`` orders for even ``n``,
+    ``2n`` for odd: each order then also reversed). The first is ``0, 1, n-1, 2, n-2, ...``;
+    the others add ``r`` modulo ``n``."""
+    first, low, high = [0], 1, n - 1
+    while len(first) < n:
+        first.append(low)
+        low += 1
+        if len(first) < n:
+            first.append(high)
+            high -= 1
+    orders = [[(i + r) % n for i in first] for r in range(n)]
+    return orders if n % 2 == 0 else orders + [order[::-1] for order in orders]
+
+
 def run_rounds(configs: dict, rounds: int) -> dict[str, list[dict[str, float]]]:
-    """Sessions for every variant; a warm-up step each, then ``rounds`` rotated rounds."""
+    """Sessions for every variant; a warm-up step each, then ``rounds`` rounds in the orders
+    of :func:`balanced_orders`, cycled."""
     import ray
 
     from megatron_armor.orchestration.anchor_rollout import AnchorRollout
@@ -186,8 +207,9 @@ def run_rounds(configs: dict, rounds: int) -> dict[str, list[dict[str, float]]]:
         names = list(configs)
         for name in names:
             timed_step(sessions[name], rollouts[name], 1)
+        orders = balanced_orders(len(names))
         for r in range(rounds):
-            for name in names[r % len(names) :] + names[: r % len(names)]:
+            for name in [names[i] for i in orders[r % len(orders)]]:
                 rec = timed_step(sessions[name], rollouts[name], r + 2)
                 records[name].append(rec)
                 outside = 1.0 - rec["compute_s"] / rec["step_s"]
