@@ -52,6 +52,8 @@ class MicroBatch(PerTokenData):
     cu_seqlens: torch.Tensor | None = None
     """Packed layout only: ``[n + 1]`` int32 segment boundaries in the ``[1, T]`` row (a last
     segment of padding when ``T`` was rounded up); ``None`` for the padded layout."""
+    samples: tuple[int, ...] = ()
+    """The batch's sample ids in this micro-batch, in row (segment) order."""
 
     @property
     def packed(self) -> bool:
@@ -147,6 +149,7 @@ def build_micro_batch(batch: TrainBatch, ids: list[int], pad_multiple: int = 1) 
         tokens=tokens,
         position_ids=torch.arange(seq).unsqueeze(0).expand(len(ids), seq).contiguous(),
         valid=valid,
+        samples=tuple(ids),
         **_token_data(batch, ids, lengths),
     )
 
@@ -170,8 +173,15 @@ def build_packed_micro_batch(
         position_ids=torch.cat([torch.arange(n) for n in segments]).unsqueeze(0),
         valid=valid,
         cu_seqlens=torch.tensor([0, *itertools.accumulate(segments)], dtype=torch.int32),
+        samples=tuple(ids),
         **_token_data(batch, ids, lengths),
     )
+
+
+def with_samples(batch: TrainBatch, mb: MicroBatch, ids: list[int], pad_multiple: int = 1):
+    """``mb``'s layout (padded or packed) rebuilt with samples ``ids`` of ``batch`` only."""
+    build = build_packed_micro_batch if mb.packed else build_micro_batch
+    return build(batch, ids, pad_multiple)
 
 
 def padding_counts(micro_batches: list[MicroBatch]) -> tuple[int, int]:

@@ -19,7 +19,7 @@ from megatron_armor.algo.losses import LossSettings, finalize_metrics
 from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.config.validate import updates_per_step, validate_runtime
 from megatron_armor.trainer import checkpoint, parallel
-from megatron_armor.trainer.batching import plan_micro_batches, split_minibatches
+from megatron_armor.trainer.batching import plan_micro_batches, split_minibatches, with_samples
 from megatron_armor.trainer.cpu_compat import enable_cpu_mode
 from megatron_armor.trainer.hf_weights import export_hf_weights, load_hf_weights
 from megatron_armor.trainer.interface import TrainerInterface
@@ -32,6 +32,7 @@ from megatron_armor.trainer.schedule import (
     exact_kl_builder,
     exact_kl_sums,
     global_units,
+    kl_selection,
     logprob_builder,
     logprob_kl_builder,
     padding_fraction,
@@ -88,18 +89,36 @@ class MegatronTrainer(TrainerInterface):
 
     # --- helpers ---------------------------------------------------------------------------
 
+    def _pad_multiple(self) -> int:
+        t = self.config.trainer
+        # sequence parallelism splits L over TP; FP8 GEMMs need token counts divisible by 16
+        return math.lcm(
+            t.tp if t.sequence_parallel else 1, FP8_TOKEN_MULTIPLE if t.fp8.enabled else 1
+        )
+
     def _micro_batches(self, batch):
         """This rank's micro-batches: bucketed by length; packed (``thd``, no padding) with
         Transformer Engine, padded ``[n, L]`` with the local spec (CPU)."""
         t = self.config.trainer
-        # sequence parallelism splits L over TP; FP8 GEMMs need token counts divisible by 16
-        pad = math.lcm(
-            t.tp if t.sequence_parallel else 1, FP8_TOKEN_MULTIPLE if t.fp8.enabled else 1
-        )
         return plan_micro_batches(
-            batch, parallel.dp_rank(), parallel.dp_size(), t.micro_batch_tokens, pad,
-            packed=t.transformer_impl == "te",
+            batch, parallel.dp_rank(), parallel.dp_size(), t.micro_batch_tokens,
+            self._pad_multiple(), packed=t.transformer_impl == "te",
         )  # fmt: skip
+
+    def _diagnostic_micro_batches(self, batch, mbs, kl_mask):
+        """The reference pass of the exact-KL diagnostic without reference log-probs: each
+        micro-batch holding diagnostic tokens with only the samples that hold them (in the same
+        order, so the rows line up with the policy pass's), its index into ``mbs``; the first
+        micro-batch alone where none holds any (every rank runs the collective schedule)."""
+        out = []
+        for i, mb in enumerate(mbs):
+            rows = mb.sample_index[kl_selection(mb, kl_mask)].unique().tolist()
+            if rows:
+                ids = [mb.samples[r] for r in sorted(rows)]
+                if len(ids) < len(mb.samples):
+                    mb = with_samples(batch, mb, ids, self._pad_multiple())
+                out.append((i, mb))
+        return out or [(0, mbs[0])]
 
     def _update(self, minibatch) -> dict[str, float]:
         """One optimizer update on one mini-batch; metrics reduced over DP."""
@@ -162,7 +181,8 @@ class MegatronTrainer(TrainerInterface):
         ``with_ref`` (a second pass), else ``None``; ``exact_kl``: with ``kl_mask`` (``[total]``,
         the diagnostic's tokens), the ``kl/exact_*`` metrics of :meth:`exact_kl` from the logit
         rows of those tokens in the policy pass and the reference pass — which then runs only
-        over the micro-batches holding such tokens when ``with_ref`` is off. ``{}`` without.
+        over the samples holding such tokens when ``with_ref`` is off (a few samples, not the
+        batch: :meth:`_diagnostic_micro_batches`). ``{}`` without.
         ``shared``: every rank returns the whole ``old`` / ``ref`` (one all-reduce each), so the
         step's updates can run on the batch the ranks already hold.
 
@@ -183,12 +203,15 @@ class MegatronTrainer(TrainerInterface):
                 return old, None, {}
             if with_ref and self.store.matches_live("ref"):
                 return old, None if old is None else old.clone(), self._self_kl(kl_mask, captured)
-            keep = [i for i, mb in enumerate(mbs) if with_ref or kl_mask[mb.token_index].any()]
-            keep = keep or [0]  # every rank runs the collective schedule
-            compare = [captured[i] for i in keep] if captured else []
+            passes = (
+                list(enumerate(mbs))
+                if with_ref
+                else self._diagnostic_micro_batches(batch, mbs, kl_mask)
+            )
+            compare = [captured[i] for i, _ in passes] if captured else []
             builder = logprob_kl_builder(self.lp, kl_mask, [], compare)
             with self.store.swapped("ref"):
-                ref_outputs = run_schedule(self.model, [mbs[i] for i in keep], builder, True)
+                ref_outputs = run_schedule(self.model, [mb for _, mb in passes], builder, True)
         ref = self._gather_logprobs(ref_outputs, batch, shared) if with_ref else None
         if kl_mask is None:
             return old, ref, {}

@@ -135,12 +135,18 @@ def _logprob_kl(mb: MicroBatch, output, *, lp: LogprobSettings, kl_mask, capture
     if kl_mask is None:
         return output.new_zeros(()), units, data
     with torch.no_grad():
-        rows = selected_logit_rows(output, mb, kl_mask[mb.token_index])
+        rows = selected_logit_rows(output, mb, kl_selection(mb, kl_mask))
         if compare is None:
             captured.append(rows.clone())
         else:
             data.update(exact_kl_sums(next(compare), rows, lp, output.device))
     return output.new_zeros(()), units, data
+
+
+def kl_selection(mb: MicroBatch, kl_mask: torch.Tensor) -> torch.Tensor:
+    """``[T]`` bool: the exact-KL diagnostic's tokens in ``mb`` (``kl_mask`` is over the full
+    batch; a micro-batch standing in for a rank without samples selects none)."""
+    return kl_mask[mb.token_index] & (mb.loss_mask != 0)
 
 
 def packed_seq_params(mb: MicroBatch, device) -> PackedSeqParams | None:

@@ -136,7 +136,16 @@ def assert_same_training(result: dict, single: dict, world: int) -> None:
         assert torch.equal(old, shared["shared/0"][0]) and torch.equal(ref, shared["shared/0"][1])
         torch.testing.assert_close(old, result["lp_policy"], atol=LOGPROB_TOL, rtol=0)
         torch.testing.assert_close(ref, result["lp_ref"], atol=LOGPROB_TOL, rtol=0)
-    for step in ("m1", "m2", "kl2"):  # kl2: the exact vocab-parallel KLs after two updates
+    diag, plain = result["kl2_diag"], result["kl2_diag_plain"]  # the diagnostic's own samples
+    assert sorted(diag) == sorted(plain) and diag["kl/exact_reverse"] > 0
+    for k, v in plain.items():
+        assert diag[k] == pytest.approx(v, abs=LOSS_TOL, rel=LOSS_TOL), k
+    for step in (
+        "m1",
+        "m2",
+        "kl2",
+        "kl2_diag",
+    ):  # kl2: the exact vocab-parallel KLs after two updates
         assert sorted(result[step]) == sorted(single[step])
         for k, v in single[step].items():
             if k in LAYOUT_DEPENDENT:

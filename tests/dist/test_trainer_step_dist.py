@@ -10,7 +10,8 @@ One megatron-core trainer rank (gloo, CPU, padded layout) in a subprocess, bound
 - ``step_logprobs`` (one call: old + reference log-probs + the exact-KL diagnostic reusing
   the policy pass) equals ``compute_logprobs`` twice and ``exact_kl`` on the diagnostic's
   own batch, after an update moved the policy away from the reference; with ``with_ref``
-  off it returns no reference log-probs but the same diagnostic.
+  off it returns no reference log-probs but the same diagnostic, its reference pass over the
+  diagnostic's samples only.
 - Right after a reset the reference pass is not run (no weight swap) and its results are what
   it would give, bit for bit: reference log-probs equal to the policy's and to a reference
   pass's, exact KLs of zero with the diagnostic's positions. An update brings the pass back; a
@@ -65,8 +66,13 @@ def step_logprobs_vs_plain(trainer, batch) -> dict:
     from megatron_armor.orchestration.step_metrics import exact_kl_batch, exact_kl_mask
 
     mask = exact_kl_mask(batch, 3, 4)
+    mbs = trainer._micro_batches(batch)
     return {
         "positions": int(mask.sum()),
+        "samples": (
+            sum(len(mb.samples) for mb in mbs),
+            sum(len(mb.samples) for _, mb in trainer._diagnostic_micro_batches(batch, mbs, mask)),
+        ),
         "one_call": trainer.step_logprobs(batch, True, mask),
         "no_ref": trainer.step_logprobs(batch, False, mask),
         "plain": (
@@ -171,6 +177,7 @@ def test_trainer_step_work(tmp_path) -> None:
     one_old, one_ref, one_kl = results["step"]["one_call"]
     torch.testing.assert_close(one_old, old, atol=1e-5, rtol=0)
     torch.testing.assert_close(one_ref, ref, atol=1e-5, rtol=0)
+    assert results["step"]["samples"] == (8, 3)  # the diagnostic's reference pass: 3 samples
     no_old, no_ref, no_kl = results["step"]["no_ref"]
     assert no_ref is None
     torch.testing.assert_close(no_old, old, atol=1e-5, rtol=0)

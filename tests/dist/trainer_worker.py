@@ -118,6 +118,12 @@ def run(trainer, out: dict, ckpt: bool, offload: bool = False) -> None:
     # the loop's call: every rank gets the whole log-probs (it keeps the batch for the update)
     out[f"shared/{dist.get_rank()}"] = trainer.step_logprobs(batch, True, None, shared=True)[:2]
     out["kl2"] = trainer.exact_kl(batch)
+    # the loop's diagnostic without reference log-probs: a reference pass over its samples only
+    from megatron_armor.orchestration.step_metrics import exact_kl_batch, exact_kl_mask
+
+    mask = exact_kl_mask(batch, 3, 4)
+    out["kl2_diag"] = trainer.step_logprobs(batch, False, mask, shared=True)[2]
+    out["kl2_diag_plain"] = trainer.exact_kl(exact_kl_batch(batch, 3, 4))
     trainer.reset_reference()
     out["lp_ref_after_reset"] = full(trainer.compute_logprobs(batch, "ref"))
     out["kl_reset"] = trainer.exact_kl(batch)
