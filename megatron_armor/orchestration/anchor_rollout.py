@@ -155,7 +155,7 @@ def prefetches_reference(config) -> bool:
         config.rollout.prefetch_reference
         and get_anchor_mode(config.algo.anchor).needs_reference_correct
         and reference_order(config.rollout.reference_first) is not False
-        and overlap_parts(config) == 1
+        and config.rollout.reference_parts == 1
         and not caches_anchors(config)
         and config.orchestration.layout != "colocated"
         and not driver_swaps(config)

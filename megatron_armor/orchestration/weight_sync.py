@@ -78,7 +78,7 @@ class WeightSync:
         if self.versions["ref"] == self.versions["policy"]:
             yield
             return
-        if not self._swaps() or not self.rollout.reference_misses(items, n):
+        if not self.swaps_into_policy_servers() or not self.rollout.reference_misses(items, n):
             yield
             return
         self.push(self.versions["ref"], "ref", "policy")
@@ -90,9 +90,6 @@ class WeightSync:
     def swaps_into_policy_servers(self) -> bool:
         """Whether :meth:`reference_swapped` loads the reference into the policy servers (the
         driver must then wait for a reference call before the policy goes back)."""
-        return self._swaps()
-
-    def _swaps(self) -> bool:
         if not self.anchors or self.rollout.has_ref_pool:
             return False
         served = reference_strategy(

@@ -6,7 +6,8 @@ machinery around it: keyword plumbing and decorators on every module, the 4-D ma
 again each step, output dataclasses. :class:`DecodeStep` runs the same operations on the same
 parameters, in the same order, for the decoder families it knows (Qwen2, Llama): per layer
 the model's own input norm, the q/k/v projections, rotary embedding (the model's own
-``rotary_emb``, so every RoPE scaling type it supports), the KV-cache update, PyTorch's
+``rotary_emb`` and its modeling module's ``apply_rotary_pos_emb``, so every RoPE scaling
+type it supports), the KV-cache update, PyTorch's
 scaled-dot-product attention, the output projection, the post-attention norm and the gated
 MLP; then the final norm and ``lm_head`` on the one position.
 
@@ -24,17 +25,14 @@ the modules): the engine then decodes through the HF forward as before.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 FAMILIES = {"qwen2": "Qwen2", "llama": "Llama"}
 """``config.model_type`` -> the transformers class prefix whose decode step this mirrors."""
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def _linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
@@ -86,6 +84,9 @@ class DecodeStep:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.body = model.model
+        # the rotary application of the attention's own modeling module (what its forward calls)
+        attention_module = sys.modules[type(self.body.layers[0].self_attn).__module__]
+        self.apply_rotary = attention_module.apply_rotary_pos_emb
 
     @torch.inference_mode()
     def __call__(self, ids, mask, positions, cache) -> torch.Tensor:
@@ -94,7 +95,6 @@ class DecodeStep:
         attend = None if bool(mask.all()) else mask.bool()[:, None, None, :]
         hidden = body.embed_tokens(ids)
         cos, sin = body.rotary_emb(hidden, positions)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         for index, layer in enumerate(body.layers):
             attn, mlp = layer.self_attn, layer.mlp
             dim, groups = attn.head_dim, attn.num_key_value_groups
@@ -102,8 +102,7 @@ class DecodeStep:
             q = _linear(x, attn.q_proj).view(rows, 1, -1, dim).transpose(1, 2)
             k = _linear(x, attn.k_proj).view(rows, 1, -1, dim).transpose(1, 2)
             v = _linear(x, attn.v_proj).view(rows, 1, -1, dim).transpose(1, 2)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            q, k = self.apply_rotary(q, k, cos, sin)
             k, v = cache.update(k, v, index)
             if groups == 1:
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=attend, scale=attn.scaling)

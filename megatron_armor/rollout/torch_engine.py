@@ -258,7 +258,6 @@ class TorchEngine(RolloutEngine):
             raise ValueError(f"rollout: weights={weights!r} is not one of {WEIGHT_SETS}")
         if weights not in self._models:
             self._models[weights] = copy.deepcopy(self._models["policy"])
-            self._decode_steps.pop(weights, None)
         targets = self._models[weights].state_dict(keep_vars=True)
         with torch.no_grad():
             for name, tensor in named_tensors:

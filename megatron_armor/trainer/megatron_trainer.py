@@ -201,8 +201,9 @@ class MegatronTrainer(TrainerInterface):
             old = self._gather_logprobs(outputs, batch, shared)
             if not with_ref and kl_mask is None:
                 return old, None, {}
-            if with_ref and self.store.matches_live("ref"):
-                return old, None if old is None else old.clone(), self._self_kl(kl_mask, captured)
+            if self.store.matches_live("ref"):  # the reference pass would repeat this one
+                ref = old.clone() if with_ref and old is not None else None
+                return old, ref, self._self_kl(kl_mask, captured)
             passes = (
                 list(enumerate(mbs))
                 if with_ref
