@@ -2,7 +2,7 @@
 
 One Ray cluster, one session per variant (each its own Megatron actor, embedded engine and
 scorer), all at the paper's group shape scaled down (``G = 16``: 15 on-policy + 1 anchor for
-ARMOR, ``ref_n = 4``) with the same ``B``. Five sets (``--set``):
+ARMOR, ``ref_n = 4``) with the same ``B``. Six sets (``--set``):
 
 - ``fresh`` (default): ``dapo`` (``anchor=none``, ``ratio=standard``), ``armor`` (fresh
   reference anchors every step), ``filter_only`` (rule (b) without the anchor).
@@ -22,6 +22,10 @@ ARMOR, ``ref_n = 4``) with the same ``B``. Five sets (``--set``):
   the reference is the policy at every step's log-prob call, so the trainer skips the
   reference pass, while the reference weights are pushed to the engine every step and no
   reference call is prefetched).
+- ``concurrent``: ``dapo`` and ``armor`` as configured (the tiny config's one CPU trainer rank
+  runs its reference pass beside the policy pass: ``trainer.concurrent_reference: auto``) and
+  each with ``trainer.concurrent_reference=false`` (``-sequential``: one pass after the other;
+  DAPO's is the exact-KL diagnostic's pass over its few samples).
 
 ARMOR variants without an order in their name run the default ``rollout.reference_first:
 auto``.
@@ -41,7 +45,7 @@ compute (Ray round trips, serialization, scoring, batching, weight sync): the st
 the union of the actors' compute intervals within it, so compute that overlaps (the next
 step's reference samples drawn while the trainer works) counts once.
 
-    python benchmarks/bench_step.py [--set fresh|cache|order|overlap|reset] [--rounds 4] [key=value ...]
+    python benchmarks/bench_step.py [--set fresh|cache|order|overlap|reset|concurrent] [--rounds 4] [key=value ...]
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ ARMOR = ["algo.anchor=armor", "algo.anchor_source=generate"]
 ARMOR_CACHE = ["algo.anchor=armor", "algo.anchor_source=cache"]
 REFERENCE_FIRST = "rollout.reference_first=true"
 POLICY_FIRST = "rollout.reference_first=false"
+SEQUENTIAL = "trainer.concurrent_reference=false"
 SETS = {
     "fresh": {
         "dapo": DAPO,
@@ -88,6 +93,12 @@ SETS = {
         "dapo": DAPO,
         "armor": ARMOR,
         "armor-reset1": [*ARMOR, "algo.reset.every=1"],
+    },
+    "concurrent": {
+        "dapo": DAPO,
+        "dapo-sequential": [*DAPO, SEQUENTIAL],
+        "armor": ARMOR,
+        "armor-sequential": [*ARMOR, SEQUENTIAL],
     },
 }
 

@@ -288,6 +288,13 @@ class TrainerConfig:
     offload_train_state: bool = False
     """Colocated: move the optimizer state to CPU and free the gradient buffers after each
     weight sync, while the engines generate; restored before the next update."""
+    concurrent_reference: Union[bool, str] = "auto"  # noqa: UP007 (OmegaConf reads typing.Union)
+    """CPU ranks: run the reference log-prob pass on a second thread beside the policy pass,
+    through a second model instance whose parameters are the stored reference copy (no copy,
+    no swap; the same values bit for bit). ``auto``: on in the ``cpu`` layout with one trainer
+    rank, whose node's rollout engine is idle while the trainer works; ``true`` needs the
+    ``cpu`` layout and ``tp = pp = cp = 1`` (no collectives in the forward pass);
+    ``false``: one pass after the other (docs/trainer.md)."""
 
 
 @dataclass

@@ -210,18 +210,24 @@ def check_reference_serving(config: ArmorConfig) -> Problems:
         )
 
 
-def reference_order(value: object) -> bool | str:
-    """``rollout.reference_first`` as ``True``, ``False`` or ``"auto"`` (YAML/CLI strings
-    ``true``/``false`` in any case too); anything else is a :class:`ValueError` naming it."""
+def true_false_auto(key: str, value: object, auto: str) -> bool | str:
+    """A ``true | false | auto`` setting ``key`` as ``True``, ``False`` or ``"auto"`` (YAML/CLI
+    strings in any case too); anything else is a :class:`ValueError` naming it and saying what
+    ``auto`` does."""
     if isinstance(value, bool):
         return value
     words = {"true": True, "false": False, "auto": "auto"}
     if isinstance(value, str) and value.strip().lower() in words:
         return words[value.strip().lower()]
-    raise ValueError(
-        f"rollout.reference_first={value!r} is not one of true, false, auto "
-        "(auto: each step's order by the rejection shares of the step before)"
-    )
+    raise ValueError(f"{key}={value!r} is not one of true, false, auto (auto: {auto})")
+
+
+def reference_order(value: object) -> bool | str:
+    """``rollout.reference_first`` as ``True``, ``False`` or ``"auto"``."""
+    return true_false_auto(
+        "rollout.reference_first", value,
+        "each step's order by the rejection shares of the step before",
+    )  # fmt: skip
 
 
 def check_reference_first(config: ArmorConfig) -> Problems:
@@ -277,6 +283,44 @@ def check_offload(config: ArmorConfig) -> Problems:
             "trainer.offload_train_state=true with orchestration.layout='disaggregated': the "
             "trainer has its GPUs to itself, so moving its state out and back every step only "
             "costs time; set trainer.offload_train_state=false (it is for the colocated layout)"
+        )
+
+
+def runs_concurrent_reference(config: ArmorConfig) -> bool:
+    """``trainer.concurrent_reference`` resolved: ``true``, or ``auto`` in the ``cpu`` layout
+    with one trainer rank (its reference pass borrows the idle rollout engine's thread share;
+    more ranks than the layout's one engine would oversubscribe the cores)."""
+    value = true_false_auto(
+        "trainer.concurrent_reference", config.trainer.concurrent_reference,
+        "on for the cpu layout with one trainer rank",
+    )  # fmt: skip
+    if value == "auto":
+        return config.orchestration.layout == "cpu" and config.trainer.world_size == 1
+    return value
+
+
+def check_concurrent_reference(config: ArmorConfig) -> Problems:
+    """``trainer.concurrent_reference`` is true, false or auto; ``true`` needs CPU ranks and a
+    forward pass without collectives (``trainer/reference_model.py``)."""
+    try:
+        if not runs_concurrent_reference(config):
+            return
+    except ValueError as err:
+        yield str(err)
+        return
+    t = config.trainer
+    if config.orchestration.layout != "cpu":
+        yield (
+            f"trainer.concurrent_reference=true with orchestration.layout="
+            f"{config.orchestration.layout!r}: the concurrent reference pass is for CPU ranks "
+            "(a GPU runs one pass at a time); set trainer.concurrent_reference=auto or false"
+        )
+    if max(t.tp, t.pp, t.cp, t.vpp) > 1:
+        yield (
+            f"trainer.concurrent_reference=true with tp={t.tp}, pp={t.pp}, cp={t.cp}, "
+            f"vpp={t.vpp}: two passes at once would interleave their collectives differently "
+            "on different ranks; set the parallel sizes to 1 or "
+            "trainer.concurrent_reference=false"
         )
 
 
@@ -484,6 +528,7 @@ RULES: list[Callable[[ArmorConfig], Problems]] = [
     check_reference_first,
     check_sglang_reference,
     check_offload,
+    check_concurrent_reference,
     check_parallel,
     check_context,
     check_hardware,

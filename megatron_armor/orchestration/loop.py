@@ -16,6 +16,7 @@ import torch
 from megatron_armor.algo.advantages import assign_configured_advantages
 from megatron_armor.algo.losses import needs_reference_logprobs
 from megatron_armor.config.schema import ArmorConfig
+from megatron_armor.config.validate import runs_concurrent_reference
 from megatron_armor.observability.metrics import metrics_record
 from megatron_armor.observability.nvtx import nvtx_range
 from megatron_armor.observability.summary import step_line
@@ -77,16 +78,14 @@ def exact_kl_tokens(s: Session, batch: TrainBatch, step: int) -> torch.Tensor | 
     return exact_kl_mask(batch, log.exact_kl_samples, log.exact_kl_positions)
 
 
-def submit_minibatches(s: Session, groups: list[Group], step: int) -> list[list]:
+def submit_minibatches(s: Session, groups: list[Group]) -> list[list]:
     """Queue one optimizer update per mini-batch of ``trainer.ppo_mini_batch`` queries on the
     trainer ranks, on the batch they keep from :func:`submit_logprobs` (nothing is sent again
     but each mini-batch's sample ids), right behind that call: a rank runs its calls in order,
-    so the updates follow the log-probs and each other with no driver round trip; then the
-    policy's weight push of ``step`` behind them
+    so the updates follow the log-probs and each other with no driver round trip. The policy's
+    weight push of ``step`` is queued behind them by :func:`run_step`
     (:meth:`~megatron_armor.orchestration.weight_sync.WeightSync.queue_policy_push`)."""
-    queued = s.trainer.submit_updates(minibatch_sample_ids(groups, s.num_minibatches))
-    s.weight_sync.queue_policy_push(step)
-    return queued
+    return s.trainer.submit_updates(minibatch_sample_ids(groups, s.num_minibatches))
 
 
 def finish_minibatches(s: Session, queued: list[list]) -> dict[str, float]:
@@ -158,16 +157,24 @@ def run_step(s: Session, rollout: AnchorRollout, step: int) -> dict[str, float]:
     batch = pack_groups(result.groups)
     if s.config.orchestration.layout == "colocated":
         s.rollout.release_memory()
+    prefetch = step < s.config.run.steps and not s.schedule.should_reset(step)
+    # a CPU rank's concurrent reference pass takes the engine's core: the prefetch waits for it
+    after_logprobs = runs_concurrent_reference(s.config)
     with s.timers.phase("logprobs"):
         logprobs = submit_logprobs(s, batch, step)
-    if step < s.config.run.steps and not s.schedule.should_reset(step):
+    if prefetch and not after_logprobs:
         rollout.prefetch(step, result)  # before the weight push queued on the engines
     with s.timers.phase("train"):
-        updates = submit_minibatches(s, result.groups, step)  # queued behind the log-probs
+        updates = submit_minibatches(s, result.groups)  # queued behind the log-probs
     write_anchor_file(s.run_dir, step, result)  # while the ranks work
     with s.timers.phase("logprobs"):
         exact_kl = finish_logprobs(s, batch, logprobs)
+    if prefetch and after_logprobs:
+        rollout.prefetch(step, result)  # beside the updates
     with s.timers.phase("train"):
+        # behind the updates on the ranks and behind the prefetched call on the engines (which
+        # run their calls in order: queued first, the load would hold the call back)
+        s.weight_sync.queue_policy_push(step)
         metrics = finish_minibatches(s, updates)
     s.meter.add_rollout(result.generated_tokens, s.timers.seconds("generate"))
     s.meter.add_train(batch.seq_lengths(), s.timers.seconds("train"))

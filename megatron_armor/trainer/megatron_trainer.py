@@ -26,6 +26,7 @@ from megatron_armor.trainer.interface import TrainerInterface
 from megatron_armor.trainer.model import build_model, read_hf_spec
 from megatron_armor.trainer.offload import TrainStateOffloader
 from megatron_armor.trainer.optim import advance_lr_schedule, build_optimizer, wrap_ddp
+from megatron_armor.trainer.reference_model import concurrent_reference
 from megatron_armor.trainer.schedule import (
     LogprobSettings,
     capture_builder,
@@ -78,6 +79,7 @@ class MegatronTrainer(TrainerInterface):
         self.offloader = TrainStateOffloader(self.model, self.optimizer, t.precision != "fp32")
         self.store = WeightStore(self.model)
         self.store.snapshot("ref")
+        self.reference = concurrent_reference(config, self.spec, self.model)
         self.loss_settings = LossSettings.from_algo_config(config.algo)
         self.lp = LogprobSettings(
             vocab_size=self.spec.vocab_size,
@@ -189,19 +191,19 @@ class MegatronTrainer(TrainerInterface):
         While the reference copy equals the live weights (a reset and no update since: under a
         ``reset: every 1`` schedule, every step) the reference pass would repeat the policy
         pass bit for bit, so it is not run: ``ref`` is a copy of ``old`` and the exact KLs are
-        taken between the policy pass's rows and themselves (zero, as the pass would give)."""
+        taken between the policy pass's rows and themselves (zero, as the pass would give).
+        With ``trainer.concurrent_reference`` the reference pass runs beside the policy pass
+        (:meth:`_concurrent_passes`), with the same results bit for bit."""
         enable_cpu_mode()  # per thread (no-op with CUDA)
         mbs = self._micro_batches(batch)
         self.model.eval()
         captured: list[torch.Tensor] = []
+        policy = logprob_kl_builder(self.lp, kl_mask, captured, None)
         with torch.no_grad():
-            outputs = run_schedule(
-                self.model, mbs, logprob_kl_builder(self.lp, kl_mask, captured, None), True
-            )
-            old = self._gather_logprobs(outputs, batch, shared)
-            if not with_ref and kl_mask is None:
-                return old, None, {}
-            if self.store.matches_live("ref"):  # the reference pass would repeat this one
+            if (not with_ref and kl_mask is None) or self.store.matches_live("ref"):
+                # no reference pass, or one that would repeat this one
+                outputs = run_schedule(self.model, mbs, policy, True)
+                old = self._gather_logprobs(outputs, batch, shared)
                 ref = old.clone() if with_ref and old is not None else None
                 return old, ref, self._self_kl(kl_mask, captured)
             passes = (
@@ -209,15 +211,40 @@ class MegatronTrainer(TrainerInterface):
                 if with_ref
                 else self._diagnostic_micro_batches(batch, mbs, kl_mask)
             )
-            compare = [captured[i] for i, _ in passes] if captured else []
-            builder = logprob_kl_builder(self.lp, kl_mask, [], compare)
-            with self.store.swapped("ref"):
-                ref_outputs = run_schedule(self.model, [mb for _, mb in passes], builder, True)
+            if self.reference is not None:
+                outputs, ref_outputs = self._concurrent_passes(
+                    mbs, policy, passes, kl_mask, captured
+                )
+            else:
+                outputs = run_schedule(self.model, mbs, policy, True)
+                compare = [captured[i] for i, _ in passes] if captured else []
+                builder = logprob_kl_builder(self.lp, kl_mask, [], compare)
+                with self.store.swapped("ref"):
+                    ref_outputs = run_schedule(self.model, [mb for _, mb in passes], builder, True)
+            old = self._gather_logprobs(outputs, batch, shared)
         ref = self._gather_logprobs(ref_outputs, batch, shared) if with_ref else None
         if kl_mask is None:
             return old, ref, {}
         kl_outputs = [{k: v for k, v in o.items() if k.startswith("kl/")} for o in ref_outputs]
         return old, ref, exact_kl_means(reduce_metric_sums(kl_outputs))
+
+    def _concurrent_passes(self, mbs, policy, passes, kl_mask, captured):
+        """The policy pass over ``mbs`` here and the reference pass over ``passes`` on the
+        reference model's thread, at once (``trainer.concurrent_reference``,
+        ``reference_model.py``); the reference outputs then get the exact-KL sums the
+        sequential pass computes in its loss function, from the same rows. Returns
+        ``(policy outputs, reference outputs)``."""
+        ref_rows: list[torch.Tensor] = []
+        builder = logprob_kl_builder(self.lp, kl_mask, ref_rows, None)
+        pending = self.reference.submit(self.store.get("ref"), [mb for _, mb in passes], builder)
+        try:
+            outputs = run_schedule(self.model, mbs, policy, True)
+        finally:
+            ref_outputs = pending.result()  # never leave the pass running behind an error
+        if kl_mask is not None:
+            for (i, _), out, rows in zip(passes, ref_outputs, ref_rows, strict=True):
+                out.update(exact_kl_sums(captured[i], rows, self.lp, rows.device))
+        return outputs, ref_outputs
 
     def _self_kl(self, kl_mask, captured: list[torch.Tensor]) -> dict[str, float]:
         """The exact-KL metrics of a reference pass whose rows are the policy pass's own."""
@@ -292,4 +319,6 @@ class MegatronTrainer(TrainerInterface):
 
     def close(self) -> None:
         """Destroy the process groups (the rank can be torn down afterwards)."""
+        if self.reference is not None:
+            self.reference.close()
         parallel.destroy_parallel()

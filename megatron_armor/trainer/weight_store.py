@@ -2,8 +2,10 @@
 
 A copy holds this rank's shard of every parameter (TP/PP-local, like the live model). For a
 forward pass under a stored copy, :meth:`WeightStore.swapped` copies it into the live
-parameters and restores the live values afterwards (bit-exact). On a GPU the copies sit in
-pinned memory so the swaps are fast host-to-device copies.
+parameters and restores the live values afterwards (bit-exact), through one host buffer kept
+between swaps (allocated at the first). On a GPU the copies and that buffer sit in pinned
+memory so the swaps are fast device-host copies, and no step allocates (and page-locks) a
+model's worth of host memory again.
 
 The store also knows which copies equal the live parameters bit for bit: a copy does from its
 :meth:`~WeightStore.snapshot` until the owner reports a write to the live parameters
@@ -26,6 +28,7 @@ class WeightStore:
         self.model = model
         self.copies: dict[str, dict[str, torch.Tensor]] = {}
         self._live: set[str] = set()  # copies known to equal the live parameters bit for bit
+        self._backup: dict[str, torch.Tensor] = {}  # the live values during a swap
 
     def _params(self) -> dict[str, torch.Tensor]:
         return dict(self.model.named_parameters())
@@ -90,7 +93,7 @@ class WeightStore:
             return
         stored, params = self.get(name), self._params()
         with torch.no_grad():
-            live = {k: self._host_copy(p) for k, p in params.items()}
+            live = self._backup_of(params)
             for k, p in params.items():
                 p.copy_(stored[k])
         try:
@@ -99,3 +102,17 @@ class WeightStore:
             with torch.no_grad():
                 for k, p in params.items():
                     p.copy_(live[k])
+
+    def _backup_of(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The live values copied into the swap buffer (allocated once, or again if the
+        parameters' shapes or dtypes changed)."""
+        fits = self._backup.keys() == params.keys() and all(
+            b.shape == p.shape and b.dtype == p.dtype
+            for b, p in zip(self._backup.values(), params.values(), strict=True)
+        )
+        if not fits:
+            self._backup = {k: self._host_copy(p) for k, p in params.items()}
+            return self._backup
+        for k, p in params.items():
+            self._backup[k].copy_(p.detach())
+        return self._backup

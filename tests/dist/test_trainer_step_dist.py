@@ -96,6 +96,14 @@ def reference_after_reset(trainer, batch, ckpt_dir: str) -> dict:
         return swapped(name)
 
     trainer.store.swapped = counting
+    if trainer.reference is not None:  # the reference pass beside the policy pass: no swap
+        submit = trainer.reference.submit
+
+        def counting_submit(copy, micro_batches, builder):
+            swaps.append("ref")
+            return submit(copy, micro_batches, builder)
+
+        trainer.reference.submit = counting_submit
     mask = exact_kl_mask(batch, 3, 4)
 
     def one_call():
@@ -114,6 +122,7 @@ def reference_after_reset(trainer, batch, ckpt_dir: str) -> dict:
     trainer.train_step(batch, 1)
     trainer.save_checkpoint(os.path.join(ckpt_dir, "updated"), {"at": "updated"})
     out["updated"] = one_call()
+    out["updated_plain"] = trainer.compute_logprobs(batch, "ref")  # the reset's copy, swapped in
     trainer.load_checkpoint(os.path.join(ckpt_dir, "reset"))
     out["loaded_reset"] = one_call()
     trainer.load_checkpoint(os.path.join(ckpt_dir, "updated"))
@@ -143,7 +152,12 @@ def trainer_main(model_dir: str, out: str, port: int) -> None:
             for bucket in (False, True)
         }
         trainer.train_step(batch, 1)  # the policy moves away from the reference
+        concurrent = trainer.reference  # trainer.concurrent_reference=auto: one CPU rank
+        results["concurrent"] = concurrent is not None
         results["step"] = step_logprobs_vs_plain(trainer, batch)
+        trainer.reference = None  # the passes one after the other, under the swapped copy
+        results["step_sequential"] = step_logprobs_vs_plain(trainer, batch)
+        trainer.reference = concurrent
         results["reset"] = reference_after_reset(trainer, batch, os.path.dirname(out))
         torch.save(results, out)
     finally:
@@ -185,6 +199,13 @@ def test_trainer_step_work(tmp_path) -> None:
         assert sorted(got) == sorted(kl)
         for key, value in kl.items():
             assert abs(got[key] - value) <= 1e-5 * max(1.0, abs(value)), key
+    assert results["concurrent"]
+    sequential = results["step_sequential"]
+    for key in ("one_call", "no_ref"):  # the concurrent reference pass's values, bit for bit
+        for got, want in zip(results["step"][key], sequential[key], strict=True):
+            assert (got is None and want is None) or (
+                torch.equal(got, want) if isinstance(got, torch.Tensor) else got == want
+            ), key
     check_reference_after_reset(results["reset"], results["step"]["positions"])
 
 
@@ -198,6 +219,7 @@ def check_reference_after_reset(got: dict, positions: int) -> None:
     assert all(v == 0.0 for k, v in kl.items() if k != "kl/exact_positions")
     (old_u, ref_u, kl_u), swaps = got["updated"]
     assert swaps == ["ref"] and not torch.equal(ref_u, old_u) and kl_u["kl/exact_reverse"] > 0
+    assert torch.equal(ref_u, got["updated_plain"])  # the copy the reset stored, not an older one
     (old_l, ref_l, kl_l), swaps = got["loaded_reset"]
     assert swaps == [] and torch.equal(old_l, old) and torch.equal(ref_l, ref) and kl_l == kl
     (old_l, ref_l, kl_l), swaps = got["loaded_updated"]

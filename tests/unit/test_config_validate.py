@@ -362,3 +362,26 @@ def test_prompt_plus_response_beyond_the_models_context_names_the_override():
         load_config(None, [*served, "rollout.sglang.context_length=256"])
     with pytest.raises(ConfigError, match="context_length=1024 exceeds the model's"):
         load_config(None, [*served, "rollout.sglang.context_length=1024"])
+
+
+def test_concurrent_reference_resolves_on_for_one_cpu_rank_only():
+    """``auto``: the cpu layout with one trainer rank (the idle engine's core); ``true`` is
+    refused where two passes at once could not run (GPU layouts, collectives in the forward)."""
+    from megatron_armor.config.validate import runs_concurrent_reference
+
+    assert load_config(None, []).trainer.concurrent_reference == "auto"
+    cpu_one = ["orchestration.layout=cpu", "trainer.world_size=1"]
+    assert runs_concurrent_reference(load_config(None, cpu_one))
+    two_ranks = ["orchestration.layout=cpu", "trainer.world_size=2", "trainer.ppo_mini_batch=8"]
+    assert not runs_concurrent_reference(load_config(None, two_ranks))
+    assert runs_concurrent_reference(
+        load_config(None, [*two_ranks, "trainer.concurrent_reference=TRUE"])
+    )  # pure data parallelism: no collective in a forward pass
+    assert not runs_concurrent_reference(load_config(None, ["trainer.concurrent_reference=false"]))
+    colocated = _error("trainer.concurrent_reference=true", "orchestration.layout=colocated")
+    assert "trainer.concurrent_reference=true with orchestration.layout='colocated'" in colocated
+    assert "set trainer.concurrent_reference=auto or false" in colocated
+    tp = _error(*two_ranks, "trainer.tp=2", "trainer.concurrent_reference=true")
+    assert "trainer.concurrent_reference=true with tp=2" in tp and "=false" in tp
+    bad = _error("trainer.concurrent_reference=sometimes")
+    assert "trainer.concurrent_reference='sometimes' is not one of true, false, auto" in bad

@@ -88,3 +88,23 @@ def test_loaded_copies_and_marks() -> None:
         store.mark_live("old")
     with pytest.raises(KeyError, match="lack parameters"):
         store.load_into("ref", {})
+
+
+def test_swaps_reuse_one_host_buffer_for_the_live_values(monkeypatch) -> None:
+    """The live values go to one buffer allocated at the first swap (on a GPU: pinned, which
+    is slow to allocate), each swap restores its own live values from it exactly."""
+    m = model()
+    store = WeightStore(m)
+    store.snapshot("ref")
+    update(m, store)
+    allocations = []
+    host_copy = store._host_copy
+    monkeypatch.setattr(store, "_host_copy", lambda t: allocations.append(t.shape) or host_copy(t))
+    for step in (0.25, 0.125):
+        live = values(m)
+        with store.swapped("ref"):
+            pass
+        for k, p in m.named_parameters():
+            assert torch.equal(p.detach(), live[k])
+        update(m, store, step)  # different live values for the next swap
+    assert len(allocations) == len(live)  # one buffer per parameter, once
