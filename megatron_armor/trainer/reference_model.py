@@ -93,17 +93,19 @@ class ConcurrentReference:
 
 def _store_keys(live: torch.nn.Module, model: torch.nn.Module) -> dict[str, str]:
     """For each parameter name of ``model`` (a bare ``GPTModel``), the name of the same
-    parameter in ``live`` (the same model wrapped, e.g. in megatron DDP: ``module.`` prefixed),
-    under which the store keeps it."""
+    parameter in ``live`` (the same model wrapped, e.g. in megatron DDP: every name behind one
+    prefix, ``module.``), under which the store keeps it."""
     live_names = [name for name, _ in live.named_parameters()]
-    keys = {}
-    for name, _ in model.named_parameters():
-        matches = [k for k in live_names if k == name or k.endswith("." + name)]
-        if len(matches) != 1:
-            raise ValueError(f"parameter {name}: {len(matches)} matches in the live model")
-        keys[name] = matches[0]
-    if len(keys) != len(live_names):
+    names = [name for name, _ in model.named_parameters()]
+    if len(names) != len(live_names) or not names or not live_names[0].endswith(names[0]):
         raise ValueError(
-            f"the reference model has {len(keys)} parameters, the live model {len(live_names)}"
+            f"the reference model's {len(names)} parameters do not line up with the live "
+            f"model's {len(live_names)}"
+        )
+    prefix = live_names[0][: len(live_names[0]) - len(names[0])]
+    keys = {name: prefix + name for name in names}
+    if sorted(keys.values()) != sorted(live_names):
+        raise ValueError(
+            f"the live model's parameters are not the reference model's behind {prefix!r}"
         )
     return keys

@@ -7,6 +7,8 @@ Transformer Engine layer spec and FP8 through the real megatron-core actor, one 
 - TE spec, packed ``thd`` micro-batches: the same log-probs as the padded layout, no padding.
 - No reference pass right after a reset: the policy pass's log-probs, equal to a pass through
   the swapped-in pinned copy; an update brings the pass back.
+- Reference swaps through one pinned host buffer kept between passes, the live values restored
+  bit for bit; ``trainer.concurrent_reference`` off (``auto``) or refused (``true``) with CUDA.
 """
 
 from __future__ import annotations
@@ -143,3 +145,34 @@ def test_no_reference_pass_while_the_reference_is_the_policy_on_gpu(trainer_fact
     assert not trainer.store.matches_live("ref") and not trainer.store.equals_live("ref")
     old, ref, _ = trainer.step_logprobs(batch, True)
     assert not torch.equal(ref, old)
+
+
+def test_reference_swaps_reuse_one_pinned_buffer_on_gpu(trainer_factory) -> None:
+    """On a CUDA rank the reference pass swaps the pinned copy in (``trainer.concurrent_reference:
+    auto`` is off there) through one pinned host buffer kept between swaps, not a fresh
+    model-sized pinned allocation per pass; the live values come back bit for bit each time."""
+    _, make = trainer_factory
+    trainer = make(fp8=False)
+    assert trainer.reference is None
+    batch = make_batch()
+    trainer.store.live_changed()  # the stored copy equals the live weights: force the swaps
+    live = {k: p.detach().clone() for k, p in trainer.model.named_parameters()}
+    first = trainer.compute_logprobs(batch, "ref")
+    buffers = {k: b.data_ptr() for k, b in trainer.store._backup.items()}
+    assert buffers and all(b.is_pinned() for b in trainer.store._backup.values())
+    second = trainer.compute_logprobs(batch, "ref")
+    assert {k: b.data_ptr() for k, b in trainer.store._backup.items()} == buffers
+    assert torch.equal(first, second)
+    for k, p in trainer.model.named_parameters():
+        assert torch.equal(p.detach(), live[k]), k
+
+
+def test_concurrent_reference_true_is_refused_on_a_cuda_rank() -> None:
+    from megatron_armor.config.schema import ArmorConfig
+    from megatron_armor.trainer.reference_model import concurrent_reference
+
+    cfg = ArmorConfig()
+    assert concurrent_reference(cfg, None, None) is None  # auto: off with CUDA
+    cfg.trainer.concurrent_reference = True
+    with pytest.raises(ValueError, match="concurrent_reference=true on a rank with CUDA"):
+        concurrent_reference(cfg, None, None)
