@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from concurrent import futures
 
 import torch
 import torch.distributed as dist
@@ -239,8 +240,10 @@ class MegatronTrainer(TrainerInterface):
         pending = self.reference.submit(self.store.get("ref"), [mb for _, mb in passes], builder)
         try:
             outputs = run_schedule(self.model, mbs, policy, True)
-        finally:
-            ref_outputs = pending.result()  # never leave the pass running behind an error
+        except BaseException:
+            futures.wait([pending])  # never leave the pass running behind the error
+            raise
+        ref_outputs = pending.result()
         if kl_mask is not None:
             for (i, _), out, rows in zip(passes, ref_outputs, ref_rows, strict=True):
                 out.update(exact_kl_sums(captured[i], rows, self.lp, rows.device))

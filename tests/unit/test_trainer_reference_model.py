@@ -47,3 +47,37 @@ def test_a_cuda_rank_keeps_the_sequential_pass(monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     cfg.trainer.concurrent_reference = False
     assert concurrent_reference(cfg, None, None) is None
+
+
+def test_an_error_in_the_policy_pass_waits_for_the_reference_pass(monkeypatch) -> None:
+    """The policy pass's error is the one raised, and only once the reference pass (running
+    on its thread) is over: nothing of the step keeps computing behind the error."""
+    import threading
+    import types
+    from concurrent.futures import ThreadPoolExecutor
+
+    from megatron_armor.trainer import megatron_trainer
+
+    release, finished = threading.Event(), []
+    pool = ThreadPoolExecutor(max_workers=1)
+
+    def reference_pass():
+        release.wait(5)
+        finished.append(True)
+        raise RuntimeError("the reference pass's own error")
+
+    def failing_policy_pass(*_args):
+        release.set()
+        raise ValueError("policy pass failed")
+
+    fake = types.SimpleNamespace(
+        reference=types.SimpleNamespace(submit=lambda *_a: pool.submit(reference_pass)),
+        store=types.SimpleNamespace(get=lambda _name: {}),
+        model=None,
+        lp=None,
+    )
+    monkeypatch.setattr(megatron_trainer, "run_schedule", failing_policy_pass)
+    with pytest.raises(ValueError, match="policy pass failed"):
+        megatron_trainer.MegatronTrainer._concurrent_passes(fake, [], None, [], None, [])
+    assert finished == [True]
+    pool.shutdown()
