@@ -286,14 +286,19 @@ def check_offload(config: ArmorConfig) -> Problems:
         )
 
 
+def concurrent_reference_value(config: ArmorConfig) -> bool | str:
+    """``trainer.concurrent_reference`` as ``True``, ``False`` or ``"auto"``."""
+    return true_false_auto(
+        "trainer.concurrent_reference", config.trainer.concurrent_reference,
+        "on for the cpu layout with one trainer rank",
+    )  # fmt: skip
+
+
 def runs_concurrent_reference(config: ArmorConfig) -> bool:
     """``trainer.concurrent_reference`` resolved: ``true``, or ``auto`` in the ``cpu`` layout
     with one trainer rank (its reference pass borrows the idle rollout engine's thread share;
     more ranks than the layout's one engine would oversubscribe the cores)."""
-    value = true_false_auto(
-        "trainer.concurrent_reference", config.trainer.concurrent_reference,
-        "on for the cpu layout with one trainer rank",
-    )  # fmt: skip
+    value = concurrent_reference_value(config)
     if value == "auto":
         return config.orchestration.layout == "cpu" and config.trainer.world_size == 1
     return value

@@ -25,7 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from megatron_armor.config.validate import runs_concurrent_reference
+from megatron_armor.config.validate import concurrent_reference_value, runs_concurrent_reference
 from megatron_armor.trainer.cpu_compat import enable_cpu_mode
 from megatron_armor.trainer.model import build_model
 from megatron_armor.trainer.schedule import run_schedule
@@ -38,7 +38,7 @@ def concurrent_reference(config, spec, live: torch.nn.Module) -> ConcurrentRefer
     if not runs_concurrent_reference(config):
         return None
     if torch.cuda.is_available():
-        if str(config.trainer.concurrent_reference).strip().lower() == "auto":
+        if concurrent_reference_value(config) == "auto":
             return None
         raise ValueError(
             "trainer.concurrent_reference=true on a rank with CUDA: the concurrent reference "

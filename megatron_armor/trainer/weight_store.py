@@ -104,15 +104,10 @@ class WeightStore:
                     p.copy_(live[k])
 
     def _backup_of(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The live values copied into the swap buffer (allocated once, or again if the
-        parameters' shapes or dtypes changed)."""
-        fits = self._backup.keys() == params.keys() and all(
-            b.shape == p.shape and b.dtype == p.dtype
-            for b, p in zip(self._backup.values(), params.values(), strict=True)
-        )
-        if not fits:
+        """The live values copied into the swap buffer (allocated at the first swap)."""
+        if not self._backup:
             self._backup = {k: self._host_copy(p) for k, p in params.items()}
-            return self._backup
-        for k, p in params.items():
-            self._backup[k].copy_(p.detach())
+        else:
+            for k, p in params.items():
+                self._backup[k].copy_(p.detach())
         return self._backup
