@@ -139,6 +139,17 @@ def test_engine_samples_the_same_with_and_without_it(model_dir, params):
             for g in fast.generate(prompts, 1, params, weights=weights)
         ]
 
+    def same(a, b) -> bool:
+        """Same tokens; log-probs within fp32 rounding: the two weight sets hold the same values
+        in separate tensors, which some CPUs' matmul kernels round differently in the last
+        digits (an AMD EPYC does; an Intel Xeon gave equal bits)."""
+        return all(
+            ta == tb and max((abs(p - q) for p, q in zip(la, lb, strict=True)), default=0) < 1e-5
+            for ga, gb in zip(a, b, strict=True)
+            for (ta, la), (tb, lb) in zip(ga, gb, strict=True)
+        )
+
     before = drawn("ref")
     fast.update_weights(fast.state_tensors("policy"), version=2, weights="ref")
-    assert drawn("ref") == drawn("policy") != before
+    now = drawn("ref")
+    assert same(now, drawn("policy")) and now != before
