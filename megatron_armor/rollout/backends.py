@@ -43,8 +43,9 @@ def _torch_engine(
     from megatron_armor.rollout.torch_engine import TorchEngine
 
     return TorchEngine(
-        config.trainer.model_path, device=device, max_batch=config.rollout.engine_batch_size
-    )
+        config.trainer.model_path, device=device, max_batch=config.rollout.engine_batch_size,
+        model_overrides=dict(config.trainer.model_overrides),
+    )  # fmt: skip
 
 
 def visible_index(gpu_id: int) -> int:
@@ -54,9 +55,18 @@ def visible_index(gpu_id: int) -> int:
     Slurm node given GPUs 4-7) and leaves that variable alone for an actor without GPUs, so
     the server inherits it and counts devices from 0 within it: map the id to its position.
     """
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
-    if not visible:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
         return gpu_id
+    visible = visible.strip()
+    if not visible:
+        raise RuntimeError(
+            f"Ray placed an SGLang server on GPU {gpu_id}, but this rollout worker sees "
+            "CUDA_VISIBLE_DEVICES='' (the servers it starts would see no GPU): Ray blanks it "
+            "for an actor without GPUs unless RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=0, which "
+            "orchestration/placement.py sets for the rollout workers; check that the cluster "
+            "does not force it to 1"
+        )
     entries = [e.strip() for e in visible.split(",")]
     if str(gpu_id) not in entries:
         raise RuntimeError(

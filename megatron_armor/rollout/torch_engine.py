@@ -30,9 +30,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
+from megatron_armor.config.model_overrides import resolve_model_overrides
 from megatron_armor.rollout.decode_step import DecodeStep, decode_step_for
 from megatron_armor.rollout.protocol import GenerationOutput, RolloutEngine, SamplingParams
 from megatron_armor.rollout.sampling import sample_next_tokens, scaled_log_probs
@@ -152,10 +153,19 @@ class BufferedKVLayer(DynamicLayer):
         self.values = self._v[:, :, : self.length]
 
 
-def load_hf_model(model_dir: str, device: str, dtype: torch.dtype) -> PreTrainedModel:
-    """Load an HF causal LM from a local directory (never the network), in eval mode."""
+def load_hf_model(
+    model_dir: str, device: str, dtype: torch.dtype, overrides: dict | None = None
+) -> PreTrainedModel:
+    """Load an HF causal LM from a local directory (never the network), in eval mode, with
+    ``overrides`` (``trainer.model_overrides``) set on its config as SGLang sets them
+    (``config/model_overrides.py``: the RoPE base the trainer scores with)."""
     try:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
+        config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        for key, value in resolve_model_overrides(config.to_dict(), overrides or {}).items():
+            setattr(config, key, value)
+        model = AutoModelForCausalLM.from_pretrained(
+            model_dir, config=config, dtype=dtype, local_files_only=True
+        )
     except OSError as err:
         raise FileNotFoundError(
             f"rollout: cannot load an HF model from model_dir={model_dir!r} ({err}); "
@@ -200,8 +210,10 @@ class TorchEngine(RolloutEngine):
         max_batch: int = 64,
         kv_block: int = 256,
         fast_decode: bool = True,
+        model_overrides: dict | None = None,
     ) -> None:
-        """``kv_block``: tokens of KV-cache room added at a time (:class:`BufferedKVLayer`);
+        """``model_overrides``: ``trainer.model_overrides`` (:func:`load_hf_model`).
+        ``kv_block``: tokens of KV-cache room added at a time (:class:`BufferedKVLayer`);
         0 keeps transformers' ``DynamicCache``, which concatenates per decode step.
         ``fast_decode``: decode steps through :class:`~megatron_armor.rollout.decode_step.DecodeStep`
         where the model's family has one (prefill always runs the HF forward); ``False`` runs
@@ -217,7 +229,7 @@ class TorchEngine(RolloutEngine):
         self.fast_decode = fast_decode
         self._decode_steps: dict[str, DecodeStep | None] = {}
         self._models: dict[str, PreTrainedModel] = {
-            "policy": load_hf_model(model_dir, device, dtype)
+            "policy": load_hf_model(model_dir, device, dtype, model_overrides)
         }
         self._versions: dict[str, int] = {"policy": 0}
         self._released = False
@@ -289,8 +301,9 @@ class TorchEngine(RolloutEngine):
         torch.cuda.empty_cache()
         self._released = True
 
-    def resume_memory(self) -> None:
-        """Move the weight sets back to the engine's device after :meth:`release_memory`."""
+    def resume_memory(self, tags: list[str] | None = None) -> None:
+        """Move the weight sets back to the engine's device after :meth:`release_memory`
+        (the engine's cache lives per call: every tag takes everything back)."""
         if not self._released:
             return
         for model in self._models.values():

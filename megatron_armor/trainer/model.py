@@ -24,6 +24,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_armor.config.inputs import SUPPORTED_ARCHITECTURES
+from megatron_armor.config.model_overrides import merged_hf_config
 from megatron_armor.config.schema import FP8Config, TrainerConfig
 from megatron_armor.trainer import parallel
 
@@ -75,10 +76,11 @@ def _rope_settings(cfg: dict) -> tuple[float, dict | None]:
 
 
 def read_hf_spec(model_dir: str, overrides: dict | None = None) -> HFModelSpec:
-    """Parse ``model_dir/config.json`` with ``overrides`` (``trainer.model_overrides``) on top;
-    raises for unsupported architectures."""
+    """Parse ``model_dir/config.json`` with ``overrides`` (``trainer.model_overrides``) on top,
+    resolved as the engines get them (``config/model_overrides.py``: a RoPE override replaces
+    the model's base in either config layout); raises for unsupported architectures."""
     with open(os.path.join(model_dir, "config.json")) as f:
-        cfg = {**json.load(f), **(overrides or {})}
+        cfg = merged_hf_config(json.load(f), overrides or {})
     model_type = cfg.get("model_type", "")
     if model_type not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
