@@ -512,12 +512,35 @@ def check_runtime(config: ArmorConfig) -> Problems:
             "install it (NGC PyTorch containers ship it) or set trainer.transformer_impl=local "
             "(and trainer.fp8.enabled=false)"
         )
+    yield from check_fp8_recipe_hardware(config)
     local = t.transformer_impl == "local"
     if t.sequence_parallel and local and importlib.util.find_spec("apex") is None:
         yield (
             "trainer.sequence_parallel=true with trainer.transformer_impl='local' needs Apex "
             "(megatron's torch-norm fallback does not support it); set transformer_impl=te or "
             "sequence_parallel=false"
+        )
+
+
+MXFP8_CAPABILITY = (10, 0)
+"""MXFP8 (block-scaled FP8) runs on Blackwell (compute capability 10.x) and later."""
+
+
+def check_fp8_recipe_hardware(config: ArmorConfig) -> Problems:
+    """``trainer.fp8.recipe=mxfp8`` on a GPU older than Blackwell (H100 is 9.0): TE has no
+    kernels for it there. Checked on the trainer rank's own GPU, where one is visible."""
+    import torch
+
+    fp8 = config.trainer.fp8
+    if not (fp8.enabled and fp8.recipe == "mxfp8" and torch.cuda.is_available()):
+        return
+    capability = torch.cuda.get_device_capability()
+    if capability < MXFP8_CAPABILITY:
+        name = torch.cuda.get_device_name()
+        yield (
+            f"trainer.fp8.recipe='mxfp8' needs a Blackwell GPU (compute capability >= 10.0); "
+            f"this rank's {name} is {capability[0]}.{capability[1]}: use fp8.recipe=delayed "
+            "or tensorwise (or blockwise) on Hopper"
         )
 
 

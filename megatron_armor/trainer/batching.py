@@ -84,6 +84,20 @@ class MicroBatch(PerTokenData):
         return int(self.tokens.shape[1])
 
 
+FP8_ROWS = 16
+"""Rows an FP8 GEMM input needs a multiple of: Transformer Engine asserts the product of all
+dimensions but the last divisible by 8 (``assert_dim_for_fp8_exec``); 16 keeps the packed
+sequence's own alignment."""
+
+
+def token_multiple(tp: int, sequence_parallel: bool, fp8: bool) -> int:
+    """What a micro-batch's token count is padded to a multiple of. Sequence parallelism
+    splits the tokens over the ``tp`` ranks; with FP8 each rank's *local* shard (``T / tp``
+    rows) feeds an FP8 GEMM, so ``T`` is padded to ``tp * 16`` (``lcm(tp, 16)`` would leave
+    ``T / tp`` at 4 rows' granularity for ``tp = 4``, which TE refuses)."""
+    return (tp if sequence_parallel else 1) * (FP8_ROWS if fp8 else 1)
+
+
 def shard_samples(lengths: list[int], dp_size: int) -> list[list[int]]:
     """Assign sample ids to ``dp_size`` ranks balanced by tokens (LPT greedy); sorted ids."""
     heap = [(0, rank) for rank in range(dp_size)]

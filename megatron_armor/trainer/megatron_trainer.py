@@ -9,7 +9,6 @@ LR schedule counted in RL steps or updates (``optim.py``) and stores the referen
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from concurrent import futures
 
@@ -20,7 +19,12 @@ from megatron_armor.algo.losses import LossSettings, finalize_metrics
 from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.config.validate import updates_per_step, validate_runtime
 from megatron_armor.trainer import checkpoint, parallel
-from megatron_armor.trainer.batching import plan_micro_batches, split_minibatches, with_samples
+from megatron_armor.trainer.batching import (
+    plan_micro_batches,
+    split_minibatches,
+    token_multiple,
+    with_samples,
+)
 from megatron_armor.trainer.cpu_compat import enable_cpu_mode
 from megatron_armor.trainer.hf_weights import export_hf_weights, load_hf_weights
 from megatron_armor.trainer.interface import TrainerInterface
@@ -43,8 +47,6 @@ from megatron_armor.trainer.schedule import (
     run_schedule,
 )
 from megatron_armor.trainer.weight_store import WeightStore
-
-FP8_TOKEN_MULTIPLE = 16
 
 
 def exact_kl_means(sums: dict[str, float]) -> dict[str, float]:
@@ -94,10 +96,7 @@ class MegatronTrainer(TrainerInterface):
 
     def _pad_multiple(self) -> int:
         t = self.config.trainer
-        # sequence parallelism splits L over TP; FP8 GEMMs need token counts divisible by 16
-        return math.lcm(
-            t.tp if t.sequence_parallel else 1, FP8_TOKEN_MULTIPLE if t.fp8.enabled else 1
-        )
+        return token_multiple(t.tp, t.sequence_parallel, t.fp8.enabled)
 
     def _micro_batches(self, batch):
         """This rank's micro-batches: bucketed by length; packed (``thd``, no padding) with
