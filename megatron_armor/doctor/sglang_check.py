@@ -3,7 +3,8 @@ weight update through the configured ``rollout.sglang.weight_transport`` (new ra
 version 1), one generation, and its log-probs against the trainer's.
 
 The server runs bf16 kernels and the trainer fp32, so per-token log-probs agree to
-:data:`MEAN_TOLERANCE` on average and :data:`MAX_TOLERANCE` at worst. The new weights have a
+:data:`MEAN_TOLERANCE` on average and :data:`MAX_TOLERANCE` at worst (a CPU server runs fp32:
+``launch.CPU_SERVER_ARGS``; the distributed transport then streams over gloo). The new weights have a
 sharpened output layer (log-probs spread over several nats), so a generation still under the
 old weights would be off by whole nats; its ``weight_version`` would not be ``1`` either.
 """
@@ -30,19 +31,21 @@ STARTUP_TIMEOUT_S = 300
 
 
 def sglang_round_trip(config: ArmorConfig) -> str:
-    if not torch.cuda.is_available():
-        raise NotApplicable(node.NO_CUDA)
     if config.rollout.backend != "sglang":
         raise NotApplicable(f"rollout.backend={config.rollout.backend}: this config runs no SGLang")
+    on_cpu = not torch.cuda.is_available()
     if importlib.util.find_spec("sglang") is None:
+        if on_cpu:
+            raise NotApplicable(f"{node.NO_CUDA}; sglang is not installed here")
         raise CheckFailed("sglang is not installed", "pip install -r requirements-gpu.txt")
     kind = config.rollout.sglang.weight_transport
     with tempfile.TemporaryDirectory(prefix="armor-doctor-sglang-") as tmp:
         first = probes.build_tiny_model(str(Path(tmp) / "v0"), seed=0)
         second = probes.build_tiny_model(str(Path(tmp) / "v1"), seed=1, logit_scale=25.0)
-        server, url = start_server(first, kind, Path(tmp) / "server.log", server_gpu(kind))
+        gpu = 0 if on_cpu else server_gpu(kind)
+        server, url = start_server(first, kind, Path(tmp) / "server.log", gpu, on_cpu)
         try:
-            push_weights(url, kind, second)
+            push_weights(url, kind, second, "cpu" if on_cpu else "cuda")
             samples, server_lp, versions = generate(url)
         finally:
             server.stop()
@@ -57,9 +60,10 @@ def sglang_round_trip(config: ArmorConfig) -> str:
             f"server and trainer log-probs differ by {mean:.3f} nats on average, {worst:.3f} at most",
             "check SGLANG_RETURN_ORIGINAL_LOGPROB=false and the HF<->Megatron weight mapping",
         )
+    where = " (CPU server)" if on_cpu else ""
     return (
-        f"transport {kind}: {len(gaps)} tokens, |server - trainer| log-prob mean {mean:.3f}, "
-        f"max {worst:.3f} nats"
+        f"transport {kind}{where}: {len(gaps)} tokens, |server - trainer| log-prob mean "
+        f"{mean:.3f}, max {worst:.3f} nats"
     )
 
 
@@ -77,18 +81,22 @@ def server_gpu(kind: str) -> int:
 
 
 def start_server(
-    model_dir: str, kind: str, log: Path, gpu: int
+    model_dir: str, kind: str, log: Path, gpu: int, on_cpu: bool = False
 ) -> tuple[launch.ManagedProcess, str]:
+    """One server as the rollout workers start it (``launch.server_args_for``; without a GPU
+    its CPU form, which SGLang 0.5.23 runs only with the sglang test tier's guards)."""
     port = node.free_port()
+    dtype = "float32" if on_cpu else "bfloat16"
     args = launch.server_args_for(
-        model_dir, port, mem_fraction_static=0.2, base_gpu_id=gpu, colocated=kind == "tensor",
-        extra_args={"skip_tokenizer_init": True, "dtype": "bfloat16"},
+        model_dir, port, mem_fraction_static=0.2, base_gpu_id=gpu,
+        colocated=kind == "tensor" and not on_cpu, on_cpu=on_cpu,
+        extra_args={"skip_tokenizer_init": True, "dtype": dtype},
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     server = launch.ManagedProcess(
         launch.build_server_command(args), f"{url}/health_generate", str(log)
     )
-    server.start(env=launch.LOGPROB_ENV)
+    server.start(env=launch.server_env(on_cpu))
     try:
         server.wait_healthy(STARTUP_TIMEOUT_S)
     except Exception:
@@ -97,28 +105,39 @@ def start_server(
     return server, url
 
 
-def push_weights(url: str, kind: str, model_dir: str) -> None:
-    """Version 1 of the weights, from ``model_dir``, through ``kind`` (every body names it)."""
+def push_weights(url: str, kind: str, model_dir: str, device: str = "cuda") -> None:
+    """Version 1 of the weights, from ``model_dir``, through ``kind`` (every body names it);
+    the tensor and distributed updates inside a weight-update session, closed by a flush."""
     from safetensors.torch import load_file
 
-    tensors = sorted(load_file(str(Path(model_dir) / "model.safetensors"), device="cuda").items())
+    tensors = sorted(load_file(str(Path(model_dir) / "model.safetensors"), device=device).items())
     if kind == "disk":
         _post(
             url, "/update_weights_from_disk", client.update_weights_from_disk_payload(model_dir, 1)
         )
-    elif kind == "tensor":
-        serialized, keepalive = transport.serialize_bucket(tensors)
-        body = client.update_weights_from_tensor_payload([serialized], 1)  # one server TP rank
-        _post(url, "/update_weights_from_tensor", body)
-        del keepalive
-    else:
-        _stream(url, tensors)
+        return
+    _post(url, transport.BEGIN_ENDPOINT, {})
+    try:
+        if kind == "tensor":
+            bucket = transport.serialize_bucket(tensors)
+            body = client.update_weights_from_tensor_payload(  # one server TP rank
+                [bucket.text], 1, bucket.load_format
+            )
+            _post(url, transport.TENSOR_ENDPOINT, body)
+            del bucket
+        else:
+            _stream(url, tensors, "gloo" if device == "cpu" else "nccl")
+    finally:
+        _post(url, transport.END_ENDPOINT, {})
+    _post(url, transport.FLUSH_ENDPOINT, {})
 
 
-def _stream(url: str, tensors: list[tuple[str, torch.Tensor]]) -> None:
+def _stream(url: str, tensors: list[tuple[str, torch.Tensor]], backend: str) -> None:
     from megatron_armor.rollout.sglang.distributed import DistributedWeightSender
 
-    sender = DistributedWeightSender([(url, 1)], "127.0.0.1", node.free_port(), "armor-doctor")
+    sender = DistributedWeightSender(
+        [(url, 1)], "127.0.0.1", node.free_port(), "armor-doctor", backend=backend
+    )
     try:
         sender.connect(timeout_s=120)
         sender.send(tensors, version=1, timeout_s=120)

@@ -25,6 +25,7 @@ from megatron_armor.orchestration.placement import (
     LayoutPlan,
     RolloutHost,
     actor_options,
+    server_owner_options,
     trainer_runtime_env,
 )
 from megatron_armor.orchestration.workers import RewardWorker, RolloutWorker, TrainerWorker
@@ -340,7 +341,7 @@ class RolloutActors:
         self.weight_sync = None  # set by the session (orchestration/weight_sync.py)
         if hosts:
             for i, host in enumerate(hosts):
-                opts = actor_options(plan, pg, order or [], host.bundle, 0.0)
+                opts = server_owner_options(actor_options(plan, pg, order or [], host.bundle, 0.0))
                 args = (config, i, plan.threads, host.servers)
                 self.actors.append(_remote(RolloutWorker, opts).remote(*args))
             policy, reference = worker_roles(hosts, self.has_ref_pool)
@@ -550,6 +551,23 @@ class RolloutActors:
                     for w, indices in servers.items()]  # fmt: skip
         wait(refs, f"{pool} servers loading {path}")
 
+    def begin_weight_update(self, pool: str, servers: dict[int, list[int]] | None = None) -> None:
+        """Open the weight-update session of ``pool``'s servers (all, or ``{worker: [server
+        index]}``) before the trainer ranks stream into them (``weight_sync.SessionSync``)."""
+        self._on_servers(pool, servers, "begin_weight_update", "opening the weight update")
+
+    def end_weight_update(self, pool: str, servers: dict[int, list[int]] | None = None) -> None:
+        """Close what :meth:`begin_weight_update` opened (and flush the servers' caches)."""
+        self._on_servers(pool, servers, "end_weight_update", "closing the weight update")
+
+    def _on_servers(self, pool: str, servers: dict[int, list[int]] | None, verb: str, what: str):
+        if servers is None:
+            refs = [getattr(a, verb).remote(pool) for a in self._pool_actors(pool)]
+        else:
+            refs = [getattr(self.actors[w], verb).remote(pool, indices)
+                    for w, indices in servers.items()]  # fmt: skip
+        wait(refs, f"{pool} servers {what}")
+
     def reference_misses(self, items: list, n: int) -> int:
         """How many of ``items`` the reference workers must sample afresh (not cached)."""
         parts = self.reference_parts(items)
@@ -633,8 +651,9 @@ class RolloutActors:
     def release_memory(self) -> None:
         wait([a.release_memory.remote() for a in self.actors], "rollout release_memory")
 
-    def resume_memory(self) -> None:
-        wait([a.resume_memory.remote() for a in self.actors], "rollout resume_memory")
+    def resume_memory(self, tags: list[str] | None = None) -> None:
+        """Take back the memory of ``tags`` (``weights``, ``kv_cache``; ``None``: all)."""
+        wait([a.resume_memory.remote(tags) for a in self.actors], "rollout resume_memory")
 
     def weight_versions(self) -> list[dict[str, int]]:
         return wait(

@@ -99,24 +99,38 @@ def finish_minibatches(s: Session, queued: list[list]) -> dict[str, float]:
     return reduce_update_metrics(updates)
 
 
+def heal_before_push(s: Session, step: int) -> int:
+    """Servers that died while the trainer worked come back (with the weights they served)
+    before the push, which would otherwise fail on them; not ``colocated``, where the engines
+    released their memory and cannot answer a health check (it generates a token)."""
+    if s.config.orchestration.layout == "colocated":
+        return 0
+    return s.heal_rollout(step)
+
+
 def sync_and_maybe_reset(s: Session, step: int) -> dict[str, float]:
-    """Weight sync (version = step); then a reference reset if the schedule says so."""
+    """Weight sync (version = step); then a reference reset if the schedule says so.
+    Colocated engines take their weights' memory back before the pushes and their KV cache
+    after them, so the cache is not on the GPUs beside the pushes' buckets."""
+    colocated = s.config.orchestration.layout == "colocated"
     with s.timers.phase("sync"):
         if s.config.trainer.offload_train_state:  # before the engines take their memory back
             s.trainer.offload_train_state()
-        if s.config.orchestration.layout == "colocated":
-            s.rollout.resume_memory()
+        if colocated:
+            s.rollout.resume_memory(["weights"])
         num_bytes = s.push_policy(step)  # trainer ranks -> engines (weight_sync.py)
         s.state.policy_version = step
     s.meter.add_weight_sync(s.timers.seconds("sync"), num_bytes)
-    if not s.schedule.should_reset(step):
-        return {"reset/performed": 0.0, "reset/ref_version": float(s.state.ref_version)}
-    with s.timers.phase("reset"):
-        s.trainer.reset_reference()
-        s.push_reference(step, reset=True)  # the trainer's reference is now the policy
-        s.schedule.record_reset(step)
-        s.state.ref_version = step
-    return {"reset/performed": 1.0, "reset/ref_version": float(step)}
+    reset = s.schedule.should_reset(step)
+    if reset:
+        with s.timers.phase("reset"):
+            s.trainer.reset_reference()
+            s.push_reference(step, reset=True)  # the trainer's reference is now the policy
+            s.schedule.record_reset(step)
+            s.state.ref_version = step
+    if colocated:
+        s.rollout.resume_memory(["kv_cache"])
+    return {"reset/performed": float(reset), "reset/ref_version": float(s.state.ref_version)}
 
 
 def validate(s: Session, step: int) -> dict[str, float]:
@@ -184,6 +198,7 @@ def run_step(s: Session, rollout: AnchorRollout, step: int) -> dict[str, float]:
         logprob_mismatch_metrics(batch, result.groups, needs_reference_logprobs(s.config.algo))
     )
     metrics.update(s.rollout.reference_metrics(cache_counters))
+    restarted += heal_before_push(s, step)
     metrics.update(sync_and_maybe_reset(s, step))
     metrics.update(
         {

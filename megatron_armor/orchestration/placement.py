@@ -10,7 +10,8 @@
 With ``rollout.backend: sglang`` the SGLang servers (``rollout.sglang.pools``: the policy
 servers and, for a dedicated reference, the reference servers) are launched as subprocesses by
 one rollout worker per node that holds any of them (a CPU actor placed in the bundle of that
-node's first server; Ray leaves ``CUDA_VISIBLE_DEVICES`` alone for an actor without GPUs).
+node's first server, :func:`server_owner_options`, so that Ray leaves ``CUDA_VISIBLE_DEVICES``
+alone for it though it has no GPUs).
 Each server gets the physical GPU id of its first bundle (:func:`rollout_hosts`); the GPU
 bundles are the trainer's (and, disaggregated, a reservation of the rollout GPUs after them).
 
@@ -301,6 +302,22 @@ def trainer_runtime_env(config: ArmorConfig, rank: int) -> dict:
     if config.logging.profile != "nsys" or not config.orchestration.ray_address:
         return {}
     return {"runtime_env": {"nsight": {**NSYS_TRAINER_OPTIONS, "o": f"trainer_rank{rank}_%p"}}}
+
+
+SERVER_OWNER_ENV = {"RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0"}
+"""Environment of a rollout worker that starts SGLang servers. The worker is a CPU actor
+(``num_gpus=0``) placed in the bundle of its node's first server; its servers are subprocesses
+that inherit its environment. Ray releases before the flip of this default (ray-project/ray
+#62492) set ``CUDA_VISIBLE_DEVICES=""`` for an actor without GPUs, and the servers would then
+see none; with the variable at 0 every Ray release leaves the node's devices visible."""
+
+
+def server_owner_options(options: dict) -> dict:
+    """``options`` of a rollout worker that launches SGLang servers (:data:`SERVER_OWNER_ENV`
+    added to its runtime environment)."""
+    runtime_env = dict(options.get("runtime_env") or {})
+    runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}), **SERVER_OWNER_ENV}
+    return {**options, "runtime_env": runtime_env}
 
 
 def actor_options(plan: LayoutPlan, pg, order: list[int], bundle: int | None, gpus: float) -> dict:

@@ -188,7 +188,7 @@ class Session:
         if offload:
             self.trainer.offload_train_state()
             if colocated:
-                self.rollout.resume_memory()
+                self.resume_engines()
         self.state.save(tmp)
         self.watch.publish(self.run_dir)  # the best is protected before the rotation runs
         earlier = checkpoints.list_checkpoints(self.run_dir)
@@ -196,6 +196,18 @@ class Session:
         if earlier:  # anchor files up to the previous checkpoint are final: gzip them
             compress_anchor_files(self.run_dir, earlier[-1][0])
         return final
+
+    def resume_engines(self) -> None:
+        """Colocated engines take their memory back after a release outside the step's sync.
+        SGLang policy servers released their weights (only the reference pool keeps a host
+        copy, ``launch.server_args_for``): they take the weights' memory, get the policy pushed
+        again, then take their KV cache."""
+        if not backend_of(self.config).serves_over_http:
+            self.rollout.resume_memory()
+            return
+        self.rollout.resume_memory(["weights"])
+        self.push_policy(self.state.policy_version)
+        self.rollout.resume_memory(["kv_cache"])
 
     def push_policy(self, version: int) -> int:
         """Load the trainer's policy into the engines (``orchestration/weight_sync.py``)."""

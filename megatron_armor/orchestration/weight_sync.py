@@ -243,12 +243,30 @@ class ServerSync(WeightSync):
         return chosen
 
 
-class TensorSync(ServerSync):
+class SessionSync(ServerSync):
+    """A transport whose requests SGLang takes only inside a weight-update session
+    (``/begin_weight_update`` ... ``/end_weight_update``, SGLang >= 0.5.23): the rollout
+    workers open it on the servers the push goes to, the trainer ranks stream, the workers
+    close it (and flush the servers' caches) even when the push failed, so a retry or a heal
+    finds no session left open."""
+
+    def _send(self, version: int, weights: str, pool: str, servers: Servers | None) -> int:
+        self.rollout.begin_weight_update(pool, servers)
+        try:
+            return self._stream(version, weights, pool, servers)
+        finally:
+            self.rollout.end_weight_update(pool, servers)
+
+    def _stream(self, version: int, weights: str, pool: str, servers: Servers | None) -> int:
+        raise NotImplementedError
+
+
+class TensorSync(SessionSync):
     """``tensor``: CUDA-IPC handles from the colocated trainer ranks (``TensorRankSync``)."""
 
     transport = "tensor"
 
-    def _send(self, version: int, weights: str, pool: str, servers: Servers | None) -> int:
+    def _stream(self, version: int, weights: str, pool: str, servers: Servers | None) -> int:
         from megatron_armor.rollout.sglang.pools import pool_specs
         from megatron_armor.trainer.weight_sync import ServerTarget
 
@@ -259,12 +277,12 @@ class TensorSync(ServerSync):
         return self.trainer.push_weights(version, weights, pool, target)
 
 
-class DistributedSync(ServerSync):
+class DistributedSync(SessionSync):
     """``distributed``: NCCL broadcasts from each PP stage's export rank into the pool."""
 
     transport = "distributed"
 
-    def _send(self, version: int, weights: str, pool: str, servers: Servers | None) -> int:
+    def _stream(self, version: int, weights: str, pool: str, servers: Servers | None) -> int:
         from megatron_armor.trainer.weight_sync import ServerTarget
 
         target = [ServerTarget(url, tp, api_key=key) for _, url, tp, _, key in self.targets(pool)]

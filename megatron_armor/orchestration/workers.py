@@ -524,8 +524,9 @@ class RolloutWorker:
     ) -> None:
         """``/update_weights_from_disk`` of the HF dir ``path`` the trainer ranks wrote, into
         ``pool``'s servers ``indices`` (default: all, which then serve ``version``)."""
-        servers = None if indices is None else self._servers(pool, indices)
-        self._pool(pool).update_weights_from_disk(path, version, servers)
+        self._pool(pool).update_weights_from_disk(
+            path, version, self._servers_or_all(pool, indices)
+        )
 
     def reference_misses(self, items: list, n: int) -> int:
         """How many of ``items`` need fresh reference samples (the rest are cached anchors)."""
@@ -556,9 +557,21 @@ class RolloutWorker:
         for pool in self.pools():
             self._pool(pool).release_memory()
 
-    def resume_memory(self) -> None:
+    def resume_memory(self, tags: list[str] | None = None) -> None:
+        """Every pool takes back the memory of ``tags`` (``None``: all)."""
         for pool in self.pools():
-            self._pool(pool).resume_memory()
+            self._pool(pool).resume_memory(tags)
+
+    def begin_weight_update(self, pool: str, indices: list[int] | None = None) -> None:
+        """Open the weight-update session of ``pool``'s servers ``indices`` (default: all)."""
+        self._pool(pool).begin_weight_update(self._servers_or_all(pool, indices))
+
+    def end_weight_update(self, pool: str, indices: list[int] | None = None) -> None:
+        """Close the session :meth:`begin_weight_update` opened."""
+        self._pool(pool).end_weight_update(self._servers_or_all(pool, indices))
+
+    def _servers_or_all(self, pool: str, indices: list[int] | None):
+        return None if indices is None else self._servers(pool, indices)
 
     # ------------------------------------------------------------------ health (SGLang)
     def restart_dead_servers(self) -> dict[str, list[int]]:

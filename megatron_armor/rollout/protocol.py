@@ -76,8 +76,9 @@ class RolloutEngine(ABC):
         """Free accelerator memory while the trainer runs (colocated mode); default: nothing to free."""
         return None
 
-    def resume_memory(self) -> None:
-        """Take memory back after :meth:`release_memory`; default: nothing to take back."""
+    def resume_memory(self, tags: list[str] | None = None) -> None:
+        """Take memory back after :meth:`release_memory`: the parts ``tags`` (SGLang's
+        ``weights`` / ``kv_cache``; ``None``: all); default: nothing to take back."""
         return None
 
     def has_weights(self, weights: str) -> bool:
@@ -100,6 +101,15 @@ class RolloutEngine(ABC):
     def set_weight_version(self, version: int) -> None:
         """Record ``version`` after the trainer ranks pushed weights to the servers themselves."""
         raise self._no_servers("set_weight_version")
+
+    def begin_weight_update(self, servers: list | None = None) -> None:
+        """Open the weight-update session of ``servers`` (default: all) before a pushed
+        update that needs one (SGLang's tensor and distributed updates)."""
+        raise self._no_servers("begin_weight_update")
+
+    def end_weight_update(self, servers: list | None = None) -> None:
+        """Close the session :meth:`begin_weight_update` opened."""
+        raise self._no_servers("end_weight_update")
 
     def update_weights_from_disk(
         self, model_path: str, version: int, servers: list | None = None

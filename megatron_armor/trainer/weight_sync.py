@@ -130,23 +130,23 @@ class TensorRankSync(RankSync):
         self._client = None
 
     def push(self, version: int, weights: str, pool: str, target: list[ServerTarget]) -> int:
-        if not torch.cuda.is_available():
-            raise RuntimeError(
-                "rollout.sglang.weight_transport=tensor shares CUDA memory with colocated "
-                "servers; on a machine without GPUs use weight_transport=disk or distributed"
-            )
+        """Every bucket of every stage into the servers ``target`` (inside their weight-update
+        session, opened and closed by their rollout worker: ``orchestration/weight_sync.py``).
+        On ranks without a GPU each bucket travels as inline bytes
+        (``weights.serialize_cpu_bucket``), the CPU form of the same requests."""
         rank, sent = dist.get_rank(), 0
         groups = [self._gather_group(t) for t in target]
         for bucket in every_stage_buckets(self.trainer, weights, self.bucket_bytes):
-            serialized, flat = transport.serialize_bucket(bucket)
-            torch.cuda.synchronize()  # the flat buffer is written before a server maps it
+            serialized = transport.serialize_bucket(bucket)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()  # the flat buffer is written before a server maps it
             for server, group in zip(target, groups, strict=True):
                 if group is not None:
                     self._post(server, group, serialized, version, rank)
             if target and rank == target[0].first_rank:  # the model's bytes, counted once
                 sent += bucket_bytes(bucket)
             dist.barrier()  # every server has loaded the bucket: its buffer may be freed
-            del flat
+            del serialized
         return sent
 
     def _gather_group(self, server: ServerTarget):
@@ -157,13 +157,13 @@ class TensorRankSync(RankSync):
             self.groups[ranks] = dist.new_group(list(ranks), backend="gloo")
         return self.groups[ranks] if dist.get_rank() in ranks else None
 
-    def _post(self, server: ServerTarget, group, serialized: str, version: int, rank: int) -> None:
+    def _post(self, server: ServerTarget, group, serialized, version: int, rank: int) -> None:
         """Gather the server's TP ranks' handles on its first rank, which posts them."""
         first = server.first_rank
         handles = [None] * server.tp if rank == first else None
-        dist.gather_object(serialized, handles, dst=first, group=group)
+        dist.gather_object(serialized.text, handles, dst=first, group=group)
         if rank == first:
-            payload = update_weights_from_tensor_payload(handles, version)
+            payload = update_weights_from_tensor_payload(handles, version, serialized.load_format)
             self._client_loop(server.api_key).run(
                 self._client.post(server.url, transport.TENSOR_ENDPOINT, payload)
             )
@@ -192,9 +192,19 @@ class TensorRankSync(RankSync):
             self._client = None
 
 
+def stage_turns(pp_size: int) -> list[int]:
+    """The order in which the pipeline stages stream into the servers: one stage at a time.
+    A server runs its requests one by one and blocks in each broadcast until every member of
+    that stage's group joins: two stages streaming at once may reach two servers in opposite
+    orders, each server then waiting in a group the other has not joined (a deadlock with
+    ``pp > 1`` and two or more servers)."""
+    return list(range(pp_size))
+
+
 class DistributedRankSync(RankSync):
     """``distributed``: each PP stage's export rank broadcasts into the servers over NCCL
-    (gloo on a machine without GPUs), one group per stage and pool, kept between pushes."""
+    (gloo on a machine without GPUs), one group per stage and pool, kept between pushes; the
+    stages take turns (:func:`stage_turns`), a barrier over every rank between two turns."""
 
     transport = "distributed"
 
@@ -204,6 +214,16 @@ class DistributedRankSync(RankSync):
         self.senders: dict = {}
 
     def push(self, version: int, weights: str, pool: str, target: list[ServerTarget]) -> int:
+        from megatron_armor.trainer import parallel
+
+        sent = 0
+        for stage in stage_turns(parallel.pp_size()):
+            if stage == parallel.pp_rank():  # the stage's ranks export together (TP gathers)
+                sent += self._push_stage(version, weights, pool, target)
+            dist.barrier()  # the stage is in every server before the next one streams
+        return sent
+
+    def _push_stage(self, version: int, weights: str, pool: str, target: list[ServerTarget]):
         tensors = iter(self.trainer.export_weights(weights, device=None))
         first = next(tensors, None)
         if first is None:  # not an exporting rank: the export already ran to its end

@@ -25,6 +25,12 @@ def pids_mentioning(text: str) -> list[int]:
     return pids
 
 
+def server_pids(port: int) -> list[int]:
+    """Processes started with the arguments ``--port PORT`` (a server's, as the SGLang backend
+    launches it: ``/proc/PID/cmdline`` separates arguments with NUL bytes)."""
+    return pids_mentioning(f"--port\0{port}\0")
+
+
 def kill_leftovers(proc: subprocess.Popen, ray_tmp: str) -> None:
     """``kill -9`` of ``proc``'s process group and of every process under ``ray_tmp``."""
     try:

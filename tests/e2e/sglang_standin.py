@@ -1,5 +1,7 @@
-"""An SGLang server stand-in for CPU end-to-end runs, started exactly as the SGLang backend
-starts its servers: ``python -m sglang_standin --model-path DIR --host H --port P ...`` (the
+"""An SGLang server stand-in for the one fault the real server cannot be made to show on cue: a
+server that is alive but unhealthy (a wedge); everything else the project says to SGLang is said
+to the real server in the sglang tier (``tests/sglang``). Started exactly as the SGLang
+backend starts its servers: ``python -m sglang_standin --model-path DIR --host H --port P ...`` (the
 ServerArgs flags; ``rollout.sglang.server_module=sglang_standin`` with this folder on
 ``PYTHONPATH``).
 
@@ -7,7 +9,9 @@ It answers SGLang's native endpoints the run uses (``/health_generate``, ``/gene
 ``input_ids`` / ``sampling_params`` / ``return_logprob``, ``/update_weights_from_disk``,
 ``/init_weights_update_group`` + ``/update_weights_from_distributed`` (gloo broadcasts from the
 trainer rank) + ``/destroy_weights_update_group``, ``/release_memory_occupation``,
-``/resume_memory_occupation``, ``/abort_request``) with real
+``/resume_memory_occupation``, ``/pause_generation``, ``/continue_generation``,
+``/begin_weight_update`` / ``/end_weight_update`` (a streamed update outside them is refused, as
+by SGLang 0.5.23), ``/abort_request``) with real
 samples of the HF model in ``--model-path`` drawn by the embedded engine (``TorchEngine``), so
 log-probs are exact and a run's engine-vs-trainer checks hold. One request = one sample,
 seeded by ``sampling_params.sampling_seed``; ``--tp-size`` must be 1. Not covered by it: the
@@ -63,6 +67,7 @@ class StandInServer:
         self.wedge_at = int(wedge) if self.mark is not None and not self.mark.exists() else None
         self.wedged = False
         self.group = None  # the trainer's weight-sync group (distributed transport)
+        self.in_session = False  # SGLang's weight-update session (begin/end_weight_update)
 
     def app(self) -> web.Application:
         middlewares = [api_key_middleware(self.api_key)] if self.api_key else []
@@ -73,10 +78,25 @@ class StandInServer:
         app.router.add_post("/init_weights_update_group", self.init_group)
         app.router.add_post("/update_weights_from_distributed", self.update_from_distributed)
         app.router.add_post("/destroy_weights_update_group", self.destroy_group)
+        app.router.add_post("/begin_weight_update", self.begin_session)
+        app.router.add_post("/end_weight_update", self.end_session)
         for endpoint in ("/release_memory_occupation", "/resume_memory_occupation",
-                         "/abort_request", "/flush_cache"):  # fmt: skip
+                         "/pause_generation", "/continue_generation", "/abort_request",
+                         "/flush_cache"):  # fmt: skip
             app.router.add_post(endpoint, self.ok)
         return app
+
+    async def begin_session(self, request: web.Request) -> web.Response:
+        if self.in_session:
+            return web.json_response({"success": False, "message": "already open"}, status=400)
+        self.in_session = True
+        return web.json_response({"success": True, "message": ""})
+
+    async def end_session(self, request: web.Request) -> web.Response:
+        if not self.in_session:
+            return web.json_response({"success": False, "message": "none open"}, status=400)
+        self.in_session = False
+        return web.json_response({"success": True, "message": ""})
 
     async def health(self, request: web.Request) -> web.Response:
         if self.wedged:
@@ -127,8 +147,12 @@ class StandInServer:
         return web.json_response({"success": True, "message": ""})
 
     async def update_from_distributed(self, request: web.Request) -> web.Response:
-        """Receive the bucket the trainer broadcasts (``names`` / ``dtypes`` / ``shapes``)."""
+        """Receive the bucket the trainer broadcasts (``names`` / ``dtypes`` / ``shapes``);
+        outside a weight-update session refused as SGLang 0.5.23 refuses it."""
         body = await request.json()
+        if not self.in_session:
+            message = "must run between begin_weight_update() and end_weight_update()"
+            return web.json_response({"success": False, "message": message}, status=400)
 
         def receive():
             out = []

@@ -27,7 +27,7 @@ from megatron_armor.orchestration.step_metrics import read_anchor_file
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from e2e_runs import CACHED, Run  # noqa: E402
-from process_group import pids_mentioning  # noqa: E402
+from process_group import server_pids  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
@@ -149,7 +149,7 @@ def test_sglang_backend_with_a_reference_pool_and_a_wedged_server(
     run = Run(out_dir, f"sglang_{transport}_{strategy}", tiny_dir, *sglang, "run.steps=3",
               "validation.every=3", env=env)  # fmt: skip
     code = run.wait()
-    left = [pid for port in ports for pid in pids_mentioning(f"--port {port}")]
+    left = [pid for port in ports for pid in server_pids(port)]
     for pid in left:  # this run's servers only
         try:
             os.kill(pid, signal.SIGKILL)

@@ -71,6 +71,11 @@ ENDPOINT_FIELDS = {
     "/destroy_weights_update_group": {"group_name"},
     "/release_memory_occupation": {"tags"},
     "/resume_memory_occupation": {"tags"},
+    "/pause_generation": {"mode"},
+    "/continue_generation": {"torch_empty_cache"},
+    "/begin_weight_update": {"selector"},
+    "/end_weight_update": set(),
+    "/flush_cache": set(),
 }  # fmt: skip
 # A subset of ServerArgs fields (server_args.py), enough for the launch builder.
 SERVER_ARGS_FIELDS = {
@@ -290,7 +295,11 @@ def test_launch_command_uses_server_args_flags():
     flags = launch.build_server_command(longer, SERVER_ARGS_FIELDS, python="python")
     assert "--context-length 10240" in " ".join(flags)
     override = flags[flags.index("--json-model-override-args") + 1]
-    assert json.loads(override) == {"max_position_embeddings": 16384, "rope_theta": 40000}
+    # the RoPE override in the form SGLang's loaded config reads (config/model_overrides.py)
+    assert json.loads(override) == {
+        "max_position_embeddings": 16384,
+        "rope_parameters": {"rope_theta": 40000.0, "rope_type": "default"},
+    }
 
 
 def test_a_custom_server_module_takes_the_same_flags():
@@ -363,8 +372,9 @@ def test_payloads_match_sglang_fields():
     assert set(tensor_body) <= ENDPOINT_FIELDS["/update_weights_from_tensor"]
     assert tensor_body["serialized_named_tensors"] == ["rank0", "rank1"]
     assert tensor_body["load_format"] == "flattened_bucket"
+    assert tensor_body["flush_cache"] is False  # the session's end flushes once
     with pytest.raises(ValueError, match="weight_transport=tensor got CPU tensors"):
-        transport.serialize_bucket(bucket)
+        transport.serialize_cuda_bucket(bucket)
 
 
 def test_buckets_respect_size_and_order():
@@ -458,9 +468,13 @@ def test_disk_transport_and_memory_calls(standin, tmp_path):
         assert engine.generate([[1]], 1, SamplingParams(max_new_tokens=1))[0][0].weight_version == 4
         engine.release_memory()
         engine.resume_memory(tags=["weights"])
-        assert [e for e, _ in standin.calls][-2:] == [
+        engine.resume_memory(tags=["kv_cache"])
+        assert [e for e, _ in standin.calls][-5:] == [
+            "/pause_generation",  # a release needs an idle scheduler
             "/release_memory_occupation",
-            "/resume_memory_occupation",
+            "/resume_memory_occupation",  # weights
+            "/resume_memory_occupation",  # kv cache, then generation goes on
+            "/continue_generation",
         ]
         assert engine.health()
         standin.healthy = False

@@ -120,6 +120,10 @@ def our_bodies() -> dict[str, tuple[str, dict]]:
             "ResumeMemoryOccupationReqInput",
             client.resume_memory_occupation_payload(["weights"]),
         ),
+        "/pause_generation": ("PauseGenerationReqInput", client.pause_generation_payload()),
+        "/continue_generation": ("ContinueGenerationReqInput", {}),
+        transport.BEGIN_ENDPOINT: ("BeginWeightUpdateReqInput", {}),
+        transport.END_ENDPOINT: ("EndWeightUpdateReqInput", {}),
     }
 
 
@@ -274,11 +278,36 @@ def round_trip(sglang_src: Path, device: str) -> str:
     return result.stdout.strip().splitlines()[-1]
 
 
+NAMED_RECEIVER = (
+    SERIALIZER
+    + r"""
+serializer = sglang_serializer(sys.argv[1])
+named = serializer.deserialize(sys.stdin.read())
+print("RECEIVED", [(name, t.device.type, float(t.double().sum())) for name, t in named])
+"""
+)
+
+
 @pytest.mark.unit
-def test_cpu_tensor_payload_fails_in_an_independent_process(sglang_src):
+def test_cpu_tensors_travel_inline_not_as_shared_memory(sglang_src):
+    """SGLang's serializer shares a CPU tensor as a file descriptor that an independent process
+    cannot open; the CUDA form refuses CPU tensors; the CPU form (inline bytes) is opened by
+    SGLang's own ``SafeUnpickler`` in an independent process (the real server takes it: the
+    sglang tier's ``test_tensor_update_with_the_cpu_payload``)."""
     assert round_trip(sglang_src, "cpu").startswith("FAILED AuthenticationError")
+    named = bucket()
     with pytest.raises(ValueError, match="weight_transport=tensor got CPU tensors"):
-        transport.serialize_bucket(bucket())  # our transport never sends that payload
+        transport.serialize_cuda_bucket(named)
+    serialized = transport.serialize_cpu_bucket(named)
+    assert serialized.load_format is None
+    common = str(sglang_src / "srt/utils/common.py")
+    result = subprocess.run(
+        [sys.executable, "-c", NAMED_RECEIVER, common], input=serialized.text,
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    expected = [(name, "cpu", float(t.double().sum())) for name, t in named]
+    assert result.stdout.strip().splitlines()[-1] == f"RECEIVED {expected}"
 
 
 @pytest.mark.gpu

@@ -84,16 +84,20 @@ def abort_payload(rid: str | None) -> dict[str, Any]:
     return {"rid": rid or "", "abort_all": rid is None}
 
 
-def update_weights_from_tensor_payload(serialized: list[str], version: int) -> dict:
+def update_weights_from_tensor_payload(
+    serialized: list[str], version: int, load_format: str | None = "flattened_bucket"
+) -> dict:
     """Body of ``/update_weights_from_tensor`` (``UpdateWeightsFromTensorReqInput``) for one
-    bucket: ``serialized[t]`` is the ``MultiprocessingSerializer`` text of the bucket as shared
-    from the GPU of the server's TP rank ``t`` (SGLang's ``TpModelWorker`` reads
+    bucket: ``serialized[t]`` is the base64 ``MultiprocessingSerializer`` text of the bucket as
+    the server's TP rank ``t`` opens it (SGLang's ``TpModelWorker`` reads
     ``serialized_named_tensors[tp_rank]``), so the list has one entry per server TP rank;
-    ``load_format='flattened_bucket'``."""
+    ``load_format``: ``flattened_bucket`` (CUDA IPC of one flat buffer) or ``None`` (a list of
+    named tensors: the CPU form, ``weights.serialize_bucket``). Inside a weight-update session;
+    no cache flush per bucket (the session's end flushes once, ``SGLangEngine.end_weight_update``)."""
     return {
         "serialized_named_tensors": list(serialized),
-        "load_format": "flattened_bucket",
-        "flush_cache": True,
+        "load_format": load_format,
+        "flush_cache": False,
         "weight_version": str(version),
     }
 
@@ -102,13 +106,14 @@ def update_weights_from_distributed_payload(
     names: list[str], dtypes: list[str], shapes: list[list[int]], version: int, group_name: str
 ) -> dict:
     """Body of ``/update_weights_from_distributed`` (``UpdateWeightsFromDistributedReqInput``):
-    the receivers allocate ``names[i]`` as ``dtypes[i]`` (``'bfloat16'``) of ``shapes[i]``."""
+    the receivers allocate ``names[i]`` as ``dtypes[i]`` (``'bfloat16'``) of ``shapes[i]``.
+    Inside a weight-update session; no flush per bucket (as the tensor payload)."""
     return {
         "names": list(names),
         "dtypes": list(dtypes),
         "shapes": [list(shape) for shape in shapes],
         "group_name": group_name,
-        "flush_cache": True,
+        "flush_cache": False,
         "weight_version": str(version),
     }
 
@@ -140,6 +145,13 @@ def destroy_weights_update_group_payload(group_name: str) -> dict:
 def update_weights_from_disk_payload(model_path: str, version: int) -> dict:
     """Body of ``/update_weights_from_disk`` (``UpdateWeightFromDiskReqInput``)."""
     return {"model_path": model_path, "weight_version": str(version)}
+
+
+def pause_generation_payload() -> dict:
+    """Body of ``/pause_generation`` (``PauseGenerationReqInput``): ``retract`` moves running
+    requests back to the waiting queue (none are lost; they go on after
+    ``/continue_generation``) and leaves the scheduler idle for a memory release."""
+    return {"mode": "retract"}
 
 
 def release_memory_occupation_payload() -> dict:

@@ -32,6 +32,7 @@ from megatron_armor.rollout.sglang.client import (
     generate_payload,
     new_rid,
     parse_generate_response,
+    pause_generation_payload,
     release_memory_occupation_payload,
     resume_memory_occupation_payload,
     sample_seed,
@@ -41,6 +42,8 @@ from megatron_armor.rollout.sglang.pools import PoolSpec, policy_pool, pool_spec
 from megatron_armor.rollout.sglang.router import RouterAdmin
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
+KV_CACHE = "kv_cache"
+"""SGLang's memory tag of the KV cache (``weights`` the other one the loop uses)."""
 
 
 @dataclass
@@ -81,8 +84,11 @@ class SGLangEngine(RolloutEngine):
         gpu_ids: list[int] | None = None,
         indices: list[int] | None = None,
         model_overrides: dict | None = None,
+        on_cpu: bool = False,
     ) -> None:
-        """``model_overrides``: ``trainer.model_overrides``, served as the trainer trains. ``pool`` (default: the policy pool described by ``cfg``) sets the server count, TP
+        """``model_overrides``: ``trainer.model_overrides``, served as the trainer trains.
+        ``on_cpu``: servers without GPUs (``orchestration.layout: cpu``; ``launch.CPU_SERVER_ARGS``).
+        ``pool`` (default: the policy pool described by ``cfg``) sets the server count, TP
         size, memory flag and ports. This engine runs the pool's servers ``indices`` (default:
         all of them; on several nodes each node's rollout worker runs its own), listening on
         ``host:base_port + index``, with ``gpu_ids`` their first GPUs on this node (default:
@@ -90,6 +96,7 @@ class SGLangEngine(RolloutEngine):
         self.model_path = model_path
         self.cfg = cfg
         self.model_overrides = dict(model_overrides or {})
+        self.on_cpu = on_cpu
         self.pool = pool or policy_pool(cfg, len(urls) if urls else max(cfg.num_engines, 1))
         self.host = host
         self.weights_dir = weights_dir
@@ -147,6 +154,7 @@ class SGLangEngine(RolloutEngine):
             config.trainer.model_path, config.rollout.sglang, host=host, pool=specs[pool],
             weights_dir=os.path.join(run_dir, "sglang_weights", pool, host), gpu_ids=gpu_ids,
             indices=indices, model_overrides=dict(config.trainer.model_overrides),
+            on_cpu=config.orchestration.layout == "cpu",
         )  # fmt: skip
         if start:
             try:
@@ -164,7 +172,7 @@ class SGLangEngine(RolloutEngine):
             os.makedirs(log_dir, exist_ok=True)
         for server in self.servers:
             server.process = self.server_process(server, colocated, log_dir)
-            server.process.start(env=launch.LOGPROB_ENV)
+            server.process.start(env=launch.server_env(self.on_cpu))
         for server in self.servers:
             server.process.wait_healthy(self.cfg.startup_timeout_s)
         if self.cfg.router and self.router_url is None:
@@ -187,6 +195,9 @@ class SGLangEngine(RolloutEngine):
             api_key=self._api_key,
             context_length=self.cfg.context_length,
             model_overrides=self.model_overrides,
+            on_cpu=self.on_cpu,
+            # nothing pushes the reference again after a release: its servers keep a host copy
+            weights_cpu_backup=self.pool.name == "ref",
         )
         pool = "" if self.pool.name == "policy" else f"{self.pool.name}_"
         log = os.path.join(log_dir, f"sglang_{pool}{server.index}.log") if log_dir else None
@@ -204,6 +215,7 @@ class SGLangEngine(RolloutEngine):
         self.router_process = launch.ManagedProcess(command, f"{self.router_url}/health", log)
         self.router_process.start()
         self.router_process.wait_healthy(self.cfg.startup_timeout_s)
+        self._router_wait([s.url for s in self.servers])
 
     def close(self) -> None:
         """Stop what :meth:`launch` started and the client loop."""
@@ -341,9 +353,29 @@ class SGLangEngine(RolloutEngine):
                 "with rollout.ref_strategy=swap, or a second SGLangEngine pool (dedicated)"
             )
 
+    def begin_weight_update(self, servers: list[EngineServer] | None = None) -> None:
+        """Open the weight-update session of ``servers`` (default: all): SGLang 0.5.23 answers
+        ``update_weights_from_tensor`` / ``_distributed`` with HTTP 400 outside one
+        (docs/weight-sync.md, "The update session")."""
+        self._post_all(self._chosen(servers), transport.BEGIN_ENDPOINT, lambda s: {})
+
+    def end_weight_update(self, servers: list[EngineServer] | None = None) -> None:
+        """Close the session :meth:`begin_weight_update` opened, then flush each server's
+        prefix cache once (the pushed buckets do not, one by one: in 0.5.23 a refused flush
+        fails the update that asked for it)."""
+        chosen = self._chosen(servers)
+        self._post_all(chosen, transport.END_ENDPOINT, lambda s: {})
+        self._post_all(chosen, transport.FLUSH_ENDPOINT, lambda s: {})
+
+    def _chosen(self, servers: list[EngineServer] | None) -> list[EngineServer]:
+        return self.servers if servers is None else servers
+
     # ------------------------------------------------------------------ memory / health
     def release_memory(self) -> None:
-        """``/release_memory_occupation`` (weights + KV cache) on every server (colocated mode)."""
+        """Pause generation (``/pause_generation``, ``retract``: a release while the scheduler
+        is not idle trips an assertion that ends the server), then
+        ``/release_memory_occupation`` of weights and KV cache on every server (colocated)."""
+        self._post_all(self.servers, "/pause_generation", lambda s: pause_generation_payload())
         self._post_all(
             self.servers,
             "/release_memory_occupation",
@@ -351,12 +383,17 @@ class SGLangEngine(RolloutEngine):
         )
 
     def resume_memory(self, tags: list[str] | None = None) -> None:
-        """``/resume_memory_occupation``; ``tags`` in ``weights``, ``kv_cache`` (``None``: all)."""
+        """``/resume_memory_occupation`` of ``tags`` (``weights``, ``kv_cache``; ``None``: all);
+        generation continues (``/continue_generation``) once the KV cache is back. The loop
+        takes the weights back before a push and the KV cache after it, so the cache is not
+        on the GPU beside the push's buckets."""
         self._post_all(
             self.servers,
             "/resume_memory_occupation",
             lambda s: resume_memory_occupation_payload(tags),
         )
+        if tags is None or KV_CACHE in tags:
+            self._post_all(self.servers, "/continue_generation", lambda s: {})
 
     def server_healthy(self, server: EngineServer) -> bool:
         if server.process is not None and not server.process.alive():
@@ -377,15 +414,21 @@ class SGLangEngine(RolloutEngine):
                 f"SGLang server {server.url} is down and was not launched here; restart it by hand"
             )
         server.process.stop()
-        server.process.start(env=launch.LOGPROB_ENV)
+        server.process.start(env=launch.server_env(self.on_cpu))
         server.process.wait_healthy(self.cfg.startup_timeout_s)
 
     def rejoin(self, server: EngineServer) -> None:
         """Put a restarted, re-synced ``server`` back into rotation (and behind the router)."""
         if self.router_url is not None:
             self._router_call("add_worker", server.url)
+            self._router_wait([server.url])
         server.serving = True
 
     def _router_call(self, verb: str, worker_url: str) -> None:
         admin = RouterAdmin(self._client.session, self.router_url)
         self._loop.run(getattr(admin, verb)(worker_url))
+
+    def _router_wait(self, worker_urls: list[str]) -> None:
+        """Until the router routes to ``worker_urls`` (:meth:`RouterAdmin.wait_listed`)."""
+        admin = RouterAdmin(self._client.session, self.router_url)
+        self._loop.run(admin.wait_listed(worker_urls, self.cfg.startup_timeout_s))

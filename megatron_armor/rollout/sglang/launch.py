@@ -23,10 +23,46 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from megatron_armor.config.model_overrides import resolve_model_overrides
+from megatron_armor.config.validate import read_hf_config
+
 ROUTER_POLICIES = ("random", "round_robin", "cache_aware", "power_of_two")
 # SGLang returns log_softmax(logits / T) for sampled tokens unless this is true; the trainer
 # computes log_softmax(logits / T), so the servers are started with it off.
 LOGPROB_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "false"}
+SERVER_ENV_UNSET = ("CUDA_DEVICE_MAX_CONNECTIONS",)
+"""Variables a server must not inherit: ``CUDA_DEVICE_MAX_CONNECTIONS=1`` is for Megatron's
+TP/SP communication overlap on the trainer ranks (``slurm/env/h100-ib.sh`` exports it for the
+whole job); in a server it puts every CUDA stream on one hardware queue, serialising SGLang's
+overlapped scheduling."""
+
+# Servers on a machine without GPUs (``orchestration.layout: cpu``): the sglang test tier and
+# CPU-only experiments. Every CPU-only addition is here; ``rollout.sglang.extra_args`` overrides
+# each. SGLang's CPU engine (``SGLANG_USE_CPU_ENGINE``) with torch's own attention and sampling
+# (no CUDA graphs); fp32, as the CPU trainer computes; a KV pool of 4096 tokens (SGLang's default
+# sizing would take ~70% of the host's memory); no warm-up request; an idle scheduler sleeps on
+# its sockets instead of polling a core; every server on NUMA node 0 (the CPU engine reads the
+# GPU id as the NUMA node whose cores its threads bind to: a second server would ask for node 1
+# of a one-node host). SGLang 0.5.23's wheel needs start-up guards to get this far without a
+# CUDA driver; the sglang test tier installs them in its own virtualenv (docs/gpu.md).
+CPU_SERVER_ARGS: dict[str, Any] = {
+    "device": "cpu",
+    "attention_backend": "torch_native",
+    "sampling_backend": "pytorch",
+    "disable_cuda_graph": True,
+    "dtype": "float32",
+    "max_total_tokens": 4096,
+    "skip_server_warmup": True,
+    "sleep_on_idle": True,
+    "base_gpu_id": 0,
+}
+CPU_SERVER_ENV = {"SGLANG_USE_CPU_ENGINE": "1"}
+
+
+def server_env(on_cpu: bool = False) -> dict[str, str | None]:
+    """Environment changes of a server process (``None``: removed from the inherited one)."""
+    env: dict[str, str | None] = {**LOGPROB_ENV, **{k: None for k in SERVER_ENV_UNSET}}
+    return env | (CPU_SERVER_ENV if on_cpu else {})
 
 
 def server_arg_fields() -> set[str] | None:
@@ -71,13 +107,18 @@ def server_args_for(
     api_key: str = "",
     context_length: int = 0,
     model_overrides: dict[str, Any] | None = None,
+    on_cpu: bool = False,
+    weights_cpu_backup: bool = False,
 ) -> dict[str, Any]:
     """``ServerArgs`` fields for one engine; ``colocated`` turns on ``enable_memory_saver``
-    (needed by ``/release_memory_occupation``); ``api_key`` makes the server answer only
-    requests with ``Authorization: Bearer KEY`` (SGLang exempts ``/health*`` and ``/metrics``);
-    ``context_length`` (> 0) and ``model_overrides`` (``trainer.model_overrides``, as
-    ``--json-model-override-args``) set the served context as the trainer's. ``extra_args``
-    override the rest."""
+    (needed by ``/release_memory_occupation``) and ``weights_cpu_backup`` keeps a host copy of
+    the weights across a release (a pool nobody pushes again after it: the dedicated
+    reference); ``api_key`` makes the server answer only requests with
+    ``Authorization: Bearer KEY`` (SGLang exempts ``/health*`` and ``/metrics``);
+    ``context_length`` (> 0) and ``model_overrides`` (``trainer.model_overrides``, resolved
+    against the model's ``config.json`` by ``config/model_overrides.py`` and sent as
+    ``--json-model-override-args``) serve the model as the trainer trains it; ``on_cpu`` adds
+    :data:`CPU_SERVER_ARGS`. ``extra_args`` override the rest."""
     args: dict[str, Any] = {"api_key": api_key} if api_key else {}
     args |= {
         "model_path": model_path,
@@ -89,10 +130,15 @@ def server_args_for(
     }
     if colocated:
         args["enable_memory_saver"] = True
+        if weights_cpu_backup:
+            args["enable_weights_cpu_backup"] = True
     if context_length > 0:
         args["context_length"] = context_length
     if model_overrides:
-        args["json_model_override_args"] = json.dumps(dict(model_overrides), sort_keys=True)
+        served = resolve_model_overrides(read_hf_config(model_path) or {}, dict(model_overrides))
+        args["json_model_override_args"] = json.dumps(served, sort_keys=True)
+    if on_cpu:
+        args.update(CPU_SERVER_ARGS)
     args.update(extra_args or {})
     return args
 
@@ -180,7 +226,10 @@ class ManagedProcess:
         self.log_path = log_path
         self.process: subprocess.Popen | None = None
 
-    def start(self, env: dict[str, str] | None = None) -> None:
+    def start(self, env: dict[str, str | None] | None = None) -> None:
+        """Start the process with this process's environment changed by ``env`` (a ``None``
+        value removes the variable)."""
+        changed = {**os.environ, **(env or {})}
         log = _private_log(self.log_path) if self.log_path else subprocess.DEVNULL
         # A new session: SGLang forks scheduler/detokenizer children, and stop() signals the
         # whole group this process leads (and nothing else).
@@ -189,7 +238,7 @@ class ManagedProcess:
                 self.command,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env={**os.environ, **(env or {})},
+                env={k: v for k, v in changed.items() if v is not None},
                 start_new_session=True,
             )
         finally:

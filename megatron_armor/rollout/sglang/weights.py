@@ -29,7 +29,10 @@ Every request carries ``weight_version`` (a string in SGLang) so generation resu
 
 from __future__ import annotations
 
+import base64
+import pickle
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -39,6 +42,9 @@ NamedTensors = Iterable[tuple[str, torch.Tensor]]
 TENSOR_ENDPOINT = "/update_weights_from_tensor"
 DISTRIBUTED_ENDPOINT = "/update_weights_from_distributed"
 DISK_ENDPOINT = "/update_weights_from_disk"
+BEGIN_ENDPOINT = "/begin_weight_update"
+END_ENDPOINT = "/end_weight_update"
+FLUSH_ENDPOINT = "/flush_cache"
 
 
 def iter_buckets(
@@ -103,16 +109,52 @@ def _sglang_serialization():
     return MultiprocessingSerializer, FlattenedTensorBucket, monkey_patch_torch_reductions
 
 
-def serialize_bucket(bucket: list[tuple[str, torch.Tensor]]) -> tuple[str, torch.Tensor]:
+@dataclass
+class SerializedBucket:
+    """One bucket as ``/update_weights_from_tensor`` takes it: ``text`` for
+    ``serialized_named_tensors``, its ``load_format``, and what must stay alive until every
+    server has loaded it (the CUDA buffer the IPC handle points at)."""
+
+    text: str
+    load_format: str | None
+    keepalive: Any = None
+
+
+def serialize_bucket(bucket: list[tuple[str, torch.Tensor]]) -> SerializedBucket:
+    """``bucket`` for ``/update_weights_from_tensor``: on a rank with a GPU,
+    :func:`serialize_cuda_bucket`; on one without, :func:`serialize_cpu_bucket`."""
+    if torch.cuda.is_available():
+        return serialize_cuda_bucket(bucket)
+    return serialize_cpu_bucket(bucket)
+
+
+def serialize_cuda_bucket(bucket: list[tuple[str, torch.Tensor]]) -> SerializedBucket:
     """Pack ``bucket`` (CUDA tensors of one GPU) into a ``FlattenedTensorBucket`` and serialize
-    it (a CUDA IPC handle, device named by UUID as SGLang's receiver expects). Returns the
-    string and the flat buffer, which the caller keeps alive until the servers have loaded it."""
+    it (a CUDA IPC handle, device named by UUID as SGLang's receiver expects); the flat buffer
+    is kept alive by the caller until the servers have loaded it."""
     require_cuda_tensors(bucket)
     serializer, bucket_cls, patch_reductions = _sglang_serialization()
     patch_reductions()
     flat = bucket_cls(named_tensors=bucket)
     data = {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()}
-    return serializer.serialize(data, output_str=True), data["flattened_tensor"]
+    text = serializer.serialize(data, output_str=True)
+    return SerializedBucket(text, "flattened_bucket", data["flattened_tensor"])
+
+
+def serialize_cpu_bucket(bucket: list[tuple[str, torch.Tensor]]) -> SerializedBucket:
+    """``bucket``'s named CPU tensors with their bytes inline: plain ``pickle`` (a tensor's
+    storage pickles as its bytes, ``torch.storage._load_from_bytes``, which SGLang's
+    ``SafeUnpickler`` reads with its restricted ``torch.load``), base64 as SGLang's
+    ``MultiprocessingSerializer.deserialize`` decodes it, ``load_format=None`` (named tensors).
+    ``MultiprocessingSerializer`` itself would share a CPU tensor as a file descriptor through
+    this process's ``resource_sharer``, which a server process (not our child) cannot open.
+    For trainer ranks without a GPU: the whole bucket travels in the HTTP body."""
+    on_gpu = [name for name, tensor in bucket if tensor.is_cuda]
+    if on_gpu:
+        raise ValueError(f"serialize_cpu_bucket got CUDA tensors ({on_gpu[:3]}...)")
+    named = [(name, tensor.detach().contiguous().clone()) for name, tensor in bucket]
+    text = base64.b64encode(pickle.dumps(named, protocol=pickle.HIGHEST_PROTOCOL)).decode()
+    return SerializedBucket(text, None)
 
 
 def new_weight_sync_group(

@@ -1,0 +1,30 @@
+"""Fixtures of the sglang tier: the real SGLang server on CPU (``sglang_servers.py``).
+
+The tier runs in its own virtualenv (``scripts/sglang_env.sh``: the SGLang pins of
+requirements-gpu.txt, requirements.txt and the test-only CPU guards); ``scripts/test.sh`` runs
+it after tiers 1-4 with the checkout on ``PYTHONPATH``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.join(os.path.dirname(HERE), "e2e")]  # e2e_runs, process_group
+
+from sglang_servers import REPO  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_dir() -> Path:
+    """The tiny model + data (``armor tiny``; the e2e tier of the same run built it)."""
+    path = Path(os.environ.get("ARMOR_TINY_DIR", REPO / "artifacts" / "tiny"))
+    if not (path / "model" / "config.json").is_file():
+        subprocess.run([sys.executable, "-m", "megatron_armor.cli", "tiny", "--out", str(path)],
+                       check=True, timeout=900, cwd=REPO)  # fmt: skip
+    return path

@@ -1,0 +1,93 @@
+"""Real SGLang servers on CPU for the sglang tier, started the way the rollout workers start
+them (``SGLangEngine`` with ``on_cpu``: ``launch.CPU_SERVER_ARGS``), and the oracles they are
+compared with (transformers' fp32 forward of the same weights)."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import socket
+from pathlib import Path
+
+import torch
+
+from megatron_armor.config.schema import SGLangConfig
+from megatron_armor.rollout.protocol import SamplingParams
+from megatron_armor.rollout.sglang.engine import SGLangEngine
+from megatron_armor.rollout.torch_engine import TorchEngine
+
+REPO = Path(__file__).resolve().parents[2]
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16]]
+TEMPERATURE = 0.8  # != 1 so the log-prob convention (log_softmax(logits / T)) is checked
+STARTUP_S = 420.0  # a server starts in 25-50 s on a quiet 2-core machine; CI is not quiet
+# CPU servers run fp32 (launch.CPU_SERVER_ARGS) like the oracles: what separates them is the
+# order of floating-point sums (SGLang's torch-native attention vs transformers' SDPA)
+MEAN_TOL, MAX_TOL = 1e-4, 1e-3
+
+
+def free_ports(count: int) -> list[int]:
+    """Distinct free ports below the ephemeral range (Ray opens many sockets meanwhile)."""
+    ports: list[int] = []
+    while len(ports) < count:
+        port = random.randrange(20000, 30000)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+        if port not in ports:
+            ports.append(port)
+    return ports
+
+
+@contextlib.contextmanager
+def cpu_servers(model_dir, log_dir: Path, *, num_engines: int = 1, router: bool = False,
+                overrides: dict | None = None, transport: str = "disk", **sglang):  # fmt: skip
+    """An ``SGLangEngine`` of ``num_engines`` CPU servers (and a router), launched, then closed."""
+    base, router_port = free_ports(2)
+    cfg = SGLangConfig(num_engines=num_engines, base_port=base, router=router,
+                       router_port=router_port, startup_timeout_s=STARTUP_S,
+                       weight_transport=transport, **sglang)  # fmt: skip
+    engine = SGLangEngine(str(model_dir), cfg, weights_dir=str(log_dir / "weights"),
+                          model_overrides=overrides, on_cpu=True)  # fmt: skip
+    try:
+        engine.launch(colocated=False, log_dir=str(log_dir))
+        yield engine
+    finally:
+        engine.close()
+
+
+def oracle(model_dir, tensors=None, overrides: dict | None = None) -> TorchEngine:
+    """transformers' fp32 forward of ``model_dir`` (with ``tensors`` loaded, and the overrides
+    set as SGLang sets them): the log-probs a server holding those weights must return."""
+    engine = TorchEngine(str(model_dir), model_overrides=overrides)
+    if tensors is not None:
+        engine.update_weights(tensors, version=1)
+    return engine
+
+
+def logprob_gap(reference: TorchEngine, prompts, outputs) -> tuple[float, float]:
+    """Mean and max ``|server - reference|`` over every generated token."""
+    diffs = []
+    for prompt, group in zip(prompts, outputs, strict=True):
+        for out in group:
+            ref = reference.teacher_forced_logprobs(prompt, out.token_ids, TEMPERATURE)
+            diffs += [abs(a - b) for a, b in zip(ref, out.logprobs, strict=True)]
+    return sum(diffs) / len(diffs), max(diffs)
+
+
+def sample(engine, n: int = 2, max_new_tokens: int = 16):
+    return engine.generate(
+        PROMPTS, n, SamplingParams(temperature=TEMPERATURE, max_new_tokens=max_new_tokens)
+    )
+
+
+def perturbed(tensors, seed: int, scale: float = 0.5):
+    """The same named tensors with noise of ``scale`` times each tensor's std added: weights
+    whose log-probs differ from the originals' by far more than :data:`MAX_TOL`."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for name, t in tensors:
+        noise = torch.randn(t.shape, generator=gen, dtype=t.dtype) * (t.float().std() * scale)
+        out.append((name, (t + noise).contiguous()))
+    return out
