@@ -27,8 +27,9 @@ DEFAULT_ROPE_THETA = 10000.0
 def _scaling(value: dict) -> dict:
     """A ``rope_scaling`` dict in ``rope_parameters`` spelling (``type`` -> ``rope_type``)."""
     out = dict(value)
-    if "type" in out and "rope_type" not in out:
-        out["rope_type"] = out.pop("type")
+    kind = out.pop("type", None)
+    if kind is not None:
+        out.setdefault("rope_type", kind)
     return out
 
 

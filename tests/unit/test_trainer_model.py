@@ -117,3 +117,34 @@ def test_sequence_parallelism_with_the_local_spec_needs_apex() -> None:
     config = ArmorConfig(trainer=TrainerConfig(sequence_parallel=True, tp=2, world_size=2))
     with pytest.raises(ValueError, match="needs Apex"):
         validate_runtime(config)
+
+
+@pytest.mark.parametrize(("tp", "sp", "fp8", "multiple"), [
+    (1, False, False, 1), (4, True, False, 4), (1, False, True, 16), (4, False, True, 16),
+    (2, True, True, 32), (4, True, True, 64), (8, True, True, 128),
+])  # fmt: skip
+def test_fp8_token_padding_keeps_each_local_shard_a_multiple_of_16(tp, sp, fp8, multiple) -> None:
+    """TE asserts an FP8 GEMM input's rows divisible by 8; with sequence parallelism a rank holds
+    ``T / tp`` rows (``lcm(tp, 16)`` gave ``T / 4`` rows in multiples of 4 at ``tp = 4``)."""
+    from megatron_armor.trainer.batching import token_multiple
+
+    assert token_multiple(tp, sp, fp8) == multiple
+    if fp8:
+        assert (multiple // (tp if sp else 1)) % 8 == 0
+
+
+def test_mxfp8_is_refused_on_a_gpu_older_than_blackwell(monkeypatch) -> None:
+    config = ArmorConfig()
+    config.trainer.fp8 = FP8Config(enabled=True, recipe="mxfp8")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    from megatron_armor.config.validate import check_fp8_recipe_hardware
+
+    (problem,) = check_fp8_recipe_hardware(config)
+    assert "mxfp8" in problem and "H100" in problem and "9.0" in problem
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (10, 0))
+    assert list(check_fp8_recipe_hardware(config)) == []
+    config.trainer.fp8.recipe = "delayed"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    assert list(check_fp8_recipe_hardware(config)) == []
