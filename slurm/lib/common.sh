@@ -47,10 +47,21 @@ set_container_words() {
   esac
 }
 
+check_job_gpus() {
+  # A preset with GPUs (ARMOR_RAY_NUM_GPUS > 0) needs a job that asked for them: Slurm gives a
+  # job's steps only GPUs the job requested (--gpus-per-node / --gres), --exclusive alone none.
+  local want=${ARMOR_RAY_NUM_GPUS:-0} have=${SLURM_GPUS_ON_NODE:-0}
+  [ "$want" -gt 0 ] || return 0
+  [ "$have" -ge "$want" ] || die "ARMOR_RAY_NUM_GPUS=$want but this job holds ${have} GPU(s) per node (SLURM_GPUS_ON_NODE); submit with sbatch --gpus-per-node=$want (or --gres=gpu:$want), or lower ARMOR_RAY_NUM_GPUS"
+}
+
 set_srun_words() {
   # SRUN=(srun one task on node $1, overlapping the job's other steps, inside the container).
-  # Callers run "${SRUN[@]}" cmd ... as a simple command, so that $! is srun itself.
+  # Callers run "${SRUN[@]}" cmd ... as a simple command, so that $! is srun itself. With GPUs
+  # (ARMOR_RAY_NUM_GPUS > 0) the step asks for them: an srun step gets the GPUs it requests, not
+  # the job's, where the job's request did not reach its steps (e.g. --gres given at submit).
   SRUN=(srun --overlap --nodes=1 --ntasks=1 --nodelist="$1")
+  [ "${ARMOR_RAY_NUM_GPUS:-0}" -le 0 ] || SRUN+=(--gres="gpu:$ARMOR_RAY_NUM_GPUS")
   if [ "${ARMOR_LAUNCHER:-none}" = pyxis ]; then
     [ -n "${ARMOR_CONTAINER_IMAGE:-}" ] || die "ARMOR_LAUNCHER=pyxis needs ARMOR_CONTAINER_IMAGE (a .sqsh file of docker/Dockerfile, see docs/gpu.md)"
     SRUN+=(--container-image="$ARMOR_CONTAINER_IMAGE" --container-workdir="$ARMOR_ROOT")
