@@ -180,9 +180,7 @@ def run_step(s: Session, rollout: AnchorRollout, step: int) -> dict[str, float]:
     s.meter.add_train(batch.seq_lengths(), s.timers.seconds("train"))
     metrics.update(rollout_metrics(result))
     metrics.update(exact_kl)
-    metrics.update(
-        logprob_mismatch_metrics(batch, result.groups, needs_reference_logprobs(s.config.algo))
-    )
+    metrics.update(logprob_mismatch_metrics(batch, needs_reference_logprobs(s.config.algo)))
     metrics.update(s.rollout.reference_metrics(cache_counters))
     metrics.update(sync_and_maybe_reset(s, step))
     metrics.update(
