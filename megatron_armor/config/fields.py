@@ -95,6 +95,15 @@ def check_trainer(config: ArmorConfig) -> Problems:
         t, "trainer", ("micro_batch_tokens",), 1, " token per micro-batch, e.g. 4096"
     )
     yield from bound(t.grad_clip, t.grad_clip >= 0, "trainer.grad_clip", "must be >= 0 (0 = off)")
+    yield from bound(
+        t.adam_eps, t.adam_eps > 0, "trainer.adam_eps",
+        "must be > 0, e.g. 1e-8 (with 0, Adam divides 0 by 0 for a parameter without "
+        "gradient and the weights become NaN)",
+    )  # fmt: skip
+    yield from at_least(
+        t, "trainer", ("max_skipped_updates",), 1,
+        " (non-finite updates in a row before the run stops), e.g. 10",
+    )  # fmt: skip
 
 
 def check_rollout(config: ArmorConfig) -> Problems:

@@ -290,9 +290,12 @@ class TrainerConfig:
     adam_beta2: float = 0.999
     """Adam beta2."""
     adam_eps: float = 1e-8
-    """Adam epsilon."""
+    """Adam epsilon (> 0: it keeps the update of a parameter without gradient finite)."""
     grad_clip: float = 1.0
     """Global grad-norm clip (0 = off)."""
+    max_skipped_updates: int = 10
+    """Updates in a row skipped for a non-finite loss or gradient norm after which the run
+    stops with a checkpoint and exit 65, not requeued (docs/trainer.md, non-finite guard)."""
     ppo_mini_batch: int = 4
     """Queries per optimizer update; ``batch / ppo_mini_batch`` updates per step."""
     micro_batch_tokens: int = 4096

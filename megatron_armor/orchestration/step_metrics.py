@@ -96,10 +96,16 @@ def logprob_mismatch_metrics(batch: TrainBatch, with_ref: bool) -> dict[str, flo
     return out
 
 
+PER_UPDATE_FLAGS = ("train/skipped",)
+"""Per-update flags that the step counts instead (``update_guard.skip_metrics``)."""
+
+
 def reduce_update_metrics(updates: list[dict[str, float]]) -> dict[str, float]:
-    """Combine per-mini-batch trainer metrics: maxima for ``*_max``, last ``lr``, else the mean."""
+    """Combine per-mini-batch trainer metrics: maxima for ``*_max``, last ``lr``, else the
+    mean (a skipped update's non-finite values included: the step's mean is then non-finite
+    too); the flags of :data:`PER_UPDATE_FLAGS` are left to the caller."""
     out: dict[str, float] = {}
-    keys = {k for u in updates for k in u}
+    keys = {k for u in updates for k in u} - set(PER_UPDATE_FLAGS)
     for key in sorted(keys):
         values = [float(u[key]) for u in updates if u.get(key) is not None]
         if not values:

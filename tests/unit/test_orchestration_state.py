@@ -94,7 +94,7 @@ def test_a_checkpoint_carries_its_step_line_and_a_resume_writes_it_back_once(tmp
     session = SimpleNamespace(run_dir=tmp_path, logger=logger)
     Session.restore_metrics_line(session, state)
     assert read_metrics(tmp_path) == [read_metrics(tmp_path)[0], line]
-    assert line["reward/acc"] == 0.5 and line["loss/ratio_max"] is None
+    assert line["reward/acc"] == 0.5 and line["loss/ratio_max"] == float("inf")  # kept, not null
     Session.restore_metrics_line(session, state)  # the line is there now: nothing appended
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
     Session.restore_metrics_line(session, RunState(step=3))  # a checkpoint without a line
@@ -334,6 +334,20 @@ def test_a_sample_without_engine_logprobs_packs_nan_on_its_response():
     batch = pack_groups([Group("q", [a, b], advantages=[1.0, -1.0])])
     lp = batch.engine_logprobs
     assert lp[0] == 0 and lp[1:3].isnan().all() and lp[3:].tolist() == pytest.approx([0, -0.3])
+
+
+def test_a_correction_refuses_a_sample_without_engine_logprobs():
+    from megatron_armor.config import load_config
+    from megatron_armor.orchestration.loop import require_engine_logprobs
+    from megatron_armor.types import pack_groups
+
+    a = Sample("q", [1], [3, 4], response_logprobs=[])  # an engine that returned none
+    b = Sample("q", [1], [5], response_logprobs=[-0.3])
+    batch = pack_groups([Group("q", [a, b], advantages=[1.0, -1.0])])
+    require_engine_logprobs(load_config(None, []), batch, 3)  # mode none: not read
+    on = load_config(None, ["algo.rollout_correction.mode=seq_tis"])
+    with pytest.raises(RuntimeError, match=r"mode='seq_tis': 1 sample\(s\) of step 3"):
+        require_engine_logprobs(on, batch, 3)
 
 
 def test_orchestration_never_imports_megatron():
