@@ -9,8 +9,15 @@
 - The next finite update is applied on both ranks alike (the same weights on each), with a
   finite gradient norm.
 - Weights with a NaN in one HF tensor are refused by the load, naming that tensor.
+- A finite update through ``guarded_step`` is megatron-core's own ``optimizer.step()`` (here a
+  ``ChainedOptimizer``): the same calls in the same order (prepare, norm, clip by it, inner
+  step), so two single-rank runs from the same weights, one each way, end with the same weights
+  bit for bit, in fp32 (an ``FP32Optimizer`` inside) and bf16
+  (``Float16OptimizerWithFloat16Params``, fp32 main params).
 
-Run as a script (``python this_file.py RANK WORLD PORT MODEL_DIR BAD_DIR OUT``) it is one rank.
+Run as a script it is one rank: ``python this_file.py guard RANK WORLD PORT MODEL_DIR BAD_DIR
+OUT`` (the skip checks) or ``python this_file.py step plain|guarded PRECISION PORT MODEL_DIR
+OUT`` (two finite updates one way).
 """
 
 from __future__ import annotations
@@ -78,16 +85,10 @@ def poisoned_update(trainer, batch) -> dict:
 
 
 def rank_main(rank: int, world: int, port: int, model_dir: str, bad_dir: str, out: str) -> None:
-    from megatron_armor.config.schema import ArmorConfig
     from megatron_armor.trainer.hf_weights import load_hf_weights
     from megatron_armor.trainer.megatron_trainer import MegatronTrainer
 
-    cfg = ArmorConfig()
-    t = cfg.trainer
-    t.model_path, t.world_size, t.precision = model_dir, world, "fp32"
-    t.lr, t.warmup_steps, t.lr_unit, t.micro_batch_tokens = 1e-3, 0, "updates", 40
-    cfg.algo.ratio, cfg.algo.group_size, cfg.algo.alpha = "mixed", 4, 3 / 4
-    trainer = MegatronTrainer(cfg, rank, world, "127.0.0.1", port)
+    trainer = MegatronTrainer(make_config(model_dir, world, "fp32"), rank, world, "127.0.0.1", port)
     try:
         batch = make_batch()
         old, ref, _ = trainer.step_logprobs(batch, with_ref=True, shared=True)
@@ -104,6 +105,49 @@ def rank_main(rank: int, world: int, port: int, model_dir: str, bad_dir: str, ou
         except ValueError as err:
             result["refused"] = str(err)
         torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        trainer.close()
+
+
+def make_config(model_dir: str, world: int, precision: str):
+    from megatron_armor.config.schema import ArmorConfig
+
+    cfg = ArmorConfig()
+    t = cfg.trainer
+    t.model_path, t.world_size, t.precision = model_dir, world, precision
+    t.lr, t.warmup_steps, t.lr_unit, t.micro_batch_tokens = 1e-3, 0, "updates", 40
+    cfg.algo.ratio, cfg.algo.group_size, cfg.algo.alpha = "mixed", 4, 3 / 4
+    return cfg
+
+
+def step_main(how: str, precision: str, port: int, model_dir: str, out: str) -> None:
+    """Two finite updates with megatron-core's ``optimizer.step()`` (``plain``) or
+    ``guarded_step`` (``guarded``); the weights and gradient norms after them."""
+    from megatron_armor.trainer.megatron_trainer import MegatronTrainer
+    from megatron_armor.trainer.optim import guarded_step
+    from megatron_armor.trainer.schedule import global_units, policy_loss_builder, run_schedule
+
+    trainer = MegatronTrainer(make_config(model_dir, 1, precision), 0, 1, "127.0.0.1", port)
+    try:
+        batch = make_batch()
+        old, ref, _ = trainer.step_logprobs(batch, with_ref=True, shared=True)
+        batch.old_logprobs, batch.ref_logprobs = old, perturb(ref, batch.loss_mask, 2, 0.3)
+        norms = []
+        for _ in range(2):
+            mbs = trainer._micro_batches(batch)
+            units = global_units(mbs, "token-mean")
+            trainer.model.train()
+            trainer.model.zero_grad_buffer()
+            trainer.optimizer.zero_grad()
+            run_schedule(trainer.model, mbs, policy_loss_builder(trainer.lp, trainer.loss_settings,
+                                                                 units), forward_only=False)  # fmt: skip
+            if how == "plain":
+                norms.append(float(trainer.optimizer.step()[1]))
+            else:
+                norms.append(guarded_step(trainer.optimizer, True)[1])
+        inner = getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer])
+        kind = sorted({type(o).__name__ for o in inner})
+        torch.save({"weights": weights(trainer), "norms": norms, "optimizer": kind}, out)
     finally:
         trainer.close()
 
@@ -126,11 +170,9 @@ def poison(model_dir: str, out_dir: str) -> str:
 def test_a_non_finite_update_is_skipped_on_every_rank(tmp_path) -> None:
     model_dir = make_models(str(tmp_path / "models"))["qwen2"]
     bad_dir = poison(model_dir, str(tmp_path / "poisoned"))
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    commands = [[sys.executable, __file__, str(r), "2", str(port), model_dir, bad_dir,
+    commands = [[sys.executable, __file__, "guard", str(r), "2", str(port), model_dir, bad_dir,
                  str(tmp_path)] for r in range(2)]  # fmt: skip
     logs = [str(tmp_path / f"log{r}.txt") for r in range(2)]
     run_rank_processes(commands, logs, env, 280)
@@ -151,6 +193,32 @@ def test_a_non_finite_update_is_skipped_on_every_rank(tmp_path) -> None:
                for n, w in ranks[1]["clean"]["weights"].items())  # fmt: skip
 
 
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_finite_guarded_step_is_megatrons_step_bit_for_bit(tmp_path, precision) -> None:
+    model_dir = make_models(str(tmp_path / "models"))["qwen2"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    ways = ("plain", "guarded")
+    commands = [[sys.executable, __file__, "step", how, precision, str(free_port()), model_dir,
+                 str(tmp_path / f"{how}.pt")] for how in ways]  # fmt: skip
+    run_rank_processes(commands, [str(tmp_path / f"{how}.txt") for how in ways], env, 280)
+    plain, guarded = (torch.load(tmp_path / f"{how}.pt", weights_only=False) for how in ways)
+    kind = [{"fp32": "FP32Optimizer", "bf16": "Float16OptimizerWithFloat16Params"}[precision]]
+    assert plain["optimizer"] == guarded["optimizer"] == kind
+    assert plain["norms"] == guarded["norms"] and all(n > 0 for n in plain["norms"])
+    assert sorted(plain["weights"]) == sorted(guarded["weights"])
+    assert all(torch.equal(w, guarded["weights"][n]) for n, w in plain["weights"].items())
+
+
 if __name__ == "__main__":
-    rank, world, port = (int(x) for x in sys.argv[1:4])
-    rank_main(rank, world, port, *sys.argv[4:7])
+    if sys.argv[1] == "step":
+        step_main(sys.argv[2], sys.argv[3], int(sys.argv[4]), *sys.argv[5:7])
+    else:
+        rank, world, port = (int(x) for x in sys.argv[2:5])
+        rank_main(rank, world, port, *sys.argv[5:8])
