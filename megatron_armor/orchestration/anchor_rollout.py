@@ -219,9 +219,11 @@ def acceptance_error(
     stats: AcceptanceStats, need: int, algo, rollout, previous: dict | None = None, step: int = 0
 ) -> AcceptanceError:
     """The error after ``max_gen_batches`` at ``step``: the rates seen and which settings to
-    change; after a step that skipped updates or logged non-finite values (``previous``, its
-    metrics), that first (``update_guard.divergence_note``)."""
+    change; after a step that skipped updates, logged non-finite values or whose updates left
+    only wrong answers (``previous``, its metrics), that first
+    (``update_guard.divergence_note``)."""
     m = stats.as_metrics()
+    all_wrong = stats.queries_seen > 0 and stats.rejected_all_wrong == stats.queries_seen
     hints = [f"raise algo.max_gen_batches (now {algo.max_gen_batches})",
              f"raise rollout.gen_batch (now {rollout.gen_batch})",
              f"lower rollout.batch (now {rollout.batch})"]  # fmt: skip
@@ -231,7 +233,7 @@ def acceptance_error(
     if stats.rejected_all_wrong and not algo.weak_filter and mode.needs_reference_correct:
         hints.append("set algo.weak_filter=true to keep all-wrong groups the reference solved")
     return AcceptanceError(
-        divergence_note(previous or {}, step - 1)
+        divergence_note(previous or {}, step - 1, all_wrong)
         + f"only {stats.accepted} of the {need} queries a step needs (rollout.batch) were accepted "
         f"after {stats.gen_batches} generation batches (algo.max_gen_batches): acceptance rate "
         f"{m['anchor/acceptance_rate']:.3f} over {stats.queries_seen} queries; rejected "

@@ -75,21 +75,29 @@ def diverged_error(config, step: int, metrics: dict[str, float], checkpoint: str
     )
 
 
-def divergence_note(previous: dict, step: int) -> str:
-    """The start of an acceptance error right after ``step``, a step that skipped updates or
-    logged non-finite values (``previous``, its metrics): it names them before the
-    acceptance settings, since a diverged policy is the likelier cause; ``""`` after a normal
-    step."""
+def divergence_note(previous: dict, step: int, all_wrong: bool = False) -> str:
+    """The start of an acceptance error right after ``step`` (``previous``: its metrics), when
+    that step skipped updates, logged non-finite values, or was followed by nothing but wrong
+    answers (``all_wrong``: every query of this step rejected as all-wrong) although its own
+    on-policy samples were partly right — an update that diverged (e.g. ``trainer.lr`` far too
+    large: finite, but the policy is gone). It names that before the acceptance settings,
+    since a diverged policy is the likelier cause; ``""`` after a normal step."""
     skipped = previous.get("train/skipped_updates") or 0.0
     bad = [k for k, v in sorted(previous.items()) if isinstance(v, float) and not math.isfinite(v)]
-    if not skipped and not bad:
-        return ""
+    acc = previous.get("reward/policy_acc") or 0.0
     what = []
     if skipped:
         what.append(f"skipped {int(skipped)} of {int(previous.get('train/updates', skipped))} "
                     "optimizer updates for a non-finite loss or gradient norm")  # fmt: skip
     if bad:
         what.append(f"logged non-finite {', '.join(bad[:6])}")
+    if all_wrong and acc > 0:
+        norm = previous.get("loss/grad_norm", math.nan)
+        what.append(f"had on-policy accuracy {acc:.3f}, and after its updates (lr "
+                    f"{previous.get('lr', math.nan):.3g}, loss/grad_norm {norm:.3g}) every query "
+                    "drawn now has only wrong answers")  # fmt: skip
+    if not what:
+        return ""
     return (
         f"the step before (step {step}) {' and '.join(what)}: the policy has likely diverged, "
         "which leaves too few queries with both right and wrong answers; look at that first "

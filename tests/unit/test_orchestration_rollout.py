@@ -327,6 +327,19 @@ def test_an_acceptance_failure_after_skipped_updates_names_them_first():
     assert str(err.value).startswith("only ")
 
 
+def test_an_acceptance_failure_with_only_wrong_answers_after_a_sound_step_names_the_update():
+    """``trainer.lr`` far too large: the update is finite, yet the policy that was partly right
+    now answers every query wrongly; the error says the update likely diverged."""
+    runner, _ = make("armor", batch=1, gen_batch=1, max_gen_batches=1, queries=("q2",))  # all wrong
+    runner.observe({"reward/policy_acc": 0.3, "lr": 1000.0, "loss/grad_norm": 0.8,
+                    "train/skipped_updates": 0.0})  # fmt: skip
+    with pytest.raises(AcceptanceError) as err:
+        runner.collect(step=2)
+    msg = str(err.value)
+    assert msg.startswith("the step before (step 1) had on-policy accuracy 0.300")
+    assert "lr 1e+03" in msg and "only wrong answers" in msg and "algo.max_gen_batches" in msg
+
+
 def test_seeds_depend_only_on_seed_step_batch_role():
     assert derive_seed(1, 3, 0, "policy") == derive_seed(1, 3, 0, "policy")
     seeds = {
