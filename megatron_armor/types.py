@@ -9,6 +9,7 @@ Python lists / torch tensors so they pickle cheaply across Ray; the CPU tensors 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 from itertools import chain
@@ -28,8 +29,10 @@ class SampleSource(StrEnum):
 class Sample:
     """One response to one query.
 
-    ``response_logprobs`` are the engine's per-token log-probs (len == len(response_ids)),
-    recorded for diagnostics; the trainer recomputes old/ref log-probs itself (docs/algorithm.md, mixed optimization).
+    ``response_logprobs`` are the engine's per-token log-probs (len == len(response_ids)): the
+    trainer recomputes old/ref log-probs itself (docs/algorithm.md, mixed optimization); these
+    measure the mismatch between the two and are the behaviour log-probs of
+    ``algo.rollout_correction`` (docs/algorithm.md, rollout correction).
     """
 
     query_id: str
@@ -166,7 +169,9 @@ class TrainBatch(PerTokenData):
     - ``token_data``: the per-token loss inputs ``[total]`` (made by :func:`pack_groups`):
       ``loss_mask`` float (1 on response tokens), ``advantages`` float (the sample's
       advantage on its response tokens), ``old_logprobs`` / ``ref_logprobs`` float (0 where
-      unused / not yet computed), ``is_anchor`` bool (response tokens of anchor samples)
+      unused / not yet computed), ``is_anchor`` bool (response tokens of anchor samples),
+      ``engine_logprobs`` float (the engine's log-prob of each response token, NaN for a sample
+      that came without them, 0 off the responses)
     """
 
     tokens: torch.Tensor
@@ -221,12 +226,25 @@ def _train_batch_from_wire(fields: list, data: dict) -> TrainBatch:
     return TrainBatch(tokens, position_ids, cu_seqlens, sample_index, token_data)
 
 
+def engine_logprobs(samples: list[Sample], spans: torch.Tensor) -> torch.Tensor:
+    """``[total]`` float32: each response token's engine log-prob (``Sample.response_logprobs``),
+    NaN for the tokens of a sample whose log-probs are missing or of another length, 0 on
+    prompts; ``spans`` ``[n, 2]`` holds each sample's (prompt, response) lengths."""
+    values: list[float] = []
+    for sample, (prompt, response) in zip(samples, spans.tolist(), strict=True):
+        lps = sample.response_logprobs
+        values += [0.0] * prompt
+        values += lps if len(lps) == response else [math.nan] * response
+    return torch.tensor(values, dtype=torch.float32)
+
+
 def pack_groups(groups: list[Group]) -> TrainBatch:
     """Pack every sample of ``groups`` into one :class:`TrainBatch` (advantages must be set).
 
     Per token: the sample's prompt then response ids, positions from 0 in each sample,
     ``loss_mask`` 1 on response tokens, the sample's advantage times the mask, ``is_anchor``
-    on the anchor's response tokens, zeros for the log-probs the trainer fills in."""
+    on the anchor's response tokens, the engine's log-probs (:func:`engine_logprobs`), zeros
+    for the log-probs the trainer fills in."""
     samples, advantages, anchors, lengths = [], [], [], []
     for group in groups:
         if len(group.advantages) != len(group.samples):
@@ -259,6 +277,7 @@ def pack_groups(groups: list[Group]) -> TrainBatch:
         "old_logprobs": torch.zeros(total),
         "ref_logprobs": torch.zeros(total),
         "is_anchor": torch.tensor(anchors, dtype=torch.bool)[sample_index] & (loss_mask > 0),
+        "engine_logprobs": engine_logprobs(samples, spans),
     }
     return TrainBatch(
         tokens=tokens,

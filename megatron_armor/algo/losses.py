@@ -6,8 +6,10 @@ ratio clamped to ``±log_ratio_clamp``) and clip range ``[lo, hi]`` (``1 - eps_l
 
     l_t = max(-A r, -A clip(r, lo, hi))          # PPO, DAPO clip-higher (eps_high > eps_low)
     l_t = min(l_t, -A c)            if A < 0     # dual clip, c = dual_clip_c > 1
+    l_t = w_t l_t                                # rollout correction (none: no weight)
     l_t += beta * k(lp_theta, lp_ref)            # optional KL penalty, on-policy tokens only
 
+with ``w_t`` the detached weight of ``algo.rollout_correction`` (``rollout_correction.py``),
 then aggregated (``algo.loss_agg``) as a local sum over an explicit global ``normalizer``.
 Inputs are packed per-token tensors ``[T]`` (``types.TrainBatch``); a micro-batch holds whole
 samples. Metrics are local *sums* (see :data:`METRIC_COUNTS` / :func:`finalize_metrics`).
@@ -15,12 +17,13 @@ samples. Metrics are local *sums* (see :data:`METRIC_COUNTS` / :func:`finalize_m
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
 from megatron_armor.algo import registry
 from megatron_armor.algo.kl import kl_k1, kl_k3
+from megatron_armor.algo.rollout_correction import CorrectionSettings, behaviour_log_ratio
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,8 @@ class LossSettings:
     """``k1`` | ``k2`` | ``k3``."""
     ref_metrics: bool = True
     """Log ``kl/*`` metrics (needs ``ref_logprobs``; set False when they are not computed)."""
+    rollout_correction: CorrectionSettings = field(default_factory=CorrectionSettings)
+    """``algo.rollout_correction``: the engine/trainer mismatch weight (default ``none``)."""
 
     @classmethod
     def from_algo_config(cls, algo, ref_metrics: bool | None = None) -> LossSettings:
@@ -66,8 +71,11 @@ class LossSettings:
             )
         if ref_metrics is None:
             ref_metrics = needs_reference_logprobs(algo)
-        names = [f.name for f in fields(cls) if f.name != "ref_metrics"]
-        return cls(**{name: getattr(algo, name) for name in names}, ref_metrics=ref_metrics)
+        own = ("ref_metrics", "rollout_correction")
+        names = [f.name for f in fields(cls) if f.name not in own]
+        correction = CorrectionSettings.from_config(algo.rollout_correction)
+        return cls(**{name: getattr(algo, name) for name in names}, ref_metrics=ref_metrics,
+                   rollout_correction=correction)  # fmt: skip
 
 
 def needs_reference_logprobs(algo) -> bool:
@@ -93,8 +101,18 @@ METRIC_COUNTS: dict[str, str] = {
     "kl/reverse_k1": "count/policy_tokens",
     "kl/reverse_k3": "count/policy_tokens",
     "kl/forward_k1": "count/anchor_tokens",
+    "correction/policy_weight_mean": "count/policy_tokens",
+    "correction/policy_cut_frac": "count/policy_tokens",
+    "correction/anchor_weight_mean": "count/anchor_tokens",
+    "correction/anchor_cut_frac": "count/anchor_tokens",
 }
 """Each summed metric -> the count key it is divided by in :func:`finalize_metrics`."""
+
+MAX_COUNTS: dict[str, str] = {
+    "correction/policy_weight_max": "count/policy_tokens",
+    "correction/anchor_weight_max": "count/anchor_tokens",
+}
+"""Maxima over a subset of the tokens -> the count of that subset: kept only when it is > 0."""
 
 
 def dual_clip_pg_loss(
@@ -130,17 +148,21 @@ def compute_policy_loss(
     settings: LossSettings,
     normalizer: float,
     entropy: torch.Tensor | None = None,
+    engine_logprobs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Local loss (0-dim, with grad) and local metric sums for one micro-batch.
 
-    The per-token inputs ``[T]`` after ``logprobs`` are the entries of the packed batch's
-    ``token_data`` (``types.pack_groups``), passed by name (``trainer/schedule.py``), plus
-    ``sample_index``; a new per-token input is a new entry there and a new argument here.
+    The per-token inputs ``[T]`` after ``logprobs`` and ``engine_logprobs`` are the entries of
+    the packed batch's ``token_data`` (``types.pack_groups``), passed by name
+    (``trainer/schedule.py``), plus ``sample_index``; a new per-token input is a new entry
+    there and a new argument here. ``engine_logprobs`` (the rollout engine's own log-prob of
+    each token) is read only by a rollout correction that applies.
 
     ``normalizer`` is the GLOBAL number of aggregation units of the mini-batch (masked
     tokens for ``token-mean``, samples with response tokens for ``seq-mean-*``; see
     :func:`count_units`), so summing the returned losses over micro-batches and DP ranks
-    gives the mini-batch loss. ``entropy`` ``[T]`` (optional) is only logged.
+    gives the mini-batch loss; a rollout correction leaves it as it is (a masked token counts
+    with weight 0). ``entropy`` ``[T]`` (optional) is only logged.
     """
     if normalizer <= 0:
         raise ValueError(f"normalizer={normalizer}: must be the global unit count (> 0)")
@@ -153,24 +175,62 @@ def compute_policy_loss(
     pg, flags = dual_clip_pg_loss(ratio, advantages, lower, upper, settings.dual_clip_c)
     mask = loss_mask.to(pg.dtype)
     policy_mask = mask * (~is_anchor).to(pg.dtype)
-    per_token = pg
+    correction = correction_weights(
+        old_logprobs, ref_logprobs, engine_logprobs, is_anchor, mask, sample_index, settings
+    )
+    per_token = pg if correction is None else pg * correction[0]
     kl_term = None
     if settings.kl_coef > 0:
         kl_term = registry.get_kl_estimator(settings.kl_estimator)(logprobs, ref_logprobs)
         # where(), not a product: unused positions may hold non-finite log-probs
         kl_term = torch.where(policy_mask > 0, kl_term, torch.zeros_like(kl_term))
-        per_token = pg + settings.kl_coef * kl_term
+        per_token = per_token + settings.kl_coef * kl_term
     loss = registry.get_aggregation(settings.loss_agg).reduce(
         per_token, mask, sample_index, normalizer
     )
     metrics = _metrics(
         pg, ratio, flags, mask, policy_mask, old_logprobs, ref_logprobs, log_ratio, settings
     )
+    if correction is not None:
+        metrics.update(correction_metrics(*correction, policy_mask, mask - policy_mask))
     if kl_term is not None:
         metrics["loss/kl_penalty"] = kl_term.detach().sum()
     if entropy is not None:
         metrics["loss/entropy"] = _masked_sum(entropy.detach(), mask)
     return loss, metrics
+
+
+def correction_weights(
+    old_logprobs, ref_logprobs, engine_logprobs, is_anchor, mask, sample_index, settings
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(w, cut)`` ``[T]`` of ``settings.rollout_correction`` (``rollout_correction.py``):
+    detached weights (0 off the mask) and which tokens were truncated or masked; ``None``
+    for ``mode: none``."""
+    s = settings.rollout_correction
+    correction = registry.get_rollout_correction(s.mode)
+    if not correction.applies:
+        return None
+    if engine_logprobs is None:
+        raise ValueError(
+            f"algo.rollout_correction.mode={s.mode!r} needs the engine's log-probs of every "
+            "token (the token_data entry engine_logprobs of types.pack_groups)"
+        )
+    with torch.no_grad():
+        log_rho = behaviour_log_ratio(old_logprobs, ref_logprobs, engine_logprobs, is_anchor)
+        seq_ratio = registry.get_sequence_ratio(s.seq_ratio)
+        return correction.weights(log_rho.to(mask.dtype), mask, sample_index, s, seq_ratio)
+
+
+def correction_metrics(weights, cut, policy_mask, anchor_mask) -> dict[str, torch.Tensor]:
+    """``correction/{policy,anchor}_{weight_mean,weight_max,cut_frac}`` as local sums (means)
+    and maxima; ``finalize_metrics`` divides by the source's token count."""
+    out = {}
+    for source, sel in (("policy", policy_mask), ("anchor", anchor_mask)):
+        out[f"correction/{source}_weight_mean"] = _masked_sum(weights, sel)
+        out[f"correction/{source}_cut_frac"] = _masked_sum(cut.to(sel.dtype), sel)
+        chosen = torch.where(sel > 0, weights, torch.zeros_like(weights))
+        out[f"correction/{source}_weight_max"] = chosen.max() if chosen.numel() else sel.sum()
+    return out
 
 
 def _metrics(pg, ratio, flags, mask, policy_mask, old_logprobs, ref_logprobs, log_ratio, settings):
@@ -222,13 +282,15 @@ def finalize_metrics(sums: dict[str, float]) -> dict[str, float]:
     """Turn globally reduced sums into means: ``m / sums[METRIC_COUNTS[m]]``.
 
     ``count/*`` and ``*_max`` keys pass through; a mean whose count is 0 is dropped (e.g. no
-    anchor tokens); keys not in :data:`METRIC_COUNTS` pass through unchanged.
+    anchor tokens), and so is a maximum of :data:`MAX_COUNTS` over no token; keys not in
+    :data:`METRIC_COUNTS` pass through unchanged.
     """
     out: dict[str, float] = {}
     for key, value in sums.items():
         count_key = METRIC_COUNTS.get(key)
         if count_key is None:
-            out[key] = float(value)
+            if sums.get(MAX_COUNTS.get(key, ""), 1.0) > 0:
+                out[key] = float(value)
         elif sums.get(count_key, 0.0) > 0:
             out[key] = float(value) / float(sums[count_key])
     return out

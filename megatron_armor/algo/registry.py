@@ -12,7 +12,16 @@ from typing import TypeVar
 
 import torch
 
-from megatron_armor.algo import advantages, aggregation, anchors, kl, quatro, ratios, reset
+from megatron_armor.algo import (
+    advantages,
+    aggregation,
+    anchors,
+    kl,
+    quatro,
+    ratios,
+    reset,
+    rollout_correction,
+)
 
 RATIO_MODES: dict[str, type[ratios.StandardRatio]] = {
     "standard": ratios.StandardRatio,
@@ -75,6 +84,22 @@ RESET_SCHEDULES: dict[str, Callable[[int, int, int], bool]] = {
 }
 """``algo.reset.schedule`` (docs/algorithm.md, reference reset)."""
 
+ROLLOUT_CORRECTIONS: dict[str, rollout_correction.RolloutCorrection] = {
+    "none": rollout_correction.NONE,
+    "token_tis": rollout_correction.Truncated(),
+    "seq_tis": rollout_correction.SequenceTruncated(),
+    "token_mask": rollout_correction.Masked(),
+    "seq_mask": rollout_correction.SequenceMasked(),
+    "icepop": rollout_correction.IcePop(),
+}
+"""``algo.rollout_correction.mode`` (docs/algorithm.md, rollout correction)."""
+
+SEQUENCE_RATIOS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "product": rollout_correction.product_log_ratio,
+    "geometric": rollout_correction.geometric_log_ratio,
+}
+"""``algo.rollout_correction.seq_ratio``: the log sequence ratio ``[N]`` of the ``seq_*`` modes."""
+
 ALGO_CHOICES: dict[str, dict] = {
     "algo.anchor": ANCHOR_MODES,
     "algo.anchor_source": ANCHOR_SOURCES,
@@ -84,6 +109,8 @@ ALGO_CHOICES: dict[str, dict] = {
     "algo.loss_agg": AGGREGATIONS,
     "algo.kl_estimator": KL_ESTIMATORS,
     "algo.reset.schedule": RESET_SCHEDULES,
+    "algo.rollout_correction.mode": ROLLOUT_CORRECTIONS,
+    "algo.rollout_correction.seq_ratio": SEQUENCE_RATIOS,
 }
 """Every ``algo.*`` setting that names a choice, and its table (a unit test keeps this, the
 schema and docs/config.md in step)."""
@@ -127,3 +154,17 @@ def get_anchor_mode(name: str) -> anchors.AnchorMode:
 def get_anchor_source(name: str) -> anchors.AnchorSource:
     """The :class:`~megatron_armor.algo.anchors.AnchorSource` for ``algo.anchor_source``."""
     return lookup(ANCHOR_SOURCES, name, "algo.anchor_source")
+
+
+def get_rollout_correction(name: str) -> rollout_correction.RolloutCorrection:
+    """The :class:`~megatron_armor.algo.rollout_correction.RolloutCorrection` for
+    ``algo.rollout_correction.mode``."""
+    return lookup(ROLLOUT_CORRECTIONS, name, "algo.rollout_correction.mode")
+
+
+def get_sequence_ratio(
+    name: str,
+) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``f(log_rho[T], loss_mask[T], sample_index[T]) -> [N]`` for
+    ``algo.rollout_correction.seq_ratio``."""
+    return lookup(SEQUENCE_RATIOS, name, "algo.rollout_correction.seq_ratio")

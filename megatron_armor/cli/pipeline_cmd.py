@@ -3,7 +3,7 @@ from its best checkpoint, as one resumable job (``orchestration/pipeline.py``).
 
 Exit codes as ``armor train``: 0 done; 2 bad config; 75 a stage was interrupted by
 SIGTERM/SIGUSR1 after a checkpoint — run the same command again (a Slurm requeue does) and the
-pipeline continues where it was.
+pipeline continues where it was; 65 a stage diverged (``DivergedError``, not requeued).
 """
 
 from __future__ import annotations
@@ -32,8 +32,13 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from megatron_armor.orchestration.pipeline import run_pipeline
     from megatron_armor.orchestration.run_state import EXIT_REQUEUE
+    from megatron_armor.orchestration.update_guard import EXIT_DIVERGED, DivergedError
 
-    code = run_pipeline(pipeline)
+    try:
+        code = run_pipeline(pipeline)
+    except DivergedError as e:
+        print(f"armor pipeline: DivergedError: {e}", file=sys.stderr)
+        return EXIT_DIVERGED
     if code == EXIT_REQUEUE:
         print(f"armor pipeline: interrupted; continue with `armor pipeline {args.config}` "
               "(same overrides)")  # fmt: skip

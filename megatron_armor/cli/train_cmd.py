@@ -4,7 +4,10 @@ Exit codes: 0 done; 2 bad config or input file (named before Ray starts: config 
 model directory, the tokenizer, the data files), a run directory in use by another run, or no
 resumable checkpoint; 75 (``EX_TEMPFAIL``) a SIGTERM/SIGINT/SIGUSR1 arrived, the current step
 finished and a checkpoint was written (or, during start-up, nothing was written) — requeue the
-job and it resumes (``--resume auto`` is the default); anything else is a failure.
+job and it resumes (``--resume auto`` is the default); 65 (``EX_DATAERR``) training diverged:
+``trainer.max_skipped_updates`` updates in a row had a non-finite loss or gradient norm, a
+checkpoint of the last applied weights was written and the error names the settings to change
+(never requeued: the same settings would diverge again); anything else is a failure.
 """
 
 from __future__ import annotations
@@ -58,12 +61,16 @@ def run(args: argparse.Namespace) -> int:
     from megatron_armor.orchestration.run_lock import RunDirLocked
     from megatron_armor.orchestration.run_state import EXIT_REQUEUE
     from megatron_armor.orchestration.session import run_dir_of
+    from megatron_armor.orchestration.update_guard import EXIT_DIVERGED, DivergedError
 
     try:
         code = train(config, args.resume or config.run.resume)
     except (RunDirLocked, CheckpointError) as e:
         print(f"armor train: {e}", file=sys.stderr)
         return 2
+    except DivergedError as e:
+        print(f"armor train: DivergedError: {e}", file=sys.stderr)
+        return EXIT_DIVERGED
     if code == 0 and not args.no_summary:
         finish(run_dir_of(config))
     elif code == EXIT_REQUEUE:

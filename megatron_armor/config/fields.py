@@ -51,6 +51,7 @@ def check_algo(config: ArmorConfig) -> Problems:
         "must lie in [0, 1], e.g. 0.45",
     )  # fmt: skip
     yield from at_least(a, "algo", ("max_gen_batches",), 1)
+    yield from check_rollout_correction(a.rollout_correction)
     q = a.quatro
     yield from bound(q.delta, q.delta > 0, "algo.quatro.delta", "must be > 0, e.g. 0.1")
     yield from bound(
@@ -59,6 +60,17 @@ def check_algo(config: ArmorConfig) -> Problems:
         "algo.quatro.lambda_min",
         "need 0 < lambda_min < lambda_max, e.g. 1e-3 and 1e4",
     )
+
+
+def check_rollout_correction(c) -> Problems:
+    """The truncation cap and the mask bounds of ``algo.rollout_correction`` (all modes: a
+    value is checked even when the mode does not read it, so a later mode switch is safe)."""
+    key = "algo.rollout_correction"
+    yield from bound(c.cap, c.cap > 0, f"{key}.cap", "must be > 0, e.g. 2 (w = min(rho, cap))")
+    yield from bound(
+        f"{c.low}, high={c.high}", 0 <= c.low < c.high, f"{key}.low",
+        "need 0 <= low < high, e.g. low=0.5 and high=2 (0 = no lower bound)",
+    )  # fmt: skip
 
 
 def check_trainer(config: ArmorConfig) -> Problems:
@@ -83,6 +95,15 @@ def check_trainer(config: ArmorConfig) -> Problems:
         t, "trainer", ("micro_batch_tokens",), 1, " token per micro-batch, e.g. 4096"
     )
     yield from bound(t.grad_clip, t.grad_clip >= 0, "trainer.grad_clip", "must be >= 0 (0 = off)")
+    yield from bound(
+        t.adam_eps, t.adam_eps > 0, "trainer.adam_eps",
+        "must be > 0, e.g. 1e-8 (with 0, Adam divides 0 by 0 for a parameter without "
+        "gradient and the weights become NaN)",
+    )  # fmt: skip
+    yield from at_least(
+        t, "trainer", ("max_skipped_updates",), 1,
+        " (non-finite updates in a row before the run stops), e.g. 10",
+    )  # fmt: skip
 
 
 def check_rollout(config: ArmorConfig) -> Problems:

@@ -36,6 +36,22 @@ class QuatroConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """Weights for the engine/trainer mismatch (docs/algorithm.md, rollout correction)."""
+
+    mode: str = "none"
+    """``none`` | ``token_tis`` | ``seq_tis`` | ``token_mask`` | ``seq_mask`` | ``icepop``."""
+    cap: float = 2.0
+    """``C`` of ``token_tis`` / ``seq_tis``: ``w = min(rho, C)``."""
+    low: float = 0.5
+    """``lo`` of ``token_mask`` / ``seq_mask`` / ``icepop``: a ratio below it gets weight 0."""
+    high: float = 2.0
+    """``hi`` of ``token_mask`` / ``seq_mask`` / ``icepop``: a ratio above it gets weight 0."""
+    seq_ratio: str = "product"
+    """The sequence ratio of ``seq_tis`` / ``seq_mask``: ``product`` | ``geometric``."""
+
+
+@dataclass
 class AlgoConfig:
     """ARMOR / DAPO algorithm switches (docs/algorithm.md)."""
 
@@ -82,6 +98,8 @@ class AlgoConfig:
     """``k1`` | ``k2`` | ``k3`` estimator for the KL penalty."""
     max_gen_batches: int = 10
     """Generation batches tried per step before failing with the acceptance statistics."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """Correction of the gap between the engine's and the trainer's log-probs (default off)."""
     reset: ResetConfig = field(default_factory=ResetConfig)
     """Reference reset schedule."""
 
@@ -272,9 +290,12 @@ class TrainerConfig:
     adam_beta2: float = 0.999
     """Adam beta2."""
     adam_eps: float = 1e-8
-    """Adam epsilon."""
+    """Adam epsilon (> 0: it keeps the update of a parameter without gradient finite)."""
     grad_clip: float = 1.0
     """Global grad-norm clip (0 = off)."""
+    max_skipped_updates: int = 10
+    """Updates in a row skipped for a non-finite loss or gradient norm after which the run
+    stops with a checkpoint and exit 65, not requeued (docs/trainer.md, non-finite guard)."""
     ppo_mini_batch: int = 4
     """Queries per optimizer update; ``batch / ppo_mini_batch`` updates per step."""
     micro_batch_tokens: int = 4096

@@ -20,10 +20,15 @@ from typing import Any
 METRICS_FILE = "metrics.jsonl"
 
 
-def _clean(value: Any) -> float | None:
-    """A JSON-safe float (NaN/inf become ``None``)."""
-    value = float(value)
-    return value if math.isfinite(value) else None
+def _clean(value: Any) -> float:
+    """The value as a float; NaN and inf stay what they are (``json`` writes them as ``NaN``,
+    ``Infinity``, ``-Infinity`` and reads them back), never silently ``null``."""
+    return float(value)
+
+
+def non_finite_keys(metrics: dict[str, Any]) -> list[str]:
+    """The keys of ``metrics`` whose value is a NaN or an infinity, sorted."""
+    return sorted(k for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v))
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
@@ -51,8 +56,8 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
 
 
 def metrics_record(step: int, metrics: dict[str, Any]) -> dict[str, Any]:
-    """The line of ``step``: ``{"step", "wall_time", <metric>: float | None, ...}``, keys
-    sorted, in types the checkpoint's safe loader accepts."""
+    """The line of ``step``: ``{"step", "wall_time", <metric>: float, ...}``, keys sorted, in
+    types the checkpoint's safe loader accepts; a non-finite value is kept as it is."""
     clean = {k: _clean(v) for k, v in sorted(metrics.items())}
     return {"step": int(step), "wall_time": time.time(), **clean}
 
@@ -143,11 +148,11 @@ class MetricsLogger:
         if wandb:
             self.sinks.append(_WandbSink(wandb_project, run_name, self.run_dir, config))
 
-    def log(self, step: int, metrics: dict[str, float]) -> dict[str, float | None]:
+    def log(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
         """Append ``metrics`` for ``step``; returns the cleaned metrics that were written."""
         return self.write(metrics_record(step, metrics))
 
-    def write(self, record: dict[str, Any]) -> dict[str, float | None]:
+    def write(self, record: dict[str, Any]) -> dict[str, float]:
         """Append a :func:`metrics_record` line to every sink; returns its metrics."""
         step = int(record["step"])
         clean = {k: v for k, v in record.items() if k not in ("step", "wall_time")}

@@ -10,10 +10,17 @@ the over-optimization detector fired, ``overopt/fired``):
   ``kl/exact_reverse`` / ``kl/exact_forward`` (the paper's Fig. 2 view).
 - ``acceptance.png``: ``anchor/acceptance_rate``, ``anchor/ref_acc`` and the rejection shares.
 - ``clip.png``: ``loss/clipfrac_low``, ``loss/clipfrac_high``, ``loss/dualclip_frac``.
+- ``mismatch.png``: the engine/trainer mismatch per source, ``rollout/<source>_mismatch_k1``
+  and ``_k3`` (KL(engine || trainer) estimates, docs/metrics.md).
+- ``correction.png`` (with ``algo.rollout_correction`` on): the weights' mean and maximum and
+  the truncated/masked fraction per source, ``correction/<source>_*``.
+
+A non-finite value (a skipped update's NaN) leaves a gap in its curve.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -22,16 +29,19 @@ from megatron_armor.observability.metrics import read_metrics
 RESET_KEY = "reset/performed"
 OVEROPT_KEY = "overopt/fired"
 TRAIN_REWARD_KEYS = ("reward/policy_mean", "reward/mean")
+SOURCES = ("policy", "anchor")
+CORRECTION_KEYS = ("weight_mean", "weight_max", "cut_frac")
 
 
 def series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
-    """``(steps, values)`` of ``key`` over the records that have a finite value for it."""
+    """``(steps, values)`` of ``key`` over the records that have it; a non-finite value is
+    NaN (matplotlib leaves a gap there)."""
     steps, values = [], []
     for r in records:
         value = r.get(key)
         if value is not None:
             steps.append(int(r["step"]))
-            values.append(float(value))
+            values.append(float(value) if math.isfinite(value) else math.nan)
     return steps, values
 
 
@@ -165,6 +175,22 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
             "clipped token fractions",
             "fraction of tokens",
             out / "clip.png",
+            resets,
+        ),
+        _line_plot(
+            records,
+            tuple(f"rollout/{s}_mismatch_{k}" for s in SOURCES for k in ("k1", "k3")),
+            "engine/trainer mismatch, KL(engine || trainer)",
+            "nats / token",
+            out / "mismatch.png",
+            resets,
+        ),
+        _line_plot(
+            records,
+            tuple(f"correction/{s}_{k}" for s in SOURCES for k in CORRECTION_KEYS),
+            "rollout correction weights",
+            "weight / fraction of tokens",
+            out / "correction.png",
             resets,
         ),
     ]

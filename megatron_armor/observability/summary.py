@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
-from megatron_armor.observability.metrics import read_metrics
+from megatron_armor.observability.metrics import non_finite_keys, read_metrics
 
 # (label, metric key, format) of the end-of-run table, in display order.
 SUMMARY_ROWS: tuple[tuple[str, str, str], ...] = (
@@ -49,9 +50,22 @@ def step_line(step: int, total: int, m: dict[str, Any]) -> str:
         parts.append(f"kl {m['kl/reverse_k3']:.4f}")
     if m.get("reset/performed"):
         parts.append("RESET")
+    if m.get("train/skipped_updates"):
+        parts.append(f"SKIPPED {int(m['train/skipped_updates'])}/{int(m['train/updates'])} "
+                     "updates (non-finite loss or grad norm)")  # fmt: skip
+    bad = non_finite_keys(m)
+    if bad:
+        more = f" (+{len(bad) - 4} more)" if len(bad) > 4 else ""
+        parts.append(f"NON-FINITE {', '.join(bad[:4])}{more}")
     if m.get("timing/step_s") is not None:
         parts.append(f"{m['timing/step_s']:.1f}s")
     return " | ".join(parts)
+
+
+def _max(values: list[float]) -> float:
+    """The largest finite value (NaN when there is none: ``max`` is undefined with NaN)."""
+    finite = [v for v in values if math.isfinite(v)]
+    return max(finite) if finite else math.nan
 
 
 def summarize(records: list[dict[str, Any]]) -> list[tuple[str, str, str, str]]:
@@ -61,13 +75,13 @@ def summarize(records: list[dict[str, Any]]) -> list[tuple[str, str, str, str]]:
         values = [r[key] for r in records if r.get(key) is not None]
         if values:
             rows.append(
-                (label, _fmt(fmt, values[0]), _fmt(fmt, values[-1]), _fmt(fmt, max(values)))
+                (label, _fmt(fmt, values[0]), _fmt(fmt, values[-1]), _fmt(fmt, _max(values)))
             )
     val_keys = sorted({k for r in records for k in r if k.startswith("val/") and "@" in k})
     for key in val_keys:
         values = [r[key] for r in records if r.get(key) is not None]
         if values:
-            rows.append((key, f"{values[0]:.3f}", f"{values[-1]:.3f}", f"{max(values):.3f}"))
+            rows.append((key, f"{values[0]:.3f}", f"{values[-1]:.3f}", f"{_max(values):.3f}"))
     return rows
 
 

@@ -264,9 +264,11 @@ class TrainerActors:
     def reset_reference(self) -> None:
         wait([a.reset_reference.remote() for a in self.actors], "trainer reference reset")
 
-    def export_refs(self, weights: str = "policy") -> list:
-        """Object refs of every rank's exported HF tensors (non-exporting ranks give [])."""
-        return [a.export_weights.remote(weights) for a in self.actors]
+    def export_refs(self, weights: str = "policy", if_changed: bool = False) -> list:
+        """Object refs of every rank's exported HF tensors (non-exporting ranks give []); with
+        ``if_changed``, ``None`` from every rank when no update was applied since the last
+        export of the policy (``TrainerWorker.export_weights``)."""
+        return [a.export_weights.remote(weights, if_changed) for a in self.actors]
 
     def push_weights(self, version: int, weights: str, pool: str, target) -> int:
         """Every rank's part of a weight push into ``pool``'s servers ``target`` (the

@@ -53,6 +53,7 @@ from megatron_armor.config.validate import reference_order
 from megatron_armor.observability.nvtx import nvtx_range
 from megatron_armor.observability.timers import PhaseTimers
 from megatron_armor.orchestration.actor_handles import merge_reward_stats, shard
+from megatron_armor.orchestration.update_guard import divergence_note
 from megatron_armor.rollout.protocol import SamplingParams
 from megatron_armor.types import Group, Sample
 
@@ -214,9 +215,15 @@ def prefers_reference_first(previous: dict[str, Any], n_on: int, ref_n: int) -> 
     return n_on * (rule_b / judged_b) > generated * ref_n * (rule_a / judged_a)
 
 
-def acceptance_error(stats: AcceptanceStats, need: int, algo, rollout) -> AcceptanceError:
-    """The error after ``max_gen_batches``: the rates seen and which settings to change."""
+def acceptance_error(
+    stats: AcceptanceStats, need: int, algo, rollout, previous: dict | None = None, step: int = 0
+) -> AcceptanceError:
+    """The error after ``max_gen_batches`` at ``step``: the rates seen and which settings to
+    change; after a step that skipped updates, logged non-finite values or whose updates left
+    only wrong answers (``previous``, its metrics), that first
+    (``update_guard.divergence_note``)."""
     m = stats.as_metrics()
+    all_wrong = stats.queries_seen > 0 and stats.rejected_all_wrong == stats.queries_seen
     hints = [f"raise algo.max_gen_batches (now {algo.max_gen_batches})",
              f"raise rollout.gen_batch (now {rollout.gen_batch})",
              f"lower rollout.batch (now {rollout.batch})"]  # fmt: skip
@@ -226,7 +233,8 @@ def acceptance_error(stats: AcceptanceStats, need: int, algo, rollout) -> Accept
     if stats.rejected_all_wrong and not algo.weak_filter and mode.needs_reference_correct:
         hints.append("set algo.weak_filter=true to keep all-wrong groups the reference solved")
     return AcceptanceError(
-        f"only {stats.accepted} of the {need} queries a step needs (rollout.batch) were accepted "
+        divergence_note(previous or {}, step - 1, all_wrong)
+        + f"only {stats.accepted} of the {need} queries a step needs (rollout.batch) were accepted "
         f"after {stats.gen_batches} generation batches (algo.max_gen_batches): acceptance rate "
         f"{m['anchor/acceptance_rate']:.3f} over {stats.queries_seen} queries; rejected "
         f"{stats.rejected_all_correct} all-correct, {stats.rejected_all_wrong} all-wrong, "
@@ -523,4 +531,4 @@ class AnchorRollout:
                 self.progress(min(len(result.groups), need), need, result.stats)
             if len(result.groups) >= need:
                 return result
-        raise acceptance_error(result.stats, need, self.algo, self.rollout_cfg)
+        raise acceptance_error(result.stats, need, self.algo, self.rollout_cfg, self.previous, step)

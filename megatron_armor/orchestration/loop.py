@@ -4,7 +4,8 @@ Per step: generate -> score -> accept (anchor rollout, docs/algorithm.md, anchor
 pack -> old/ref log-probs -> train (``B / ppo_mini_batch`` updates, §4) -> weight sync ->
 maybe reset the reference (§5) -> maybe validate -> maybe checkpoint (it carries the step's
 metrics line) -> log. A SIGTERM, SIGINT or SIGUSR1 finishes the step, checkpoints and exits
-with code 75 for a Slurm requeue.
+with code 75 for a Slurm requeue; ``trainer.max_skipped_updates`` non-finite updates in a row
+checkpoint the step and stop the run with a ``DivergedError`` (exit 65, no requeue).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 
 from megatron_armor.algo.advantages import assign_configured_advantages
 from megatron_armor.algo.losses import needs_reference_logprobs
+from megatron_armor.algo.registry import get_rollout_correction
 from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.config.validate import runs_concurrent_reference
 from megatron_armor.observability.metrics import metrics_record
@@ -33,6 +35,7 @@ from megatron_armor.orchestration.step_metrics import (
     rollout_metrics,
     write_anchor_file,
 )
+from megatron_armor.orchestration.update_guard import diverged_error, skip_metrics
 from megatron_armor.rollout.backends import backend_of
 from megatron_armor.rollout.protocol import SamplingParams
 from megatron_armor.types import Group, TrainBatch, pack_groups
@@ -47,6 +50,21 @@ def minibatch_sample_ids(groups: list[Group], num_minibatches: int) -> list[list
         out.append(list(range(offset, offset + count)))
         offset += count
     return out
+
+
+def require_engine_logprobs(config: ArmorConfig, batch: TrainBatch, step: int) -> None:
+    """A rollout correction weights each token by the engine's log-prob of it: refuse a batch
+    in which a sample came without them (``engine_logprobs`` NaN, ``types.pack_groups``)."""
+    correction = get_rollout_correction(config.algo.rollout_correction.mode)
+    missing = batch.engine_logprobs.isnan() & (batch.loss_mask > 0)
+    if correction.applies and bool(missing.any()):
+        samples = int(batch.sample_index[missing].unique().numel())
+        raise RuntimeError(
+            f"algo.rollout_correction.mode={correction.name!r}: {samples} sample(s) of step "
+            f"{step} came from the engine without one log-prob per response token "
+            f"({config.rollout.backend!r} backend), and the correction needs them; use an "
+            "engine that returns them or set algo.rollout_correction.mode=none"
+        )
 
 
 def submit_logprobs(s: Session, batch: TrainBatch, step: int) -> list:
@@ -89,14 +107,17 @@ def submit_minibatches(s: Session, groups: list[Group]) -> list[list]:
 
 
 def finish_minibatches(s: Session, queued: list[list]) -> dict[str, float]:
-    """Wait for the updates of :func:`submit_minibatches`; their reduced metrics."""
+    """Wait for the updates of :func:`submit_minibatches`; their reduced metrics, with the
+    skipped updates counted (``update_guard.skip_metrics``; the count in a row goes into the
+    run state, which the checkpoint keeps)."""
     s.progress.start("train", len(queued))
     updates = []
     for refs in queued:
         updates.append(s.trainer.train_result(refs))
         s.progress.advance()
     s.progress.close()
-    return reduce_update_metrics(updates)
+    skips, s.state.skipped_in_a_row = skip_metrics(updates, s.state.skipped_in_a_row)
+    return {**reduce_update_metrics(updates), **skips}
 
 
 def heal_before_push(s: Session, step: int) -> int:
@@ -108,18 +129,23 @@ def heal_before_push(s: Session, step: int) -> int:
     return s.heal_rollout(step)
 
 
-def sync_and_maybe_reset(s: Session, step: int) -> dict[str, float]:
-    """Weight sync (version = step); then a reference reset if the schedule says so.
-    Colocated engines take their weights' memory back before the pushes and their KV cache
-    after them, so the cache is not on the GPUs beside the pushes' buckets."""
+def sync_and_maybe_reset(s: Session, step: int, updated: bool = True) -> dict[str, float]:
+    """Weight sync (version = step); then a reference reset if the schedule says so. A step
+    whose every update was skipped (``updated`` false: non-finite, docs/trainer.md) pushes
+    nothing: the engines keep the weights and the version of the step before. Colocated
+    engines take their weights' memory back before the pushes and their KV cache after them,
+    so the cache is not on the GPUs beside the pushes' buckets."""
     colocated = s.config.orchestration.layout == "colocated"
     with s.timers.phase("sync"):
         if s.config.trainer.offload_train_state:  # before the engines take their memory back
             s.trainer.offload_train_state()
         if colocated:
             s.rollout.resume_memory(["weights"])
-        num_bytes = s.push_policy(step)  # trainer ranks -> engines (weight_sync.py)
-        s.state.policy_version = step
+        if updated:
+            num_bytes = s.push_policy(step)  # trainer ranks -> engines (weight_sync.py)
+            s.state.policy_version = step
+        else:
+            num_bytes = s.weight_sync.skip_policy_push()
     s.meter.add_weight_sync(s.timers.seconds("sync"), num_bytes)
     reset = s.schedule.should_reset(step)
     if reset:
@@ -169,6 +195,7 @@ def run_step(s: Session, rollout: AnchorRollout, step: int) -> dict[str, float]:
     cache_counters = s.rollout.submit_reference_metrics()  # read while the trainer works
     assign_configured_advantages(result.groups, s.config.algo)
     batch = pack_groups(result.groups)
+    require_engine_logprobs(s.config, batch, step)
     if s.config.orchestration.layout == "colocated":
         s.rollout.release_memory()
     prefetch = step < s.config.run.steps and not s.schedule.should_reset(step)
@@ -194,12 +221,11 @@ def run_step(s: Session, rollout: AnchorRollout, step: int) -> dict[str, float]:
     s.meter.add_train(batch.seq_lengths(), s.timers.seconds("train"))
     metrics.update(rollout_metrics(result))
     metrics.update(exact_kl)
-    metrics.update(
-        logprob_mismatch_metrics(batch, result.groups, needs_reference_logprobs(s.config.algo))
-    )
+    metrics.update(logprob_mismatch_metrics(batch, needs_reference_logprobs(s.config.algo)))
     metrics.update(s.rollout.reference_metrics(cache_counters))
     restarted += heal_before_push(s, step)
-    metrics.update(sync_and_maybe_reset(s, step))
+    updated = metrics["train/skipped_updates"] < metrics["train/updates"]
+    metrics.update(sync_and_maybe_reset(s, step, updated))
     metrics.update(
         {
             "algo/alpha": s.config.algo.alpha,
@@ -227,6 +253,8 @@ def stop_message(s: Session, stop: StopSignal, saved: bool) -> str:
 
 def run_loop(s: Session, start: int, stop: StopSignal) -> int:
     """Steps ``start + 1 .. run.steps``; returns the process exit code (0, or 75 on a signal).
+    After ``trainer.max_skipped_updates`` non-finite updates in a row it checkpoints the step
+    and raises :class:`~megatron_armor.orchestration.update_guard.DivergedError`.
 
     A signal during a step (its logging included) lets the step finish, then checkpoints it;
     one that arrives before the first step (start-up, restore, step-0 validation) stops
@@ -264,15 +292,18 @@ def run_loop(s: Session, start: int, stop: StopSignal) -> int:
         metrics.update(s.watch.observe(step, metrics))
         metrics.update(s.timers.pop_metrics())
         metrics["timing/step_s"] = time.perf_counter() - t0
-        saved = stop.received or checkpoint_due(cfg, step) or s.watch.wants_checkpoint
+        diverged = s.state.skipped_in_a_row >= cfg.trainer.max_skipped_updates
+        saved = stop.received or checkpoint_due(cfg, step) or s.watch.wants_checkpoint or diverged
         if saved:  # the line travels in the checkpoint: a kill before it is appended loses nothing
             with s.timers.phase("checkpoint"):
-                s.save(step, metrics_record(step, metrics))
+                written = s.save(step, metrics_record(step, metrics))
             metrics.update(s.timers.pop_metrics())
             metrics["timing/step_s"] = time.perf_counter() - t0
         line = metrics_record(step, metrics)
         clean = s.logger.write(line)
         print(step_line(step, cfg.run.steps, clean), flush=True)
+        if diverged:
+            raise diverged_error(cfg, step, metrics, str(written))
         if stop.received and step < cfg.run.steps:
             if not saved:  # the signal came while the step was being logged
                 s.save(step, line)

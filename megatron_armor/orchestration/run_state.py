@@ -2,8 +2,8 @@
 
 :class:`RunState` holds everything a resume needs to continue *exactly*: the step counter,
 the data sampler position, the Python/torch RNG states of the driver, the reset schedule,
-the weight versions, and each rollout engine's reference-sampler state (the anchor cache
-and the reference weight version). Sampling seeds are derived from ``(seed, step, batch)``,
+the weight versions, the count of non-finite updates in a row, and each rollout engine's
+reference-sampler state (the anchor cache and the reference weight version). Sampling seeds are derived from ``(seed, step, batch)``,
 so these states are enough to regenerate the same samples.
 
 SIGTERM (preemption, ``scancel``), SIGINT (Ctrl-C) and SIGUSR1 (Slurm's ``--signal``) set a
@@ -42,6 +42,10 @@ class RunState:
     rollout: list[dict] = field(default_factory=list)
     watch: dict = field(default_factory=dict)
     """Keep-best and over-optimization detector state (``run_watch.py``)."""
+    skipped_in_a_row: int = 0
+    """Optimizer updates skipped in a row for a non-finite loss or gradient norm, up to this
+    step (``update_guard.py``): a resume keeps counting toward ``trainer.max_skipped_updates``;
+    0 in checkpoints that predate it."""
     metrics_line: dict = field(default_factory=dict)
     """The ``metrics.jsonl`` line of ``step`` (``metrics_record``), written back on resume when a
     kill came between the checkpoint and the line; ``{}`` in checkpoints that predate it."""

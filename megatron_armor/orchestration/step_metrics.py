@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_armor.algo.kl import kl_k1, kl_k3
 from megatron_armor.orchestration.anchor_rollout import RolloutResult
 from megatron_armor.types import Group, Sample, SampleSource, TrainBatch
 
@@ -69,25 +70,16 @@ def rollout_metrics(result: RolloutResult) -> dict[str, float]:
     return m
 
 
-def engine_logprobs(batch: TrainBatch, groups: list[Group]) -> torch.Tensor:
-    """The rollout engine's per-token log-probs aligned with ``batch`` (``[total]``, 0 off-response)."""
-    out = torch.zeros(batch.num_tokens)
-    ends = batch.cu_seqlens[1:].tolist()
-    samples = [s for g in groups for s in g.samples]
-    for end, sample in zip(ends, samples, strict=True):
-        lps = sample.response_logprobs
-        if len(lps) == sample.response_len and lps:
-            out[end - len(lps) : end] = torch.tensor(lps, dtype=torch.float32)
-    return out
-
-
-def logprob_mismatch_metrics(
-    batch: TrainBatch, groups: list[Group], with_ref: bool
-) -> dict[str, float]:
-    """``|engine lp - trainer lp|`` per token: on-policy tokens against ``old_logprobs`` (checks
-    the weight sync), anchor tokens against ``ref_logprobs`` (checks that the anchors came from
-    the trainer's current reference — after a reset, from the new one)."""
-    diff_engine = engine_logprobs(batch, groups)
+def logprob_mismatch_metrics(batch: TrainBatch, with_ref: bool) -> dict[str, float]:
+    """The engine's log-probs (``engine_logprobs`` of the batch) against the trainer's, per
+    source: on-policy tokens against ``old_logprobs`` (checks the weight sync), anchor tokens
+    against ``ref_logprobs`` (checks that the anchors came from the trainer's current
+    reference — after a reset, from the new one). ``rollout/<source>_logprob_absdiff_mean|max``
+    is ``|lp_e - lp_b|``; ``rollout/<source>_mismatch_k1|k3`` estimate ``KL(pi_engine ||
+    pi_trainer)`` from the engine's samples (``algo/kl.py``: ``k1 = lp_e - lp_b``,
+    ``k3 = rho - 1 - log rho`` with ``rho = pi_b / pi_e``), the mismatch that
+    ``algo.rollout_correction`` weights for (docs/metrics.md)."""
+    engine = batch.engine_logprobs
     mask = batch.loss_mask > 0
     out: dict[str, float] = {}
     parts = [("policy", mask & ~batch.is_anchor, batch.old_logprobs)]
@@ -95,16 +87,25 @@ def logprob_mismatch_metrics(
         parts.append(("anchor", mask & batch.is_anchor, batch.ref_logprobs))
     for name, sel, trainer_lp in parts:
         if sel.any():
-            diff = (diff_engine[sel] - trainer_lp[sel]).abs()
+            diff = (engine[sel] - trainer_lp[sel]).abs()
             out[f"rollout/{name}_logprob_absdiff_mean"] = float(diff.mean())
             out[f"rollout/{name}_logprob_absdiff_max"] = float(diff.max())
+            lp_e, lp_b = engine[sel].double(), trainer_lp[sel].double()
+            out[f"rollout/{name}_mismatch_k1"] = float(kl_k1(lp_e, lp_b).mean())
+            out[f"rollout/{name}_mismatch_k3"] = float(kl_k3(lp_e, lp_b).mean())
     return out
 
 
+PER_UPDATE_FLAGS = ("train/skipped",)
+"""Per-update flags that the step counts instead (``update_guard.skip_metrics``)."""
+
+
 def reduce_update_metrics(updates: list[dict[str, float]]) -> dict[str, float]:
-    """Combine per-mini-batch trainer metrics: maxima for ``*_max``, last ``lr``, else the mean."""
+    """Combine per-mini-batch trainer metrics: maxima for ``*_max``, last ``lr``, else the
+    mean (a skipped update's non-finite values included: the step's mean is then non-finite
+    too); the flags of :data:`PER_UPDATE_FLAGS` are left to the caller."""
     out: dict[str, float] = {}
-    keys = {k for u in updates for k in u}
+    keys = {k for u in updates for k in u} - set(PER_UPDATE_FLAGS)
     for key in sorted(keys):
         values = [float(u[key]) for u in updates if u.get(key) is not None]
         if not values:

@@ -138,6 +138,12 @@ class WeightSync:
         start the push then does (:class:`InProcessSync`), the others push in
         :meth:`push_policy`."""
 
+    def skip_policy_push(self) -> int:
+        """Instead of :meth:`push_policy` after a step whose every update was skipped
+        (non-finite loss or gradient norm): nothing is sent, the servers keep the weights and
+        the version they have; returns the bytes moved (0)."""
+        return 0
+
     def pop_metrics(self) -> dict[str, float]:
         """``perf/weight_sync_<transport>_{gb,s,pushes}`` of every push since the last call."""
         if not self._pushes:
@@ -171,8 +177,10 @@ class InProcessSync(WeightSync):
         starts as the last update ends and the load as the export ends, while the driver is
         still reading the step's results; :meth:`push_policy` waits for them. The load waits
         for :meth:`push_policy` where the engines must take their memory back first
-        (``colocated``, ``trainer.offload_train_state``)."""
-        refs = self.trainer.export_refs("policy")
+        (``colocated``, ``trainer.offload_train_state``). The export is ``if_changed``: after a
+        step whose every update was skipped it is empty and the engines load nothing
+        (:meth:`skip_policy_push`)."""
+        refs = self.trainer.export_refs("policy", if_changed=True)
         early = self.config.orchestration.layout != "colocated" and not (
             self.config.trainer.offload_train_state
         )
@@ -191,6 +199,14 @@ class InProcessSync(WeightSync):
         num_bytes = self.rollout.wait_update_weights(loads)
         self._record(start, num_bytes)
         return num_bytes
+
+    def skip_policy_push(self) -> int:
+        """Wait for the push queued by :meth:`queue_policy_push`, whose export was empty (the
+        step changed no weight): the engines loaded nothing and keep their version."""
+        queued, self._queued = self._queued, None
+        if queued is not None and queued[2] is not None:
+            self.rollout.wait_update_weights(queued[2])
+        return 0
 
     def push_reference(self, version: int, reset: bool = False) -> None:
         """The trainer's reference into the engines; a reset to the policy they were pushed at

@@ -154,6 +154,7 @@ class TrainerWorker:
         self.trainer = None
         self.sync = None  # this rank's end of the weight transport (made in init)
         self.step_batch = None  # the step's batch, kept from step_logprobs for its updates
+        self.policy_changed = True  # an update applied since the policy was last exported
         self.profiler = None
         if profile_dir and config.logging.profile != "none":
             from megatron_armor.observability.profiler import profiler_from_config
@@ -232,13 +233,23 @@ class TrainerWorker:
         if sample_ids is not None:
             batch = batch.select(sample_ids)
         with nvtx_range("train"), self.clock.measure():
-            return self.trainer.train_step(batch, num_minibatches)
+            metrics = self.trainer.train_step(batch, num_minibatches)
+        self.policy_changed |= metrics.get("train/skipped", 0.0) < 1.0
+        return metrics
 
     def reset_reference(self) -> None:
         with nvtx_range("reset"):
             self.trainer.reset_reference()
 
-    def export_weights(self, weights: str = "policy") -> NamedTensors:
+    def export_weights(self, weights: str = "policy", if_changed: bool = False) -> NamedTensors:
+        """This rank's exported HF tensors of ``weights``; with ``if_changed``, ``None`` when no
+        update was applied since the policy was last exported (every one was skipped for a
+        non-finite loss or gradient norm: the engines keep the weights and the version they
+        have, ``RolloutWorker.update_weights``). Every rank decides alike (the skip is)."""
+        if weights == "policy":
+            if if_changed and not self.policy_changed:
+                return None
+            self.policy_changed = False
         with nvtx_range("weight_sync"):
             exported = self.trainer.export_weights(weights)
             return NamedTensorList((n, t.detach().cpu()) for n, t in exported)
@@ -267,6 +278,7 @@ class TrainerWorker:
         self.trainer.save_checkpoint(path, run_state)
 
     def load_checkpoint(self, path: str) -> dict:
+        self.policy_changed = True
         return self.trainer.load_checkpoint(path)
 
     def close(self) -> None:
@@ -449,7 +461,11 @@ class RolloutWorker:
         return self.clock.pop()
 
     def update_weights(self, version: int, *shards: NamedTensors) -> int:
-        """Load the trainer's exported policy tensors (one list per exporting rank); returns bytes."""
+        """Load the trainer's exported policy tensors (one list per exporting rank); returns
+        bytes. Shards that are all ``None`` (an export ``if_changed`` after a step whose every
+        update was skipped) load nothing: the engine keeps its weights and their version."""
+        if all(shard is None for shard in shards):
+            return 0
         tensors = [nt for shard in shards for nt in shard]
         self.engine.update_weights(tensors, version, "policy")
         if self.keep_copies:

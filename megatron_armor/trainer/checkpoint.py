@@ -5,7 +5,7 @@ Layout of ``path`` (the caller writes it inside a temporary directory and rename
 
     path/
       dist/            dist_checkpointing: model (``model``), reference weights (``reference.*``),
-                       optimizer state, LR scheduler, update counter
+                       optimizer state (none if it never stepped), LR scheduler, update counter
       rng/rank_R.pt    torch / CUDA / Python / NumPy RNG states of global rank R
       run_state.pt     the orchestrator's ``run_state`` dict (written by global rank 0)
 
@@ -55,20 +55,33 @@ def _strip_prefix(state: dict, prefix: str) -> dict:
     return {k[len(prefix) :] if k.startswith(prefix) else k: v for k, v in state.items()}
 
 
-def _sharded_state(trainer, is_loading: bool) -> dict:
+def _sharded_state(trainer, is_loading: bool, with_optimizer: bool = True) -> dict:
+    """What :func:`save_trainer` writes; without the optimizer when it never stepped
+    (:func:`optimizer_stepped`), recorded as ``optimizer_stepped``."""
     core = unwrap(trainer.model)
     model_sd = core.sharded_state_dict()
     with trainer.store.swapped("ref"):
         ref_sd = _detached_copy(core.sharded_state_dict(prefix=REFERENCE_PREFIX))
-    return {
+    state = {
         "model": model_sd,
         "reference": ref_sd,
-        "optimizer": trainer.optimizer.sharded_state_dict(
-            model_sd, is_loading=is_loading, metadata=_OPTIMIZER_METADATA
-        ),
         "scheduler": trainer.scheduler.state_dict(),
         "updates": trainer.updates,
+        "optimizer_stepped": with_optimizer,
     }
+    if with_optimizer:
+        state["optimizer"] = trainer.optimizer.sharded_state_dict(
+            model_sd, is_loading=is_loading, metadata=_OPTIMIZER_METADATA
+        )
+    return state
+
+
+def optimizer_stepped(optimizer) -> bool:
+    """Whether the optimizer took a step (its Adam states exist). One that never did (every
+    update so far skipped as non-finite, docs/trainer.md) has nothing to save: a fresh
+    optimizer is the same. Every rank answers alike (ranks step together)."""
+    opts = getattr(optimizer, "chained_optimizers", [optimizer])
+    return any(len(getattr(o, "optimizer", o).state) for o in opts)
 
 
 def _rng_state() -> dict:
@@ -125,7 +138,11 @@ def save_trainer(trainer, path: str, run_state: dict) -> None:
     os.makedirs(os.path.join(path, "dist"), exist_ok=True)
     os.makedirs(os.path.join(path, "rng"), exist_ok=True)
     _barrier()
-    dist_checkpointing.save(_sharded_state(trainer, is_loading=False), os.path.join(path, "dist"))
+    stepped = optimizer_stepped(trainer.optimizer)
+    dist_checkpointing.save(
+        _sharded_state(trainer, is_loading=False, with_optimizer=stepped),
+        os.path.join(path, "dist"),
+    )
     torch.save(_rng_state(), os.path.join(path, "rng", f"rank_{rank}.pt"))
     if rank == 0:
         torch.save(run_state, os.path.join(path, "run_state.pt"))
@@ -137,8 +154,11 @@ def load_trainer(trainer, path: str) -> dict:
     dist_dir = os.path.join(path, "dist")
     if not os.path.isdir(dist_dir):
         raise FileNotFoundError(f"{path!r} is not a trainer checkpoint (no dist/ directory)")
-    _materialize_optimizer_state(trainer.optimizer)
-    loaded = dist_checkpointing.load(_sharded_state(trainer, is_loading=True), dist_dir)
+    # checkpoints written before optimizer_stepped was recorded all hold the optimizer
+    stepped = dist_checkpointing.load_common_state_dict(dist_dir).get("optimizer_stepped", True)
+    if stepped:
+        _materialize_optimizer_state(trainer.optimizer)
+    loaded = dist_checkpointing.load(_sharded_state(trainer, True, stepped), dist_dir)
     core = unwrap(trainer.model)
     # dist_checkpointing loads the model in place (its tensors are the live parameters), so
     # keep a copy before the reference passes through the live parameters
@@ -148,9 +168,10 @@ def load_trainer(trainer, path: str) -> dict:
     core.load_state_dict(_strip_prefix(loaded["reference"], REFERENCE_PREFIX))
     trainer.store.snapshot("ref")
     core.load_state_dict(model_state)
-    with torch.no_grad():  # the optimizer copies into views of parameters
-        trainer.optimizer.load_state_dict(loaded["optimizer"])
-    _unshare_adam_steps(trainer.optimizer)
+    if stepped:  # else the fresh optimizer is the saved one (no state)
+        with torch.no_grad():  # the optimizer copies into views of parameters
+            trainer.optimizer.load_state_dict(loaded["optimizer"])
+        _unshare_adam_steps(trainer.optimizer)
     trainer.scheduler.load_state_dict(loaded["scheduler"])
     trainer.updates = int(loaded["updates"])
     rng_file = os.path.join(path, "rng", f"rank_{parallel.global_rank()}.pt")

@@ -183,11 +183,34 @@ def read_shard(
     raise ValueError(f"unknown parameter kind {pmap.kind!r}")
 
 
+def require_finite(tensor: torch.Tensor, what: str) -> None:
+    """Raise ``ValueError`` naming ``what`` when ``tensor`` holds a NaN or an infinity."""
+    bad = int((~torch.isfinite(tensor)).sum())
+    if bad:
+        raise ValueError(
+            f"{what} holds {bad} non-finite value(s) (NaN or inf) of {tensor.numel()}: training "
+            "from it would only produce NaN; repair or re-export these weights"
+        )
+
+
+def require_finite_source(src: SafetensorsDir, names: list[str], value: torch.Tensor) -> None:
+    """:func:`require_finite` of a parameter read from ``names``, naming the HF tensor(s)
+    among them that hold the non-finite values (read whole, on the error path only)."""
+    if bool(torch.isfinite(value).all()):
+        return
+    bad = [n for n in names if not bool(torch.isfinite(src.slice(n)[:]).all())] or names
+    for name in bad:
+        require_finite(src.slice(name)[:], f"{src.dir}: HF tensor {name!r}")
+    require_finite(value, f"{src.dir}: HF tensors {names}")
+
+
 @torch.no_grad()
 def load_hf_weights(model, model_dir: str, spec: HFModelSpec) -> int:
     """Copy this rank's slices of the HF checkpoint into ``model``; returns parameters loaded.
 
-    Raises when a parameter has no HF source or a shape disagrees (wrong config/model pair).
+    Raises when a parameter has no HF source or a shape disagrees (wrong config/model pair),
+    and when a tensor holds a NaN or an infinity (:func:`require_finite`: a run never starts
+    from non-finite weights).
     """
     core = unwrap(model)
     src, offset, loaded = SafetensorsDir(model_dir), layer_offset(core), 0
@@ -203,6 +226,7 @@ def load_hf_weights(model, model_dir: str, spec: HFModelSpec) -> int:
                 f"{name}: HF tensors {pmap.hf_names} give shape {tuple(value.shape)} but the "
                 f"model expects {tuple(param.shape)}; does config.json match the weights?"
             )
+        require_finite_source(src, pmap.hf_names, value)
         param.data.copy_(value)
         loaded += 1
     return loaded

@@ -26,11 +26,16 @@ from megatron_armor.trainer.batching import (
     with_samples,
 )
 from megatron_armor.trainer.cpu_compat import enable_cpu_mode
-from megatron_armor.trainer.hf_weights import export_hf_weights, load_hf_weights
+from megatron_armor.trainer.hf_weights import export_hf_weights, load_hf_weights, require_finite
 from megatron_armor.trainer.interface import TrainerInterface
 from megatron_armor.trainer.model import build_model, read_hf_spec
 from megatron_armor.trainer.offload import TrainStateOffloader
-from megatron_armor.trainer.optim import advance_lr_schedule, build_optimizer, wrap_ddp
+from megatron_armor.trainer.optim import (
+    advance_lr_schedule,
+    build_optimizer,
+    guarded_step,
+    wrap_ddp,
+)
 from megatron_armor.trainer.reference_model import concurrent_reference
 from megatron_armor.trainer.schedule import (
     LogprobSettings,
@@ -123,7 +128,10 @@ class MegatronTrainer(TrainerInterface):
         return out or [(0, mbs[0])]
 
     def _update(self, minibatch) -> dict[str, float]:
-        """One optimizer update on one mini-batch; metrics reduced over DP."""
+        """One optimizer update on one mini-batch; metrics reduced over DP. A non-finite loss
+        or gradient norm on any rank skips it on every rank (``optim.guarded_step``): no
+        step, the weights as they were, ``train/skipped`` 1 (it keeps its place in the LR
+        schedule: ``self.updates`` counts it)."""
         mbs = self._micro_batches(minibatch)
         normalizer = global_units(mbs, self.loss_settings.loss_agg) or 1.0
         self.model.train()
@@ -133,14 +141,17 @@ class MegatronTrainer(TrainerInterface):
         advance_lr_schedule(self.scheduler, self.updates, self.updates_per_step, t.lr_unit)
         builder = policy_loss_builder(self.lp, self.loss_settings, normalizer)
         outputs = run_schedule(self.model, mbs, builder, forward_only=False)
-        _, grad_norm, _ = self.optimizer.step()
-        self.store.live_changed()  # the reference (if reset since) is no longer the policy
+        finite = all(bool(torch.isfinite(o["loss/objective"])) for o in outputs)
+        applied, grad_norm = guarded_step(self.optimizer, finite)
+        if applied:
+            self.store.live_changed()  # the reference (if reset since) is no longer the policy
         self.updates += 1
         sums = reduce_metric_sums(outputs)
         objective = sums.pop("loss/objective", 0.0)
         metrics = finalize_metrics(sums)
         metrics["loss/objective"] = objective
-        metrics["loss/grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
+        metrics["loss/grad_norm"] = grad_norm
+        metrics["train/skipped"] = 0.0 if applied else 1.0
         metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
         metrics["train/padding_fraction"] = padding_fraction(mbs)
         return metrics
@@ -312,6 +323,8 @@ class MegatronTrainer(TrainerInterface):
         enable_cpu_mode()  # per thread (no-op with CUDA)
         self.offloader.restore()
         run_state = checkpoint.load_trainer(self, path)
+        for name, param in self.model.named_parameters():
+            require_finite(param.data, f"checkpoint {path}: parameter {name}")
         self.store.live_changed()
         # saved right after a reset, the reference is the policy: found so on every rank, the
         # step after the resume skips its reference pass as the uninterrupted run does

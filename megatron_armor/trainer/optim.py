@@ -10,6 +10,8 @@ that mode is switched off because the normalizer was applied already.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from megatron.core.distributed import (
     DistributedDataParallel,
@@ -17,9 +19,11 @@ from megatron.core.distributed import (
     finalize_model_grads,
 )
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_armor.config.schema import TrainerConfig
+from megatron_armor.trainer import parallel
 
 # a constant schedule still needs a decay horizon past the warm-up: longer than any run
 _CONSTANT_HORIZON = 10**9
@@ -68,6 +72,27 @@ def build_optimizer(ddp: DistributedDataParallel, trainer: TrainerConfig):
     optimizer = get_megatron_optimizer(opt_config, [ddp])
     config.grad_scale_func = optimizer.scale_loss if config.fp16 else None
     return optimizer, build_lr_scheduler(optimizer, trainer)
+
+
+def guarded_step(optimizer, loss_is_finite: bool) -> tuple[bool, float]:
+    """The optimizer step of megatron-core (``ChainedOptimizer.step``: gradients prepared, the
+    global norm, clipping by it, the inner step), taken only when the update is finite on
+    every rank (docs/trainer.md, non-finite guard): ``loss_is_finite`` (this rank's losses),
+    no overflow found by fp16 loss scaling, and a finite global gradient norm, and-ed over the
+    world group (one all-reduce), so every rank steps or none does. Returns ``(applied,
+    grad_norm)``; the norm is computed (and logged) also with ``trainer.grad_clip: 0``."""
+    found_inf = optimizer.prepare_grads()
+    grad_norm = float(optimizer.get_grad_norm())
+    finite = loss_is_finite and not found_inf and math.isfinite(grad_norm)
+    if not parallel.all_ranks_agree(finite):
+        return False, grad_norm
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        params = opt.get_parameters()
+        if opt.config.clip_grad > 0.0 and params and not getattr(opt, "is_stub_optimizer", False):
+            clip_grad_by_total_norm_fp32(params, opt.config.clip_grad, grad_norm,
+                                         opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)  # fmt: skip
+    optimizer.step_with_ready_grads()
+    return True, grad_norm
 
 
 def build_lr_scheduler(optimizer, trainer: TrainerConfig) -> OptimizerParamScheduler:

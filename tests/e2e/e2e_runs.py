@@ -4,7 +4,8 @@ Each :class:`Run` is ``armor train configs/tiny_cpu.yaml`` shortened to 4 steps 
 checkpoints every 2 steps, in its own process group and Ray temp dir, so that a signal or a
 ``kill -9`` of the group reaches the driver and the teardown finds every Ray process it started.
 The end-of-run table and plots are made only when asked (``summary=True``: the reference run,
-whose test checks them).
+whose test checks them). ``module`` runs another entry point with the CLI's arguments (the fault
+tests' ``nan_advantages``, on ``PYTHONPATH``).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class Run:
         resume: str = "auto",
         env: dict[str, str] | None = None,
         summary: bool = False,
+        module: str = "megatron_armor.cli",
     ):
         self.run_dir = out / name
         self.ray_tmp = tempfile.mkdtemp(prefix="ar", dir="/tmp")  # short: unix socket paths
@@ -61,7 +63,7 @@ class Run:
         inherited = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
         env = dict(inherited, RAY_TMPDIR=self.ray_tmp, RAY_USAGE_STATS_ENABLED="0",
                    HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", **(env or {}))  # fmt: skip
-        cmd = [sys.executable, "-m", "megatron_armor.cli", "train",
+        cmd = [sys.executable, "-m", module, "train",
                str(REPO / "configs" / "tiny_cpu.yaml"), *args, "--resume", resume,
                *([] if summary else ["--no-summary"])]  # fmt: skip
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self.log,

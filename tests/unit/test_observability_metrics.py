@@ -43,12 +43,30 @@ def test_jsonl_one_record_per_step_with_namespaced_keys(tmp_path):
     assert all("wall_time" in r for r in records)
 
 
-def test_non_finite_values_become_null(tmp_path):
-    logger = MetricsLogger(tmp_path, tensorboard=False)
-    logger.log(1, {"loss/pg": float("nan"), "loss/ratio_max": float("inf"), "lr": 1e-6})
+def test_non_finite_values_are_written_as_they_are_and_flagged(tmp_path):
+    """A NaN is a NaN in metrics.jsonl (``NaN``, ``Infinity``: Python's json, pandas), in
+    TensorBoard and on the console line, never a silent ``null``."""
+    import math
+
+    logger = MetricsLogger(tmp_path, tensorboard=True)
+    clean = logger.log(1, {"loss/pg": float("nan"), "loss/ratio_max": float("inf"), "lr": 1e-6})
+    logger.close()
     line = (tmp_path / "metrics.jsonl").read_text()
-    record = json.loads(line)  # strict JSON: NaN would not parse in other readers
-    assert record["loss/pg"] is None and record["loss/ratio_max"] is None and record["lr"] == 1e-6
+    assert '"loss/pg": NaN' in line and '"loss/ratio_max": Infinity' in line
+    record = read_metrics(tmp_path)[0]
+    assert math.isnan(record["loss/pg"]) and record["loss/ratio_max"] == math.inf
+    assert record["lr"] == 1e-6
+    text = step_line(1, 4, clean)
+    assert "NON-FINITE loss/pg, loss/ratio_max" in text
+    assert "NON-FINITE" not in step_line(1, 4, {"lr": 1e-6, "loss/pg": 0.5})
+
+
+def test_skipped_updates_are_flagged_on_the_console():
+    m = {"train/skipped_updates": 1.0, "train/updates": 2.0, "loss/pg": float("nan")}
+    assert "SKIPPED 1/2 updates" in step_line(3, 4, m)
+    assert "SKIPPED" not in step_line(3, 4, {**m, "train/skipped_updates": 0.0})
+    rows = {r[0]: r for r in summarize([{"step": 3, **m}, {"step": 4, "loss/pg": 0.5}])}
+    assert rows["policy loss"][1:] == ("+nan", "+0.5000", "+0.5000")  # max over finite values
 
 
 def test_truncate_drops_steps_a_resume_recomputes(tmp_path):
@@ -99,6 +117,22 @@ def test_plots_written_with_reset_markers(tmp_path):
     names = sorted(p.name for p in paths)
     assert names == ["acceptance.png", "clip.png", "kl.png", "reward_vs_val.png"]
     assert all(p.stat().st_size > 1000 for p in paths)
+
+
+def test_mismatch_and_correction_plots_with_a_nan_step(tmp_path):
+    logger = MetricsLogger(tmp_path, tensorboard=False)
+    for step in (1, 2, 3):
+        nan = step == 2  # a skipped update's NaN: a gap, not a failure
+        logger.log(step, {"rollout/policy_mismatch_k3": 1e-4 * step,
+                          "rollout/anchor_mismatch_k1": 2e-4,
+                          "correction/policy_weight_mean": float("nan") if nan else 1.0,
+                          "correction/policy_cut_frac": 0.01})  # fmt: skip
+    logger.close()
+    records = read_metrics(tmp_path)
+    steps, values = series(records, "correction/policy_weight_mean")
+    assert steps == [1, 2, 3] and values[0] == 1.0 and values[1] != values[1]
+    names = sorted(p.name for p in plot_run(tmp_path))
+    assert names == ["correction.png", "mismatch.png"]
 
 
 def test_plot_of_empty_dir_is_an_error(tmp_path):

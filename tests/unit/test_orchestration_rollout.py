@@ -9,6 +9,7 @@ sequence, so group compositions and rejection counts are known exactly.
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -307,6 +308,36 @@ def test_exhausted_generation_batches_name_rate_and_settings():
     msg = str(err.value)
     assert "acceptance rate 0.250" in msg and "algo.max_gen_batches" in msg
     assert "rollout.gen_batch" in msg and "algo.ref_n" in msg and "algo.weak_filter" in msg
+
+
+def test_an_acceptance_failure_after_skipped_updates_names_them_first():
+    """Right after a step that skipped updates (non-finite loss or gradient norm), the error
+    says so before it suggests the acceptance settings; after a normal step it does not."""
+    runner, _ = make("armor", batch=5, gen_batch=2, max_gen_batches=2)
+    runner.observe({"train/skipped_updates": 2.0, "train/updates": 2.0, "loss/pg": math.nan})
+    with pytest.raises(AcceptanceError) as err:
+        runner.collect(step=4)
+    msg = str(err.value)
+    assert msg.startswith("the step before (step 3) skipped 2 of 2 optimizer updates")
+    assert "non-finite loss/pg" in msg and "trainer.lr" in msg
+    assert msg.index("diverged") < msg.index("algo.max_gen_batches")
+    runner.observe({"train/skipped_updates": 0.0, "train/updates": 2.0, "loss/pg": 0.1})
+    with pytest.raises(AcceptanceError) as err:
+        runner.collect(step=5)
+    assert str(err.value).startswith("only ")
+
+
+def test_an_acceptance_failure_with_only_wrong_answers_after_a_sound_step_names_the_update():
+    """``trainer.lr`` far too large: the update is finite, yet the policy that was partly right
+    now answers every query wrongly; the error says the update likely diverged."""
+    runner, _ = make("armor", batch=1, gen_batch=1, max_gen_batches=1, queries=("q2",))  # all wrong
+    runner.observe({"reward/policy_acc": 0.3, "lr": 1000.0, "loss/grad_norm": 0.8,
+                    "train/skipped_updates": 0.0})  # fmt: skip
+    with pytest.raises(AcceptanceError) as err:
+        runner.collect(step=2)
+    msg = str(err.value)
+    assert msg.startswith("the step before (step 1) had on-policy accuracy 0.300")
+    assert "lr 1e+03" in msg and "only wrong answers" in msg and "algo.max_gen_batches" in msg
 
 
 def test_seeds_depend_only_on_seed_step_batch_role():

@@ -94,7 +94,7 @@ def test_a_checkpoint_carries_its_step_line_and_a_resume_writes_it_back_once(tmp
     session = SimpleNamespace(run_dir=tmp_path, logger=logger)
     Session.restore_metrics_line(session, state)
     assert read_metrics(tmp_path) == [read_metrics(tmp_path)[0], line]
-    assert line["reward/acc"] == 0.5 and line["loss/ratio_max"] is None
+    assert line["reward/acc"] == 0.5 and line["loss/ratio_max"] == float("inf")  # kept, not null
     Session.restore_metrics_line(session, state)  # the line is there now: nothing appended
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
     Session.restore_metrics_line(session, RunState(step=3))  # a checkpoint without a line
@@ -302,24 +302,52 @@ def test_reward_stats_merge_weights_means_and_adds_counters():
 
 
 def test_engine_logprobs_align_with_packed_response_tokens():
-    from megatron_armor.orchestration.step_metrics import engine_logprobs, logprob_mismatch_metrics
+    import math
+
+    from megatron_armor.orchestration.step_metrics import logprob_mismatch_metrics
     from megatron_armor.types import pack_groups
 
     a = Sample("q", [1, 2], [3, 4], response_logprobs=[-0.1, -0.2])
     b = Sample("q", [1, 2], [5], response_logprobs=[-0.3])
     group = Group("q", [a, b], anchor_index=1, advantages=[1.0, -1.0])
     batch = pack_groups([group])
-    lp = engine_logprobs(batch, [group])
+    lp = batch.engine_logprobs
     assert lp.tolist() == pytest.approx([0, 0, -0.1, -0.2, 0, 0, -0.3])
     batch.old_logprobs = lp.clone()
     batch.ref_logprobs = lp.clone()
     batch.ref_logprobs[6] = -0.5
-    m = logprob_mismatch_metrics(batch, [group], with_ref=True)
+    m = logprob_mismatch_metrics(batch, with_ref=True)
     assert m["rollout/policy_logprob_absdiff_max"] == 0.0
+    assert m["rollout/policy_mismatch_k1"] == 0.0 and m["rollout/policy_mismatch_k3"] == 0.0
     assert m["rollout/anchor_logprob_absdiff_max"] == pytest.approx(0.2)
-    assert "rollout/anchor_logprob_absdiff_mean" not in logprob_mismatch_metrics(
-        batch, [group], False
-    )
+    # the anchor token: lp_e = -0.3 (engine), lp_b = lp_ref = -0.5; rho = exp(-0.2)
+    assert m["rollout/anchor_mismatch_k1"] == pytest.approx(0.2, abs=1e-6)
+    assert m["rollout/anchor_mismatch_k3"] == pytest.approx(math.exp(-0.2) - 1 + 0.2, abs=1e-6)
+    assert "rollout/anchor_logprob_absdiff_mean" not in logprob_mismatch_metrics(batch, False)
+
+
+def test_a_sample_without_engine_logprobs_packs_nan_on_its_response():
+    from megatron_armor.types import pack_groups
+
+    a = Sample("q", [1], [3, 4], response_logprobs=[-0.1])  # one log-prob for two tokens
+    b = Sample("q", [1], [5], response_logprobs=[-0.3])
+    batch = pack_groups([Group("q", [a, b], advantages=[1.0, -1.0])])
+    lp = batch.engine_logprobs
+    assert lp[0] == 0 and lp[1:3].isnan().all() and lp[3:].tolist() == pytest.approx([0, -0.3])
+
+
+def test_a_correction_refuses_a_sample_without_engine_logprobs():
+    from megatron_armor.config import load_config
+    from megatron_armor.orchestration.loop import require_engine_logprobs
+    from megatron_armor.types import pack_groups
+
+    a = Sample("q", [1], [3, 4], response_logprobs=[])  # an engine that returned none
+    b = Sample("q", [1], [5], response_logprobs=[-0.3])
+    batch = pack_groups([Group("q", [a, b], advantages=[1.0, -1.0])])
+    require_engine_logprobs(load_config(None, []), batch, 3)  # mode none: not read
+    on = load_config(None, ["algo.rollout_correction.mode=seq_tis"])
+    with pytest.raises(RuntimeError, match=r"mode='seq_tis': 1 sample\(s\) of step 3"):
+        require_engine_logprobs(on, batch, 3)
 
 
 def test_orchestration_never_imports_megatron():

@@ -53,9 +53,10 @@ class Recorder:
 
 
 class Trainer(Recorder):
-    def export_refs(self, weights):
+    def export_refs(self, weights, if_changed=False):
         assert self.object_store, "weights through the object store"
-        return self.record("export", weights, answer=[f"{weights}-tensors"])
+        call = ("export", weights, "if_changed") if if_changed else ("export", weights)
+        return self.record(*call, answer=[f"{weights}-tensors"])
 
     def push_weights(self, version, weights, pool, target):
         if isinstance(target, str):  # disk: the ranks write the directory
@@ -280,10 +281,10 @@ def test_the_embedded_push_is_queued_behind_the_updates(extra, early):
     sync = make_weight_sync(load_config(None, ["rollout.backend=torch", *extra]), trainer, rollout)
     sync.queue_policy_push(7)
     queued = list(rollout.calls)
-    assert trainer.calls == [("export", "policy")]
+    assert trainer.calls == [("export", "policy", "if_changed")]
     assert queued == ([("update", 7, ("policy-tensors",))] if early else [])
     assert sync.push_policy(7) == 99
-    assert trainer.calls == [("export", "policy")]  # not exported twice
+    assert trainer.calls == [("export", "policy", "if_changed")]  # not exported twice
     assert rollout.calls[len(queued) :] == [
         *([] if early else [("update", 7, ("policy-tensors",))]),
         ("wait", ("loaded-7",)),
@@ -293,6 +294,29 @@ def test_the_embedded_push_is_queued_behind_the_updates(extra, early):
     sync.push_policy(9)  # not what was queued: exported and loaded at 9
     assert trainer.calls[-1] == ("export", "policy") and len(trainer.calls) == 3
     assert rollout.calls[-2:] == [("update", 9, ("policy-tensors",)), ("wait", ("loaded-9",))]
+
+
+@pytest.mark.parametrize("early", [True, False])
+def test_a_step_without_an_applied_update_pushes_nothing(early):
+    """Every update of the step skipped (non-finite): the queued export of the embedded
+    engine is ``if_changed`` (empty, the engine loads nothing: ``RolloutWorker.update_weights``)
+    and is only waited for; no version is recorded; the SGLang transports send nothing."""
+    trainer, rollout = Trainer(), Rollout()
+    trainer.object_store = True
+    extra = [] if early else ["orchestration.layout=colocated"]
+    sync = make_weight_sync(load_config(None, ["rollout.backend=torch", *extra]), trainer, rollout)
+    sync.push_policy(3)
+    sync.queue_policy_push(4)
+    before = len(rollout.calls)
+    assert sync.skip_policy_push() == 0
+    assert rollout.calls[before:] == ([("wait", ("loaded-4",))] if early else [])
+    assert sync.versions["policy"] == 3
+    assert sync.pop_metrics()["perf/weight_sync_inprocess_pushes"] == 1.0  # the push at 3 only
+    servers_trainer, servers_rollout = Trainer(), Rollout()
+    served = make_weight_sync(config("disk"), servers_trainer, servers_rollout)
+    served.queue_policy_push(4)
+    assert served.skip_policy_push() == 0
+    assert servers_trainer.calls == [] and servers_rollout.calls == []
 
 
 def test_worker_roles_follow_the_pools_on_each_node():

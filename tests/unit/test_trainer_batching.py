@@ -116,7 +116,9 @@ def test_the_per_token_mapping_is_what_the_loss_consumes() -> None:
     """``pack_groups`` names the per-token loss inputs once; each is an argument of the loss."""
     params = list(inspect.signature(compute_policy_loss).parameters)
     per_token = params[params.index("logprobs") + 1 : params.index("sample_index")]
+    per_token.append("engine_logprobs")  # keyword: read only by a rollout correction
     assert sorted(make_batch().token_data) == sorted(per_token)
+    assert "engine_logprobs" in params
 
 
 @pytest.mark.parametrize("packed", [False, True])

@@ -66,7 +66,7 @@ class Remote:
 def rank(r: int) -> TrainerWorker:
     w = object.__new__(TrainerWorker)
     w.rank, w.world_size, w.clock = r, 2, ComputeClock()
-    w.trainer, w.step_batch = RecordingTrainer(), None
+    w.trainer, w.step_batch, w.policy_changed = RecordingTrainer(), None, True
     return w
 
 
