@@ -161,7 +161,7 @@ def tensor(named, bucket_mb: int, reps: int) -> float:
     def push():
         kept = [serialize_bucket(b) for b in iter_buckets(named, bucket_mb << 20)]
         queue = ctx.Queue()
-        proc = ctx.Process(target=_rebuild, args=(queue, [blob for blob, _ in kept]))
+        proc = ctx.Process(target=_rebuild, args=(queue, [k.text for k in kept]))
         proc.start()
         assert queue.get(timeout=300) == total_bytes(named)
         proc.join()

@@ -118,7 +118,11 @@ def test_weight_update_by_nccl_broadcast(served):
         tensors = [
             (n, t.to("cuda", torch.bfloat16)) for n, t in TorchEngine(served["b"]).state_tensors()
         ]
-        sender.send(tensors, version=12)
+        engine.begin_weight_update()  # SGLang 0.5.23 takes streamed updates in a session only
+        try:
+            sender.send(tensors, version=12)
+        finally:
+            engine.end_weight_update()
         engine.set_weight_version(12)
         check_serves(served, served["b"], version=12)
     finally:

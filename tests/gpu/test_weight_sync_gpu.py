@@ -98,15 +98,30 @@ def test_a_cuda_ipc_bucket_round_trips_into_another_process(trainer):
     from megatron_armor.rollout.sglang.weights import serialize_bucket
 
     named = list(trainer["trainer"].export_weights("policy", device=None, every_rank=True))
-    blob, keep = serialize_bucket(named)
+    serialized = serialize_bucket(named)  # on a GPU: the CUDA-IPC form
+    assert serialized.load_format == "flattened_bucket"
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    process = ctx.Process(target=rebuild, args=(queue, blob))
+    process = ctx.Process(target=rebuild, args=(queue, serialized.text))
     process.start()
     sums = queue.get(timeout=300)
     process.join(timeout=60)
     assert sums == {name: t.float().sum().item() for name, t in named}
-    del keep
+    del serialized
+
+
+def in_session(served, push):
+    """``push`` inside the server's weight-update session, as the rollout worker opens and
+    closes it around the trainer ranks' pushes (``orchestration/weight_sync.SessionSync``)."""
+
+    def pushed(version: int):
+        served["engine"].begin_weight_update()
+        try:
+            return push(version)
+        finally:
+            served["engine"].end_weight_update()
+
+    return pushed
 
 
 def test_tensor_transport_into_sglang(trainer, served):
@@ -116,11 +131,9 @@ def test_tensor_transport_into_sglang(trainer, served):
     url = served["engine"].servers[0].url
     try:
         serves_a_then_b(
-            trainer,
-            served,
-            lambda v: sync.push(v, "policy", "policy", [ServerTarget(url, 1, 0)]),
-            21,
-        )
+            trainer, served, in_session(served, lambda v: sync.push(v, "policy", "policy",
+                                                                   [ServerTarget(url, 1, 0)])), 21,
+        )  # fmt: skip
     finally:
         sync.close()
 
@@ -132,8 +145,10 @@ def test_distributed_transport_into_sglang(trainer, served):
     url = served["engine"].servers[0].url
     try:
         serves_a_then_b(
-            trainer, served, lambda v: sync.push(v, "policy", "policy", [ServerTarget(url, 1)]), 31
-        )
+            trainer, served,
+            in_session(served, lambda v: sync.push(v, "policy", "policy", [ServerTarget(url, 1)])),
+            31,
+        )  # fmt: skip
     finally:
         sync.close()
 

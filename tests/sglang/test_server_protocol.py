@@ -19,6 +19,7 @@ import json
 import threading
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -210,6 +211,8 @@ def test_release_and_resume_in_the_loops_order_with_a_request_in_flight(served):
         stream.join(timeout=300)
     assert finished.get("reason") in ("length", "stop"), finished
     assert engine.health()
+    # the servers loaded v14: the HF dirs of earlier disk pushes are gone
+    assert sorted(p.name for p in Path(engine.weights_dir).iterdir()) == ["v14"]
     assert_serves(engine, model, new, 14, previous=served.get("current"))
 
 

@@ -1,5 +1,11 @@
 """SGLang backend over HTTP against a stand-in server (unit tier: the server runs in-process
-on 127.0.0.1; ``test_rollout_sglang_dist.py`` runs this file as a server subprocess).
+on 127.0.0.1; ``test_orchestration_weight_transport.py`` runs this file as a server subprocess).
+
+What the project says to SGLang is said to the real server in the sglang tier (``tests/sglang``);
+the stand-in is for what the real one cannot be made to show on cue: HTTP 503 and retries, a
+request that outlives its timeout (abort, then retry), a 4xx that must not be retried, the seeds
+each request carries (the CPU server cannot honour ``sampling_seed``), the router API generation
+before the pinned one, and pure command and payload builders.
 
 The stand-in implements SGLang's native endpoints with the request fields of SGLang's own
 dataclasses (copied below from ``python/sglang/srt/managers/io_struct.py`` and
@@ -453,36 +459,6 @@ def test_client_errors_are_not_retried(standin):
     assert [e for e, _ in standin.calls] == ["/generate"]
 
 
-def test_disk_transport_and_memory_calls(standin, tmp_path):
-    engine = engine_for([standin.url], tmp_path, weight_transport="disk")
-    try:
-        tensors = [
-            ("model.embed_tokens.weight", torch.randn(4, 2)),
-            ("lm_head.weight", torch.randn(4, 2)),
-        ]
-        engine.update_weights(iter(tensors), version=3)
-        assert engine.weight_version() == 3
-        assert torch.equal(standin.weights["lm_head.weight"], tensors[1][1])
-        engine.update_weights(iter(tensors), version=4)  # the loaded v3 copy is removed
-        assert sorted(p.name for p in tmp_path.iterdir()) == ["v4"]
-        assert engine.generate([[1]], 1, SamplingParams(max_new_tokens=1))[0][0].weight_version == 4
-        engine.release_memory()
-        engine.resume_memory(tags=["weights"])
-        engine.resume_memory(tags=["kv_cache"])
-        assert [e for e, _ in standin.calls][-5:] == [
-            "/pause_generation",  # a release needs an idle scheduler
-            "/release_memory_occupation",
-            "/resume_memory_occupation",  # weights
-            "/resume_memory_occupation",  # kv cache, then generation goes on
-            "/continue_generation",
-        ]
-        assert engine.health()
-        standin.healthy = False
-        assert not engine.health()
-    finally:
-        engine.close()
-
-
 def test_router_admin_speaks_both_router_apis():
     workers: dict[str, str] = {}
     legacy: list[str] = []
@@ -583,63 +559,6 @@ def test_reference_pool_servers_get_their_own_ports_gpus_and_memory_share():
     config.rollout.ref_strategy = "swap"
     with pytest.raises(ValueError, match="no SGLang 'ref' pool"):
         SGLangEngine.from_config(config, "ref", start=False)
-
-
-@pytest.fixture
-def two_standins():
-    servers, threads = [], []
-    for _ in range(2):
-        server = StandIn()
-        thread = ServerThread(server.app())
-        server.url = thread.url
-        servers.append(server)
-        threads.append(thread)
-    yield servers
-    for thread in threads:
-        thread.close()
-
-
-def test_dedicated_reference_pool_serves_anchors_from_reference_weights(two_standins, tmp_path):
-    from megatron_armor.rollout.reference import make_reference_sampler
-
-    policy_server, ref_server = two_standins
-    config = dedicated_config(weight_transport="disk", router=False, num_engines=1)
-    config.rollout.sglang.ref_pool.num_engines = 1
-    config.run.output_dir = str(tmp_path)
-    policy = SGLangEngine.from_config(config, "policy", start=False)
-    ref = SGLangEngine.from_config(config, "ref", start=False)
-    policy.servers[0].url, ref.servers[0].url = policy_server.url, ref_server.url
-    theta_ref = [("lm_head.weight", torch.zeros(4, 2))]
-    theta = [("lm_head.weight", torch.ones(4, 2))]
-    try:
-        for sampler in (
-            make_reference_sampler("dedicated", policy, ref_engine=ref),
-            make_reference_sampler("cache", policy, ref_engine=ref, cache_fill="dedicated"),
-        ):
-            sampler.load_reference(0, lambda: iter(theta_ref))
-            policy.update_weights(iter(theta), version=5)
-            assert torch.equal(ref_server.weights["lm_head.weight"], theta_ref[0][1])
-            assert torch.equal(policy_server.weights["lm_head.weight"], theta[0][1])
-            before = len([c for c in policy_server.calls if c[0] == "/generate"])
-            out = sampler.sample(
-                ["q0", "q1"], [[3, 4], [5]], 2, SamplingParams(max_new_tokens=3, seed=1)
-            )
-            assert [[o.weight_version for o in g] for g in out] == [[0, 0], [0, 0]]
-            assert len([c for c in policy_server.calls if c[0] == "/generate"]) == before
-            # the same prompts on the policy servers give other tokens (version 5 != 0)
-            fresh = policy.generate([[3, 4]], 2, SamplingParams(max_new_tokens=3, seed=1))
-            assert fresh[0][0].token_ids != out[0][0].token_ids
-            sampler.on_reset(5, lambda: iter(theta))  # the policy becomes the reference
-            assert ref.weight_version() == 5 and sampler.ref_version == 5
-            assert torch.equal(ref_server.weights["lm_head.weight"], theta[0][1])
-            again = sampler.sample(["q0"], [[3, 4]], 2, SamplingParams(max_new_tokens=3, seed=1))
-            assert again[0][0].weight_version == 5  # a reset drops cached anchors too
-            ref_server.calls.clear()
-            sampler.load_reference(7, None)  # streamed by the trainer: only the version moves
-            assert sampler.ref_version == 7 and ref_server.calls == []
-    finally:
-        policy.close()
-        ref.close()
 
 
 def test_stop_reaches_the_children_of_a_dead_server(tmp_path):
