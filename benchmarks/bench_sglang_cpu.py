@@ -34,9 +34,10 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests" / "sglang"))
+sys.path[:0] = [str(REPO / "tests" / "sglang"), str(REPO / "tests" / "e2e")]
 
-from sglang_servers import cpu_servers, free_ports  # noqa: E402
+from process_group import free_ports  # noqa: E402
+from sglang_servers import cpu_servers  # noqa: E402
 
 from megatron_armor.rollout.protocol import SamplingParams  # noqa: E402
 from megatron_armor.rollout.sglang import weights as transport  # noqa: E402

@@ -25,6 +25,23 @@ def pids_mentioning(text: str) -> list[int]:
     return pids
 
 
+def free_ports(count: int) -> list[int]:
+    """Distinct free ports below the ephemeral range (Ray opens many sockets meanwhile)."""
+    import random
+
+    ports: list[int] = []
+    while len(ports) < count:
+        port = random.randrange(20000, 30000)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+        if port not in ports:
+            ports.append(port)
+    return ports
+
+
 def server_pids(port: int) -> list[int]:
     """Processes started with the arguments ``--port PORT`` (a server's, as the SGLang backend
     launches it: ``/proc/PID/cmdline`` separates arguments with NUL bytes)."""

@@ -27,7 +27,7 @@ from megatron_armor.orchestration.step_metrics import read_anchor_file
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from e2e_runs import CACHED, Run  # noqa: E402
-from process_group import server_pids  # noqa: E402
+from process_group import free_ports, server_pids  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
@@ -97,24 +97,6 @@ def test_tensor_parallel_trainer_matches_single_rank(reference_run, tiny_dir, ou
     assert (run.run_dir / "checkpoints" / "step_000001" / "meta.json").is_file()
 
 
-def _server_ports(count: int) -> list[int]:
-    """Distinct free ports below the ephemeral range (Ray opens many sockets meanwhile)."""
-    import random
-    import socket
-
-    ports: list[int] = []
-    while len(ports) < count:
-        port = random.randrange(20000, 30000)
-        with socket.socket() as sock:
-            try:
-                sock.bind(("0.0.0.0", port))
-            except OSError:
-                continue
-        if port not in ports:
-            ports.append(port)
-    return ports
-
-
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(("transport", "strategy"), [("distributed", "dedicated")])
 def test_sglang_backend_with_a_reference_pool_and_a_wedged_server(
@@ -132,7 +114,7 @@ def test_sglang_backend_with_a_reference_pool_and_a_wedged_server(
     restarts it and re-syncs it under a new weight-sync group before it serves."""
     marks = tmp_path / "marks"
     marks.mkdir()
-    ports = _server_ports(2)
+    ports = free_ports(2)
     env = {
         "PYTHONPATH": os.pathsep.join(
             [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]

@@ -5,11 +5,10 @@ compared with (transformers' fp32 forward of the same weights)."""
 from __future__ import annotations
 
 import contextlib
-import random
-import socket
 from pathlib import Path
 
 import torch
+from process_group import free_ports  # tests/e2e (on the path: conftest.py)
 
 from megatron_armor.config.schema import SGLangConfig
 from megatron_armor.rollout.protocol import SamplingParams
@@ -23,21 +22,6 @@ STARTUP_S = 420.0  # a server starts in 25-50 s on a quiet 2-core machine; CI is
 # CPU servers run fp32 (launch.CPU_SERVER_ARGS) like the oracles: what separates them is the
 # order of floating-point sums (SGLang's torch-native attention vs transformers' SDPA)
 MEAN_TOL, MAX_TOL = 1e-4, 1e-3
-
-
-def free_ports(count: int) -> list[int]:
-    """Distinct free ports below the ephemeral range (Ray opens many sockets meanwhile)."""
-    ports: list[int] = []
-    while len(ports) < count:
-        port = random.randrange(20000, 30000)
-        with socket.socket() as sock:
-            try:
-                sock.bind(("0.0.0.0", port))
-            except OSError:
-                continue
-        if port not in ports:
-            ports.append(port)
-    return ports
 
 
 @contextlib.contextmanager
