@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "tests" / "sglang"), str(REPO / "tests" / "e2e")]
+sys.path[:0] = [str(REPO / "tests" / "sglang_tier"), str(REPO / "tests" / "e2e")]
 
 from process_group import free_ports  # noqa: E402
 from sglang_servers import cpu_servers  # noqa: E402

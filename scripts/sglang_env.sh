@@ -6,7 +6,7 @@
 # the GPU nodes' stack minus Transformer Engine (CUDA-only): the SGLang pins of
 # requirements-gpu.txt, then requirements.txt, so the project's code runs there as on a GPU node.
 # The project itself is not installed: the tier runs with PYTHONPATH at the checkout, so one
-# cached venv serves every clone. The test-only CPU guards (tests/sglang/armor_sglang_cpu_guards.py)
+# cached venv serves every clone. The test-only CPU guards (tests/sglang_tier/armor_sglang_cpu_guards.py)
 # are copied into its site-packages with a .pth line that imports them at start-up.
 #
 # Cached at $ARMOR_SGLANG_VENV (default ~/.cache/megatron_armor/sglang-venv), ~11 GB, ~5-10 min
@@ -16,7 +16,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${ARMOR_SGLANG_VENV:-$HOME/.cache/megatron_armor/sglang-venv}
 PY=${PYTHON:-python3}
-GUARDS=tests/sglang/armor_sglang_cpu_guards.py
+GUARDS=tests/sglang_tier/armor_sglang_cpu_guards.py
 pins=$(grep -E '^(torch|sglang|sglang-router)==' requirements-gpu.txt)
 [ "$(printf '%s\n' "$pins" | wc -l)" = 3 ] || {
   echo "sglang_env.sh: requirements-gpu.txt must pin torch, sglang and sglang-router (==)" >&2

@@ -7,7 +7,7 @@ installed (they run in the sglang tier's own virtualenv: ``scripts/test.sh``,
 
 from __future__ import annotations
 
-import importlib.util
+import importlib.metadata
 
 import pytest
 import torch
@@ -15,11 +15,21 @@ import torch
 TIERS = ("unit", "dist", "e2e", "slurm", "sglang", "gpu")
 
 
+def sglang_installed() -> bool:
+    """Whether the SGLang distribution is installed here (its metadata: a module named
+    ``sglang`` could be something else on the path)."""
+    try:
+        importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
 def runs_here(tiers: list[str]) -> bool:
     """Whether this machine and environment can run a test of ``tiers``."""
     if "gpu" in tiers and not torch.cuda.is_available():
         return False
-    return "sglang" not in tiers or importlib.util.find_spec("sglang") is not None
+    return "sglang" not in tiers or sglang_installed()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,6 +1,6 @@
 """An SGLang server stand-in for the one fault the real server cannot be made to show on cue: a
 server that is alive but unhealthy (a wedge); everything else the project says to SGLang is said
-to the real server in the sglang tier (``tests/sglang``). Started exactly as the SGLang
+to the real server in the sglang tier (``tests/sglang_tier``). Started exactly as the SGLang
 backend starts its servers: ``python -m sglang_standin --model-path DIR --host H --port P ...`` (the
 ServerArgs flags; ``rollout.sglang.server_module=sglang_standin`` with this folder on
 ``PYTHONPATH``).

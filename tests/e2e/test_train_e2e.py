@@ -105,7 +105,7 @@ def test_sglang_backend_with_a_reference_pool_and_a_wedged_server(
     """A *wedged* server (alive, answering 503 on /health_generate), the one fault the real
     server cannot be made to show on cue; the real SGLang server runs the rest (launch, pools,
     every transport, swap, a killed server, kill -9 and resume) in the sglang tier
-    (``tests/sglang/test_train_on_sglang.py``). The rollout worker launches the servers as the
+    (``tests/sglang_tier/test_train_on_sglang.py``). The rollout worker launches the servers as the
     backend does, with ``rollout.sglang.server_module`` pointing at a stand-in that runs the
     embedded engine behind SGLang's HTTP API (``sglang_standin.py``): a policy server and a
     dedicated reference pool, weights streamed by the trainer rank (gloo here, NCCL on GPUs)

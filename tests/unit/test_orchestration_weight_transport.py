@@ -4,7 +4,7 @@ policy into one stand-in SGLang server process and its reference into another (t
 reference pool), each pool over its own weight-sync group (``test_rollout_sglang_http.py`` run as a
 script) through ``TrainerWorker.push_weights``; and the disk transport's shards written by the
 same rank. The stand-in hands back the tensors it received, compared bit for bit with the export
-(the real server shows its weights only through its log-probs: the sglang tier, ``tests/sglang``,
+(the real server shows its weights only through its log-probs: the sglang tier, ``tests/sglang_tier``,
 runs these transports against it).
 
 Run as a script (``python this_file.py MODEL_DIR TARGETS_JSON OUT PORT``) it is the trainer rank.

@@ -1,7 +1,7 @@
 """SGLang backend over HTTP against a stand-in server (unit tier: the server runs in-process
 on 127.0.0.1; ``test_orchestration_weight_transport.py`` runs this file as a server subprocess).
 
-What the project says to SGLang is said to the real server in the sglang tier (``tests/sglang``);
+What the project says to SGLang is said to the real server in the sglang tier (``tests/sglang_tier``);
 the stand-in is for what the real one cannot be made to show on cue: HTTP 503 and retries, a
 request that outlives its timeout (abort, then retry), a 4xx that must not be retried, the seeds
 each request carries (the CPU server cannot honour ``sampling_seed``), the router API generation
