@@ -27,6 +27,36 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 
 
+def start_stand_in(tmp_path):
+    """``test_rollout_sglang_http.py`` run as a server script on a free port."""
+    from megatron_armor.rollout.sglang import launch
+
+    port = sibling("test_rollout_export").free_port()
+    cmd = [sys.executable, str(HERE / "test_rollout_sglang_http.py"), "--port", str(port)]
+    process = launch.ManagedProcess(
+        cmd, f"http://127.0.0.1:{port}/health_generate", str(tmp_path / "server.log")
+    )
+    process.start(env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    process.wait_healthy(timeout_s=90, poll_s=0.2)
+    return process
+
+
+def url_of(process) -> str:
+    return process.health_url.removesuffix("/health_generate")
+
+
+def weights_by_name(url: str, name: str) -> list[float]:
+    """The stand-in's ``/get_weights_by_name``: the first 100 values of a received tensor."""
+    import urllib.request
+
+    body = json.dumps({"name": name, "truncate_size": 100}).encode()
+    request = urllib.request.Request(
+        f"{url}/get_weights_by_name", body, {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.loads(response.read())
+
+
 def sibling(name: str):
     """Another test module of this folder, by path (tests are not a package)."""
     spec = importlib.util.spec_from_file_location(f"_armor_{name}", HERE / f"{name}.py")
@@ -84,17 +114,19 @@ def trainer_main(model_dir: str, targets_json: str, out_path: str, port: int) ->
 
 @pytest.mark.timeout(300)
 def test_trainer_worker_streams_its_export_into_sglang_servers(tmp_path):
+    from megatron_armor.config.schema import SGLangConfig
     from megatron_armor.rollout.protocol import SamplingParams
+    from megatron_armor.rollout.sglang.engine import SGLangEngine
     from megatron_armor.trainer.hf_weights import SafetensorsDir
 
-    export, stand_in = sibling("test_rollout_export"), sibling("test_rollout_sglang_dist")
+    export = sibling("test_rollout_export")
     model_dir = export.build_tiny_qwen2(tmp_path / "model")
     servers = []
     try:
         for i in range(2):
             (tmp_path / f"s{i}").mkdir()
-            servers.append(stand_in.start_server(tmp_path / f"s{i}"))
-        targets = [(stand_in.url_of(p), 1) for p in servers]  # ServerTarget(url, tp)
+            servers.append(start_stand_in(tmp_path / f"s{i}"))
+        targets = [(url_of(p), 1) for p in servers]  # ServerTarget(url, tp)
         out = tmp_path / "out.pt"
         cmd = [
             sys.executable,
@@ -123,9 +155,10 @@ def test_trainer_worker_streams_its_export_into_sglang_servers(tmp_path):
             targets, (weights, result["ref"]), (5, 7), strict=True
         ):
             for name, tensor in expected.items():
-                got = torch.tensor(stand_in.weights_by_name(url, name), dtype=tensor.dtype)
+                got = torch.tensor(weights_by_name(url, name), dtype=tensor.dtype)
                 assert torch.equal(got, tensor.flatten()[:100]), name
-            engine = stand_in.engine_for(url)
+            engine = SGLangEngine("/models/tiny", SGLangConfig(router=False, max_retries=1),
+                                  urls=[url])  # fmt: skip
             try:
                 out_version = engine.generate([[1]], 1, SamplingParams(max_new_tokens=1))
                 assert out_version[0][0].weight_version == version

@@ -65,8 +65,8 @@ def round_trip(obj, readonly: bool = False):
 def assert_same(got: torch.Tensor, want: torch.Tensor) -> None:
     want = want.detach()
     assert got.dtype == want.dtype and got.shape == want.shape
-    if want.dtype == torch.float8_e4m3fn:  # compared bit for bit (no float8 equality kernel)
-        got, want = got.view(torch.uint8), want.contiguous().view(torch.uint8)
+    if want.is_floating_point():  # bit for bit: NaN entries too (and float8: no equal kernel)
+        got, want = (t.contiguous().reshape(-1).view(torch.uint8) for t in (got, want))
     assert torch.equal(got, want)
 
 
