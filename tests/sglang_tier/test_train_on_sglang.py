@@ -88,8 +88,9 @@ def test_dedicated_pool_heals_a_killed_server_and_resumes_after_kill_9(tiny_dir,
         run.cleanup()
         for port in ports:  # a killed job's servers die with it (its cgroup on a cluster)
             kill_servers(port)
+    # step 2's line is in its checkpoint; the kill may come before it reaches metrics.jsonl
     before = {r["step"]: r for r in read_metrics(run.run_dir)}
-    assert set(before) >= {0, 1, 2}
+    assert set(before) in ({0, 1}, {0, 1, 2}), sorted(before)
     resumed = Run(tmp_path, "sglang_dedicated", tiny_dir, *overrides)
     code = resumed.wait(RUN_S)
     left = [pid for port in ports for pid in kill_servers(port)]
@@ -98,7 +99,7 @@ def test_dedicated_pool_heals_a_killed_server_and_resumes_after_kill_9(tiny_dir,
     assert "resumed from" in resumed.output()
     records = {r["step"]: r for r in read_metrics(run.run_dir)}
     assert sorted(records) == [0, 1, 2, 3, 4]
-    for s in (0, 1, 2):  # the steps before the kill as they were written
+    for s in before:  # the steps before the kill as they were written (or written back)
         assert records[s] == before[s], s
     # killed after step 1's rollout: back before step 1's push (or, had the push been quicker
     # than the kill, at step 2's health check); once
