@@ -81,7 +81,15 @@ class AlgoConfig:
     kl_estimator: str = "k3"
     """``k1`` | ``k2`` | ``k3`` estimator for the KL penalty."""
     max_gen_batches: int = 10
-    """Generation batches tried per step before failing with the acceptance statistics."""
+    """Generation batches tried per step before the step is short (``on_short_batch``)."""
+    on_short_batch: str = "train_partial"
+    """When ``max_gen_batches`` batches accepted fewer than ``rollout.batch`` queries:
+    ``train_partial`` (train on the accepted groups if they are at least
+    ``min_batch_fraction`` of the batch, ``anchor/short_batch``; fewer: the step fails) |
+    ``error`` (the step fails, as DAPO's dynamic sampling does; strict reproduction)."""
+    min_batch_fraction: float = 0.5
+    """``train_partial``'s floor: the fewest accepted queries a step trains on, as a fraction
+    of ``rollout.batch`` (rounded up; at least one query per update, docs/algorithm.md)."""
     reset: ResetConfig = field(default_factory=ResetConfig)
     """Reference reset schedule."""
 

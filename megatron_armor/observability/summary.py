@@ -42,6 +42,8 @@ def step_line(step: int, total: int, m: dict[str, Any]) -> str:
         parts.append(
             f"accept {m['anchor/acceptance_rate']:.2f} ({int(m.get('anchor/gen_batches') or 0)} gen)"
         )
+    if m.get("anchor/short_batch"):
+        parts.append(f"SHORT batch of {int(m.get('anchor/kept') or 0)}")
     for key in sorted(k for k in m if k.startswith("val/") and "avg@" in k):
         if m[key] is not None:
             parts.append(f"{key.removeprefix('val/')} {m[key]:.3f}")

@@ -9,6 +9,7 @@ with code 75 for a Slurm requeue.
 
 from __future__ import annotations
 
+import sys
 import time
 
 import torch
@@ -21,6 +22,7 @@ from megatron_armor.observability.metrics import metrics_record
 from megatron_armor.observability.nvtx import nvtx_range
 from megatron_armor.observability.summary import step_line
 from megatron_armor.orchestration import checkpoints
+from megatron_armor.orchestration.acceptance import EXIT_ACCEPTANCE, AcceptanceError, exit_message
 from megatron_armor.orchestration.actor_handles import RemoteEngine, RemoteScorer
 from megatron_armor.orchestration.anchor_rollout import AnchorRollout, derive_seed
 from megatron_armor.orchestration.placement import shutdown_ray
@@ -39,13 +41,17 @@ from megatron_armor.types import Group, TrainBatch, pack_groups
 
 
 def minibatch_sample_ids(groups: list[Group], num_minibatches: int) -> list[list[int]]:
-    """Sample indices of each mini-batch: consecutive groups, ``len(groups) / num_minibatches`` each."""
-    per = len(groups) // num_minibatches
-    out, offset = [], 0
+    """Sample indices of each mini-batch: consecutive groups, ``len(groups) / num_minibatches``
+    each (``rollout.batch / ppo_mini_batch``); a short batch (``acceptance.py``) keeps the
+    number of updates, the first ``len(groups) % num_minibatches`` mini-batches one group
+    larger."""
+    per, extra = divmod(len(groups), num_minibatches)
+    out, offset, first = [], 0, 0
     for m in range(num_minibatches):
-        count = sum(len(g.samples) for g in groups[m * per : (m + 1) * per])
+        last = first + per + (m < extra)
+        count = sum(len(g.samples) for g in groups[first:last])
         out.append(list(range(offset, offset + count)))
-        offset += count
+        offset, first = offset + count, last
     return out
 
 
@@ -287,6 +293,10 @@ def train(config: ArmorConfig, resume: str = "auto") -> int:
                 return EXIT_REQUEUE
             start = session.restore()
             return run_loop(session, start, stop)
+        except AcceptanceError as err:  # a requeue would meet the same queries: not 75
+            newest = checkpoints.list_checkpoints(session.run_dir) if session else []
+            print(exit_message(err, newest[-1] if newest else None), file=sys.stderr, flush=True)
+            return EXIT_ACCEPTANCE
         finally:
             if session is not None:
                 session.close()

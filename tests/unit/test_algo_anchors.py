@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_armor.algo.anchors import AcceptanceStats, select_group
+from megatron_armor.algo.registry import get_short_batch_policy
 from megatron_armor.types import Sample, SampleSource, pack_groups
 
 pytestmark = pytest.mark.unit
@@ -135,3 +136,21 @@ def test_acceptance_stats_empty_and_bad_reason():
     stats = AcceptanceStats()
     stats.record("no_reference_correct", [], None, "q", cached_verdict=True)
     assert (stats.rejected_no_ref_correct, stats.rejected_cached_no_ref_correct) == (1, 1)
+
+
+@pytest.mark.parametrize(
+    ("name", "fraction", "min_groups", "floor"),
+    [
+        ("error", 0.1, 1, 10),  # the whole batch: a short step fails
+        ("train_partial", 0.5, 1, 5),
+        ("train_partial", 0.3, 1, 3),  # 0.3 * 10 is 3, not ceil(3.0000000000000004) = 4
+        ("train_partial", 0.31, 1, 4),
+        ("train_partial", 0.01, 1, 1),  # at least one group
+        ("train_partial", 0.2, 5, 5),  # one query per update, a sequence per rank
+        ("train_partial", 1.0, 1, 10),
+    ],
+)
+def test_short_batch_floor_rounds_up_the_decimal_share(name, fraction, min_groups, floor):
+    policy = get_short_batch_policy(name)
+    assert policy.trains_partial == (name == "train_partial")
+    assert policy.floor(10, fraction, min_groups) == floor

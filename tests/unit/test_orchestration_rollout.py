@@ -17,8 +17,8 @@ from megatron_armor.algo.registry import get_anchor_mode
 from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.data.dataset import PromptItem
 from megatron_armor.data.sampler import ResumableSampler
+from megatron_armor.orchestration.acceptance import AcceptanceError
 from megatron_armor.orchestration.anchor_rollout import (
-    AcceptanceError,
     AnchorRollout,
     caches_anchors,
     derive_seed,
@@ -99,8 +99,10 @@ class ScriptedReward:
 
 
 def make(anchor="armor", batch=2, gen_batch=3, max_gen_batches=4, weak_filter=False, group_size=4,
-         filter_policy_samples="G", queries=tuple(SCRIPT), reference_first=False):  # fmt: skip
+         filter_policy_samples="G", queries=tuple(SCRIPT), reference_first=False,
+         on_short_batch="train_partial", min_batch_fraction=0.5):  # fmt: skip
     cfg = ArmorConfig()
+    cfg.algo.on_short_batch, cfg.algo.min_batch_fraction = on_short_batch, min_batch_fraction
     cfg.rollout.reference_first = reference_first
     cfg.algo.filter_policy_samples = filter_policy_samples
     cfg.algo.anchor, cfg.algo.weak_filter, cfg.algo.group_size = anchor, weak_filter, group_size
@@ -300,13 +302,54 @@ def test_weak_filter_keeps_all_wrong_groups_the_reference_solved():
     assert [g.query_id for g in result.groups] == ["q0", "q2", "q4", "q5"]
 
 
-def test_exhausted_generation_batches_name_rate_and_settings():
-    runner, _ = make("armor", batch=5, gen_batch=2, max_gen_batches=2)
-    with pytest.raises(AcceptanceError) as err:
+@pytest.mark.parametrize("policy", ["error", "train_partial"])
+def test_exhausted_generation_batches_name_rate_and_settings(policy):
+    runner, _ = make("armor", batch=5, gen_batch=2, max_gen_batches=2, on_short_batch=policy)
+    with pytest.raises(AcceptanceError) as err:  # 1 accepted: below train_partial's floor of 3
         runner.collect(step=1)
     msg = str(err.value)
+    assert "only 1 of the 5 queries" in msg and "after 2 generation batches" in msg
     assert "acceptance rate 0.250" in msg and "algo.max_gen_batches" in msg
     assert "rollout.gen_batch" in msg and "algo.ref_n" in msg and "algo.weak_filter" in msg
+    if policy == "error":
+        assert "set algo.on_short_batch=train_partial" in msg and "short batch needs" not in msg
+    else:
+        assert "a short batch needs 3 (algo.min_batch_fraction)" in msg
+        assert "lower algo.min_batch_fraction (now 0.5" in msg
+
+
+SHORT_QUERIES = ("q0", "q4", "q1", "q5", "q2", "q3")  # one batch of 4: q0, q4, q5 accepted
+
+
+def test_train_partial_trains_a_short_batch_at_or_above_the_floor():
+    runner, _ = make("armor", batch=4, gen_batch=4, max_gen_batches=1, queries=SHORT_QUERIES)
+    result = runner.collect(step=1)
+    assert result.short_batch and [g.query_id for g in result.groups] == ["q0", "q4", "q5"]
+    m = rollout_metrics(result)
+    assert m["anchor/short_batch"] == 1.0 and m["anchor/kept"] == 3.0
+    assert m["anchor/accepted"] == 3.0 and m["anchor/queries_seen"] == 4.0
+    assert all(len(g.samples) == 4 and g.anchor_index == 3 for g in result.groups)
+
+
+@pytest.mark.parametrize(("policy", "fraction"), [("error", 0.5), ("train_partial", 1.0)])
+def test_a_short_step_fails_with_error_or_below_the_floor(policy, fraction):
+    runner, _ = make("armor", batch=4, gen_batch=4, max_gen_batches=1, queries=SHORT_QUERIES,
+                     on_short_batch=policy, min_batch_fraction=fraction)  # fmt: skip
+    with pytest.raises(AcceptanceError, match="only 3 of the 4 queries"):
+        runner.collect(step=1)
+
+
+def test_error_and_train_partial_draw_and_keep_the_same_when_the_batch_fills():
+    """``algo.on_short_batch=error`` is today's rollout: whenever ``B`` groups are accepted
+    both policies make the same calls with the same seeds and keep the same groups."""
+    runs = [
+        make("armor", batch=3, gen_batch=3, on_short_batch=p) for p in ("error", "train_partial")
+    ]
+    results = [runner.collect(step=2) for runner, _ in runs]
+    assert runs[0][1].calls == runs[1][1].calls and len(runs[0][1].calls) > 2  # 2+ batches
+    assert results[0].records == results[1].records and not results[1].short_batch
+    assert [g.query_id for g in results[0].groups] == [g.query_id for g in results[1].groups]
+    assert rollout_metrics(results[0]) == rollout_metrics(results[1])
 
 
 def test_seeds_depend_only_on_seed_step_batch_role():

@@ -17,7 +17,7 @@ import torch
 from megatron_armor.algo.losses import needs_reference_logprobs
 from megatron_armor.config import load_config
 from megatron_armor.config.schema import ArmorConfig
-from megatron_armor.config.validate import find_problems, updates_per_step
+from megatron_armor.config.validate import find_problems, short_batch_floor, updates_per_step
 from megatron_armor.observability.metrics import MetricsLogger, metrics_record, read_metrics
 from megatron_armor.orchestration import checkpoints, placement
 from megatron_armor.orchestration.actor_handles import shard
@@ -247,6 +247,31 @@ def test_minibatches_are_consecutive_whole_groups():
     groups = [Group(f"q{i}", [Sample(f"q{i}", [1], [2])] * (3 + i % 2)) for i in range(4)]
     assert minibatch_sample_ids(groups, 2) == [list(range(0, 7)), list(range(7, 14))]
     assert minibatch_sample_ids(groups, 1) == [list(range(14))]
+
+
+def test_a_short_batch_keeps_the_updates_and_spreads_its_groups_over_them():
+    groups = [Group(f"q{i}", [Sample(f"q{i}", [1], [2])] * 3) for i in range(5)]
+    assert minibatch_sample_ids(groups, 2) == [list(range(0, 9)), list(range(9, 15))]
+    assert minibatch_sample_ids(groups[:3], 3) == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "floor"),
+    [
+        ({}, 4),  # ceil(0.5 * 8)
+        ({"algo.on_short_batch": "error"}, 8),
+        ({"algo.min_batch_fraction": 0.3}, 3),  # 0.3 * 8 = 2.4 -> 3
+        ({"algo.min_batch_fraction": 0.1}, 2),  # one query per update: 8 / 4 = 2 updates
+        ({"algo.min_batch_fraction": 0.1, "trainer.world_size": 8, "algo.group_size": 2}, 8),
+    ],
+)
+def test_the_short_batch_floor_covers_every_update_and_data_parallel_rank(overrides, floor):
+    cfg = ArmorConfig()
+    cfg.rollout.batch, cfg.trainer.ppo_mini_batch = 8, 4
+    for key, value in overrides.items():
+        section, name = key.split(".")
+        setattr(getattr(cfg, section), name, value)
+    assert find_problems(cfg) == [] and short_batch_floor(cfg) == floor
 
 
 def test_update_metrics_reduce_mean_max_last():
