@@ -113,6 +113,10 @@ def check_data(config: ArmorConfig) -> Problems:
     yield from bound(
         d.train_limit, d.train_limit >= 0, "data.train_limit", "must be >= 0 (0 = all prompts)"
     )
+    yield from bound(
+        d.retire_solved_after, d.retire_solved_after >= 0, "data.retire_solved_after",
+        "must be >= 0 (0 = never retire solved prompts), e.g. 3",
+    )  # fmt: skip
 
 
 def check_reward(config: ArmorConfig) -> Problems:

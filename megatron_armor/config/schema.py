@@ -322,6 +322,9 @@ class DataConfig:
     train_limit: int = 0
     """Train on the first N prompts of ``train_files`` only (0 = all): a small training set
     that many epochs over-fit (the tiny pipeline's stage 1)."""
+    retire_solved_after: int = 0
+    """``K``: a prompt whose on-policy samples were all correct ``K`` draws in a row leaves
+    the sampler for the rest of the run (``data/retired``; 0 = never; docs/data_reward.md)."""
 
 
 @dataclass

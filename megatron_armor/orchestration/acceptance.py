@@ -41,7 +41,19 @@ def setting_hints(stats: AcceptanceStats, floor: int, config) -> list[str]:
         hints.append(f"raise algo.ref_n (now {algo.ref_n}) for more reference attempts")
     if stats.rejected_all_wrong and not algo.weak_filter and mode.needs_reference_correct:
         hints.append("set algo.weak_filter=true to keep all-wrong groups the reference solved")
+    if 2 * stats.rejected_all_correct > stats.queries_seen - stats.accepted:
+        hints.append(solved_hint(config.data.retire_solved_after))
     return hints
+
+
+def solved_hint(retire_after: int) -> str:
+    """The hint when most rejections were all-correct groups (the policy solves them)."""
+    if retire_after > 0:
+        return (f"most rejected queries were all-correct although data.retire_solved_after="
+                f"{retire_after} retires solved ones: lower it, or train on harder data")  # fmt: skip
+    return ("most rejected queries were all-correct (the policy solves them): set "
+            "data.retire_solved_after (e.g. 3) to take solved queries out of the sampler, or "
+            "train on harder data")  # fmt: skip
 
 
 def acceptance_error(stats: AcceptanceStats, need: int, floor: int, config) -> AcceptanceError:
@@ -69,10 +81,10 @@ def short_batch_warning(step: int, stats: AcceptanceStats, kept: int, need: int,
             "steps are marked in the step line and by anchor/short_batch")  # fmt: skip
 
 
-def exit_message(err: AcceptanceError, newest: tuple[int, object] | None) -> str:
+def exit_message(err: Exception, newest: tuple[int, object] | None) -> str:
     """What the driver prints before it exits :data:`EXIT_ACCEPTANCE`; ``newest`` is the
     newest complete checkpoint ``(step, path)`` or ``None``."""
     where = f"step {newest[0]} ({newest[1]})" if newest else "none (a new start begins at step 0)"
-    return (f"AcceptanceError: {err}\nexiting {EXIT_ACCEPTANCE} (not 75: a requeue would meet "
+    return (f"{type(err).__name__}: {err}\nexiting {EXIT_ACCEPTANCE} (not 75: a requeue would meet "
             f"the same queries again); newest checkpoint: {where}; change a setting above and "
             "resume with --resume auto")  # fmt: skip

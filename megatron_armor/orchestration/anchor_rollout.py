@@ -51,6 +51,7 @@ from typing import Any
 from megatron_armor.algo.anchors import AcceptanceStats, acceptance_reason, select_group
 from megatron_armor.algo.registry import get_anchor_mode
 from megatron_armor.config.validate import reference_order, short_batch_floor
+from megatron_armor.data.retirement import draw_outcome
 from megatron_armor.observability.nvtx import nvtx_range
 from megatron_armor.observability.timers import PhaseTimers
 from megatron_armor.orchestration.acceptance import acceptance_error, short_batch_warning
@@ -479,7 +480,8 @@ class AnchorRollout:
         for gen_batch in range(self.algo.max_gen_batches):
             size = followup_size(self.rollout_cfg.gen_batch, need, result.stats.accepted,
                                  result.stats.queries_seen)  # fmt: skip
-            items = [self.dataset[i] for i in self.sampler.next_indices(size)]
+            indices = self.sampler.next_indices(size)
+            items = [self.dataset[i] for i in indices]
             verdicts = [[] if known else None for known in self._cached_verdicts(items)]
             live = [item for item, v in zip(items, verdicts, strict=True) if v is None]
             if not live:
@@ -498,12 +500,24 @@ class AnchorRollout:
                 s.response_len for rows in (policy, reference, verdicts) for row in rows
                 if row for s in row
             )  # fmt: skip
+            first = len(result.records)
             self._accept(items, verdicts, policy, reference, gen_batch, result)
+            self._retire(indices, result.records[first:])
             if self.progress is not None:
                 self.progress(min(len(result.groups), need), need, result.stats)
             if len(result.groups) >= need:
                 return result
         return self._short(step, result, need)
+
+    def _retire(self, indices: list[int], records: list[dict]) -> None:
+        """``data.retire_solved_after``: each drawn query's outcome (``draw_outcome`` of its
+        record) to the sampler, in draw order; the records (anchor-file lines) of those it
+        retires get ``"retired": true``."""
+        if not self.sampler.retires:
+            return
+        for index, record in zip(indices, records, strict=True):
+            if self.sampler.observe(index, draw_outcome(record)):
+                record["retired"] = True
 
     def _short(self, step: int, result: RolloutResult, need: int) -> RolloutResult:
         """After ``algo.max_gen_batches`` batches with fewer than ``need`` groups: the result,

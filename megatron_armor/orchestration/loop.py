@@ -18,6 +18,7 @@ from megatron_armor.algo.advantages import assign_configured_advantages
 from megatron_armor.algo.losses import needs_reference_logprobs
 from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.config.validate import runs_concurrent_reference
+from megatron_armor.data.sampler import SamplerExhausted
 from megatron_armor.observability.metrics import metrics_record
 from megatron_armor.observability.nvtx import nvtx_range
 from megatron_armor.observability.summary import step_line
@@ -185,6 +186,7 @@ def run_step(s: Session, rollout: AnchorRollout, step: int) -> dict[str, float]:
     s.meter.add_rollout(result.generated_tokens, s.timers.seconds("generate"))
     s.meter.add_train(batch.seq_lengths(), s.timers.seconds("train"))
     metrics.update(rollout_metrics(result))
+    metrics.update(s.sampler.metrics())  # data/epoch, data/retired*
     metrics.update(exact_kl)
     metrics.update(
         logprob_mismatch_metrics(batch, result.groups, needs_reference_logprobs(s.config.algo))
@@ -293,7 +295,7 @@ def train(config: ArmorConfig, resume: str = "auto") -> int:
                 return EXIT_REQUEUE
             start = session.restore()
             return run_loop(session, start, stop)
-        except AcceptanceError as err:  # a requeue would meet the same queries: not 75
+        except (AcceptanceError, SamplerExhausted) as err:  # a requeue would meet them again
             newest = checkpoints.list_checkpoints(session.run_dir) if session else []
             print(exit_message(err, newest[-1] if newest else None), file=sys.stderr, flush=True)
             return EXIT_ACCEPTANCE

@@ -98,6 +98,7 @@ def test_defaults_are_valid():
         (["trainer.fp8.enabled=true"], ["trainer.fp8.enabled=true", "transformer_impl=te"]),
         (["algo.min_batch_fraction=0"], ["algo.min_batch_fraction=0.0", "must lie in (0, 1]"]),
         (["algo.min_batch_fraction=1.5"], ["algo.min_batch_fraction=1.5", "e.g. 0.5"]),
+        (["data.retire_solved_after=-1"], ["data.retire_solved_after=-1", "0 = never retire"]),
     ],
 )
 def test_rule_messages(overrides, expected):

@@ -100,8 +100,9 @@ class ScriptedReward:
 
 def make(anchor="armor", batch=2, gen_batch=3, max_gen_batches=4, weak_filter=False, group_size=4,
          filter_policy_samples="G", queries=tuple(SCRIPT), reference_first=False,
-         on_short_batch="train_partial", min_batch_fraction=0.5):  # fmt: skip
+         on_short_batch="train_partial", min_batch_fraction=0.5, retire_after=0):  # fmt: skip
     cfg = ArmorConfig()
+    cfg.data.retire_solved_after = retire_after
     cfg.algo.on_short_batch, cfg.algo.min_batch_fraction = on_short_batch, min_batch_fraction
     cfg.rollout.reference_first = reference_first
     cfg.algo.filter_policy_samples = filter_policy_samples
@@ -110,7 +111,7 @@ def make(anchor="armor", batch=2, gen_batch=3, max_gen_batches=4, weak_filter=Fa
     cfg.rollout.batch, cfg.rollout.gen_batch = batch, gen_batch
     items = [PromptItem(q, [1, 2, 3], q, "1", "tiny") for q in queries]
     rollout = ScriptedRollout()
-    sampler = ResumableSampler(len(items), seed=0, shuffle=False)
+    sampler = ResumableSampler(len(items), seed=0, shuffle=False, retire_after=retire_after)
     return AnchorRollout(cfg, items, sampler, rollout, ScriptedReward()), rollout
 
 
@@ -756,3 +757,35 @@ def test_prefetch_applies_only_where_the_call_is_known_and_the_engines_are_free(
         section, name = key.split(".")
         setattr(getattr(config, section), name, value)
     assert not prefetches_reference(config)
+
+
+@pytest.mark.parametrize("reference_first", [False, True])
+def test_a_query_solved_k_draws_in_a_row_leaves_the_sampler(reference_first):
+    """q1 is all-correct at every draw; q3's reference is never correct, so a reference-first
+    step draws no policy samples for it (no evidence either way)."""
+    runner, _ = make("armor", batch=1, gen_batch=4, retire_after=2,
+                     queries=("q1", "q0", "q3", "q4"), reference_first=reference_first)  # fmt: skip
+    seen = []
+    for step in (1, 2, 3):
+        result = runner.collect(step)
+        seen.append([r["query_id"] for r in result.records])
+        retired = [r["query_id"] for r in result.records if r.get("retired")]
+        assert retired == (["q1"] if step == 2 else []), (step, result.records)
+    assert seen[0] == seen[1] == ["q1", "q0", "q3", "q4"]
+    assert seen[2] == ["q0", "q3", "q4", "q0"]  # 4 drawn from the 3 left: into the next epoch
+    assert runner.sampler.metrics()["data/retired"] == 1.0
+    assert runner.sampler.retirement.streaks == {}  # q0, q4 accepted, q3 never all-correct
+
+
+@pytest.mark.parametrize("retire_after", [0, 2])
+def test_a_step_failing_on_solved_queries_names_retirement(retire_after):
+    runner, _ = make("armor", batch=2, gen_batch=2, max_gen_batches=1, queries=("q1", "q6"),
+                     retire_after=retire_after)  # fmt: skip
+    with pytest.raises(AcceptanceError) as err:
+        runner.collect(step=1)
+    msg = str(err.value)
+    assert "rejected 2 all-correct" in msg and "most rejected queries were all-correct" in msg
+    if retire_after:
+        assert "although data.retire_solved_after=2 retires solved ones: lower it" in msg
+    else:
+        assert "set data.retire_solved_after (e.g. 3)" in msg
