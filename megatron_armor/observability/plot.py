@@ -10,6 +10,9 @@ the over-optimization detector fired, ``overopt/fired``):
   ``kl/exact_reverse`` / ``kl/exact_forward`` (the paper's Fig. 2 view).
 - ``acceptance.png``: ``anchor/acceptance_rate``, ``anchor/ref_acc`` and the rejection shares.
 - ``clip.png``: ``loss/clipfrac_low``, ``loss/clipfrac_high``, ``loss/dualclip_frac``.
+- ``memory.png``: host RSS of the whole run (``mem/run_gb``), of the driver and of the first
+  process of each actor role, and each node's used memory (``mem/node<n>_used_gb``).
+- ``disk.png``: the run directory and its newest checkpoint at the checkpoint steps.
 """
 
 from __future__ import annotations
@@ -115,6 +118,17 @@ def _reward_vs_val(records, out: Path, resets) -> Path | None:
     return out
 
 
+MEMORY_KEYS = ("mem/run_gb", "mem/driver_gb", "mem/trainer0_gb", "mem/rollout0_gb",
+               "mem/reward0_gb")  # fmt: skip
+
+
+def memory_keys(records: list[dict[str, Any]]) -> list[str]:
+    """:data:`MEMORY_KEYS` and every node's ``mem/node<n>_used_gb`` found in ``records``."""
+    nodes = sorted({k for r in records for k in r if k.startswith("mem/node") and
+                    k.endswith("_used_gb")})  # fmt: skip
+    return [*MEMORY_KEYS, *nodes]
+
+
 def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Path]:
     """Write every figure that has data into ``out_dir`` (default ``run_dir/plots``)."""
     import matplotlib
@@ -139,7 +153,7 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
                 "kl/forward_k1",
                 "kl/exact_reverse",
                 "kl/exact_forward",
-            ),  # fmt: skip
+            ),
             "KL to the reference",
             "nats / token",
             out / "kl.png",
@@ -165,6 +179,17 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
             "clipped token fractions",
             "fraction of tokens",
             out / "clip.png",
+            resets,
+        ),
+        _line_plot(
+            records, memory_keys(records), "host memory (RSS)", "GB", out / "memory.png", resets
+        ),
+        _line_plot(
+            records,
+            ("disk/run_dir_gb", "disk/checkpoint_gb"),
+            "run directory",
+            "GB",
+            out / "disk.png",
             resets,
         ),
     ]

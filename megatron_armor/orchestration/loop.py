@@ -254,6 +254,7 @@ def run_loop(s: Session, start: int, stop: StopSignal) -> int:
         metrics.update(s.meter.pop_metrics())
         metrics.update(s.weight_sync.pop_metrics())
         metrics.update(s.gpu_memory_metrics())
+        metrics.update(s.host_metrics(checkpoint_due(cfg, step)))
         metrics.update(s.watch.observe(step, metrics))
         metrics.update(s.timers.pop_metrics())
         metrics["timing/step_s"] = time.perf_counter() - t0
