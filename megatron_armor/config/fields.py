@@ -180,6 +180,17 @@ def check_overopt(config: ArmorConfig) -> Problems:
         yield from at_least(o, "overopt", ("patience", "reward_window"), 1)
 
 
+def check_watch(config: ArmorConfig) -> Problems:
+    """The long-run watchers' window, growth threshold and console cadence."""
+    w = config.watch
+    yield from at_least(w, "watch", ("window",), 2, " steps to fit a trend through, e.g. 100")
+    yield from at_least(w, "watch", ("repeat_every",), 1, " step, e.g. 100")
+    yield from bound(
+        w.memory_growth_gb, w.memory_growth_gb > 0, "watch.memory_growth_gb",
+        "must be > 0 GB per 100 steps, e.g. 1.0",
+    )  # fmt: skip
+
+
 SECTION_CHECKS: list[Callable[[ArmorConfig], Problems]] = [
     check_algo,
     check_trainer,
@@ -191,4 +202,5 @@ SECTION_CHECKS: list[Callable[[ArmorConfig], Problems]] = [
     check_orchestration,
     check_run,
     check_overopt,
+    check_watch,
 ]

@@ -463,6 +463,20 @@ class OveroptConfig:
 
 
 @dataclass
+class WatchConfig:
+    """Warnings of a long run (``observability/health.py``, docs/troubleshooting.md): acceptance
+    falling toward the error, host memory growing, the run directory outgrowing its disk."""
+
+    window: int = 100
+    """Steps the acceptance and host-memory trends are fitted over (least squares)."""
+    memory_growth_gb: float = 1.0
+    """Warn while the run's host RSS (``mem/run_gb``) grows faster than this many GB per 100
+    steps."""
+    repeat_every: int = 100
+    """Steps between console repeats of a warning that stays on (its metric: every step)."""
+
+
+@dataclass
 class RunConfig:
     """Run identity, length and checkpointing."""
 
@@ -498,3 +512,4 @@ class ArmorConfig:
     orchestration: OrchestrationConfig = field(default_factory=OrchestrationConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     overopt: OveroptConfig = field(default_factory=OveroptConfig)
+    watch: WatchConfig = field(default_factory=WatchConfig)

@@ -51,6 +51,11 @@ def step_line(step: int, total: int, m: dict[str, Any]) -> str:
         parts.append(f"kl {m['kl/reverse_k3']:.4f}")
     if m.get("reset/performed"):
         parts.append("RESET")
+    if m.get("mem/run_gb") is not None:
+        parts.append(f"mem {m['mem/run_gb']:.2f}G")
+    warnings = [w for w in ("acceptance", "memory", "disk") if m.get(f"watch/{w}_warning")]
+    if warnings:
+        parts.append("WARN " + ",".join(warnings))
     if m.get("timing/step_s") is not None:
         parts.append(f"{m['timing/step_s']:.1f}s")
     return " | ".join(parts)

@@ -1,0 +1,163 @@
+"""The warnings of a long run on synthetic metric streams: acceptance falling toward the error
+(with the steps it projects), host memory growing, the run directory outgrowing its disk
+(``observability/health.py``). Tier: unit."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from megatron_armor.config.schema import ArmorConfig
+from megatron_armor.observability.health import (
+    AcceptanceLimits,
+    AcceptanceWatch,
+    DiskWatch,
+    HealthWatch,
+    MemoryWatch,
+    steps_until,
+)
+from megatron_armor.observability.summary import step_line
+from megatron_armor.observability.watchers import least_squares
+from megatron_armor.orchestration.run_watch import RunWatch, acceptance_limits
+
+pytestmark = pytest.mark.unit
+
+# the tiny config's shape: 8 batches of 16 queries, B = 8, floor 4 (train_partial at 0.5)
+LIMITS = AcceptanceLimits(capacity=128, need=8, floor=4, steps=1500)
+
+
+def falling(step: int) -> float:
+    """0.5 falling 0.05 per 100 steps, with +-0.02 alternating scatter."""
+    return 0.5 - 0.0005 * step + (0.02 if step % 2 else -0.02)
+
+
+def polyfit(points):
+    """numpy's line through ``points`` and the residual std over ``n - 2`` (the reference)."""
+    x, y = np.array(points, dtype=float).T
+    slope, intercept = np.polyfit(x, y, 1)
+    return slope, intercept, float(np.sqrt(((y - slope * x - intercept) ** 2).sum() / (len(x) - 2)))
+
+
+def test_least_squares_recovers_slope_intercept_and_scatter():
+    points = [[s, 3.0 - 0.5 * s + (-1) ** s] for s in range(40)]
+    assert least_squares(points) == pytest.approx(polyfit(points), rel=1e-9)
+    assert least_squares([[0, 1.0], [2, 2.0]]) == (0.5, 1.0, 0.0)
+    assert least_squares([[1, 2.0], [1, 3.0]]) is None
+    assert steps_until(0.3, -0.001, 0.1) == pytest.approx(200) and steps_until(0.05, 0.0, 0.1) == 0
+    assert steps_until(0.3, 0.001, 0.1) is None
+
+
+def test_falling_acceptance_projects_the_steps_until_the_error():
+    watch = AcceptanceWatch(LIMITS, window=100)
+    out = [watch.observe(step, {"anchor/acceptance_rate": falling(step)}) for step in range(1, 301)]
+    last = out[-1]
+    slope, intercept, sigma = polyfit([[s, falling(s)] for s in range(201, 301)])  # the window
+    assert last["watch/acceptance_slope_per_100"] == pytest.approx(100 * slope, rel=1e-9)
+    assert last["watch/acceptance_fit"] == pytest.approx(intercept + 300 * slope, rel=1e-9)
+    low = intercept + 300 * slope - 2 * sigma  # two residual stds below the line
+    assert last["watch/acceptance_low"] == pytest.approx(low, rel=1e-9)
+    assert last["watch/acceptance_steps_to_error"] == pytest.approx((low - 4 / 128) / -slope)
+    assert last["watch/acceptance_steps_to_short"] < last["watch/acceptance_steps_to_error"]
+    assert last["watch/acceptance_warning"] == 1.0  # step ~880 < run.steps = 1500
+    assert "fewer than 4 of them in ~" in watch.message and "data.retire_solved_after" in watch.message
+    assert out[5] == {"watch/short_batches": 0.0, "watch/acceptance_warning": 0.0}  # too few points
+    shorter = AcceptanceWatch(AcceptanceLimits(128, 8, 4, steps=800), window=100)
+    for step in range(1, 301):
+        m = shorter.observe(step, {"anchor/acceptance_rate": falling(step)})
+    assert m["watch/acceptance_warning"] == 0.0 and not shorter.message  # after the run's end
+
+
+def test_steady_acceptance_warns_only_once_its_low_band_is_at_the_error():
+    watch = AcceptanceWatch(LIMITS, window=50)
+    for step in range(1, 101):
+        m = watch.observe(step, {"anchor/acceptance_rate": 0.3 + (0.01 if step % 2 else -0.01),
+                                 "anchor/short_batch": float(step % 10 == 0)})  # fmt: skip
+    assert "watch/acceptance_steps_to_error" not in m or m["watch/acceptance_slope_per_100"] < 0
+    assert m["watch/acceptance_warning"] == 0.0 and m["watch/short_batches"] == 10.0
+    for step in range(101, 160):
+        m = watch.observe(step, {"anchor/acceptance_rate": 0.02})
+    assert m["watch/acceptance_steps_to_error"] == 0 and "fewer than 4 of them now" in watch.message
+
+
+def test_the_acceptance_watch_resumes_exactly():
+    rates = [(step, {"anchor/acceptance_rate": falling(step)}) for step in range(1, 201)]
+    whole = AcceptanceWatch(LIMITS, 100)
+    expected = [whole.observe(s, m) for s, m in rates]
+    first = AcceptanceWatch(LIMITS, 100)
+    logged = [first.observe(s, m) for s, m in rates[:120]]
+    resumed = AcceptanceWatch(LIMITS, 100)
+    resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    logged += [resumed.observe(s, m) for s, m in rates[120:]]
+    assert logged == expected
+
+
+def test_host_memory_growth_above_the_threshold_warns_after_a_full_window():
+    watch = MemoryWatch(window=50, growth_gb_per_100=1.0)
+    grow = lambda s: {"mem/run_gb": 2.0 + 0.02 * s, "mem/node0_available_gb": 10.0}  # noqa: E731
+    first = [watch.observe(step, grow(step)) for step in range(1, 50)]
+    assert all(m == {"watch/memory_warning": 0.0} for m in first)  # not a full window yet
+    m = watch.observe(50, grow(50))
+    assert m["watch/memory_growth_gb_per_100"] == pytest.approx(2.0)
+    assert m["watch/memory_warning"] == 1.0 and m["watch/memory_steps_to_full"] == pytest.approx(
+        500
+    )
+    assert "grows 2.00 GB per 100 steps" in watch.message
+    flat = MemoryWatch(window=50, growth_gb_per_100=1.0)
+    for step in range(1, 80):
+        m = flat.observe(step, {"mem/run_gb": 2.0 + 0.005 * step})
+    assert m["watch/memory_warning"] == 0.0 and not flat.message
+
+
+def test_a_run_dir_growing_past_the_free_space_warns_until_the_next_checkpoint():
+    watch = DiskWatch(steps=1000)
+    assert watch.observe(50, {}) == {}  # no checkpoint step yet
+    ckpt = lambda s, free: {"disk/run_dir_gb": 1.0 + 0.01 * s, "disk/free_gb": free,  # noqa: E731
+                            "disk/checkpoint_gb": 0.5}  # fmt: skip
+    assert watch.observe(100, ckpt(100, 20.0))["watch/disk_warning"] == 0.0  # one point
+    m = watch.observe(200, ckpt(200, 20.0))
+    assert m["watch/disk_growth_gb_per_100"] == pytest.approx(1.0)
+    assert m["watch/disk_projected_gb"] == pytest.approx(0.01 * 800 + 0.5)
+    assert m["watch/disk_warning"] == 0.0
+    assert watch.observe(300, ckpt(300, 5.0))["watch/disk_warning"] == 1.0  # 7.5 GB > 5 free
+    assert (
+        watch.observe(301, {}) == {"watch/disk_warning": 1.0}
+        and "5.00 GB are free" in watch.message
+    )
+    resumed = DiskWatch(steps=1000)
+    resumed.load_state_dict(json.loads(json.dumps(watch.state_dict())))
+    assert resumed.observe(302, {}) == {"watch/disk_warning": 1.0}
+
+
+def test_console_lines_when_a_warning_turns_on_and_every_repeat_while_on():
+    """Memory flat, then growing 10 GB per 100 steps from step 20 to 40, then flat again."""
+    health = HealthWatch(LIMITS, window=10, growth_gb=1.0, repeat=5)
+    used = lambda s: 2.0 + 0.1 * (min(max(s, 20), 40) - 20)  # noqa: E731
+    warned, printed = [], []
+    for step in range(1, 61):
+        m = health.observe(step, {"mem/run_gb": used(step)})
+        warned += [step] if m["watch/memory_warning"] else []
+        printed += [step] if health.lines else []
+    assert warned == list(range(warned[0], warned[-1] + 1)) and 21 <= warned[0] <= 23
+    assert 40 <= warned[-1] <= 49  # the window slides past the growth
+    assert printed == list(range(warned[0], warned[-1] + 1, 5))  # on, then every 5 steps
+    health.observe(61, {"mem/run_gb": 2.0})
+    assert health.lines == [] and "memory" not in health.since
+
+
+def test_the_run_watch_reads_its_limits_from_the_config_and_the_step_line_shows_them():
+    cfg = ArmorConfig()
+    cfg.rollout.batch, cfg.rollout.gen_batch, cfg.algo.max_gen_batches = 8, 16, 8
+    cfg.trainer.ppo_mini_batch, cfg.run.steps = 4, 1500
+    assert acceptance_limits(cfg) == LIMITS
+    cfg.algo.on_short_batch = "error"
+    assert acceptance_limits(cfg).floor == 8
+    watch = RunWatch(cfg)
+    m = watch.observe(3, {"anchor/acceptance_rate": 0.4, "mem/run_gb": 2.5})
+    assert m == {"watch/short_batches": 0.0, "watch/acceptance_warning": 0.0,
+                 "watch/memory_warning": 0.0}  # fmt: skip
+    assert set(watch.state_dict()["health"]) == {"acceptance", "disk"}
+    line = step_line(3, 10, {**m, "mem/run_gb": 2.5, "watch/disk_warning": 1.0,
+                             "anchor/short_batch": 1.0, "anchor/kept": 5.0})  # fmt: skip
+    assert "mem 2.50G" in line and "WARN disk" in line and "SHORT batch of 5" in line
