@@ -10,10 +10,11 @@ gen_batch`` queries, so at acceptance rate ``r`` it can expect ``r C`` accepted:
 below ``r_short = B / C`` and fails below ``r_error = floor / C`` (the short-batch floor,
 ``config.validate.short_batch_floor``; ``= B`` with ``algo.on_short_batch: error``). Over the
 last ``window`` steps a least-squares line ``r(s) = a + b s`` with residual std ``sigma`` is
-fitted through ``anchor/acceptance_rate``; its lower band ``low = r(now) - 2 sigma`` (a
-step's rate scatters around the line, and a failure comes from one bad step, not from the
-mean) is projected forward: ``steps_to_error = (low - r_error) / -b`` when ``b < 0`` (0 once
-``low <= r_error``). The warning is on while that falls before ``run.steps``.
+fitted through ``anchor/acceptance_rate`` (from a full window on); its lower band ``low =
+r(now) - 2 sigma`` (a step's rate scatters around the line, and a failure comes from one bad
+step, not from the mean) is projected forward: ``steps_to_error = (low - r_error) / -b`` when
+the line falls beyond its noise (``b + 2 se(b) < 0``), 0 once ``low <= r_error``, none
+otherwise. The warning is on while that falls before ``run.steps``.
 
 **Memory** (:class:`MemoryWatch`). The slope of ``mem/run_gb`` over the last ``window``
 steps, times 100; the warning is on while it exceeds ``watch.memory_growth_gb``. It needs a
@@ -36,9 +37,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from megatron_armor.observability.watchers import least_squares
-
-MIN_FIT_POINTS = 10
-"""Fewest points a trend is fitted through (also at most ``window``)."""
 
 
 def steps_until(level: float, slope: float, threshold: float) -> float | None:
@@ -83,15 +81,17 @@ class AcceptanceWatch:
         self.message = ""
 
     def _fit(self, step: int) -> dict[str, float]:
-        fit = least_squares(self.points)
-        if len(self.points) < min(MIN_FIT_POINTS, self.window) or fit is None:
+        fit = least_squares(self.points) if len(self.points) >= self.window else None
+        if fit is None:
             return {}
-        slope, intercept, sigma = fit
+        slope, intercept, sigma, slope_se = fit
         level = intercept + slope * step
         out = {"watch/acceptance_fit": level, "watch/acceptance_low": level - 2 * sigma,
-               "watch/acceptance_slope_per_100": 100 * slope}  # fmt: skip
+               "watch/acceptance_slope_per_100": 100 * slope,
+               "watch/acceptance_slope_se_per_100": 100 * slope_se}  # fmt: skip
+        falling = slope if slope + 2 * slope_se < 0 else 0.0  # beyond the noise, else flat
         for name, rate in (("short", self.limits.short_rate), ("error", self.limits.error_rate)):
-            until = steps_until(level - 2 * sigma, slope, rate)
+            until = steps_until(level - 2 * sigma, falling, rate)
             if until is not None:
                 out[f"watch/acceptance_steps_to_{name}"] = until
         return out
@@ -199,14 +199,16 @@ class DiskWatch:
 
 class HealthWatch:
     """The three watchers; :meth:`observe` once a step, :attr:`lines` the console warnings
-    to print now (a warning as it turns on, then every ``repeat_every`` steps while on)."""
+    to print now: a warning that is on, unless it was printed within the last
+    ``repeat_every`` steps (on, then every ``repeat_every`` steps while on, and a warning that
+    flickers prints at most that often)."""
 
     def __init__(self, limits: AcceptanceLimits, window: int, growth_gb: float, repeat: int):
         self.acceptance = AcceptanceWatch(limits, window)
         self.memory = MemoryWatch(window, growth_gb)
         self.disk = DiskWatch(limits.steps)
         self.repeat = repeat
-        self.since: dict[str, int] = {}
+        self.printed: dict[str, int] = {}  # the step each warning was last printed at
         self.lines: list[str] = []
 
     def observe(self, step: int, metrics: Mapping[str, float | None]) -> dict[str, float]:
@@ -215,11 +217,9 @@ class HealthWatch:
         for name in ("acceptance", "memory", "disk"):
             watcher = getattr(self, name)
             out.update(watcher.observe(step, metrics))
-            if not watcher.message:
-                self.since.pop(name, None)
-                continue
-            first = self.since.setdefault(name, step)
-            if (step - first) % self.repeat == 0:
+            last = self.printed.get(name)
+            if watcher.message and (last is None or step - last >= self.repeat):
+                self.printed[name] = step
                 self.lines.append(f"warning: step {step}: {watcher.message}")
         return out
 

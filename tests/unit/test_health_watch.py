@@ -34,16 +34,18 @@ def falling(step: int) -> float:
 
 
 def polyfit(points):
-    """numpy's line through ``points`` and the residual std over ``n - 2`` (the reference)."""
+    """numpy's line through ``points``, the residual std over ``n - 2`` and the slope's
+    standard error (the reference)."""
     x, y = np.array(points, dtype=float).T
     slope, intercept = np.polyfit(x, y, 1)
-    return slope, intercept, float(np.sqrt(((y - slope * x - intercept) ** 2).sum() / (len(x) - 2)))
+    sigma = float(np.sqrt(((y - slope * x - intercept) ** 2).sum() / (len(x) - 2)))
+    return slope, intercept, sigma, sigma / float(np.sqrt(((x - x.mean()) ** 2).sum()))
 
 
 def test_least_squares_recovers_slope_intercept_and_scatter():
     points = [[s, 3.0 - 0.5 * s + (-1) ** s] for s in range(40)]
     assert least_squares(points) == pytest.approx(polyfit(points), rel=1e-9)
-    assert least_squares([[0, 1.0], [2, 2.0]]) == (0.5, 1.0, 0.0)
+    assert least_squares([[0, 1.0], [2, 2.0]]) == (0.5, 1.0, 0.0, 0.0)
     assert least_squares([[1, 2.0], [1, 3.0]]) is None
     assert steps_until(0.3, -0.001, 0.1) == pytest.approx(200) and steps_until(0.05, 0.0, 0.1) == 0
     assert steps_until(0.3, 0.001, 0.1) is None
@@ -53,7 +55,7 @@ def test_falling_acceptance_projects_the_steps_until_the_error():
     watch = AcceptanceWatch(LIMITS, window=100)
     out = [watch.observe(step, {"anchor/acceptance_rate": falling(step)}) for step in range(1, 301)]
     last = out[-1]
-    slope, intercept, sigma = polyfit([[s, falling(s)] for s in range(201, 301)])  # the window
+    slope, intercept, sigma, _ = polyfit([[s, falling(s)] for s in range(201, 301)])  # window
     assert last["watch/acceptance_slope_per_100"] == pytest.approx(100 * slope, rel=1e-9)
     assert last["watch/acceptance_fit"] == pytest.approx(intercept + 300 * slope, rel=1e-9)
     low = intercept + 300 * slope - 2 * sigma  # two residual stds below the line
@@ -61,8 +63,11 @@ def test_falling_acceptance_projects_the_steps_until_the_error():
     assert last["watch/acceptance_steps_to_error"] == pytest.approx((low - 4 / 128) / -slope)
     assert last["watch/acceptance_steps_to_short"] < last["watch/acceptance_steps_to_error"]
     assert last["watch/acceptance_warning"] == 1.0  # step ~880 < run.steps = 1500
-    assert "fewer than 4 of them in ~" in watch.message and "data.retire_solved_after" in watch.message
-    assert out[5] == {"watch/short_batches": 0.0, "watch/acceptance_warning": 0.0}  # too few points
+    assert (
+        "fewer than 4 of them in ~" in watch.message and "data.retire_solved_after" in watch.message
+    )
+    assert out[98] == {"watch/short_batches": 0.0, "watch/acceptance_warning": 0.0}  # 99 points
+    assert "watch/acceptance_fit" in out[99]  # a full window
     shorter = AcceptanceWatch(AcceptanceLimits(128, 8, 4, steps=800), window=100)
     for step in range(1, 301):
         m = shorter.observe(step, {"anchor/acceptance_rate": falling(step)})
@@ -130,6 +135,18 @@ def test_a_run_dir_growing_past_the_free_space_warns_until_the_next_checkpoint()
     assert resumed.observe(302, {}) == {"watch/disk_warning": 1.0}
 
 
+def test_a_decline_within_the_noise_projects_nothing():
+    """-0.005 per 100 steps under +-0.05 scatter is no trend (slope + 2 se >= 0); -0.2 is."""
+    for drop, projected in ((0.00005, False), (0.002, True)):
+        watch = AcceptanceWatch(LIMITS, window=100)
+        for step in range(1, 101):
+            m = watch.observe(step, {"anchor/acceptance_rate": 0.6 - drop * step
+                                     + (0.05 if step % 2 else -0.05)})  # fmt: skip
+        falling = m["watch/acceptance_slope_per_100"] + 2 * m["watch/acceptance_slope_se_per_100"]
+        assert (falling < 0) == projected
+        assert ("watch/acceptance_steps_to_error" in m) == projected
+
+
 def test_console_lines_when_a_warning_turns_on_and_every_repeat_while_on():
     """Memory flat, then growing 10 GB per 100 steps from step 20 to 40, then flat again."""
     health = HealthWatch(LIMITS, window=10, growth_gb=1.0, repeat=5)
@@ -139,11 +156,21 @@ def test_console_lines_when_a_warning_turns_on_and_every_repeat_while_on():
         m = health.observe(step, {"mem/run_gb": used(step)})
         warned += [step] if m["watch/memory_warning"] else []
         printed += [step] if health.lines else []
+        assert all("host memory of the run (mem/run_gb) grows" in line for line in health.lines)
     assert warned == list(range(warned[0], warned[-1] + 1)) and 21 <= warned[0] <= 23
     assert 40 <= warned[-1] <= 49  # the window slides past the growth
     assert printed == list(range(warned[0], warned[-1] + 1, 5))  # on, then every 5 steps
-    health.observe(61, {"mem/run_gb": 2.0})
-    assert health.lines == [] and "memory" not in health.since
+
+
+def test_a_flickering_warning_prints_at_most_every_repeat_steps():
+    health = HealthWatch(LIMITS, window=10, growth_gb=1.0, repeat=5)
+    printed, warned = [], 0
+    for step in range(1, 41):  # +0.1 GB every other step: 5 GB per 100 steps, fitted in zigzag
+        m = health.observe(step, {"mem/run_gb": 2.0 + 0.1 * (step // 2)})
+        warned += int(m["watch/memory_warning"])
+        printed += [step] if health.lines else []
+    assert warned > len(printed) >= 2
+    assert all(b - a >= 5 for a, b in zip(printed, printed[1:], strict=False))
 
 
 def test_the_run_watch_reads_its_limits_from_the_config_and_the_step_line_shows_them():
