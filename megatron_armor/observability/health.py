@@ -5,16 +5,18 @@ Each watcher reads the per-step metrics the loop logs and returns ``watch/*`` me
 warning is one of them, 0 or 1, every step) and, when a warning turns on, a console line.
 Pure Python: no I/O (the memory and disk numbers come in as ``mem/*`` and ``disk/*``).
 
-**Acceptance** (:class:`AcceptanceWatch`). A step sees at most ``C = max_gen_batches *
-gen_batch`` queries, so at acceptance rate ``r`` it can expect ``r C`` accepted: it is short
-below ``r_short = B / C`` and fails below ``r_error = floor / C`` (the short-batch floor,
-``config.validate.short_batch_floor``; ``= B`` with ``algo.on_short_batch: error``). Over the
-last ``window`` steps a least-squares line ``r(s) = a + b s`` with residual std ``sigma`` is
-fitted through ``anchor/acceptance_rate`` (from a full window on); its lower band ``low =
-r(now) - 2 sigma`` (a step's rate scatters around the line, and a failure comes from one bad
-step, not from the mean) is projected forward: ``steps_to_error = (low - r_error) / -b`` when
-the line falls beyond its noise (``b + 2 se(b) < 0``), 0 once ``low <= r_error``, none
-otherwise. The warning is on while that falls before ``run.steps``.
+**Acceptance** (:class:`AcceptanceWatch`). A step that needs all its batches sees ``C =
+max_gen_batches * gen_batch`` queries and accepts ``k ~ Binomial(C, r)`` of them at
+acceptance rate ``r``: it is short when ``k < B`` and fails when ``k < floor`` (the
+short-batch floor, ``config.validate.short_batch_floor``; ``= B`` with ``algo.on_short_batch:
+error``). The *danger rate* of a count ``m`` is the ``r`` at which ``m`` lies two standard
+deviations below the mean, ``r - 2 sqrt(r (1 - r) / C) = m / C`` (:func:`danger_rate`, the
+larger root: a step at that rate falls short of ``m`` about once in 40). Over the last
+``window`` steps a least-squares line ``r(s) = a + b s`` is fitted through
+``anchor/acceptance_rate`` (from a full window on) and followed to the danger rates of ``B``
+and of the floor: ``steps_to_error = (r(now) - r_danger(floor)) / -b`` while the line falls
+beyond its noise (``b + 2 se(b) < 0``), 0 once ``r(now)`` is at or below it, none otherwise.
+The warning is on while that falls before ``run.steps``.
 
 **Memory** (:class:`MemoryWatch`). The slope of ``mem/run_gb`` over the last ``window``
 steps, times 100; the warning is on while it exceeds ``watch.memory_growth_gb``. It needs a
@@ -37,6 +39,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from megatron_armor.observability.watchers import least_squares
+
+
+def danger_rate(count: int, capacity: int, z: float = 2.0) -> float:
+    """The acceptance rate ``r`` with ``r - z sqrt(r (1 - r) / C) = count / C`` (the larger
+    root of ``(1 + k) r^2 - (2 e + k) r + e^2 = 0``, ``e = count / C``, ``k = z^2 / C``):
+    below it a step of ``C`` queries accepts fewer than ``count`` more often than ``z``
+    standard deviations allow."""
+    e, k = count / capacity, z * z / capacity
+    b = 2 * e + k
+    return (b + (b * b - 4 * (1 + k) * e * e) ** 0.5) / (2 * (1 + k))
 
 
 def steps_until(level: float, slope: float, threshold: float) -> float | None:
@@ -64,11 +76,13 @@ class AcceptanceLimits:
 
     @property
     def short_rate(self) -> float:
-        return self.need / self.capacity
+        """The danger rate of ``B``: steps turn short below it."""
+        return danger_rate(self.need, self.capacity)
 
     @property
     def error_rate(self) -> float:
-        return self.floor / self.capacity
+        """The danger rate of the floor: steps fail below it."""
+        return danger_rate(self.floor, self.capacity)
 
 
 class AcceptanceWatch:
@@ -84,14 +98,14 @@ class AcceptanceWatch:
         fit = least_squares(self.points) if len(self.points) >= self.window else None
         if fit is None:
             return {}
-        slope, intercept, sigma, slope_se = fit
+        slope, intercept, _, slope_se = fit
         level = intercept + slope * step
-        out = {"watch/acceptance_fit": level, "watch/acceptance_low": level - 2 * sigma,
-               "watch/acceptance_slope_per_100": 100 * slope,
-               "watch/acceptance_slope_se_per_100": 100 * slope_se}  # fmt: skip
+        out = {"watch/acceptance_fit": level, "watch/acceptance_slope_per_100": 100 * slope,
+               "watch/acceptance_slope_se_per_100": 100 * slope_se,
+               "watch/acceptance_error_rate": self.limits.error_rate}  # fmt: skip
         falling = slope if slope + 2 * slope_se < 0 else 0.0  # beyond the noise, else flat
         for name, rate in (("short", self.limits.short_rate), ("error", self.limits.error_rate)):
-            until = steps_until(level - 2 * sigma, falling, rate)
+            until = steps_until(level, falling, rate)
             if until is not None:
                 out[f"watch/acceptance_steps_to_{name}"] = until
         return out
@@ -113,9 +127,9 @@ class AcceptanceWatch:
         lim, until = self.limits, m["watch/acceptance_steps_to_error"]
         when = "now" if until == 0 else f"in ~{until:.0f} steps (step {step + until:.0f})"
         return (f"acceptance {m['watch/acceptance_fit']:.3f} ({m['watch/acceptance_slope_per_100']:+.3f} "
-                f"per 100 steps, low band {m['watch/acceptance_low']:.3f}): a step of at most "
-                f"{lim.capacity} queries (algo.max_gen_batches x rollout.gen_batch) would accept "
-                f"fewer than {lim.floor} of them {when}, before run.steps={lim.steps}, and fail "
+                f"per 100 steps) reaches {lim.error_rate:.3f} {when}, before run.steps="
+                f"{lim.steps}: there a step of {lim.capacity} queries (algo.max_gen_batches x "
+                f"rollout.gen_batch) often accepts fewer than {lim.floor} and fails "
                 "(AcceptanceError, exit 3); set data.retire_solved_after, raise "
                 "algo.max_gen_batches or rollout.gen_batch, or lower algo.min_batch_fraction")  # fmt: skip
 

@@ -55,17 +55,16 @@ def test_falling_acceptance_projects_the_steps_until_the_error():
     watch = AcceptanceWatch(LIMITS, window=100)
     out = [watch.observe(step, {"anchor/acceptance_rate": falling(step)}) for step in range(1, 301)]
     last = out[-1]
-    slope, intercept, sigma, _ = polyfit([[s, falling(s)] for s in range(201, 301)])  # window
+    slope, intercept, _, _ = polyfit([[s, falling(s)] for s in range(201, 301)])  # the window
     assert last["watch/acceptance_slope_per_100"] == pytest.approx(100 * slope, rel=1e-9)
-    assert last["watch/acceptance_fit"] == pytest.approx(intercept + 300 * slope, rel=1e-9)
-    low = intercept + 300 * slope - 2 * sigma  # two residual stds below the line
-    assert last["watch/acceptance_low"] == pytest.approx(low, rel=1e-9)
-    assert last["watch/acceptance_steps_to_error"] == pytest.approx((low - 4 / 128) / -slope)
+    level = intercept + 300 * slope
+    assert last["watch/acceptance_fit"] == pytest.approx(level, rel=1e-9)
+    danger = last["watch/acceptance_error_rate"]  # 4 of 128 two binomial stds below the mean
+    assert danger - 2 * (danger * (1 - danger) / 128) ** 0.5 == pytest.approx(4 / 128)
+    assert last["watch/acceptance_steps_to_error"] == pytest.approx((level - danger) / -slope)
     assert last["watch/acceptance_steps_to_short"] < last["watch/acceptance_steps_to_error"]
-    assert last["watch/acceptance_warning"] == 1.0  # step ~880 < run.steps = 1500
-    assert (
-        "fewer than 4 of them in ~" in watch.message and "data.retire_solved_after" in watch.message
-    )
+    assert last["watch/acceptance_warning"] == 1.0  # step ~840 < run.steps = 1500
+    assert "reaches 0.079 in ~" in watch.message and "data.retire_solved_after" in watch.message
     assert out[98] == {"watch/short_batches": 0.0, "watch/acceptance_warning": 0.0}  # 99 points
     assert "watch/acceptance_fit" in out[99]  # a full window
     shorter = AcceptanceWatch(AcceptanceLimits(128, 8, 4, steps=800), window=100)
@@ -74,7 +73,7 @@ def test_falling_acceptance_projects_the_steps_until_the_error():
     assert m["watch/acceptance_warning"] == 0.0 and not shorter.message  # after the run's end
 
 
-def test_steady_acceptance_warns_only_once_its_low_band_is_at_the_error():
+def test_steady_acceptance_warns_only_once_it_is_at_the_danger_rate():
     watch = AcceptanceWatch(LIMITS, window=50)
     for step in range(1, 101):
         m = watch.observe(step, {"anchor/acceptance_rate": 0.3 + (0.01 if step % 2 else -0.01),
@@ -83,7 +82,7 @@ def test_steady_acceptance_warns_only_once_its_low_band_is_at_the_error():
     assert m["watch/acceptance_warning"] == 0.0 and m["watch/short_batches"] == 10.0
     for step in range(101, 160):
         m = watch.observe(step, {"anchor/acceptance_rate": 0.02})
-    assert m["watch/acceptance_steps_to_error"] == 0 and "fewer than 4 of them now" in watch.message
+    assert m["watch/acceptance_steps_to_error"] == 0 and "reaches 0.079 now" in watch.message
 
 
 def test_the_acceptance_watch_resumes_exactly():
