@@ -71,6 +71,17 @@ class SolvedRetirement:
         self.streaks = {int(i): int(n) for i, n in state.get("streaks", [])}
 
 
+def retire_drawn(sampler, indices: list[int], records: list[dict[str, Any]]) -> None:
+    """Each drawn query's outcome (:func:`draw_outcome` of its anchor-file record) to the
+    sampler (``ResumableSampler.observe``), in draw order; the records of those it retires get
+    ``"retired": true``. Nothing without retirement."""
+    if not sampler.retires:
+        return
+    for index, record in zip(indices, records, strict=True):
+        if sampler.observe(index, draw_outcome(record)):
+            record["retired"] = True
+
+
 def draw_outcome(record: dict[str, Any]) -> bool | None:
     """The outcome of one query line of a step's anchor file (``step_metrics.write_anchor_file``
     records: ``reason``, ``policy_n``): solved, not solved, or ``None`` (no policy samples)."""

@@ -12,8 +12,12 @@ seeds and meet the same wall, so the message names the settings to change instea
 
 from __future__ import annotations
 
+import logging
+
 from megatron_armor.algo.anchors import AcceptanceStats
 from megatron_armor.algo.registry import get_anchor_mode, get_short_batch_policy
+
+log = logging.getLogger(__name__)
 
 EXIT_ACCEPTANCE = 3
 """``armor train`` / ``armor pipeline`` exit code of a step that could not accept enough
@@ -69,6 +73,18 @@ def acceptance_error(stats: AcceptanceStats, need: int, floor: int, config) -> A
         f"{stats.rejected_no_ref_correct} without a correct reference (reference accuracy "
         f"{m['anchor/ref_acc']:.3f}). To fix: " + "; ".join(setting_hints(stats, floor, config))
     )
+
+
+def check_short(step: int, stats: AcceptanceStats, kept: int, floor: int, config,
+                warn: bool) -> None:  # fmt: skip
+    """A step whose ``algo.max_gen_batches`` batches accepted ``kept < B`` queries: the
+    :class:`AcceptanceError` below ``floor``; else, with ``warn`` (the run's first short
+    batch), the console warning of :func:`short_batch_warning`."""
+    need = config.rollout.batch
+    if kept < floor:
+        raise acceptance_error(stats, need, floor, config)
+    if warn:
+        log.warning(short_batch_warning(step, stats, kept, need, floor))
 
 
 def short_batch_warning(step: int, stats: AcceptanceStats, kept: int, need: int, floor: int) -> str:

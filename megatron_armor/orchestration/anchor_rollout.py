@@ -51,10 +51,10 @@ from typing import Any
 from megatron_armor.algo.anchors import AcceptanceStats, acceptance_reason, select_group
 from megatron_armor.algo.registry import get_anchor_mode
 from megatron_armor.config.validate import reference_order, short_batch_floor
-from megatron_armor.data.retirement import draw_outcome
+from megatron_armor.data.retirement import retire_drawn
 from megatron_armor.observability.nvtx import nvtx_range
 from megatron_armor.observability.timers import PhaseTimers
-from megatron_armor.orchestration.acceptance import acceptance_error, short_batch_warning
+from megatron_armor.orchestration.acceptance import check_short
 from megatron_armor.orchestration.actor_handles import merge_reward_stats, shard
 from megatron_armor.rollout.protocol import SamplingParams
 from megatron_armor.types import Group, Sample
@@ -502,32 +502,13 @@ class AnchorRollout:
             )  # fmt: skip
             first = len(result.records)
             self._accept(items, verdicts, policy, reference, gen_batch, result)
-            self._retire(indices, result.records[first:])
+            retire_drawn(self.sampler, indices, result.records[first:])
             if self.progress is not None:
                 self.progress(min(len(result.groups), need), need, result.stats)
             if len(result.groups) >= need:
                 return result
-        return self._short(step, result, need)
-
-    def _retire(self, indices: list[int], records: list[dict]) -> None:
-        """``data.retire_solved_after``: each drawn query's outcome (``draw_outcome`` of its
-        record) to the sampler, in draw order; the records (anchor-file lines) of those it
-        retires get ``"retired": true``."""
-        if not self.sampler.retires:
-            return
-        for index, record in zip(indices, records, strict=True):
-            if self.sampler.observe(index, draw_outcome(record)):
-                record["retired"] = True
-
-    def _short(self, step: int, result: RolloutResult, need: int) -> RolloutResult:
-        """After ``algo.max_gen_batches`` batches with fewer than ``need`` groups: the result,
-        marked short, when it reaches :attr:`floor` (``algo.on_short_batch: train_partial``),
-        else the :class:`~megatron_armor.orchestration.acceptance.AcceptanceError`."""
-        if len(result.groups) < self.floor:
-            raise acceptance_error(result.stats, need, self.floor, self.config)
-        result.short_batch = True
-        if not self._warned_short:  # later short steps show "SHORT batch of k" in their step line
-            self._warned_short = True
-            log.warning(short_batch_warning(step, result.stats, len(result.groups), need,
-                                            self.floor))  # fmt: skip
+        result.short_batch = True  # or the AcceptanceError, below the floor
+        check_short(step, result.stats, len(result.groups), self.floor, self.config,
+                    warn=not self._warned_short)  # fmt: skip
+        self._warned_short = True  # later short steps: "SHORT batch of k" in their step line
         return result
