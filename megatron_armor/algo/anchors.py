@@ -102,21 +102,22 @@ class ShortBatchPolicy:
 
     ``trains_partial``: the step trains on the ``k`` accepted groups when ``k`` reaches
     :meth:`floor`, with the same ``B / ppo_mini_batch`` updates (each on ``k / updates``
-    groups) and the loss's global normalizer (the tokens of the groups trained on, summed over
-    micro-batches and data-parallel ranks): a short batch's update has a full batch's scale,
-    from fewer samples. Without it (and below the floor) the step fails, naming the settings
-    that would help."""
+    groups, the groups in turn when there are fewer than updates) and the loss's global
+    normalizer (the tokens of the groups trained on, summed over micro-batches and
+    data-parallel ranks): a short batch's update has a full batch's scale, from fewer
+    samples; with a floor of 0 a step that accepted nothing makes no update. Without it (and
+    below the floor) the step fails, naming the settings that would help."""
 
     name: str
     trains_partial: bool
 
-    def floor(self, batch: int, min_fraction: float, min_groups: int) -> int:
+    def floor(self, batch: int, min_fraction: float) -> int:
         """The fewest accepted groups a step trains on: ``B`` without ``trains_partial``, else
-        ``min(B, max(ceil(min_fraction * B), min_groups, 1))`` (``ceil`` of the decimal value:
-        ``0.3 * 10`` is 3)."""
+        ``ceil(min_fraction * B)`` (of the decimal value: ``0.3 * 10`` is 3; 0 with
+        ``min_fraction`` 0)."""
         if not self.trains_partial:
             return batch
-        return min(batch, max(math.ceil(round(min_fraction * batch, 9)), min_groups, 1))
+        return min(batch, math.ceil(round(min_fraction * batch, 9)))
 
 
 STOP_ON_SHORT = ShortBatchPolicy("error", trains_partial=False)

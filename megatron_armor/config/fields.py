@@ -52,8 +52,8 @@ def check_algo(config: ArmorConfig) -> Problems:
     )  # fmt: skip
     yield from at_least(a, "algo", ("max_gen_batches",), 1)
     yield from bound(
-        a.min_batch_fraction, 0.0 < a.min_batch_fraction <= 1.0, "algo.min_batch_fraction",
-        "must lie in (0, 1]: the share of rollout.batch a short batch needs, e.g. 0.5",
+        a.min_batch_fraction, 0.0 <= a.min_batch_fraction <= 1.0, "algo.min_batch_fraction",
+        "must lie in [0, 1]: the share of rollout.batch a short batch needs, e.g. 0.5 (0: any)",
     )  # fmt: skip
     q = a.quatro
     yield from bound(q.delta, q.delta > 0, "algo.quatro.delta", "must be > 0, e.g. 0.1")

@@ -89,7 +89,8 @@ class AlgoConfig:
     ``error`` (the step fails, as DAPO's dynamic sampling does; strict reproduction)."""
     min_batch_fraction: float = 0.5
     """``train_partial``'s floor: the fewest accepted queries a step trains on, as a fraction
-    of ``rollout.batch`` (rounded up; at least one query per update, docs/algorithm.md)."""
+    of ``rollout.batch`` (rounded up); 0: no floor, a step trains on what it accepted and makes
+    no update when that is nothing (docs/algorithm.md, "Short batches")."""
     reset: ResetConfig = field(default_factory=ResetConfig)
     """Reference reset schedule."""
 

@@ -198,13 +198,17 @@ def data_parallel_size(config: ArmorConfig) -> int:
 def short_batch_floor(config: ArmorConfig) -> int:
     """The fewest accepted queries a step trains on (``algo.on_short_batch``,
     :class:`~megatron_armor.algo.anchors.ShortBatchPolicy`): ``rollout.batch`` with ``error``;
-    with ``train_partial`` ``ceil(algo.min_batch_fraction * B)``, and at least
-    ``U * ceil(dp / G)`` so that each of the step's ``U`` updates (:func:`updates_per_step`)
-    has a query and every data-parallel rank a sequence of it."""
+    with ``train_partial`` ``ceil(algo.min_batch_fraction * B)`` (0: a step trains on any
+    number, none at all when it accepted nothing)."""
     a = config.algo
-    min_groups = updates_per_step(config) * math.ceil(data_parallel_size(config) / a.group_size)
     policy = registry.get_short_batch_policy(a.on_short_batch)
-    return policy.floor(config.rollout.batch, a.min_batch_fraction, min_groups)
+    return policy.floor(config.rollout.batch, a.min_batch_fraction)
+
+
+def groups_per_update(config: ArmorConfig) -> int:
+    """The fewest groups one update holds, ``ceil(dp / G)``: every data-parallel rank gets a
+    sequence (a short batch of fewer groups than ``U`` times this reuses them in turn)."""
+    return math.ceil(data_parallel_size(config) / config.algo.group_size)
 
 
 def _divisor_hint(n: int, near: int) -> int:

@@ -101,10 +101,14 @@ class AcceptanceWatch:
         slope, intercept, _, slope_se = fit
         level = intercept + slope * step
         out = {"watch/acceptance_fit": level, "watch/acceptance_slope_per_100": 100 * slope,
-               "watch/acceptance_slope_se_per_100": 100 * slope_se,
-               "watch/acceptance_error_rate": self.limits.error_rate}  # fmt: skip
+               "watch/acceptance_slope_se_per_100": 100 * slope_se}  # fmt: skip
+        if self.limits.floor:
+            out["watch/acceptance_error_rate"] = self.limits.error_rate
         falling = slope if slope + 2 * slope_se < 0 else 0.0  # beyond the noise, else flat
-        for name, rate in (("short", self.limits.short_rate), ("error", self.limits.error_rate)):
+        rates = [("short", self.limits.short_rate)]
+        if self.limits.floor:  # a floor of 0 (algo.min_batch_fraction: 0) never fails a step
+            rates.append(("error", self.limits.error_rate))
+        for name, rate in rates:
             until = steps_until(level, falling, rate)
             if until is not None:
                 out[f"watch/acceptance_steps_to_{name}"] = until

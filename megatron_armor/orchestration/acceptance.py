@@ -4,8 +4,9 @@ anchor rollout: short batches).
 After ``algo.max_gen_batches`` batches a step has ``k`` accepted groups. ``k >= B`` is the
 normal case. Below ``B`` the step is *short*: with ``algo.on_short_batch: train_partial`` it
 trains on the ``k`` groups when ``k`` reaches the floor (``config.validate.short_batch_floor``:
-``ceil(algo.min_batch_fraction * B)``, at least one query per update); otherwise, and always
-with ``error``, it fails with :class:`AcceptanceError`. The driver turns that error into exit
+``ceil(algo.min_batch_fraction * B)``; a floor of 0 trains on any ``k``, and a step with
+``k = 0`` makes no update); otherwise, and always with ``error``, it fails with
+:class:`AcceptanceError`. The driver turns that error into exit
 code :data:`EXIT_ACCEPTANCE`, never 75: a requeue would draw the same queries with the same
 seeds and meet the same wall, so the message names the settings to change instead.
 """

@@ -94,3 +94,21 @@ def test_a_step_below_the_floor_exits_3_naming_the_settings(tiny_dir, out_dir, p
     assert fix in text and "raise algo.max_gen_batches (now 1)" in text, text
     assert "exiting 3 (not 75" in text and "resume with --resume auto" in text, text
     assert "Traceback" not in text, text
+
+
+@pytest.mark.timeout(900)
+def test_without_a_floor_a_step_that_accepts_nothing_makes_no_update(tiny_dir, out_dir):
+    """``algo.group_size=2``: ARMOR's one on-policy sample is all-correct or all-wrong, so rule
+    (a) accepts nothing, ever; with ``algo.min_batch_fraction=0`` every step is empty and the
+    run still ends normally (checkpoints, validation, resets)."""
+    run = Run(out_dir, "nothing-accepted", tiny_dir, "algo.group_size=2",
+              "algo.min_batch_fraction=0")  # fmt: skip
+    assert run.wait() == 0, run.output()
+    steps = [r for r in read_metrics(run.run_dir) if r["step"]]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    for r in steps:
+        assert (r["anchor/accepted"], r["anchor/kept"], r["anchor/short_batch"]) == (0, 0, 1)
+        assert r["train/updates"] == 0 and not any(k.startswith("loss/") for k in r), r
+    assert [r["reset/performed"] for r in steps] == [0, 1, 0, 1]
+    assert sorted(p.name for p in (run.run_dir / "checkpoints").glob("step_*")) == [
+        "step_000002", "step_000004"]  # fmt: skip

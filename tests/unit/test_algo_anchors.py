@@ -139,18 +139,18 @@ def test_acceptance_stats_empty_and_bad_reason():
 
 
 @pytest.mark.parametrize(
-    ("name", "fraction", "min_groups", "floor"),
+    ("name", "fraction", "floor"),
     [
-        ("error", 0.1, 1, 10),  # the whole batch: a short step fails
-        ("train_partial", 0.5, 1, 5),
-        ("train_partial", 0.3, 1, 3),  # 0.3 * 10 is 3, not ceil(3.0000000000000004) = 4
-        ("train_partial", 0.31, 1, 4),
-        ("train_partial", 0.01, 1, 1),  # at least one group
-        ("train_partial", 0.2, 5, 5),  # one query per update, a sequence per rank
-        ("train_partial", 1.0, 1, 10),
+        ("error", 0.1, 10),  # the whole batch: a short step fails
+        ("train_partial", 0.5, 5),
+        ("train_partial", 0.3, 3),  # 0.3 * 10 is 3, not ceil(3.0000000000000004) = 4
+        ("train_partial", 0.31, 4),
+        ("train_partial", 0.01, 1),
+        ("train_partial", 0.0, 0),  # no floor: any number, none at all included
+        ("train_partial", 1.0, 10),
     ],
 )
-def test_short_batch_floor_rounds_up_the_decimal_share(name, fraction, min_groups, floor):
+def test_short_batch_floor_rounds_up_the_decimal_share(name, fraction, floor):
     policy = get_short_batch_policy(name)
     assert policy.trains_partial == (name == "train_partial")
-    assert policy.floor(10, fraction, min_groups) == floor
+    assert policy.floor(10, fraction) == floor

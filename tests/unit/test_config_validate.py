@@ -96,7 +96,7 @@ def test_defaults_are_valid():
             ["rollout.reference_first='maybe'", "one of true, false, auto"],
         ),
         (["trainer.fp8.enabled=true"], ["trainer.fp8.enabled=true", "transformer_impl=te"]),
-        (["algo.min_batch_fraction=0"], ["algo.min_batch_fraction=0.0", "must lie in (0, 1]"]),
+        (["algo.min_batch_fraction=-0.1"], ["algo.min_batch_fraction=-0.1", "must lie in [0, 1]"]),
         (["algo.min_batch_fraction=1.5"], ["algo.min_batch_fraction=1.5", "e.g. 0.5"]),
         (["data.retire_solved_after=-1"], ["data.retire_solved_after=-1", "0 = never retire"]),
         (["watch.window=1"], ["watch.window=1", "must be >= 2 steps"]),

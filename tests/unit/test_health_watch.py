@@ -187,3 +187,11 @@ def test_the_run_watch_reads_its_limits_from_the_config_and_the_step_line_shows_
     line = step_line(3, 10, {**m, "mem/run_gb": 2.5, "watch/disk_warning": 1.0,
                              "anchor/short_batch": 1.0, "anchor/kept": 5.0})  # fmt: skip
     assert "mem 2.50G" in line and "WARN disk" in line and "SHORT batch of 5" in line
+
+
+def test_without_a_floor_falling_acceptance_projects_short_steps_but_never_an_error():
+    watch = AcceptanceWatch(AcceptanceLimits(capacity=128, need=8, floor=0, steps=1500), 100)
+    for step in range(1, 301):
+        m = watch.observe(step, {"anchor/acceptance_rate": falling(step)})
+    assert "watch/acceptance_steps_to_short" in m and "watch/acceptance_steps_to_error" not in m
+    assert m["watch/acceptance_warning"] == 0.0 and "watch/acceptance_error_rate" not in m
