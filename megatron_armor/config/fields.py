@@ -117,6 +117,10 @@ def check_data(config: ArmorConfig) -> Problems:
         d.retire_solved_after, d.retire_solved_after >= 0, "data.retire_solved_after",
         "must be >= 0 (0 = never retire solved prompts), e.g. 3",
     )  # fmt: skip
+    yield from bound(
+        d.retire_max_fraction, 0.0 < d.retire_max_fraction <= 1.0, "data.retire_max_fraction",
+        "must lie in (0, 1]: the largest share of the prompts retirement takes out, e.g. 0.5",
+    )  # fmt: skip
 
 
 def check_reward(config: ArmorConfig) -> Problems:

@@ -326,6 +326,9 @@ class DataConfig:
     retire_solved_after: int = 0
     """``K``: a prompt whose on-policy samples were all correct ``K`` draws in a row leaves
     the sampler for the rest of the run (``data/retired``; 0 = never; docs/data_reward.md)."""
+    retire_max_fraction: float = 0.5
+    """The largest share of the training prompts retirement takes out: the rest stays drawn,
+    solved or not (a run left with a few hard prompts over-fits them, docs/benchmarks.md)."""
 
 
 @dataclass

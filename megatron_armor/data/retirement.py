@@ -10,7 +10,11 @@ Every draw of a training query ends in one of three outcomes for its on-policy g
 
 A query's streak counts its solved draws in a row: a not-solved draw resets it to 0, a draw
 without evidence leaves it. When the streak reaches ``K`` the query is *retired*: the sampler
-skips it for the rest of the run. It is not brought back at the next epoch because the
+skips it for the rest of the run, unless ``max_retired`` prompts are retired already
+(``data.retire_max_fraction`` of the training set): then it stays, its streak at ``K``. The cap
+keeps the pool broad: in the tiny soak, retirement without it took out 2028 of 2048 prompts
+by step 1000 and the run, left with its 20-150 hardest prompts, over-fitted them (validation
+avg@4 0.48 -> 0.12; docs/benchmarks.md, "Soak"). It is not brought back at the next epoch because the
 sampler visits every query once per epoch, so "K solved draws in a row" already spans K
 epochs, and "until the next epoch" would retire nothing; a query's difficulty is also
 consistent across epochs (arXiv 2506.02177, GRESO's temporal consistency), and Skywork-OR1
@@ -30,10 +34,10 @@ from typing import Any
 class SolvedRetirement:
     """Streaks of solved draws per dataset index and the indices retired (see module doc)."""
 
-    def __init__(self, after: int):
+    def __init__(self, after: int, max_retired: int | None = None):
         if after < 0:
             raise ValueError(f"data.retire_solved_after={after}: must be >= 0 (0 = off)")
-        self.after = after
+        self.after, self.max_retired = after, max_retired
         self.retired: set[int] = set()
         self.streaks: dict[int, int] = {}
 
@@ -50,8 +54,9 @@ class SolvedRetirement:
             self.streaks.pop(index, None)
             return False
         streak = self.streaks.get(index, 0) + 1
-        if streak < self.after:
-            self.streaks[index] = streak
+        full = self.max_retired is not None and len(self.retired) >= self.max_retired
+        if streak < self.after or full:
+            self.streaks[index] = min(streak, self.after)
             return False
         self.streaks.pop(index, None)
         self.retired.add(index)

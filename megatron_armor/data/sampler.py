@@ -11,6 +11,7 @@ epoch order are passed over) and its state holds the retirement's too.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -31,7 +32,14 @@ def sampled_prompt_count(available: int, train_limit: int) -> int:
 class ResumableSampler:
     """Yields dataset indices in batches of any size, crossing epoch boundaries."""
 
-    def __init__(self, num_items: int, seed: int, shuffle: bool = True, retire_after: int = 0):
+    def __init__(
+        self,
+        num_items: int,
+        seed: int,
+        shuffle: bool = True,
+        retire_after: int = 0,
+        retire_max_fraction: float = 1.0,
+    ):
         if num_items <= 0:
             raise ValueError(f"num_items={num_items}: the sampler needs a non-empty dataset")
         self.num_items = num_items
@@ -40,7 +48,8 @@ class ResumableSampler:
         self.epoch = 0
         self.position = 0
         self._order = self._epoch_order(0)
-        self.retirement = SolvedRetirement(retire_after)
+        max_retired = math.floor(round(retire_max_fraction * num_items, 9))
+        self.retirement = SolvedRetirement(retire_after, max_retired)
         self._retired_since = 0  # since the last metrics()
 
     def _epoch_order(self, epoch: int) -> np.ndarray:

@@ -164,7 +164,7 @@ class Session:
             config=config, run_dir=run_dir, trainer=trainer, rollout=rollout, reward=reward,
             dataset=dataset, val_datasets=val,
             sampler=ResumableSampler(train_size(config, dataset), config.run.seed, d.shuffle,
-                                     d.retire_solved_after),
+                                     d.retire_solved_after, d.retire_max_fraction),
             schedule=ResetSchedule(r.schedule, r.every, r.until), logger=logger,
             timers=PhaseTimers(), progress=PhaseProgress(log.progress), tokenizer=tokenizer,
             meter=make_meter(config, plan, trainer.info.get("device_name", "cpu")),

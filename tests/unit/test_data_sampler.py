@@ -123,3 +123,15 @@ def test_every_prompt_retired_is_a_named_error():
     assert sampler.next_indices(0) == []
     with pytest.raises(SamplerExhausted, match=r"all 2 training prompts are retired \(data.retire"):
         sampler.next_indices(1)
+
+
+def test_retirement_stops_at_its_share_of_the_prompts_and_the_rest_stays_drawn():
+    sampler = ResumableSampler(10, seed=6, retire_after=1, retire_max_fraction=0.3)
+    retired = [i for i in range(10) if sampler.observe(i, True)]
+    assert retired == [0, 1, 2] and sampler.metrics()["data/active_prompts"] == 7.0
+    assert sampler.retirement.streaks == {i: 1 for i in range(3, 10)}  # solved, kept at K
+    assert sorted(set(sampler.next_indices(30))) == list(range(3, 10))
+    state = json.loads(json.dumps(sampler.state_dict()))
+    restarted = ResumableSampler(10, seed=6, retire_after=1, retire_max_fraction=0.3)
+    restarted.load_state_dict(state)
+    assert not restarted.observe(5, True) and restarted.next_indices(7) == sampler.next_indices(7)
