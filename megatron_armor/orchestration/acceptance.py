@@ -56,9 +56,9 @@ def solved_hint(retire_after: int) -> str:
     if retire_after > 0:
         return (f"most rejected queries were all-correct although data.retire_solved_after="
                 f"{retire_after} retires solved ones: lower it, or train on harder data")  # fmt: skip
-    return ("most rejected queries were all-correct (the policy solves them): set "
-            "data.retire_solved_after (e.g. 3) to take solved queries out of the sampler, or "
-            "train on harder data")  # fmt: skip
+    return ("most rejected queries were all-correct (the policy solves them): train on harder "
+            "data, set data.retire_solved_after (e.g. 3) to take solved queries out of the "
+            "sampler, or algo.min_batch_fraction=0 to go on with what the steps accept")  # fmt: skip
 
 
 def acceptance_error(stats: AcceptanceStats, need: int, floor: int, config) -> AcceptanceError:
