@@ -25,6 +25,7 @@ Group composition per mode (an :class:`AnchorMode` each, mapped by name in ``reg
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from megatron_armor.types import Group, Sample
@@ -92,6 +93,35 @@ class AnchorSource:
 
 GENERATE = AnchorSource("generate", reuses_anchors=False)
 CACHE = AnchorSource("cache", reuses_anchors=True)
+
+
+@dataclass(frozen=True)
+class ShortBatchPolicy:
+    """One ``algo.on_short_batch``: what a step does when its ``algo.max_gen_batches``
+    generation batches accepted ``k < B`` queries (``B = rollout.batch``).
+
+    ``trains_partial``: the step trains on the ``k`` accepted groups when ``k`` reaches
+    :meth:`floor`, with the same ``B / ppo_mini_batch`` updates (each on ``k / updates``
+    groups, the groups in turn when there are fewer than updates) and the loss's global
+    normalizer (the tokens of the groups trained on, summed over micro-batches and
+    data-parallel ranks): a short batch's update has a full batch's scale, from fewer
+    samples; with a floor of 0 a step that accepted nothing makes no update. Without it (and
+    below the floor) the step fails, naming the settings that would help."""
+
+    name: str
+    trains_partial: bool
+
+    def floor(self, batch: int, min_fraction: float) -> int:
+        """The fewest accepted groups a step trains on: ``B`` without ``trains_partial``, else
+        ``ceil(min_fraction * B)`` (of the decimal value: ``0.3 * 10`` is 3; 0 with
+        ``min_fraction`` 0)."""
+        if not self.trains_partial:
+            return batch
+        return min(batch, math.ceil(round(min_fraction * batch, 9)))
+
+
+STOP_ON_SHORT = ShortBatchPolicy("error", trains_partial=False)
+TRAIN_PARTIAL = ShortBatchPolicy("train_partial", trains_partial=True)
 
 
 def first_correct(samples: list[Sample]) -> Sample | None:

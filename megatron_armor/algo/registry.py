@@ -73,6 +73,12 @@ ANCHOR_SOURCES: dict[str, anchors.AnchorSource] = {
 }
 """``algo.anchor_source`` (docs/algorithm.md, anchor rollout)."""
 
+SHORT_BATCH_POLICIES: dict[str, anchors.ShortBatchPolicy] = {
+    "error": anchors.STOP_ON_SHORT,
+    "train_partial": anchors.TRAIN_PARTIAL,
+}
+"""``algo.on_short_batch`` (docs/algorithm.md, anchor rollout: short batches)."""
+
 FILTER_POLICY_SAMPLES: dict[str, int] = anchors.FILTER_POLICY_SAMPLES
 """``algo.filter_policy_samples`` (read by :meth:`~megatron_armor.algo.anchors.AnchorMode.policy_samples`)."""
 
@@ -104,6 +110,7 @@ ALGO_CHOICES: dict[str, dict] = {
     "algo.anchor": ANCHOR_MODES,
     "algo.anchor_source": ANCHOR_SOURCES,
     "algo.filter_policy_samples": FILTER_POLICY_SAMPLES,
+    "algo.on_short_batch": SHORT_BATCH_POLICIES,
     "algo.ratio": RATIO_MODES,
     "algo.advantage": ADVANTAGES,
     "algo.loss_agg": AGGREGATIONS,
@@ -149,6 +156,11 @@ def get_kl_estimator(name: str) -> Callable[[torch.Tensor, torch.Tensor], torch.
 def get_anchor_mode(name: str) -> anchors.AnchorMode:
     """The :class:`~megatron_armor.algo.anchors.AnchorMode` for ``algo.anchor``."""
     return lookup(ANCHOR_MODES, name, "algo.anchor")
+
+
+def get_short_batch_policy(name: str) -> anchors.ShortBatchPolicy:
+    """The :class:`~megatron_armor.algo.anchors.ShortBatchPolicy` for ``algo.on_short_batch``."""
+    return lookup(SHORT_BATCH_POLICIES, name, "algo.on_short_batch")
 
 
 def get_anchor_source(name: str) -> anchors.AnchorSource:

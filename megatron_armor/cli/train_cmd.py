@@ -2,7 +2,10 @@
 
 Exit codes: 0 done; 2 bad config or input file (named before Ray starts: config values, the
 model directory, the tokenizer, the data files), a run directory in use by another run, or no
-resumable checkpoint; 75 (``EX_TEMPFAIL``) a SIGTERM/SIGINT/SIGUSR1 arrived, the current step
+resumable checkpoint; 3 a step accepted too few queries (``AcceptanceError``, below
+``algo.min_batch_fraction`` of ``rollout.batch`` or any short step with
+``algo.on_short_batch=error``): change a setting the message names and resume, a requeue
+would meet the same queries; 75 (``EX_TEMPFAIL``) a SIGTERM/SIGINT/SIGUSR1 arrived, the current step
 finished and a checkpoint was written (or, during start-up, nothing was written) — requeue the
 job and it resumes (``--resume auto`` is the default); 65 (``EX_DATAERR``) training diverged:
 ``trainer.max_skipped_updates`` updates in a row had a non-finite loss or gradient norm, a

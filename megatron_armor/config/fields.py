@@ -52,6 +52,10 @@ def check_algo(config: ArmorConfig) -> Problems:
     )  # fmt: skip
     yield from at_least(a, "algo", ("max_gen_batches",), 1)
     yield from check_rollout_correction(a.rollout_correction)
+    yield from bound(
+        a.min_batch_fraction, 0.0 <= a.min_batch_fraction <= 1.0, "algo.min_batch_fraction",
+        "must lie in [0, 1]: the share of rollout.batch a short batch needs, e.g. 0.5 (0: any)",
+    )  # fmt: skip
     q = a.quatro
     yield from bound(q.delta, q.delta > 0, "algo.quatro.delta", "must be > 0, e.g. 0.1")
     yield from bound(
@@ -130,6 +134,14 @@ def check_data(config: ArmorConfig) -> Problems:
     yield from bound(
         d.train_limit, d.train_limit >= 0, "data.train_limit", "must be >= 0 (0 = all prompts)"
     )
+    yield from bound(
+        d.retire_solved_after, d.retire_solved_after >= 0, "data.retire_solved_after",
+        "must be >= 0 (0 = never retire solved prompts), e.g. 3",
+    )  # fmt: skip
+    yield from bound(
+        d.retire_max_fraction, 0.0 < d.retire_max_fraction <= 1.0, "data.retire_max_fraction",
+        "must lie in (0, 1]: the largest share of the prompts retirement takes out, e.g. 0.5",
+    )  # fmt: skip
 
 
 def check_reward(config: ArmorConfig) -> Problems:
@@ -193,6 +205,17 @@ def check_overopt(config: ArmorConfig) -> Problems:
         yield from at_least(o, "overopt", ("patience", "reward_window"), 1)
 
 
+def check_watch(config: ArmorConfig) -> Problems:
+    """The long-run watchers' window, growth threshold and console cadence."""
+    w = config.watch
+    yield from at_least(w, "watch", ("window",), 2, " steps to fit a trend through, e.g. 100")
+    yield from at_least(w, "watch", ("repeat_every",), 1, " step, e.g. 100")
+    yield from bound(
+        w.memory_growth_gb, w.memory_growth_gb > 0, "watch.memory_growth_gb",
+        "must be > 0 GB per 100 steps, e.g. 1.0",
+    )  # fmt: skip
+
+
 SECTION_CHECKS: list[Callable[[ArmorConfig], Problems]] = [
     check_algo,
     check_trainer,
@@ -204,4 +227,5 @@ SECTION_CHECKS: list[Callable[[ArmorConfig], Problems]] = [
     check_orchestration,
     check_run,
     check_overopt,
+    check_watch,
 ]

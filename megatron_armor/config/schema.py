@@ -97,9 +97,18 @@ class AlgoConfig:
     kl_estimator: str = "k3"
     """``k1`` | ``k2`` | ``k3`` estimator for the KL penalty."""
     max_gen_batches: int = 10
-    """Generation batches tried per step before failing with the acceptance statistics."""
+    """Generation batches tried per step before the step is short (``on_short_batch``)."""
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     """Correction of the gap between the engine's and the trainer's log-probs (default off)."""
+    on_short_batch: str = "train_partial"
+    """When ``max_gen_batches`` batches accepted fewer than ``rollout.batch`` queries:
+    ``train_partial`` (train on the accepted groups if they are at least
+    ``min_batch_fraction`` of the batch, ``anchor/short_batch``; fewer: the step fails) |
+    ``error`` (the step fails, as DAPO's dynamic sampling does; strict reproduction)."""
+    min_batch_fraction: float = 0.5
+    """``train_partial``'s floor: the fewest accepted queries a step trains on, as a fraction
+    of ``rollout.batch`` (rounded up); 0: no floor, a step trains on what it accepted and makes
+    no update when that is nothing (docs/algorithm.md, "Short batches")."""
     reset: ResetConfig = field(default_factory=ResetConfig)
     """Reference reset schedule."""
 
@@ -335,6 +344,12 @@ class DataConfig:
     train_limit: int = 0
     """Train on the first N prompts of ``train_files`` only (0 = all): a small training set
     that many epochs over-fit (the tiny pipeline's stage 1)."""
+    retire_solved_after: int = 0
+    """``K``: a prompt whose on-policy samples were all correct ``K`` draws in a row leaves
+    the sampler for the rest of the run (``data/retired``; 0 = never; docs/data_reward.md)."""
+    retire_max_fraction: float = 0.5
+    """The largest share of the training prompts retirement takes out: the rest stays drawn,
+    solved or not (a run left with a few hard prompts over-fits them, docs/benchmarks.md)."""
 
 
 @dataclass
@@ -473,6 +488,20 @@ class OveroptConfig:
 
 
 @dataclass
+class WatchConfig:
+    """Warnings of a long run (``observability/health.py``, docs/troubleshooting.md): acceptance
+    falling toward the error, host memory growing, the run directory outgrowing its disk."""
+
+    window: int = 100
+    """Steps the acceptance and host-memory trends are fitted over (least squares)."""
+    memory_growth_gb: float = 1.0
+    """Warn while the run's host RSS (``mem/run_gb``) grows faster than this many GB per 100
+    steps."""
+    repeat_every: int = 100
+    """Steps between console repeats of a warning that stays on (its metric: every step)."""
+
+
+@dataclass
 class RunConfig:
     """Run identity, length and checkpointing."""
 
@@ -508,3 +537,4 @@ class ArmorConfig:
     orchestration: OrchestrationConfig = field(default_factory=OrchestrationConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     overopt: OveroptConfig = field(default_factory=OveroptConfig)
+    watch: WatchConfig = field(default_factory=WatchConfig)

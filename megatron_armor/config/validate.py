@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -186,6 +187,28 @@ def updates_per_step(config: ArmorConfig) -> int:
     """Optimizer updates (mini-batches) per RL step, ``rollout.batch / trainer.ppo_mini_batch``
     (a valid config: :func:`check_batches` makes it whole)."""
     return config.rollout.batch // config.trainer.ppo_mini_batch
+
+
+def data_parallel_size(config: ArmorConfig) -> int:
+    """``trainer.world_size / (tp * pp * cp)`` (at least 1)."""
+    t = config.trainer
+    return max(t.world_size // max(t.tp * t.pp * t.cp, 1), 1)
+
+
+def short_batch_floor(config: ArmorConfig) -> int:
+    """The fewest accepted queries a step trains on (``algo.on_short_batch``,
+    :class:`~megatron_armor.algo.anchors.ShortBatchPolicy`): ``rollout.batch`` with ``error``;
+    with ``train_partial`` ``ceil(algo.min_batch_fraction * B)`` (0: a step trains on any
+    number, none at all when it accepted nothing)."""
+    a = config.algo
+    policy = registry.get_short_batch_policy(a.on_short_batch)
+    return policy.floor(config.rollout.batch, a.min_batch_fraction)
+
+
+def groups_per_update(config: ArmorConfig) -> int:
+    """The fewest groups one update holds, ``ceil(dp / G)``: every data-parallel rank gets a
+    sequence (a short batch of fewer groups than ``U`` times this reuses them in turn)."""
+    return math.ceil(data_parallel_size(config) / config.algo.group_size)
 
 
 def _divisor_hint(n: int, near: int) -> int:

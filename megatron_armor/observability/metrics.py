@@ -62,8 +62,11 @@ def metrics_record(step: int, metrics: dict[str, Any]) -> dict[str, Any]:
     return {"step": int(step), "wall_time": time.time(), **clean}
 
 
-WALL_CLOCK_KEYS = ("timing/", "perf/", "wall_time", "reward/verify_seconds")
-"""Prefixes of the metrics that depend on the wall clock (all others are reproducible)."""
+WALL_CLOCK_KEYS = ("timing/", "perf/", "wall_time", "reward/verify_seconds",
+                   "mem/", "disk/", "watch/memory", "watch/disk")  # fmt: skip
+"""Prefixes of the metrics that depend on the wall clock or on the machine's state (host
+memory, the file system: ``mem/*``, ``disk/*`` and their watchers); all others are
+reproducible."""
 
 
 def without_wall_clock(record: dict[str, Any]) -> dict[str, Any]:

@@ -14,6 +14,9 @@ the over-optimization detector fired, ``overopt/fired``):
   and ``_k3`` (KL(engine || trainer) estimates, docs/metrics.md).
 - ``correction.png`` (with ``algo.rollout_correction`` on): the weights' mean and maximum and
   the truncated/masked fraction per source, ``correction/<source>_*``.
+- ``memory.png``: host RSS of the whole run (``mem/run_gb``), of the driver and of the first
+  process of each actor role, and each node's used memory (``mem/node<n>_used_gb``).
+- ``disk.png``: the run directory and its newest checkpoint at the checkpoint steps.
 
 A non-finite value (a skipped update's NaN) leaves a gap in its curve.
 """
@@ -125,6 +128,17 @@ def _reward_vs_val(records, out: Path, resets) -> Path | None:
     return out
 
 
+MEMORY_KEYS = ("mem/run_gb", "mem/driver_gb", "mem/trainer0_gb", "mem/rollout0_gb",
+               "mem/reward0_gb")  # fmt: skip
+
+
+def memory_keys(records: list[dict[str, Any]]) -> list[str]:
+    """:data:`MEMORY_KEYS` and every node's ``mem/node<n>_used_gb`` found in ``records``."""
+    nodes = sorted({k for r in records for k in r if k.startswith("mem/node") and
+                    k.endswith("_used_gb")})  # fmt: skip
+    return [*MEMORY_KEYS, *nodes]
+
+
 def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Path]:
     """Write every figure that has data into ``out_dir`` (default ``run_dir/plots``)."""
     import matplotlib
@@ -191,6 +205,17 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
             "rollout correction weights",
             "weight / fraction of tokens",
             out / "correction.png",
+            resets,
+        ),
+        _line_plot(
+            records, memory_keys(records), "host memory (RSS)", "GB", out / "memory.png", resets
+        ),
+        _line_plot(
+            records,
+            ("disk/run_dir_gb", "disk/checkpoint_gb"),
+            "run directory",
+            "GB",
+            out / "disk.png",
             resets,
         ),
     ]

@@ -43,6 +43,8 @@ def step_line(step: int, total: int, m: dict[str, Any]) -> str:
         parts.append(
             f"accept {m['anchor/acceptance_rate']:.2f} ({int(m.get('anchor/gen_batches') or 0)} gen)"
         )
+    if m.get("anchor/short_batch"):
+        parts.append(f"SHORT batch of {int(m.get('anchor/kept') or 0)}")
     for key in sorted(k for k in m if k.startswith("val/") and "avg@" in k):
         if m[key] is not None:
             parts.append(f"{key.removeprefix('val/')} {m[key]:.3f}")
@@ -57,6 +59,11 @@ def step_line(step: int, total: int, m: dict[str, Any]) -> str:
     if bad:
         more = f" (+{len(bad) - 4} more)" if len(bad) > 4 else ""
         parts.append(f"NON-FINITE {', '.join(bad[:4])}{more}")
+    if m.get("mem/run_gb") is not None:
+        parts.append(f"mem {m['mem/run_gb']:.2f}G")
+    warnings = [w for w in ("acceptance", "memory", "disk") if m.get(f"watch/{w}_warning")]
+    if warnings:
+        parts.append("WARN " + ",".join(warnings))
     if m.get("timing/step_s") is not None:
         parts.append(f"{m['timing/step_s']:.1f}s")
     return " | ".join(parts)

@@ -42,9 +42,11 @@ def metric_value(metrics: Mapping[str, float | None], name: str) -> float | None
     return sum(values) / len(values) if values else None
 
 
-def fitted_rise(points: list[list[float]]) -> float | None:
-    """Rise of the least-squares line through ``(step, value)`` points over their step span
-    (``slope * (last_step - first_step)``); ``None`` with fewer than two distinct steps."""
+def least_squares(points: list[list[float]]) -> tuple[float, float, float, float] | None:
+    """``(slope, intercept, sigma, slope_se)`` of the least-squares line ``y = slope x +
+    intercept`` through ``(x, y)`` points: ``sigma`` the residual std over ``n - 2`` degrees
+    of freedom (0 with two points), ``slope_se = sigma / sqrt(sum (x - mean x)^2)`` the
+    slope's standard error; ``None`` with fewer than two distinct ``x``."""
     if len(points) < 2:
         return None
     xs, ys = [float(s) for s, _ in points], [v for _, v in points]
@@ -53,7 +55,19 @@ def fitted_rise(points: list[list[float]]) -> float | None:
     if sxx == 0:
         return None
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
-    return slope * (xs[-1] - xs[0])
+    intercept = my - slope * mx
+    sse = sum((y - slope * x - intercept) ** 2 for x, y in zip(xs, ys, strict=True))
+    sigma = (sse / (len(xs) - 2)) ** 0.5 if len(xs) > 2 else 0.0
+    return slope, intercept, sigma, sigma / sxx**0.5
+
+
+def fitted_rise(points: list[list[float]]) -> float | None:
+    """Rise of the least-squares line through ``(step, value)`` points over their step span
+    (``slope * (last_step - first_step)``); ``None`` with fewer than two distinct steps."""
+    fit = least_squares(points)
+    if fit is None:
+        return None
+    return fit[0] * (float(points[-1][0]) - float(points[0][0]))
 
 
 @dataclass

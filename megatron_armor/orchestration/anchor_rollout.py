@@ -9,8 +9,9 @@ cache, a query whose cached reference samples of this period are scored and all 
 rejected by rule (b) before anything is drawn for it (``anchor/rejected_cached_no_ref_correct``);
 :func:`~megatron_armor.algo.anchors.select_group` accepts or rejects each query. Batches
 are drawn until ``rollout.batch`` (``B``) groups are accepted, the first ``B`` are kept, and
-after ``algo.max_gen_batches`` batches without enough groups the step fails with the
-acceptance statistics and the settings that would help.
+after ``algo.max_gen_batches`` batches without enough groups the step is short: it trains on
+the groups it has when they reach the floor of ``algo.on_short_batch: train_partial``, else
+it fails with the acceptance statistics and the settings that would help (``acceptance.py``).
 
 With ``rollout.reference_first`` the order is turned around: the reference samples of every
 query first, scored; rule (b) rejects the queries without a correct one (their policy samples
@@ -49,11 +50,12 @@ from typing import Any
 
 from megatron_armor.algo.anchors import AcceptanceStats, acceptance_reason, select_group
 from megatron_armor.algo.registry import get_anchor_mode
-from megatron_armor.config.validate import reference_order
+from megatron_armor.config.validate import reference_order, short_batch_floor
+from megatron_armor.data.retirement import retire_drawn
 from megatron_armor.observability.nvtx import nvtx_range
 from megatron_armor.observability.timers import PhaseTimers
+from megatron_armor.orchestration.acceptance import check_short
 from megatron_armor.orchestration.actor_handles import merge_reward_stats, shard
-from megatron_armor.orchestration.update_guard import divergence_note
 from megatron_armor.rollout.protocol import SamplingParams
 from megatron_armor.types import Group, Sample
 
@@ -64,10 +66,6 @@ MAX_PART_THREADS = 16
 FOLLOWUP_FLOOR = 0.25
 """Smallest follow-up generation batch, as a fraction of ``rollout.gen_batch`` (a tiny batch
 would pay a whole round of engine latency for a few queries)."""
-
-
-class AcceptanceError(RuntimeError):
-    """Not enough queries accepted within ``algo.max_gen_batches`` generation batches."""
 
 
 def derive_seed(seed: int, step: int, batch: int, role: str) -> int:
@@ -92,6 +90,8 @@ class RolloutResult:
     reference_prefetched: bool = False
     """Whether its first batch's reference samples were drawn during the step before
     (:meth:`AnchorRollout.prefetch`)."""
+    short_batch: bool = False
+    """Whether the step trains on fewer than ``rollout.batch`` groups (``acceptance.py``)."""
 
 
 def followup_size(gen_batch: int, need: int, accepted: int, seen: int) -> int:
@@ -215,34 +215,6 @@ def prefers_reference_first(previous: dict[str, Any], n_on: int, ref_n: int) -> 
     return n_on * (rule_b / judged_b) > generated * ref_n * (rule_a / judged_a)
 
 
-def acceptance_error(
-    stats: AcceptanceStats, need: int, algo, rollout, previous: dict | None = None, step: int = 0
-) -> AcceptanceError:
-    """The error after ``max_gen_batches`` at ``step``: the rates seen and which settings to
-    change; after a step that skipped updates, logged non-finite values or whose updates left
-    only wrong answers (``previous``, its metrics), that first
-    (``update_guard.divergence_note``)."""
-    m = stats.as_metrics()
-    all_wrong = stats.queries_seen > 0 and stats.rejected_all_wrong == stats.queries_seen
-    hints = [f"raise algo.max_gen_batches (now {algo.max_gen_batches})",
-             f"raise rollout.gen_batch (now {rollout.gen_batch})",
-             f"lower rollout.batch (now {rollout.batch})"]  # fmt: skip
-    mode = get_anchor_mode(algo.anchor)
-    if stats.rejected_no_ref_correct and mode.draws_reference:
-        hints.append(f"raise algo.ref_n (now {algo.ref_n}) for more reference attempts")
-    if stats.rejected_all_wrong and not algo.weak_filter and mode.needs_reference_correct:
-        hints.append("set algo.weak_filter=true to keep all-wrong groups the reference solved")
-    return AcceptanceError(
-        divergence_note(previous or {}, step - 1, all_wrong)
-        + f"only {stats.accepted} of the {need} queries a step needs (rollout.batch) were accepted "
-        f"after {stats.gen_batches} generation batches (algo.max_gen_batches): acceptance rate "
-        f"{m['anchor/acceptance_rate']:.3f} over {stats.queries_seen} queries; rejected "
-        f"{stats.rejected_all_correct} all-correct, {stats.rejected_all_wrong} all-wrong, "
-        f"{stats.rejected_no_ref_correct} without a correct reference (reference accuracy "
-        f"{m['anchor/ref_acc']:.3f}). To fix: " + "; ".join(hints)
-    )
-
-
 def _record(
     item, gen_batch: int, reason: str, policy: list[Sample], reference: list[Sample]
 ) -> dict:
@@ -272,6 +244,7 @@ class AnchorRollout:
         if self.parts != 1 and order == "auto":  # the parts overlap the policy-first order
             self.reference_first = False
         self.previous: dict[str, Any] = {}
+        self.config, self.floor, self._warned_short = config, short_batch_floor(config), False
         self.prefetches = prefetches_reference(config)
         self._prefetched: tuple | None = None
         s = config.rollout.sampling
@@ -507,7 +480,8 @@ class AnchorRollout:
         for gen_batch in range(self.algo.max_gen_batches):
             size = followup_size(self.rollout_cfg.gen_batch, need, result.stats.accepted,
                                  result.stats.queries_seen)  # fmt: skip
-            items = [self.dataset[i] for i in self.sampler.next_indices(size)]
+            indices = self.sampler.next_indices(size)
+            items = [self.dataset[i] for i in indices]
             verdicts = [[] if known else None for known in self._cached_verdicts(items)]
             live = [item for item, v in zip(items, verdicts, strict=True) if v is None]
             if not live:
@@ -526,9 +500,15 @@ class AnchorRollout:
                 s.response_len for rows in (policy, reference, verdicts) for row in rows
                 if row for s in row
             )  # fmt: skip
+            first = len(result.records)
             self._accept(items, verdicts, policy, reference, gen_batch, result)
+            retire_drawn(self.sampler, indices, result.records[first:])
             if self.progress is not None:
                 self.progress(min(len(result.groups), need), need, result.stats)
             if len(result.groups) >= need:
                 return result
-        raise acceptance_error(result.stats, need, self.algo, self.rollout_cfg, self.previous, step)
+        result.short_batch = True  # or the AcceptanceError, below the floor
+        check_short(step, result.stats, len(result.groups), self.floor, self.config,
+                    warn=not self._warned_short, previous=self.previous)  # fmt: skip
+        self._warned_short = True  # later short steps: "SHORT batch of k" in their step line
+        return result

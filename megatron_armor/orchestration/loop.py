@@ -10,6 +10,7 @@ checkpoint the step and stop the run with a ``DivergedError`` (exit 65, no reque
 
 from __future__ import annotations
 
+import sys
 import time
 
 import torch
@@ -18,11 +19,13 @@ from megatron_armor.algo.advantages import assign_configured_advantages
 from megatron_armor.algo.losses import needs_reference_logprobs
 from megatron_armor.algo.registry import get_rollout_correction
 from megatron_armor.config.schema import ArmorConfig
-from megatron_armor.config.validate import runs_concurrent_reference
+from megatron_armor.config.validate import groups_per_update, runs_concurrent_reference
+from megatron_armor.data.sampler import SamplerExhausted
 from megatron_armor.observability.metrics import metrics_record
 from megatron_armor.observability.nvtx import nvtx_range
 from megatron_armor.observability.summary import step_line
 from megatron_armor.orchestration import checkpoints
+from megatron_armor.orchestration.acceptance import EXIT_ACCEPTANCE, AcceptanceError, exit_message
 from megatron_armor.orchestration.actor_handles import RemoteEngine, RemoteScorer
 from megatron_armor.orchestration.anchor_rollout import AnchorRollout, derive_seed
 from megatron_armor.orchestration.placement import shutdown_ray
@@ -41,14 +44,27 @@ from megatron_armor.rollout.protocol import SamplingParams
 from megatron_armor.types import Group, TrainBatch, pack_groups
 
 
-def minibatch_sample_ids(groups: list[Group], num_minibatches: int) -> list[list[int]]:
-    """Sample indices of each mini-batch: consecutive groups, ``len(groups) / num_minibatches`` each."""
-    per = len(groups) // num_minibatches
-    out, offset = [], 0
+def minibatch_sample_ids(
+    groups: list[Group], num_minibatches: int, min_groups: int = 1
+) -> list[list[int]]:
+    """Sample indices of each mini-batch: consecutive groups, ``len(groups) / num_minibatches``
+    each (``rollout.batch / ppo_mini_batch``). A short batch (``acceptance.py``) keeps the
+    number of updates: the first ``len(groups) % num_minibatches`` mini-batches get one group
+    more; with fewer than ``num_minibatches * min_groups`` groups (``min_groups``:
+    ``config.validate.groups_per_update``, a sequence for every data-parallel rank) mini-batch
+    ``m`` takes the ``min_groups`` groups from ``m * min_groups`` on, cyclically: the groups in
+    turn, each trained more than once (as PPO's epochs over one batch)."""
+    starts = [sum(len(g.samples) for g in groups[:i]) for i in range(len(groups))]
+    ids = lambda i: list(range(starts[i], starts[i] + len(groups[i].samples)))  # noqa: E731
+    if len(groups) < num_minibatches * min_groups:
+        return [[s for j in range(min_groups) for s in ids((m * min_groups + j) % len(groups))]
+                for m in range(num_minibatches)]  # fmt: skip
+    per, extra = divmod(len(groups), num_minibatches)
+    out, first = [], 0
     for m in range(num_minibatches):
-        count = sum(len(g.samples) for g in groups[m * per : (m + 1) * per])
-        out.append(list(range(offset, offset + count)))
-        offset += count
+        last = first + per + (m < extra)
+        out.append([s for i in range(first, last) for s in ids(i)])
+        first = last
     return out
 
 
@@ -103,7 +119,8 @@ def submit_minibatches(s: Session, groups: list[Group]) -> list[list]:
     so the updates follow the log-probs and each other with no driver round trip. The policy's
     weight push of ``step`` is queued behind them by :func:`run_step`
     (:meth:`~megatron_armor.orchestration.weight_sync.WeightSync.queue_policy_push`)."""
-    return s.trainer.submit_updates(minibatch_sample_ids(groups, s.num_minibatches))
+    per_update = groups_per_update(s.config)
+    return s.trainer.submit_updates(minibatch_sample_ids(groups, s.num_minibatches, per_update))
 
 
 def finish_minibatches(s: Session, queued: list[list]) -> dict[str, float]:
@@ -186,18 +203,45 @@ def checkpoint_due(config: ArmorConfig, step: int) -> bool:
 
 
 def run_step(s: Session, rollout: AnchorRollout, step: int) -> dict[str, float]:
-    """One step of Algorithm 1; returns its metrics (without timings)."""
+    """One step of Algorithm 1; returns its metrics (without timings). A step that accepted
+    no query (a short batch under ``algo.min_batch_fraction: 0``) makes no update, and a step
+    without an applied update pushes no weights (the engines keep the version before)."""
     restarted = s.heal_rollout(step)  # dead SGLang servers come back with current weights
     s.progress.start(f"step {step} rollout", s.config.rollout.batch)
     with s.timers.phase("rollout"):
         result = rollout.collect(step)
     s.progress.close()
     cache_counters = s.rollout.submit_reference_metrics()  # read while the trainer works
+    if s.config.orchestration.layout == "colocated":
+        s.rollout.release_memory()
+    if result.groups:
+        metrics = train_on(s, rollout, step, result)
+    else:
+        write_anchor_file(s.run_dir, step, result)
+        metrics = {"train/updates": 0.0, "train/response_tokens": 0.0}
+    s.meter.add_rollout(result.generated_tokens, s.timers.seconds("generate"))
+    metrics.update(rollout_metrics(result))
+    metrics.update(s.sampler.metrics())  # data/epoch, data/retired*
+    metrics.update(s.rollout.reference_metrics(cache_counters))
+    restarted += heal_before_push(s, step)
+    updated = metrics["train/updates"] > metrics.get("train/skipped_updates", 0.0)
+    metrics.update(sync_and_maybe_reset(s, step, updated))
+    metrics["algo/alpha"] = s.config.algo.alpha
+    if backend_of(s.config).serves_over_http:
+        metrics["rollout/servers_restarted"] = float(restarted)
+    if validation_due(s.config, step):
+        metrics.update(validate(s, step))
+    rollout.observe(metrics)  # rollout.reference_first=auto: the next step's order
+    return metrics
+
+
+def train_on(s: Session, rollout: AnchorRollout, step: int, result) -> dict[str, float]:
+    """Advantages, packing, the log-prob call and the step's updates on ``result.groups``
+    (with the next step's reference prefetch and the policy push queued between them); the
+    trainer's metrics, the exact KL and the engine/trainer log-prob agreement."""
     assign_configured_advantages(result.groups, s.config.algo)
     batch = pack_groups(result.groups)
     require_engine_logprobs(s.config, batch, step)
-    if s.config.orchestration.layout == "colocated":
-        s.rollout.release_memory()
     prefetch = step < s.config.run.steps and not s.schedule.should_reset(step)
     # a CPU rank's concurrent reference pass takes the engine's core: the prefetch waits for it
     after_logprobs = runs_concurrent_reference(s.config)
@@ -217,26 +261,10 @@ def run_step(s: Session, rollout: AnchorRollout, step: int) -> dict[str, float]:
         # run their calls in order: queued first, the load would hold the call back)
         s.weight_sync.queue_policy_push(step)
         metrics = finish_minibatches(s, updates)
-    s.meter.add_rollout(result.generated_tokens, s.timers.seconds("generate"))
     s.meter.add_train(batch.seq_lengths(), s.timers.seconds("train"))
-    metrics.update(rollout_metrics(result))
     metrics.update(exact_kl)
     metrics.update(logprob_mismatch_metrics(batch, needs_reference_logprobs(s.config.algo)))
-    metrics.update(s.rollout.reference_metrics(cache_counters))
-    restarted += heal_before_push(s, step)
-    updated = metrics["train/skipped_updates"] < metrics["train/updates"]
-    metrics.update(sync_and_maybe_reset(s, step, updated))
-    metrics.update(
-        {
-            "algo/alpha": s.config.algo.alpha,
-            "train/response_tokens": float(batch.num_response_tokens),
-        }
-    )
-    if backend_of(s.config).serves_over_http:
-        metrics["rollout/servers_restarted"] = float(restarted)
-    if validation_due(s.config, step):
-        metrics.update(validate(s, step))
-    rollout.observe(metrics)  # rollout.reference_first=auto: the next step's order
+    metrics["train/response_tokens"] = float(batch.num_response_tokens)
     return metrics
 
 
@@ -289,6 +317,7 @@ def run_loop(s: Session, start: int, stop: StopSignal) -> int:
         metrics.update(s.meter.pop_metrics())
         metrics.update(s.weight_sync.pop_metrics())
         metrics.update(s.gpu_memory_metrics())
+        metrics.update(s.host_metrics(checkpoint_due(cfg, step)))
         metrics.update(s.watch.observe(step, metrics))
         metrics.update(s.timers.pop_metrics())
         metrics["timing/step_s"] = time.perf_counter() - t0
@@ -333,6 +362,10 @@ def train(config: ArmorConfig, resume: str = "auto") -> int:
                 return EXIT_REQUEUE
             start = session.restore()
             return run_loop(session, start, stop)
+        except (AcceptanceError, SamplerExhausted) as err:  # a requeue would meet them again
+            newest = checkpoints.list_checkpoints(session.run_dir) if session else []
+            print(exit_message(err, newest[-1] if newest else None), file=sys.stderr, flush=True)
+            return EXIT_ACCEPTANCE
         finally:
             if session is not None:
                 session.close()

@@ -1,4 +1,5 @@
-"""The run's metric watchers wired into the loop: keep-best and the over-optimization stop.
+"""The run's metric watchers wired into the loop: keep-best, the over-optimization stop and
+the warnings of a long run (``observability/health.py``: acceptance, host memory, disk).
 
 After each step the loop hands its metrics to :meth:`RunWatch.observe`, which returns the
 detector's ``overopt/*`` evidence to log. :attr:`RunWatch.wants_checkpoint` asks for a
@@ -16,8 +17,22 @@ from dataclasses import replace
 from pathlib import Path
 
 from megatron_armor.config.schema import ArmorConfig
+from megatron_armor.config.validate import short_batch_floor
+from megatron_armor.observability.health import AcceptanceLimits, HealthWatch
 from megatron_armor.observability.watchers import BestTracker, OveroptDetector
 from megatron_armor.orchestration import checkpoints
+
+
+def acceptance_limits(config: ArmorConfig) -> AcceptanceLimits:
+    """The acceptance thresholds of ``config`` (``observability/health.py``)."""
+    a, r = config.algo, config.rollout
+    return AcceptanceLimits(capacity=a.max_gen_batches * r.gen_batch, need=r.batch,
+                            floor=short_batch_floor(config), steps=config.run.steps)  # fmt: skip
+
+
+def health_watch(config: ArmorConfig) -> HealthWatch:
+    w = config.watch
+    return HealthWatch(acceptance_limits(config), w.window, w.memory_growth_gb, w.repeat_every)
 
 
 class RunWatch:
@@ -33,12 +48,17 @@ class RunWatch:
             self.detector = OveroptDetector(resolved)
         self.stop_on_fire = config.overopt.stop
         self.wants_checkpoint = False
+        self.health = health_watch(config)
 
     def observe(self, step: int, metrics: Mapping[str, float | None]) -> dict[str, float]:
-        """Take one step's metrics; returns the ``overopt/*`` metrics to log with them."""
+        """Take one step's metrics; returns the ``overopt/*`` and ``watch/*`` metrics to log
+        with them, and prints the long-run warnings due now."""
         new_best = self.best is not None and self.best.observe(step, metrics)
         evidence = self.detector.observe(step, metrics) if self.detector else {}
         self.wants_checkpoint = new_best or bool(evidence.get("overopt/fired"))
+        evidence.update(self.health.observe(step, metrics))
+        for line in self.health.lines:
+            print(line, flush=True)
         return evidence
 
     @property
@@ -58,6 +78,7 @@ class RunWatch:
         return {
             "best": self.best.state_dict() if self.best else None,
             "overopt": self.detector.state_dict() if self.detector else None,
+            "health": self.health.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -65,6 +86,7 @@ class RunWatch:
             self.best.load_state_dict(state["best"])
         if self.detector is not None and state.get("overopt"):
             self.detector.load_state_dict(state["overopt"])
+        self.health.load_state_dict(state.get("health") or {})
 
     def stop_line(self) -> str:
         """What the run prints when the detector ended it."""

@@ -32,6 +32,7 @@ from megatron_armor.orchestration.actor_handles import (
     TrainerActors,
     close_actors,
 )
+from megatron_armor.orchestration.host_usage import HostMemory, disk_metrics
 from megatron_armor.orchestration.placement import (
     LayoutPlan,
     create_bundles,
@@ -113,6 +114,7 @@ class Session:
     lock: RunLock
     resume_from: Path | None
     weight_sync: WeightSync
+    host_memory: HostMemory
 
     @classmethod
     def start(cls, config: ArmorConfig, resume: str = "auto") -> Session:
@@ -148,6 +150,7 @@ class Session:
             reward = RewardActors(config, plan)
             built.append(reward)
             trainer.init()
+            host_memory = HostMemory.start(trainer, rollout, reward)
         except BaseException:
             close_actors(built)
             raise
@@ -160,12 +163,14 @@ class Session:
         return cls(
             config=config, run_dir=run_dir, trainer=trainer, rollout=rollout, reward=reward,
             dataset=dataset, val_datasets=val,
-            sampler=ResumableSampler(train_size(config, dataset), config.run.seed, d.shuffle),
+            sampler=ResumableSampler(train_size(config, dataset), config.run.seed, d.shuffle,
+                                     d.retire_solved_after, d.retire_max_fraction),
             schedule=ResetSchedule(r.schedule, r.every, r.until), logger=logger,
             timers=PhaseTimers(), progress=PhaseProgress(log.progress), tokenizer=tokenizer,
             meter=make_meter(config, plan, trainer.info.get("device_name", "cpu")),
             num_minibatches=updates_per_step(config), state=RunState(), watch=RunWatch(config), lock=None,
             resume_from=None, weight_sync=start_weight_sync(config, trainer, rollout),
+            host_memory=host_memory,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ checkpoints
@@ -238,6 +243,14 @@ class Session:
         return gpu_memory_metrics(
             self.trainer.peak_gpu_memory_gb(), self.rollout.peak_gpu_memory_gb()
         )
+
+    def host_metrics(self, checkpoint_step: bool) -> dict[str, float]:
+        """``mem/*`` (every step) and, at a step of the periodic checkpoints, ``disk/*`` before
+        its checkpoint is written (``orchestration/host_usage.py``)."""
+        out = self.host_memory.metrics()
+        if checkpoint_step:
+            out.update(disk_metrics(self.run_dir))
+        return out
 
     def restore(self) -> int:
         """Load the checkpoint chosen at start-up (or start fresh); returns the step to

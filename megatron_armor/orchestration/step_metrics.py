@@ -48,13 +48,15 @@ def split_groups(groups: list[Group]) -> tuple[list[Sample], list[Sample]]:
 
 
 def rollout_metrics(result: RolloutResult) -> dict[str, float]:
-    """``anchor/*``, ``reward/*`` and ``length/*`` of one step's rollout, and
+    """``anchor/*`` (``anchor/short_batch``: 1 when the step trains on fewer than
+    ``rollout.batch`` groups), ``reward/*`` and ``length/*`` of one step's rollout, and
     ``perf/reference_prefetched``."""
     m = dict(result.stats.as_metrics())
     seen = max(result.stats.queries_seen, 1)
     for reason in ("all_correct", "all_wrong", "no_ref_correct"):
         m[f"anchor/rejected_{reason}_frac"] = m[f"anchor/rejected_{reason}"] / seen
     m["anchor/kept"] = float(len(result.groups))
+    m["anchor/short_batch"] = float(result.short_batch)
     m["anchor/reference_first"] = float(result.reference_first)
     m["perf/reference_prefetched"] = float(result.reference_prefetched)
     m["rollout/generated_tokens"] = float(result.generated_tokens)

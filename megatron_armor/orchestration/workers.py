@@ -115,11 +115,13 @@ def node_ip() -> str:
 
 
 def node_info() -> dict[str, Any]:
-    """Where this worker runs: node IP, hostname, visible GPU ids, a free TCP port."""
+    """Where this worker runs: node IP, Ray node id, hostname, visible GPU ids, a free TCP
+    port, its pid."""
     import ray
 
     return {
         "ip": node_ip(),
+        "node_id": ray.get_runtime_context().get_node_id(),
         "host": socket.gethostname(),
         "gpu_ids": [int(g) for g in ray.get_gpu_ids()],
         "device_name": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
@@ -564,6 +566,9 @@ class RolloutWorker:
         SGLang servers are separate processes)."""
         return peak_gpu_memory_gb()
 
+    def node_info(self) -> dict[str, Any]:
+        return node_info()
+
     def pools(self) -> list[str]:
         """The pools with servers (or the embedded engine) in this worker."""
         named = (("policy", self.engine), ("ref", self.ref_engine))
@@ -662,6 +667,9 @@ class RewardWorker:
             config.reward, config.rollout.sampling.max_new_tokens
         )
         freeze_heap()
+
+    def node_info(self) -> dict[str, Any]:
+        return node_info()
 
     def score(self, answers: list[Answer]) -> tuple[list[tuple[float, bool]], dict[str, float]]:
         """``[(score, acc)]`` per answer (same order) and the scorer's stats."""

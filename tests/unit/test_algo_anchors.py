@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_armor.algo.anchors import AcceptanceStats, select_group
+from megatron_armor.algo.registry import get_short_batch_policy
 from megatron_armor.types import Sample, SampleSource, pack_groups
 
 pytestmark = pytest.mark.unit
@@ -135,3 +136,21 @@ def test_acceptance_stats_empty_and_bad_reason():
     stats = AcceptanceStats()
     stats.record("no_reference_correct", [], None, "q", cached_verdict=True)
     assert (stats.rejected_no_ref_correct, stats.rejected_cached_no_ref_correct) == (1, 1)
+
+
+@pytest.mark.parametrize(
+    ("name", "fraction", "floor"),
+    [
+        ("error", 0.1, 10),  # the whole batch: a short step fails
+        ("train_partial", 0.5, 5),
+        ("train_partial", 0.3, 3),  # 0.3 * 10 is 3, not ceil(3.0000000000000004) = 4
+        ("train_partial", 0.31, 4),
+        ("train_partial", 0.01, 1),
+        ("train_partial", 0.0, 0),  # no floor: any number, none at all included
+        ("train_partial", 1.0, 10),
+    ],
+)
+def test_short_batch_floor_rounds_up_the_decimal_share(name, fraction, floor):
+    policy = get_short_batch_policy(name)
+    assert policy.trains_partial == (name == "train_partial")
+    assert policy.floor(10, fraction) == floor

@@ -106,6 +106,8 @@ CASES = [
     ("micro_batch_tokens", train("trainer.micro_batch_tokens=0"), "trainer.micro_batch_tokens=0"),
     ("val_temperature", train("validation.temperature=0"), "validation.temperature=0.0: must be > 0"),
     ("steps", train("run.steps=0"), "run.steps=0: must be >= 1"),
+    ("min_batch_fraction", train("algo.min_batch_fraction=2"), "algo.min_batch_fraction=2.0: must lie in [0, 1]"),
+    ("retire_solved_after", train("data.retire_solved_after=-1"), "data.retire_solved_after=-1: must be >= 0"),
     ("minibatch", train("rollout.batch=3", "trainer.ppo_mini_batch=2"), "must divide rollout.batch=3"),
     ("context_parallel", train("trainer.cp=2", "trainer.world_size=2"), "trainer.cp=2: context parallelism is not implemented"),
     ("te_on_cpu", train("trainer.transformer_impl=te"), "trainer.transformer_impl='te': Transformer Engine does not import"),

@@ -96,6 +96,13 @@ def test_defaults_are_valid():
             ["rollout.reference_first='maybe'", "one of true, false, auto"],
         ),
         (["trainer.fp8.enabled=true"], ["trainer.fp8.enabled=true", "transformer_impl=te"]),
+        (["algo.min_batch_fraction=-0.1"], ["algo.min_batch_fraction=-0.1", "must lie in [0, 1]"]),
+        (["algo.min_batch_fraction=1.5"], ["algo.min_batch_fraction=1.5", "e.g. 0.5"]),
+        (["data.retire_solved_after=-1"], ["data.retire_solved_after=-1", "0 = never retire"]),
+        (["data.retire_max_fraction=0"], ["data.retire_max_fraction=0.0", "must lie in (0, 1]"]),
+        (["watch.window=1"], ["watch.window=1", "must be >= 2 steps"]),
+        (["watch.memory_growth_gb=0"], ["watch.memory_growth_gb=0.0", "must be > 0 GB"]),
+        (["watch.repeat_every=0"], ["watch.repeat_every=0", "must be >= 1"]),
     ],
 )
 def test_rule_messages(overrides, expected):
@@ -122,6 +129,7 @@ def test_rule_messages(overrides, expected):
         ("orchestration.layout", "hybrid"),
         ("trainer.fp8.recipe", "fast"),
         ("reward.verifier", "llm"),
+        ("algo.on_short_batch", "skip"),
     ],
 )
 def test_unknown_names_list_valid_ones(key, value):

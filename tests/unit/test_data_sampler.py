@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from megatron_armor.data import ResumableSampler
+from megatron_armor.data import ResumableSampler, SamplerExhausted
 
 pytestmark = pytest.mark.unit
 
@@ -73,3 +73,65 @@ def test_peek_returns_the_next_indices_without_advancing():
     ahead = sampler.peek(6)  # crosses into the next epoch
     assert sampler.state_dict() == state
     assert ahead == sampler.next_indices(6)
+
+
+def test_a_prompt_solved_k_draws_in_a_row_retires_and_is_never_drawn_again():
+    sampler = ResumableSampler(6, seed=4, retire_after=2)
+    first = sampler.next_indices(6)
+    target = first[0]
+    assert not sampler.observe(target, True)  # streak 1
+    assert not sampler.observe(target, None)  # no policy samples drawn: streak kept
+    assert sampler.observe(target, True)  # streak 2: retired
+    other = first[1]
+    sampler.observe(other, True)
+    sampler.observe(other, False)  # reset
+    assert not sampler.observe(other, True)
+    later = sampler.next_indices(25)
+    assert target not in later and sorted(set(later)) == sorted(set(range(6)) - {target})
+    m = sampler.metrics()
+    assert m["data/retired"] == 1.0 and m["data/retired_step"] == 1.0
+    assert m["data/active_prompts"] == 5.0 and sampler.metrics()["data/retired_step"] == 0.0
+    epochs_before = sampler.epoch
+    sampler.next_indices(10)  # 10 of 5 left: two epochs' positions, the retired one passed over
+    assert sampler.epoch == epochs_before + 2
+
+
+@pytest.mark.parametrize("consumed", [0, 5, 13])
+def test_retirement_survives_a_restart_exactly(consumed):
+    original = ResumableSampler(9, seed=2, retire_after=1)
+    for index in original.next_indices(consumed):
+        original.observe(index, index % 3 == 0)
+    state = json.loads(json.dumps(original.state_dict()))  # survives a checkpoint file
+    restarted = ResumableSampler(9, seed=2, retire_after=1)
+    restarted.load_state_dict(state)
+    assert restarted.state_dict() == original.state_dict()
+    assert restarted.next_indices(30) == original.next_indices(30)
+
+
+def test_without_retirement_the_state_and_order_are_the_plain_samplers():
+    plain, off = ResumableSampler(8, seed=1), ResumableSampler(8, seed=1, retire_after=0)
+    assert not off.observe(3, True) and not off.retires
+    assert off.next_indices(20) == plain.next_indices(20)
+    assert off.state_dict() == plain.state_dict() and "retirement" not in off.state_dict()
+    assert off.metrics() == {"data/epoch": 2.0}
+
+
+def test_every_prompt_retired_is_a_named_error():
+    sampler = ResumableSampler(2, seed=0, retire_after=1)
+    for index in (0, 1):
+        assert sampler.observe(index, True)
+    assert sampler.next_indices(0) == []
+    with pytest.raises(SamplerExhausted, match=r"all 2 training prompts are retired \(data.retire"):
+        sampler.next_indices(1)
+
+
+def test_retirement_stops_at_its_share_of_the_prompts_and_the_rest_stays_drawn():
+    sampler = ResumableSampler(10, seed=6, retire_after=1, retire_max_fraction=0.3)
+    retired = [i for i in range(10) if sampler.observe(i, True)]
+    assert retired == [0, 1, 2] and sampler.metrics()["data/active_prompts"] == 7.0
+    assert sampler.retirement.streaks == {i: 1 for i in range(3, 10)}  # solved, kept at K
+    assert sorted(set(sampler.next_indices(30))) == list(range(3, 10))
+    state = json.loads(json.dumps(sampler.state_dict()))
+    restarted = ResumableSampler(10, seed=6, retire_after=1, retire_max_fraction=0.3)
+    restarted.load_state_dict(state)
+    assert not restarted.observe(5, True) and restarted.next_indices(7) == sampler.next_indices(7)

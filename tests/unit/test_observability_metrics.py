@@ -29,8 +29,12 @@ def _fill(run_dir, steps=4, tensorboard=False):
                     "loss/clipfrac_high": 0.001,
                     "reset/performed": float(step == 2),
                     "timing/step_s": 1.5,
+                    "mem/run_gb": 2.0 + 0.01 * step,
+                    "mem/node0_used_gb": 8.0,
                 }
             )
+        if step == 4:
+            m.update({"disk/run_dir_gb": 0.5, "disk/checkpoint_gb": 0.2})
         logger.log(step, m)
     logger.close()
 
@@ -115,7 +119,8 @@ def test_plots_written_with_reset_markers(tmp_path):
     assert series(records, "val/tiny/avg@4")[0] == [0, 2, 4]
     paths = plot_run(tmp_path)
     names = sorted(p.name for p in paths)
-    assert names == ["acceptance.png", "clip.png", "kl.png", "reward_vs_val.png"]
+    assert names == ["acceptance.png", "clip.png", "disk.png", "kl.png", "memory.png",
+                     "reward_vs_val.png"]  # fmt: skip
     assert all(p.stat().st_size > 1000 for p in paths)
 
 

@@ -18,8 +18,8 @@ from megatron_armor.algo.registry import get_anchor_mode
 from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.data.dataset import PromptItem
 from megatron_armor.data.sampler import ResumableSampler
+from megatron_armor.orchestration.acceptance import AcceptanceError
 from megatron_armor.orchestration.anchor_rollout import (
-    AcceptanceError,
     AnchorRollout,
     caches_anchors,
     derive_seed,
@@ -100,8 +100,11 @@ class ScriptedReward:
 
 
 def make(anchor="armor", batch=2, gen_batch=3, max_gen_batches=4, weak_filter=False, group_size=4,
-         filter_policy_samples="G", queries=tuple(SCRIPT), reference_first=False):  # fmt: skip
+         filter_policy_samples="G", queries=tuple(SCRIPT), reference_first=False,
+         on_short_batch="train_partial", min_batch_fraction=0.5, retire_after=0):  # fmt: skip
     cfg = ArmorConfig()
+    cfg.data.retire_solved_after = retire_after
+    cfg.algo.on_short_batch, cfg.algo.min_batch_fraction = on_short_batch, min_batch_fraction
     cfg.rollout.reference_first = reference_first
     cfg.algo.filter_policy_samples = filter_policy_samples
     cfg.algo.anchor, cfg.algo.weak_filter, cfg.algo.group_size = anchor, weak_filter, group_size
@@ -109,7 +112,7 @@ def make(anchor="armor", batch=2, gen_batch=3, max_gen_batches=4, weak_filter=Fa
     cfg.rollout.batch, cfg.rollout.gen_batch = batch, gen_batch
     items = [PromptItem(q, [1, 2, 3], q, "1", "tiny") for q in queries]
     rollout = ScriptedRollout()
-    sampler = ResumableSampler(len(items), seed=0, shuffle=False)
+    sampler = ResumableSampler(len(items), seed=0, shuffle=False, retire_after=retire_after)
     return AnchorRollout(cfg, items, sampler, rollout, ScriptedReward()), rollout
 
 
@@ -301,19 +304,60 @@ def test_weak_filter_keeps_all_wrong_groups_the_reference_solved():
     assert [g.query_id for g in result.groups] == ["q0", "q2", "q4", "q5"]
 
 
-def test_exhausted_generation_batches_name_rate_and_settings():
-    runner, _ = make("armor", batch=5, gen_batch=2, max_gen_batches=2)
-    with pytest.raises(AcceptanceError) as err:
+@pytest.mark.parametrize("policy", ["error", "train_partial"])
+def test_exhausted_generation_batches_name_rate_and_settings(policy):
+    runner, _ = make("armor", batch=5, gen_batch=2, max_gen_batches=2, on_short_batch=policy)
+    with pytest.raises(AcceptanceError) as err:  # 1 accepted: below train_partial's floor of 3
         runner.collect(step=1)
     msg = str(err.value)
+    assert "only 1 of the 5 queries" in msg and "after 2 generation batches" in msg
     assert "acceptance rate 0.250" in msg and "algo.max_gen_batches" in msg
     assert "rollout.gen_batch" in msg and "algo.ref_n" in msg and "algo.weak_filter" in msg
+    if policy == "error":
+        assert "set algo.on_short_batch=train_partial" in msg and "short batch needs" not in msg
+    else:
+        assert "a short batch needs 3 (algo.min_batch_fraction)" in msg
+        assert "lower algo.min_batch_fraction (now 0.5" in msg
+
+
+SHORT_QUERIES = ("q0", "q4", "q1", "q5", "q2", "q3")  # one batch of 4: q0, q4, q5 accepted
+
+
+def test_train_partial_trains_a_short_batch_at_or_above_the_floor():
+    runner, _ = make("armor", batch=4, gen_batch=4, max_gen_batches=1, queries=SHORT_QUERIES)
+    result = runner.collect(step=1)
+    assert result.short_batch and [g.query_id for g in result.groups] == ["q0", "q4", "q5"]
+    m = rollout_metrics(result)
+    assert m["anchor/short_batch"] == 1.0 and m["anchor/kept"] == 3.0
+    assert m["anchor/accepted"] == 3.0 and m["anchor/queries_seen"] == 4.0
+    assert all(len(g.samples) == 4 and g.anchor_index == 3 for g in result.groups)
+
+
+@pytest.mark.parametrize(("policy", "fraction"), [("error", 0.5), ("train_partial", 1.0)])
+def test_a_short_step_fails_with_error_or_below_the_floor(policy, fraction):
+    runner, _ = make("armor", batch=4, gen_batch=4, max_gen_batches=1, queries=SHORT_QUERIES,
+                     on_short_batch=policy, min_batch_fraction=fraction)  # fmt: skip
+    with pytest.raises(AcceptanceError, match="only 3 of the 4 queries"):
+        runner.collect(step=1)
+
+
+def test_error_and_train_partial_draw_and_keep_the_same_when_the_batch_fills():
+    """``algo.on_short_batch=error`` is today's rollout: whenever ``B`` groups are accepted
+    both policies make the same calls with the same seeds and keep the same groups."""
+    runs = [
+        make("armor", batch=3, gen_batch=3, on_short_batch=p) for p in ("error", "train_partial")
+    ]
+    results = [runner.collect(step=2) for runner, _ in runs]
+    assert runs[0][1].calls == runs[1][1].calls and len(runs[0][1].calls) > 2  # 2+ batches
+    assert results[0].records == results[1].records and not results[1].short_batch
+    assert [g.query_id for g in results[0].groups] == [g.query_id for g in results[1].groups]
+    assert rollout_metrics(results[0]) == rollout_metrics(results[1])
 
 
 def test_an_acceptance_failure_after_skipped_updates_names_them_first():
     """Right after a step that skipped updates (non-finite loss or gradient norm), the error
     says so before it suggests the acceptance settings; after a normal step it does not."""
-    runner, _ = make("armor", batch=5, gen_batch=2, max_gen_batches=2)
+    runner, _ = make("armor", batch=5, gen_batch=2, max_gen_batches=2, on_short_batch="error")
     runner.observe({"train/skipped_updates": 2.0, "train/updates": 2.0, "loss/pg": math.nan})
     with pytest.raises(AcceptanceError) as err:
         runner.collect(step=4)
@@ -330,7 +374,9 @@ def test_an_acceptance_failure_after_skipped_updates_names_them_first():
 def test_an_acceptance_failure_with_only_wrong_answers_after_a_sound_step_names_the_update():
     """``trainer.lr`` far too large: the update is finite, yet the policy that was partly right
     now answers every query wrongly; the error says the update likely diverged."""
-    runner, _ = make("armor", batch=1, gen_batch=1, max_gen_batches=1, queries=("q2",))  # all wrong
+    runner, _ = make(
+        "armor", batch=1, gen_batch=1, max_gen_batches=1, queries=("q2",), on_short_batch="error"
+    )  # all wrong
     runner.observe({"reward/policy_acc": 0.3, "lr": 1000.0, "loss/grad_norm": 0.8,
                     "train/skipped_updates": 0.0})  # fmt: skip
     with pytest.raises(AcceptanceError) as err:
@@ -744,3 +790,35 @@ def test_prefetch_applies_only_where_the_call_is_known_and_the_engines_are_free(
         section, name = key.split(".")
         setattr(getattr(config, section), name, value)
     assert not prefetches_reference(config)
+
+
+@pytest.mark.parametrize("reference_first", [False, True])
+def test_a_query_solved_k_draws_in_a_row_leaves_the_sampler(reference_first):
+    """q1 is all-correct at every draw; q3's reference is never correct, so a reference-first
+    step draws no policy samples for it (no evidence either way)."""
+    runner, _ = make("armor", batch=1, gen_batch=4, retire_after=2,
+                     queries=("q1", "q0", "q3", "q4"), reference_first=reference_first)  # fmt: skip
+    seen = []
+    for step in (1, 2, 3):
+        result = runner.collect(step)
+        seen.append([r["query_id"] for r in result.records])
+        retired = [r["query_id"] for r in result.records if r.get("retired")]
+        assert retired == (["q1"] if step == 2 else []), (step, result.records)
+    assert seen[0] == seen[1] == ["q1", "q0", "q3", "q4"]
+    assert seen[2] == ["q0", "q3", "q4", "q0"]  # 4 drawn from the 3 left: into the next epoch
+    assert runner.sampler.metrics()["data/retired"] == 1.0
+    assert runner.sampler.retirement.streaks == {}  # q0, q4 accepted, q3 never all-correct
+
+
+@pytest.mark.parametrize("retire_after", [0, 2])
+def test_a_step_failing_on_solved_queries_names_retirement(retire_after):
+    runner, _ = make("armor", batch=2, gen_batch=2, max_gen_batches=1, queries=("q1", "q6"),
+                     retire_after=retire_after)  # fmt: skip
+    with pytest.raises(AcceptanceError) as err:
+        runner.collect(step=1)
+    msg = str(err.value)
+    assert "rejected 2 all-correct" in msg and "most rejected queries were all-correct" in msg
+    if retire_after:
+        assert "although data.retire_solved_after=2 retires solved ones: lower it" in msg
+    else:
+        assert "set data.retire_solved_after (e.g. 3)" in msg

@@ -17,7 +17,12 @@ import torch
 from megatron_armor.algo.losses import needs_reference_logprobs
 from megatron_armor.config import load_config
 from megatron_armor.config.schema import ArmorConfig
-from megatron_armor.config.validate import find_problems, updates_per_step
+from megatron_armor.config.validate import (
+    find_problems,
+    groups_per_update,
+    short_batch_floor,
+    updates_per_step,
+)
 from megatron_armor.observability.metrics import MetricsLogger, metrics_record, read_metrics
 from megatron_armor.orchestration import checkpoints, placement
 from megatron_armor.orchestration.actor_handles import shard
@@ -247,6 +252,41 @@ def test_minibatches_are_consecutive_whole_groups():
     groups = [Group(f"q{i}", [Sample(f"q{i}", [1], [2])] * (3 + i % 2)) for i in range(4)]
     assert minibatch_sample_ids(groups, 2) == [list(range(0, 7)), list(range(7, 14))]
     assert minibatch_sample_ids(groups, 1) == [list(range(14))]
+
+
+def test_a_short_batch_keeps_the_updates_and_spreads_its_groups_over_them():
+    groups = [Group(f"q{i}", [Sample(f"q{i}", [1], [2])] * 3) for i in range(5)]
+    assert minibatch_sample_ids(groups, 2) == [list(range(0, 9)), list(range(9, 15))]
+    assert minibatch_sample_ids(groups[:3], 3) == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+
+
+def test_fewer_groups_than_updates_take_turns_and_every_rank_gets_a_sequence():
+    groups = [Group(f"q{i}", [Sample(f"q{i}", [1], [2])] * 3) for i in range(3)]
+    assert minibatch_sample_ids(groups[:1], 2) == [[0, 1, 2], [0, 1, 2]]  # one group, 2 updates
+    assert minibatch_sample_ids(groups, 4) == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [0, 1, 2]]
+    # two groups a mini-batch (dp = 6 ranks, G = 3): 3 groups cannot fill 2 mini-batches apart
+    assert minibatch_sample_ids(groups, 2, 2) == [[0, 1, 2, 3, 4, 5], [6, 7, 8, 0, 1, 2]]
+    assert minibatch_sample_ids(groups + groups[:1], 2, 2) == [list(range(6)), list(range(6, 12))]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "floor", "per_update"),
+    [
+        ({}, 4, 1),  # ceil(0.5 * 8)
+        ({"algo.on_short_batch": "error"}, 8, 1),
+        ({"algo.min_batch_fraction": 0.3}, 3, 1),  # 0.3 * 8 = 2.4 -> 3
+        ({"algo.min_batch_fraction": 0.0}, 0, 1),  # no floor
+        ({"trainer.world_size": 8, "algo.group_size": 2}, 4, 4),  # 8 ranks, 2 sequences a group
+    ],
+)
+def test_the_short_batch_floor_and_the_groups_every_update_needs(overrides, floor, per_update):
+    cfg = ArmorConfig()
+    cfg.rollout.batch, cfg.trainer.ppo_mini_batch = 8, 4
+    for key, value in overrides.items():
+        section, name = key.split(".")
+        setattr(getattr(cfg, section), name, value)
+    assert find_problems(cfg) == []
+    assert (short_batch_floor(cfg), groups_per_update(cfg)) == (floor, per_update)
 
 
 def test_update_metrics_reduce_mean_max_last():

@@ -1,0 +1,118 @@
+"""The run's host memory every step and its run directory at checkpoints (docs/metrics.md,
+``mem/*`` and ``disk/*``).
+
+:class:`HostMemory` knows every process of the run by name, node and pid: the driver
+(``driver``: the driver alone; ``driver_tree``: with its descendants, which with a local Ray
+head are every Ray process and actor of the run on its node), each trainer rank
+(``trainer<r>``), rollout worker (``rollout<i>``, with the SGLang servers it launched) and
+reward worker (``reward<i>``, with its verifier pool), the actors with their process trees.
+Each step it reads them with psutil (``observability/host_memory.py``): on the driver's node
+in the driver itself, on any other node in a Ray task pinned to that node (``num_cpus=0``,
+so it never waits for a busy actor: an actor's own method would queue behind the step's
+work, e.g. the next step's prefetched reference call). The actors' pids and nodes are asked
+once, at start-up (their ``node_info``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatron_armor.observability.host_memory import node_memory
+from megatron_armor.orchestration import checkpoints
+from megatron_armor.orchestration.actor_handles import wait
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class RunProcess:
+    """One named process of the run (``tree``: its descendants count as its own)."""
+
+    name: str
+    node: str
+    pid: int
+    tree: bool
+
+
+def actor_processes(groups: dict[str, object]) -> list[RunProcess]:
+    """``{prefix: handle}`` (``TrainerActors``, ``RolloutActors``, ``RewardActors``) -> a
+    :class:`RunProcess` per actor, named ``<prefix><index>``, from one ``node_info`` call each."""
+    named = [(f"{prefix}{i}", a) for prefix, h in groups.items() for i, a in enumerate(h.actors)]
+    infos = wait([a.node_info.remote() for _, a in named], "actor node info")
+    return [
+        RunProcess(n, info["node_id"], info["pid"], True)
+        for (n, _), info in zip(named, infos, strict=True)
+    ]
+
+
+class HostMemory:
+    """``mem/*`` of the run's processes (module docstring); :meth:`metrics` once a step."""
+
+    def __init__(self, actors: list[RunProcess], local_node: str):
+        me = os.getpid()
+        self.processes = [RunProcess("driver", local_node, me, False),
+                          RunProcess("driver_tree", local_node, me, True), *actors]  # fmt: skip
+        self.local_node = local_node
+        self.nodes = list(dict.fromkeys([local_node, *(p.node for p in actors)]))
+        self._remote = None
+
+    @classmethod
+    def start(cls, trainer, rollout, reward) -> HostMemory:
+        """The run's processes, with the actors of the three handles."""
+        import ray
+
+        local = ray.get_runtime_context().get_node_id()
+        return cls(
+            actor_processes({"trainer": trainer, "rollout": rollout, "reward": reward}), local
+        )
+
+    def roots(self, node: str) -> dict[str, tuple[int, bool]]:
+        return {p.name: (p.pid, p.tree) for p in self.processes if p.node == node}
+
+    def _submit(self, node: str):
+        """The Ray task that reads ``node``'s processes there (pinned, no CPU reserved)."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        if self._remote is None:
+            self._remote = ray.remote(num_cpus=0)(node_memory)
+        strategy = NodeAffinitySchedulingStrategy(node_id=node, soft=False)
+        return self._remote.options(scheduling_strategy=strategy).remote(self.roots(node))
+
+    def read(self) -> list[dict]:
+        """:func:`~megatron_armor.observability.host_memory.node_memory` of every node, in
+        :attr:`nodes` order (the driver's first)."""
+        remote = {n: self._submit(n) for n in self.nodes if n != self.local_node}
+        local = node_memory(self.roots(self.local_node))
+        done = {}  # (no ray.get without remote nodes: it would start a Ray of its own)
+        if remote:
+            done = dict(zip(remote, wait(list(remote.values()), "host memory read"), strict=True))
+        return [local if n == self.local_node else done[n] for n in self.nodes]
+
+    def metrics(self) -> dict[str, float]:
+        """``mem/<process>_gb`` (RSS of each named process or tree), ``mem/node<n>_run_gb``
+        (the run's distinct processes on node ``n``), ``mem/node<n>_used_gb`` and
+        ``_available_gb`` (the node, every user), ``mem/run_gb`` (the run on every node)."""
+        out: dict[str, float] = {}
+        per_node = self.read()
+        for n, node in enumerate(per_node):
+            out.update({f"mem/{name}_gb": rss / GB for name, rss in node["roots"].items()})
+            out[f"mem/node{n}_run_gb"] = node["run"] / GB
+            out[f"mem/node{n}_used_gb"] = node["used"] / GB
+            out[f"mem/node{n}_available_gb"] = node["available"] / GB
+        out["mem/run_gb"] = sum(node["run"] for node in per_node) / GB
+        return out
+
+
+def disk_metrics(run_dir: str | Path) -> dict[str, float]:
+    """``disk/run_dir_gb`` (every file under the run directory), ``disk/checkpoint_gb`` (its
+    newest checkpoint directory) and ``disk/free_gb`` (free space on its file system)."""
+    newest = checkpoints.step_dirs(run_dir)
+    return {
+        "disk/run_dir_gb": checkpoints.directory_bytes(Path(run_dir)) / GB,
+        "disk/checkpoint_gb": checkpoints.directory_bytes(newest[-1][1]) / GB if newest else 0.0,
+        "disk/free_gb": shutil.disk_usage(run_dir).free / GB,
+    }
