@@ -315,6 +315,12 @@ def run_loop(s: Session, start: int, stop: StopSignal) -> int:
     return 0
 
 
+def start_line(config: ArmorConfig) -> str:
+    """What the driver prints once the run directory is its own (locked, resume decided)."""
+    return (f"armor train: starting {run_dir_of(config)} (SIGTERM, SIGINT, SIGUSR1: "
+            f"checkpoint and exit {EXIT_REQUEUE})")  # fmt: skip
+
+
 def train(config: ArmorConfig, resume: str = "auto") -> int:
     """Run (or resume) a training run end to end; returns the process exit code.
 
@@ -323,11 +329,11 @@ def train(config: ArmorConfig, resume: str = "auto") -> int:
     torch.manual_seed(config.run.seed)
     session = None
     with StopSignal() as stop:
-        print(f"armor train: starting {run_dir_of(config)} (SIGTERM, SIGINT, SIGUSR1: "
-              f"checkpoint and exit {EXIT_REQUEUE})", flush=True)  # fmt: skip
         try:
             with stop.guarded():
-                session = Session.start(config, resume)
+                session = Session.start(
+                    config, resume, lambda: print(start_line(config), flush=True)
+                )
             if stop.received:
                 print(stop_message(session, stop, saved=False), flush=True)
                 return EXIT_REQUEUE

@@ -40,7 +40,7 @@ from megatron_armor.orchestration.placement import (
     rollout_hosts,
 )
 from megatron_armor.orchestration.progress import PhaseProgress
-from megatron_armor.orchestration.run_dir import open_run_dir
+from megatron_armor.orchestration.run_dir import announce_resume, open_run_dir
 from megatron_armor.orchestration.run_lock import RunLock
 from megatron_armor.orchestration.run_state import RunState
 from megatron_armor.orchestration.run_watch import RunWatch
@@ -115,12 +115,16 @@ class Session:
     weight_sync: WeightSync
 
     @classmethod
-    def start(cls, config: ArmorConfig, resume: str = "auto") -> Session:
+    def start(cls, config: ArmorConfig, resume: str = "auto", announce=None) -> Session:
         """Lock the run directory and decide the resume checkpoint (``--resume
-        auto|none|PATH``, see ``run_dir.py``), then start everything for the next step."""
+        auto|none|PATH``, see ``run_dir.py``), then start everything for the next step;
+        ``announce()`` runs once the directory is this run's (a refused run never says it
+        started)."""
         run_dir = run_dir_of(config)
         lock, resume_from = open_run_dir(config, run_dir, resume)
         try:
+            if announce is not None:
+                announce()
             session = cls._start(config, run_dir)
         except BaseException:
             lock.release()
@@ -264,6 +268,7 @@ class Session:
         self.restore_metrics_line(state)
         self.state = state
         self.offload_for_rollout()
+        announce_resume(self.run_dir, self.config, state.step)  # resumes.jsonl: it succeeded
         print(f"resumed from {path} at step {state.step}", flush=True)
         return state.step
 

@@ -15,12 +15,16 @@ import pytest
 
 from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.orchestration import checkpoints
-from megatron_armor.orchestration.run_dir import RESUMES_FILE, open_run_dir
+from megatron_armor.orchestration.run_dir import RESUMES_FILE, announce_resume, open_run_dir
 from megatron_armor.orchestration.run_lock import LOCK_FILE, RunDirLocked, RunLock
 from megatron_armor.orchestration.run_state import STATE_FILE, RunState
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from crafted_checkpoint import plant_crafted_pickle  # noqa: E402
+from crafted_checkpoint import (  # noqa: E402
+    plant_crafted_metadata,
+    plant_crafted_pickle,
+    write_checkpoint_of_model,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -111,11 +115,54 @@ def test_open_run_dir_removes_stale_temps_and_keeps_the_original_config(tmp_path
     assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
     assert "removed" in capsys.readouterr().out
     assert (tmp_path / "config.yaml").read_text() == original
+    assert not (tmp_path / RESUMES_FILE).exists()  # recorded once the resume has succeeded
+    announce_resume(tmp_path, config, 2)
     record = json.loads((tmp_path / RESUMES_FILE).read_text().splitlines()[-1])
     assert record["step"] == 2 and record["changed"] == {"run.steps": [10, 20]}
     with pytest.raises(checkpoints.CheckpointError, match="--resume none"):
         open_run_dir(config, tmp_path, "none")
     assert not (tmp_path / LOCK_FILE).exists()  # released after the refusal
+
+
+TINY = {"model_type": "qwen2", "hidden_size": 32, "intermediate_size": 64, "vocab_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
+
+
+def _model(path: Path, hf: dict) -> str:
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps(hf))
+    return str(path)
+
+
+def test_a_checkpoint_of_another_model_size_is_refused_before_anything_starts(tmp_path):
+    """``--resume auto`` and ``--resume PATH`` alike, naming both shapes; a checkpoint of the
+    same model is accepted, whatever its vocabulary padding."""
+    run_dir, config = tmp_path / "run", ArmorConfig()
+    ckpt = write_checkpoint_of_model(run_dir / "checkpoints" / "step_000002", TINY, 2)
+    config.trainer.model_path = _model(tmp_path / "bigger", {**TINY, "num_hidden_layers": 4})
+    for resume in ("auto", str(ckpt)):
+        with pytest.raises(checkpoints.CheckpointError) as err:
+            open_run_dir(config, run_dir, resume)
+        message = str(err.value)
+        assert f"--resume {resume}: {ckpt} holds a model of another shape" in message, message
+        assert "num_hidden_layers=4" in message and "[2, 64, 32] in the checkpoint" in message
+        assert not (run_dir / LOCK_FILE).exists() and not (run_dir / RESUMES_FILE).exists()
+    padded = {**TINY, "vocab_size": 60}  # the checkpoint's 64 rows: padding of a 60-token vocab
+    config.trainer.model_path = _model(tmp_path / "same", padded)
+    lock, path = open_run_dir(config, run_dir, "auto")
+    lock.release()
+    assert path == ckpt
+
+
+def test_crafted_trainer_metadata_is_refused_without_running_it(tmp_path):
+    run_dir, config = tmp_path / "run", ArmorConfig()
+    ckpt = write_checkpoint_of_model(run_dir / "checkpoints" / "step_000002", TINY, 2)
+    marker = tmp_path / "pwned"
+    plant_crafted_metadata(ckpt, marker, 2)
+    config.trainer.model_path = _model(tmp_path / "model", TINY)
+    with pytest.raises(checkpoints.CheckpointError, match="not checkpoint metadata"):
+        open_run_dir(config, run_dir, "auto")
+    assert not marker.exists()
 
 
 def test_second_writer_is_refused_and_a_stale_lock_taken_over(tmp_path, capsys):
