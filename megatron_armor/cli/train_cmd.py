@@ -57,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
 
     ray_environment(config)  # before Ray is imported (it reads some settings at import)
     from megatron_armor.orchestration.checkpoints import CheckpointError
+    from megatron_armor.orchestration.disk_space import EXIT_NO_SPACE, DiskFullError
     from megatron_armor.orchestration.loop import train
     from megatron_armor.orchestration.run_lock import RunDirLocked
     from megatron_armor.orchestration.run_state import EXIT_REQUEUE
@@ -65,6 +66,9 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         code = train(config, args.resume or config.run.resume)
+    except DiskFullError as e:
+        print(f"armor train: DiskFullError: {e}", file=sys.stderr)
+        return EXIT_NO_SPACE
     except (RunDirLocked, CheckpointError) as e:
         print(f"armor train: {e}", file=sys.stderr)
         return 2

@@ -32,6 +32,11 @@ from megatron_armor.orchestration.actor_handles import (
     TrainerActors,
     close_actors,
 )
+from megatron_armor.orchestration.disk_space import (
+    check_free_space,
+    estimated_checkpoint_bytes,
+    no_space_error,
+)
 from megatron_armor.orchestration.placement import (
     LayoutPlan,
     create_bundles,
@@ -175,8 +180,22 @@ class Session:
     # ------------------------------------------------------------------ checkpoints
     def save(self, step: int, metrics_line: dict | None = None) -> Path:
         """Atomic checkpoint of ``step`` (trainer + orchestrator), keeping the last K; it
-        carries the step's ``metrics.jsonl`` line (``metrics_line``) for :meth:`restore`."""
+        carries the step's ``metrics.jsonl`` line (``metrics_line``) for :meth:`restore`. The
+        free space is checked first; a save that runs out of it is removed and raises
+        :class:`~megatron_armor.orchestration.disk_space.DiskFullError` (``disk_space.py``)."""
+        t = self.config.trainer
+        estimate = estimated_checkpoint_bytes(t.model_path, t.precision)
+        need = check_free_space(self.run_dir, step, estimate)
         tmp = checkpoints.begin_checkpoint(self.run_dir, step)
+        try:
+            return self._save_into(tmp, step, metrics_line)
+        except Exception as err:
+            full = no_space_error(self.run_dir, step, tmp, err, need)
+            if full is None:
+                raise
+            raise full from err
+
+    def _save_into(self, tmp: Path, step: int, metrics_line: dict | None) -> Path:
         self.state.step = step
         self.state.metrics_line = dict(metrics_line or {})
         self.state.sampler = self.sampler.state_dict()
