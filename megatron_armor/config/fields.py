@@ -193,6 +193,8 @@ def check_run(config: ArmorConfig) -> Problems:
         run.ckpt_every, run.ckpt_every >= 0, "run.ckpt_every", "must be >= 0 (0 = only on signals)"
     )
     yield from at_least(run, "run", ("keep_last",), 1)
+    yield from at_least(run, "run", ("max_recoveries",), 0, " (0 = a dead worker stops the run)")
+    yield from at_least(run, "run", ("recovery_window",), 1, " step")
 
 
 def check_overopt(config: ArmorConfig) -> Problems:

@@ -45,6 +45,7 @@ from megatron_armor.orchestration.placement import (
     rollout_hosts,
 )
 from megatron_armor.orchestration.progress import PhaseProgress
+from megatron_armor.orchestration.recovery import Recovery
 from megatron_armor.orchestration.run_dir import announce_resume, open_run_dir
 from megatron_armor.orchestration.run_lock import RunLock
 from megatron_armor.orchestration.run_state import RunState
@@ -118,6 +119,7 @@ class Session:
     lock: RunLock
     resume_from: Path | None
     weight_sync: WeightSync
+    recovery: Recovery
 
     @classmethod
     def start(cls, config: ArmorConfig, resume: str = "auto", announce=None) -> Session:
@@ -175,6 +177,7 @@ class Session:
             meter=make_meter(config, plan, trainer.info.get("device_name", "cpu")),
             num_minibatches=updates_per_step(config), state=RunState(), watch=RunWatch(config), lock=None,
             resume_from=None, weight_sync=start_weight_sync(config, trainer, rollout),
+            recovery=Recovery(config),
         )  # fmt: skip
 
     # ------------------------------------------------------------------ checkpoints
@@ -200,7 +203,8 @@ class Session:
         self.state.metrics_line = dict(metrics_line or {})
         self.state.sampler = self.sampler.state_dict()
         self.state.reset = self.schedule.state_dict()
-        self.state.rollout = self.rollout.state_dicts()
+        # a rollout worker that died since its step's rollout is replaced (recovery.py)
+        self.state.rollout = self.recovery.guard(self, step, "checkpoint", self.rollout.state_dicts)
         self.state.watch = self.watch.state_dict()
         self.state.capture_rng()
         offload = self.config.trainer.offload_train_state
@@ -304,7 +308,10 @@ class Session:
     def close(self, shutdown_ray: bool = True) -> None:
         """Stop the actors and Ray (best effort: a failing close must not hide the real error)."""
         self.progress.close()
-        self.logger.close()
+        try:
+            self.logger.close()  # flushes TensorBoard: fails on a full disk
+        except OSError as err:
+            print(f"warning: closing the metrics sinks failed: {err}", flush=True)
         close_actors([self.trainer, self.rollout, self.reward])
         if shutdown_ray:
             placement.shutdown_ray()

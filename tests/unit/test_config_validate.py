@@ -83,6 +83,8 @@ def test_defaults_are_valid():
         (["run.steps=0"], ["run.steps=0", ">= 1"]),
         (["run.seed=-1"], ["run.seed=-1", "[0, 2147483647]", "e.g. 1"]),
         (["run.seed=2147483648"], ["run.seed=2147483648", "[0, 2147483647]"]),
+        (["run.max_recoveries=-1"], ["run.max_recoveries=-1", ">= 0"]),
+        (["run.recovery_window=0"], ["run.recovery_window=0", ">= 1 step"]),
         (["rollout.reference_parts=0"], ["rollout.reference_parts=0", ">= 1 part"]),
         (["validation.n_samples=0"], ["validation.n_samples=0", ">= 1"]),
         (
