@@ -57,27 +57,31 @@ def stopping_errors() -> tuple[type, ...]:
     from megatron_armor.orchestration.faults import RecoveryLimitError
     from megatron_armor.orchestration.run_lock import RunDirLocked
     from megatron_armor.orchestration.update_guard import DivergedError
+    from megatron_armor.reward.pool import RewardPoolError
 
-    return (RunDirLocked, CheckpointError, DivergedError, RecoveryLimitError)
+    return (RunDirLocked, CheckpointError, DivergedError, RecoveryLimitError, RewardPoolError)
 
 
 def exit_code_of(err: BaseException) -> int:
-    """74 disk full, 65 diverged, 69 workers that keep dying, 2 a refused run directory or
-    checkpoint."""
+    """74 disk full, 65 diverged, 69 workers that keep dying, 1 a scoring pool that cannot
+    start its workers, 2 a refused run directory or checkpoint."""
     from megatron_armor.orchestration.disk_space import EXIT_NO_SPACE, DiskFullError
     from megatron_armor.orchestration.faults import EXIT_RECOVERY_LIMIT, RecoveryLimitError
     from megatron_armor.orchestration.update_guard import EXIT_DIVERGED, DivergedError
+    from megatron_armor.reward.pool import RewardPoolError
 
     codes = ((DiskFullError, EXIT_NO_SPACE), (DivergedError, EXIT_DIVERGED),
-             (RecoveryLimitError, EXIT_RECOVERY_LIMIT))  # fmt: skip
+             (RecoveryLimitError, EXIT_RECOVERY_LIMIT), (RewardPoolError, 1))  # fmt: skip
     return next((code for cls, code in codes if isinstance(err, cls)), 2)
 
 
 def report_stop(prog: str, err: BaseException) -> int:
-    """Print ``err`` (its class named, but for a refused start: exit 2) and return its code."""
+    """Print ``err`` (its class named, but for a refused start: exit 2; raised in a Ray actor:
+    the actor's own error, without the remote traceback) and return its code."""
     code = exit_code_of(err)
-    named = f"{type(err).__name__}: " if code != 2 else ""
-    print(f"{prog}: {named}{err}", file=sys.stderr)
+    shown = getattr(err, "cause", None) or err
+    named = f"{type(shown).__name__}: " if code != 2 else ""
+    print(f"{prog}: {named}{shown}", file=sys.stderr)
     return code
 
 

@@ -83,6 +83,11 @@ class PoolStats:
     seconds: float = 0.0
 
 
+class RewardPoolError(RuntimeError):
+    """The scoring pool cannot keep its workers up; the message names ``reward.verifier``, the
+    last exit code and what to check."""
+
+
 class _ItemTimeout(BaseException):
     """Raised by the worker's timer; a BaseException so verifier ``except Exception`` misses it."""
 
@@ -254,7 +259,7 @@ class ScoringPool:
         self._restarts += 1
         self._start_deaths += 1
         if self._start_deaths >= START_ATTEMPTS:
-            raise RuntimeError(
+            raise RewardPoolError(
                 f"reward.verifier={self.verifier!r}: a reward worker exited while starting "
                 f"{self._start_deaths} times in a row (last exit code {describe_exit(exitcode)}); "
                 "check that the verifier imports in a fresh Python process (python -c 'import "

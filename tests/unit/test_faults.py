@@ -74,3 +74,19 @@ def test_a_requeue_names_the_fault_the_newest_checkpoint_and_resume_auto(tmp_pat
     newest = tmp_path / "checkpoints" / "step_000002"
     assert f"Newest complete checkpoint: step 2 ({newest})" in message
     assert "`armor train CONFIG --resume auto` continues from it" in message
+
+
+def test_named_errors_from_an_actor_print_without_the_remote_traceback(capsys):
+    """A scoring pool that cannot keep its workers up raises in the reward actor: the driver
+    prints the pool's own message (verifier, exit code) with its class, and exits 1."""
+    from megatron_armor.cli.train_cmd import report_stop, stopping_errors
+    from megatron_armor.reward.pool import RewardPoolError
+
+    cause = RewardPoolError("reward.verifier='math_verify': a reward worker exited 5 times")
+    raised = RayTaskError(
+        "RewardWorker.score", "Traceback (remote) ...", cause
+    ).as_instanceof_cause()
+    assert isinstance(raised, stopping_errors())
+    assert report_stop("armor train", raised) == 1
+    err = capsys.readouterr().err
+    assert err == f"armor train: RewardPoolError: {cause}\n", err

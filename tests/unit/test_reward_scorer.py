@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_armor.reward import RewardScorer, auto_verifier, overlong_penalty
-from megatron_armor.reward.pool import Job, ScoringPool
+from megatron_armor.reward.pool import Job, RewardPoolError, ScoringPool
 from megatron_armor.types import Sample
 
 pytestmark = pytest.mark.unit
@@ -365,7 +365,7 @@ def test_workers_that_keep_dying_while_starting_stop_the_pool_naming_verifier_an
                               args=(pool, START_ATTEMPTS, killed))  # fmt: skip
     killer.start()
     try:
-        with pytest.raises(RuntimeError) as err:
+        with pytest.raises(RewardPoolError) as err:
             pool.start()
     finally:
         killer.join()
