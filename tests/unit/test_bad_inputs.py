@@ -98,6 +98,9 @@ def inputs(tmp_path_factory) -> dict[str, Path]:
     out["csv"].write_text("problem,answer\n1 + 1,2\n")
     out["syntax"].write_text("base: configs/tiny_cpu.yaml\nrun:\n  steps: [3\n  name: x\n")
     out["duplicate"].write_text("run:\n  steps: 3\n  seed: 1\n  steps: 4\n")
+    (root / "cycle_b.yaml").write_text("base: cycle.yaml\n")
+    out["cycle"] = root / "cycle.yaml"
+    out["cycle"].write_text("base: cycle_b.yaml\n")
     lock = out["locked"] / "busy" / ".lock"  # a live run (this test process) holds the dir
     lock.parent.mkdir(parents=True)
     lock.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": 0}))
@@ -129,6 +132,8 @@ CASES = [
     ("micro_batch_tokens", train("trainer.micro_batch_tokens=0"), "trainer.micro_batch_tokens=0"),
     ("val_temperature", train("validation.temperature=0"), "validation.temperature=0.0: must be > 0"),
     ("steps", train("run.steps=0"), "run.steps=0: must be >= 1"),
+    ("max_recoveries", train("run.max_recoveries=-1"), "run.max_recoveries=-1: must be >= 0"),
+    ("base_cycle", train(config="{cycle}"), "`base:` cycle: cycle.yaml -> cycle_b.yaml -> cycle.yaml"),
     ("minibatch", train("rollout.batch=3", "trainer.ppo_mini_batch=2"), "must divide rollout.batch=3"),
     ("context_parallel", train("trainer.cp=2", "trainer.world_size=2"), "trainer.cp=2: context parallelism is not implemented"),
     ("te_on_cpu", train("trainer.transformer_impl=te"), "trainer.transformer_impl='te': Transformer Engine does not import"),
