@@ -5,7 +5,9 @@ pack -> old/ref log-probs -> train (``B / ppo_mini_batch`` updates, §4) -> weig
 maybe reset the reference (§5) -> maybe validate -> maybe checkpoint (it carries the step's
 metrics line) -> log. A SIGTERM, SIGINT or SIGUSR1 finishes the step, checkpoints and exits
 with code 75 for a Slurm requeue; ``trainer.max_skipped_updates`` non-finite updates in a row
-checkpoint the step and stop the run with a ``DivergedError`` (exit 65, no requeue).
+checkpoint the step and stop the run with a ``DivergedError`` (exit 65, no requeue). A dead
+rollout or reward worker is replaced and the interrupted part of the step done again
+(``recovery.py``); a fault the run cannot recover from in place exits 75 (``faults.py``).
 """
 
 from __future__ import annotations
