@@ -30,15 +30,14 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"armor pipeline: {e}", file=sys.stderr)
         return 2
+    from megatron_armor.cli.train_cmd import report_stop, stopping_errors
     from megatron_armor.orchestration.pipeline import run_pipeline
     from megatron_armor.orchestration.run_state import EXIT_REQUEUE
-    from megatron_armor.orchestration.update_guard import EXIT_DIVERGED, DivergedError
 
     try:
         code = run_pipeline(pipeline)
-    except DivergedError as e:
-        print(f"armor pipeline: DivergedError: {e}", file=sys.stderr)
-        return EXIT_DIVERGED
+    except stopping_errors() as e:
+        return report_stop("armor pipeline", e)
     if code == EXIT_REQUEUE:
         print(f"armor pipeline: interrupted; continue with `armor pipeline {args.config}` "
               "(same overrides)")  # fmt: skip

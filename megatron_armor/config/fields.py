@@ -14,6 +14,10 @@ from megatron_armor.config.schema import ArmorConfig
 
 Problems = Iterator[str]
 
+MAX_SEED = 2**31 - 1
+"""Largest ``run.seed``: NumPy's generators refuse negative seeds, and the trainer's RNG
+streams add offsets to it (a 31-bit seed leaves them room)."""
+
 
 def bound(value, ok: bool, key: str, fix: str) -> Problems:
     """``"key=value: fix"`` unless ``ok``."""
@@ -191,11 +195,18 @@ def check_orchestration(config: ArmorConfig) -> Problems:
 def check_run(config: ArmorConfig) -> Problems:
     """Run length and checkpoint cadence."""
     run = config.run
+    yield from bound(
+        run.seed, 0 <= run.seed <= MAX_SEED, "run.seed",
+        f"must be an integer in [0, {MAX_SEED}] (the data order, the sampling seeds and the "
+        "trainer's RNG derive from it), e.g. 1",
+    )  # fmt: skip
     yield from at_least(run, "run", ("steps",), 1)
     yield from bound(
         run.ckpt_every, run.ckpt_every >= 0, "run.ckpt_every", "must be >= 0 (0 = only on signals)"
     )
     yield from at_least(run, "run", ("keep_last",), 1)
+    yield from at_least(run, "run", ("max_recoveries",), 0, " (0 = a dead worker stops the run)")
+    yield from at_least(run, "run", ("recovery_window",), 1, " step")
 
 
 def check_overopt(config: ArmorConfig) -> Problems:

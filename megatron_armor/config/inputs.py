@@ -1,4 +1,5 @@
-"""Up-front checks of the files a run reads: the HF model directory, its tokenizer, the data.
+"""Up-front checks of the files a run reads: the HF model directory (its safetensors headers
+and the tensors its config.json needs: ``weights_check.py``), its tokenizer, the data.
 
 They run in the config validation path (``load_config(..., check_inputs=True)``, used by
 ``armor train``; ``armor eval`` calls :func:`input_problems` directly) so a bad path, a broken
@@ -15,13 +16,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from megatron_armor.config.schema import ArmorConfig
+from megatron_armor.config.weights_check import weights_problems
 
 Problems = Iterator[str]
 
 SUPPORTED_ARCHITECTURES = ("qwen2", "qwen3", "llama")
 """HF ``model_type`` values the trainer and the engines implement (trainer/model.py)."""
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
-WEIGHT_PATTERNS = ("*.safetensors", "*.bin")
 MODEL_DIR_FIX = "an HF model directory (config.json, tokenizer files, *.safetensors)"
 
 
@@ -67,7 +68,8 @@ def model_dir_problems(key: str, model_path: str) -> Problems:
         yield cfg
         return
     model_type = cfg.get("model_type")
-    if model_type not in SUPPORTED_ARCHITECTURES:
+    supported = model_type in SUPPORTED_ARCHITECTURES
+    if not supported:
         yield (
             f"{path}/config.json: model_type={model_type!r} is not supported ({key}); "
             f"use a model of type {', '.join(SUPPORTED_ARCHITECTURES)}"
@@ -77,7 +79,9 @@ def model_dir_problems(key: str, model_path: str) -> Problems:
             f"{key}={model_path!r}: no tokenizer (none of {', '.join(TOKENIZER_FILES)}); copy "
             "the tokenizer files of the base model into the directory"
         )
-    if not any(any(path.glob(pattern)) for pattern in WEIGHT_PATTERNS):
+    if supported:  # headers, truncation, and the tensors config.json needs (weights_check.py)
+        yield from weights_problems(key, path, cfg.get("text_config", cfg))
+    elif not any(path.glob("*.safetensors")):
         yield f"{key}={model_path!r}: no weights (*.safetensors); point it at {MODEL_DIR_FIX}"
 
 

@@ -12,6 +12,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from megatron_armor.config.ranges import print_range_warnings
 from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.config.validate import validate
 
@@ -33,12 +34,21 @@ def _load_yaml(path: Path):
         ) from None
 
 
-def _read_yaml(path: Path, depth: int = 0):
-    """The YAML at ``path`` merged over its ``base:`` parent (one level, resolved recursively)."""
+def _read_yaml(path: Path, chain: tuple[Path, ...] = ()):
+    """The YAML at ``path`` merged over its ``base:`` parent (one level, resolved recursively);
+    ``chain`` holds the files that named it as their base, so a cycle is shown as it runs."""
+    if path in chain:
+        raise ConfigError(
+            f"{chain[0]}: `base:` cycle: {_chain_text(chain + (path,))}; remove the `base:` "
+            "that points back"
+        )
+    if len(chain) > 8:
+        raise ConfigError(
+            f"{chain[0]}: `base:` chain deeper than 8 files: {_chain_text(chain + (path,))}"
+        )
     if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist")
-    if depth > 8:
-        raise ConfigError(f"{path}: `base:` chain deeper than 8 files; is there a cycle?")
+        via = f" (the `base:` of {chain[-1]})" if chain else ""
+        raise ConfigError(f"config file {path} does not exist{via}")
     node = _load_yaml(path)
     if not OmegaConf.is_dict(node):
         raise ConfigError(
@@ -50,7 +60,20 @@ def _read_yaml(path: Path, depth: int = 0):
     if not isinstance(base, str):
         raise ConfigError(f"{path}: `base:` must be one file path (a string), got {base!r}")
     parent = (path.parent / base).resolve()
-    return _read_yaml(parent, depth + 1) + [(path, node)]
+    return _read_yaml(parent, chain + (path,)) + [(path, node)]
+
+
+def _chain_text(chain: tuple[Path, ...]) -> str:
+    """``a.yaml -> b.yaml -> a.yaml``, each file relative to the first one's directory."""
+    root = chain[0].parent
+
+    def name(p: Path) -> str:
+        try:
+            return str(p.relative_to(root))
+        except ValueError:
+            return str(p)
+
+    return " -> ".join(name(p) for p in chain)
 
 
 def _merge(schema, node, where: str):
@@ -94,6 +117,7 @@ def load_config(
         validate(config, inputs=check_inputs)
     except ValueError as e:
         raise ConfigError(f"{path or '<defaults>'}: {e}") from None
+    print_range_warnings(config)  # valid, but far outside a useful range: said, not refused
     return config
 
 

@@ -521,6 +521,12 @@ class RunConfig:
     """Also keep the best checkpoint by a metric (checkpointed at every new best)."""
     resume: str = "auto"
     """``auto`` (newest complete checkpoint in the run dir) | ``none`` | a checkpoint path."""
+    max_recoveries: int = 3
+    """Rollout or reward workers that died and were replaced in the run, at most, within
+    ``recovery_window`` steps; one more stops the run (exit 69). 0: a dead worker stops the run
+    for a requeue (exit 75) at once."""
+    recovery_window: int = 50
+    """Steps over which ``max_recoveries`` are counted."""
 
 
 @dataclass

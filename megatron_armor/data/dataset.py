@@ -32,6 +32,9 @@ from megatron_armor.data.templates import (
 logger = logging.getLogger(__name__)
 
 LOGGED_BAD_ROWS = 5
+_REPORTED: set[tuple[str, int, int]] = set()
+"""Files whose bad rows this process has reported (the input check at load and the dataset
+load of the same run read a file twice; its skipped rows are one line)."""
 TOKENIZE_BATCH = 1024
 FILE_FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json"}
 HUB_NAME = re.compile(r"[\w.-]+/[\w.-]+(:[\w.-]+)?")
@@ -184,9 +187,18 @@ def _parse_file(source: str) -> tuple[list[RawRow], list[BadRow], int]:
             f"{first}; most common problems: {reasons}; fix those rows or drop the file"
         )
     if bad:
-        first = ", ".join(f"{b.row_id} ({b.reason})" for b in bad[:LOGGED_BAD_ROWS])
-        logger.warning("%s: skipped %d of %d bad rows; first: %s", source, len(bad), index, first)
+        report_bad_rows(source, bad, index)
     return good, bad, index
+
+
+def report_bad_rows(source: str, bad: list[BadRow], rows: int) -> None:
+    """One warning per file and process naming the skipped rows (the first few)."""
+    key = (str(Path(source).resolve()) if Path(source).exists() else source, len(bad), rows)
+    if key in _REPORTED:
+        return
+    _REPORTED.add(key)
+    first = ", ".join(f"{b.row_id} ({b.reason})" for b in bad[:LOGGED_BAD_ROWS])
+    logger.warning("%s: skipped %d of %d bad rows; first: %s", source, len(bad), rows, first)
 
 
 def check_data_file(source: str) -> int:

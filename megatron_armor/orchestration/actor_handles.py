@@ -336,6 +336,7 @@ class RolloutActors:
         hosts: list[RolloutHost] | None = None,
     ):
         self.actors = []
+        self.specs: list[tuple[dict, tuple]] = []  # embedded engine: (options, args) per worker
         self.has_ref_pool = uses_ref_pool(config)
         served = reference_strategy(config.rollout.ref_strategy, config.algo.anchor_source)
         anchors = get_anchor_mode(config.algo.anchor).draws_reference
@@ -353,11 +354,13 @@ class RolloutActors:
             for i in range(plan.rollout_engines):
                 bundle = plan.rollout_bundles[i] if plan.rollout_bundles else None
                 opts = actor_options(plan, pg, order or [], bundle, plan.rollout_gpus)
-                self.actors.append(_remote(RolloutWorker, opts).remote(config, i, plan.threads))
+                self.specs.append((opts, (config, i, plan.threads)))  # a replacement's recipe
+                self.actors.append(_remote(RolloutWorker, opts).remote(*self.specs[-1][1]))
             self.policy_actors = self.reference_actors = list(self.actors)
         startup = config.orchestration.ray_init_timeout_s
         if backend_of(config).serves_over_http:  # the worker waits for every server's health
             startup = max(startup, 2 * config.rollout.sglang.startup_timeout_s)
+        self.startup_timeout = startup
         try:
             wait([a.health.remote() for a in self.actors], "rollout engine start-up", startup)
         except BaseException:
@@ -500,6 +503,11 @@ class RolloutActors:
         refs, self._unsettled = self._unsettled, ()
         if refs:
             wait(list(refs), "rollout reference scores")
+
+    def forget_unsettled(self) -> None:
+        """Drop the unwaited calls of a step that a worker's death cut short (they may hold
+        its error; the step is drawn again: ``orchestration/recovery.py``)."""
+        self._unsettled = ()
 
     def reference_unsolved(self, items: list, n: int) -> list[bool]:
         """Per item, whether the anchor cache already holds ``n`` scored reference samples of
@@ -689,10 +697,9 @@ class RewardActors:
     def __init__(self, config: ArmorConfig, plan: LayoutPlan):
         opts = actor_options(plan, None, [], None, 0.0)
         self.verifier = config.reward.verifier
-        self.actors = [
-            _remote(RewardWorker, opts).remote(config, plan.threads)
-            for _ in range(max(plan.reward_workers, 1))
-        ]
+        self.specs = [(opts, (config, plan.threads))] * max(plan.reward_workers, 1)
+        self.actors = [_remote(RewardWorker, o).remote(*args) for o, args in self.specs]
+        self.startup_timeout = config.orchestration.ray_init_timeout_s
 
     def score(self, samples: list[Sample]) -> dict[str, float]:
         """Score ``samples`` in place; returns the scorers' summed stats (``reward/*``). The

@@ -454,6 +454,11 @@ class AnchorRollout:
         self._prefetched = (step + 1, items, call)
         return True
 
+    def forget_prefetch(self) -> None:
+        """Drop the call :meth:`prefetch` sent (a worker died since: ``recovery.py``); the step
+        draws it itself, with the same seed."""
+        self._prefetched = None
+
     def _prefetched_rows(self, pending: tuple | None, step: int, items: list):
         """The ``(rows, stats)`` of :meth:`prefetch`'s call ``pending`` when it is the
         reference call of this step's first batch (same step, same queries: without the

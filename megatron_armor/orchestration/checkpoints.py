@@ -34,7 +34,6 @@ BEST_FILE = "best.json"
 TMP_PREFIX = ".tmp-"
 MANIFEST = "manifest.json"
 CHECKSUM_MAX_BYTES = 16 * 1024**2  # files up to this size get a SHA-256 in the manifest
-SPACE_MARGIN = 1.1  # free space needed before a save: 1.1 x the previous checkpoint's size
 
 
 class CheckpointError(RuntimeError):
@@ -177,30 +176,11 @@ def directory_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def check_free_space(run_dir: str | Path, step: int) -> None:
-    """Raise :class:`CheckpointError` when the file system cannot hold another checkpoint the
-    size of the previous one (x :data:`SPACE_MARGIN`); nothing is checked before the first."""
-    previous = latest_checkpoint(run_dir)
-    if previous is None:
-        return
-    need = int(directory_bytes(previous) * SPACE_MARGIN)
-    root = checkpoint_root(run_dir)
-    free = shutil.disk_usage(root).free
-    if free < need:
-        raise CheckpointError(
-            f"not enough free space for the checkpoint of step {step}: about {need / 2**30:.2f} "
-            f"GiB needed ({previous.name} is {need / SPACE_MARGIN / 2**30:.2f} GiB), "
-            f"{free / 2**30:.2f} GiB free under {root}; free space there or lower run.keep_last "
-            f"(the existing checkpoints are intact)"
-        )
-
-
 def begin_checkpoint(run_dir: str | Path, step: int) -> Path:
-    """A fresh, empty temp directory to write the checkpoint of ``step`` into (after checking
-    that the file system has room for it)."""
+    """A fresh, empty temp directory to write the checkpoint of ``step`` into (the caller
+    checked the free space first: ``disk_space.check_free_space``)."""
     root = checkpoint_root(run_dir)
     root.mkdir(parents=True, exist_ok=True)
-    check_free_space(run_dir, step)
     tmp = root / f"{TMP_PREFIX}{step_dir_name(step)}"
     if tmp.exists():
         shutil.rmtree(tmp)  # left over from a save that was killed

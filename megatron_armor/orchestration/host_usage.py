@@ -69,6 +69,15 @@ class HostMemory:
             actor_processes({"trainer": trainer, "rollout": rollout, "reward": reward}), local
         )
 
+    def replace(self, name: str, actor) -> None:
+        """The process ``name`` (e.g. ``rollout1``) is now ``actor``'s: a worker replaced in
+        the run (``recovery.py``) is measured from then on, under the dead one's name."""
+        (info,) = wait([actor.node_info.remote()], "actor node info")
+        new = RunProcess(name, info["node_id"], info["pid"], True)
+        self.processes = [new if p.name == name else p for p in self.processes]
+        if new.node not in self.nodes:
+            self.nodes.append(new.node)
+
     def roots(self, node: str) -> dict[str, tuple[int, bool]]:
         return {p.name: (p.pid, p.tree) for p in self.processes if p.node == node}
 

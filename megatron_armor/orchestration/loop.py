@@ -5,7 +5,9 @@ pack -> old/ref log-probs -> train (``B / ppo_mini_batch`` updates, §4) -> weig
 maybe reset the reference (§5) -> maybe validate -> maybe checkpoint (it carries the step's
 metrics line) -> log. A SIGTERM, SIGINT or SIGUSR1 finishes the step, checkpoints and exits
 with code 75 for a Slurm requeue; ``trainer.max_skipped_updates`` non-finite updates in a row
-checkpoint the step and stop the run with a ``DivergedError`` (exit 65, no requeue).
+checkpoint the step and stop the run with a ``DivergedError`` (exit 65, no requeue). A dead
+rollout or reward worker is replaced and the interrupted part of the step done again
+(``recovery.py``); a fault the run cannot recover from in place exits 75 (``faults.py``).
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ from megatron_armor.orchestration import checkpoints
 from megatron_armor.orchestration.acceptance import EXIT_ACCEPTANCE, AcceptanceError, exit_message
 from megatron_armor.orchestration.actor_handles import RemoteEngine, RemoteScorer
 from megatron_armor.orchestration.anchor_rollout import AnchorRollout, derive_seed
+from megatron_armor.orchestration.faults import RequeueError, locate, requeue_error
 from megatron_armor.orchestration.placement import shutdown_ray
+from megatron_armor.orchestration.recovery import WHY_TRAINER, handles
 from megatron_armor.orchestration.run_state import EXIT_REQUEUE, StopSignal
 from megatron_armor.orchestration.session import Session, run_dir_of
 from megatron_armor.orchestration.step_metrics import (
@@ -158,17 +162,18 @@ def sync_and_maybe_reset(s: Session, step: int, updated: bool = True) -> dict[st
             s.trainer.offload_train_state()
         if colocated:
             s.rollout.resume_memory(["weights"])
-        if updated:
-            num_bytes = s.push_policy(step)  # trainer ranks -> engines (weight_sync.py)
+        if updated:  # trainer ranks -> engines (weight_sync.py); a dead worker is replaced
+            num_bytes = s.recovery.guard(s, step, "sync", lambda: s.push_policy(step))
             s.state.policy_version = step
         else:
-            num_bytes = s.weight_sync.skip_policy_push()
+            num_bytes = s.recovery.guard(s, step, "sync", s.weight_sync.skip_policy_push)
     s.meter.add_weight_sync(s.timers.seconds("sync"), num_bytes)
     reset = s.schedule.should_reset(step)
     if reset:
         with s.timers.phase("reset"):
             s.trainer.reset_reference()
-            s.push_reference(step, reset=True)  # the trainer's reference is now the policy
+            # the trainer's reference is now the policy (once: only the push is guarded)
+            s.recovery.guard(s, step, "reset", lambda: s.push_reference(step, reset=True))
             s.schedule.record_reset(step)
             s.state.ref_version = step
     if colocated:
@@ -183,9 +188,10 @@ def validate(s: Session, step: int) -> dict[str, float]:
     v, seed = s.config.validation, derive_seed(s.config.run.seed, step, 0, "validation")
     params = SamplingParams(temperature=v.temperature, top_p=v.top_p,
                             max_new_tokens=s.config.rollout.sampling.max_new_tokens, seed=seed)  # fmt: skip
-    with s.timers.phase("validate"):
-        results = evaluate(RemoteEngine(s.rollout, seed), s.val_datasets, RemoteScorer(s.reward),
+    run = lambda: evaluate(RemoteEngine(s.rollout, seed), s.val_datasets, RemoteScorer(s.reward),  # noqa: E731
                            v.n_samples, params, v.max_problems, tokenizer=s.tokenizer)  # fmt: skip
+    with s.timers.phase("validate"):
+        results = s.recovery.guard(s, step, "validation", run)  # a dead worker: replaced, again
     k = v.n_samples
     return {f"val/{bench}/{key.replace('@k', f'@{k}')}": float(x)
             for bench, r in results.items() for key, x in r.items()}  # fmt: skip
@@ -209,9 +215,9 @@ def run_step(s: Session, rollout: AnchorRollout, step: int) -> dict[str, float]:
     restarted = s.heal_rollout(step)  # dead SGLang servers come back with current weights
     s.progress.start(f"step {step} rollout", s.config.rollout.batch)
     with s.timers.phase("rollout"):
-        result = rollout.collect(step)
+        # drawn again if a worker dies; the cache counters' read is waited for later
+        result, cache_counters = s.recovery.collect(s, rollout, step)
     s.progress.close()
-    cache_counters = s.rollout.submit_reference_metrics()  # read while the trainer works
     if s.config.orchestration.layout == "colocated":
         s.rollout.release_memory()
     if result.groups:
@@ -296,6 +302,7 @@ def run_loop(s: Session, start: int, stop: StopSignal) -> int:
         print(f"{s.run_dir}: {s.watch.stop_line()}; nothing left to train", flush=True)
         return 0
     resumed_at_0 = bool(s.state.watch)
+    s.recovery.settle_snapshot(s, s.recovery.submit_snapshot(s), start)  # the resumed state
     if start == 0 and cfg.validation.every > 0 and not resumed_at_0 and not stop.received:
         initial = validate(s, 0)
         initial.update(s.watch.observe(0, initial))
@@ -344,6 +351,32 @@ def run_loop(s: Session, start: int, stop: StopSignal) -> int:
     return 0
 
 
+def run_with_faults(s: Session, stop: StopSignal) -> int:
+    """Restore and run the loop; a fault the run cannot recover from in place (a trainer rank
+    died, or one of the cases of ``recovery.py``) prints why, the newest complete checkpoint
+    and ``--resume auto``, and exits 75 (requeue: ``faults.py``)."""
+    try:
+        return run_loop(s, s.restore(), stop)
+    except RequeueError as err:
+        print(f"armor train: {err}", file=sys.stderr, flush=True)
+    except Exception as err:
+        fault = locate(err, handles(s))
+        if fault is None:
+            raise
+        why = (
+            WHY_TRAINER if fault.kind == "trainer" else "it failed outside the calls a step repeats"
+        )
+        print(f"armor train: {requeue_error(s.run_dir, fault, s.recovery.step, why)}",
+              file=sys.stderr, flush=True)  # fmt: skip
+    return EXIT_REQUEUE
+
+
+def start_line(config: ArmorConfig) -> str:
+    """What the driver prints once the run directory is its own (locked, resume decided)."""
+    return (f"armor train: starting {run_dir_of(config)} (SIGTERM, SIGINT, SIGUSR1: "
+            f"checkpoint and exit {EXIT_REQUEUE})")  # fmt: skip
+
+
 def train(config: ArmorConfig, resume: str = "auto") -> int:
     """Run (or resume) a training run end to end; returns the process exit code.
 
@@ -352,16 +385,15 @@ def train(config: ArmorConfig, resume: str = "auto") -> int:
     torch.manual_seed(config.run.seed)
     session = None
     with StopSignal() as stop:
-        print(f"armor train: starting {run_dir_of(config)} (SIGTERM, SIGINT, SIGUSR1: "
-              f"checkpoint and exit {EXIT_REQUEUE})", flush=True)  # fmt: skip
         try:
             with stop.guarded():
-                session = Session.start(config, resume)
+                session = Session.start(
+                    config, resume, lambda: print(start_line(config), flush=True)
+                )
             if stop.received:
                 print(stop_message(session, stop, saved=False), flush=True)
                 return EXIT_REQUEUE
-            start = session.restore()
-            return run_loop(session, start, stop)
+            return run_with_faults(session, stop)
         except (AcceptanceError, SamplerExhausted) as err:  # a requeue would meet them again
             newest = checkpoints.list_checkpoints(session.run_dir) if session else []
             print(exit_message(err, newest[-1] if newest else None), file=sys.stderr, flush=True)

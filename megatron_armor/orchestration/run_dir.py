@@ -6,10 +6,13 @@
    run on the directory is refused);
 2. delete ``checkpoints/.tmp-*`` left by interrupted saves;
 3. decide where to resume from (``--resume auto|none|PATH``; the newest complete checkpoint
-   whose ``orchestrator.pt`` the safe loader accepts);
-4. write ``config.yaml`` — on a fresh start only. A resumed run keeps the original and appends
-   the settings it changed to ``resumes.jsonl`` (``{"step", "time", "changed": {key: [old,
-   new]}}``), so ``config.yaml`` always describes the run that made the checkpoints.
+   whose ``orchestrator.pt`` the safe loader accepts), refused when it holds a model of
+   another shape than ``trainer.model_path`` (``resume_check.py``);
+4. write ``config.yaml`` — on a fresh start only. A resumed run keeps the original and, once
+   the resume has succeeded (:func:`announce_resume`, called by the session after the restore),
+   appends the settings it changed to ``resumes.jsonl`` (``{"step", "time", "changed": {key:
+   [old, new]}}``), so ``config.yaml`` always describes the run that made the checkpoints and a
+   failed attempt leaves no record.
 
 The config was validated by ``load_config`` before this runs, so a refused config never
 touches the directory.
@@ -18,6 +21,7 @@ touches the directory.
 from __future__ import annotations
 
 import json
+import pickle
 import time
 from pathlib import Path
 
@@ -26,6 +30,7 @@ from omegaconf import OmegaConf
 from megatron_armor.config.loader import save_config
 from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.orchestration import checkpoints
+from megatron_armor.orchestration.resume_check import METADATA, model_shape_problem
 from megatron_armor.orchestration.run_lock import RunLock
 from megatron_armor.orchestration.run_state import RunState
 
@@ -82,9 +87,33 @@ def decide_resume(run_dir: Path, resume: str) -> Path | None:
     return path
 
 
+def require_same_model(config: ArmorConfig, run_dir: Path, path: Path, resume: str) -> None:
+    """Refuse a resume whose checkpoint holds a model of another shape than
+    ``trainer.model_path`` (``resume_check.py``), before anything starts."""
+    try:
+        problem = model_shape_problem(path, config.trainer.model_path)
+    except pickle.UnpicklingError as e:
+        raise checkpoints.CheckpointError(
+            f"--resume {resume}: {path / METADATA} holds objects that are not checkpoint "
+            f"metadata ({e}); it was not written by a run of this recipe (or was tampered "
+            "with): resume from another checkpoint"
+        ) from None
+    if problem is None:
+        return
+    saved = run_dir / CONFIG_FILE
+    started = OmegaConf.load(saved).trainer.model_path if saved.is_file() else None
+    hint = f" ({saved}: trainer.model_path={started})" if started else ""
+    raise checkpoints.CheckpointError(
+        f"--resume {resume}: {problem}; resume with the model the run started from{hint}, or "
+        "start a new run with this model (another run.name)"
+    )
+
+
 def open_run_dir(config: ArmorConfig, run_dir: Path, resume: str) -> tuple[RunLock, Path | None]:
-    """Lock ``run_dir``, clean it, decide the resume checkpoint, record the config (see the
-    module docstring); the lock is released again if any of it fails."""
+    """Lock ``run_dir``, clean it, decide the resume checkpoint (refused when it holds another
+    model), write the config of a fresh start (see the module docstring); the lock is released
+    again if any of it fails. A resume's changed settings are recorded once it succeeded
+    (:func:`announce_resume`)."""
     lock = RunLock(run_dir).acquire()
     try:
         checkpoints.remove_stale_temps(run_dir)
@@ -92,11 +121,17 @@ def open_run_dir(config: ArmorConfig, run_dir: Path, resume: str) -> tuple[RunLo
         if path is None:
             save_config(config, run_dir)
         else:
-            changed = record_resume(run_dir, config, RunState.load(path).step)
-            if changed:
-                print(f"resume: settings changed since the run started: {sorted(changed)} "
-                      f"(recorded in {run_dir / RESUMES_FILE})", flush=True)  # fmt: skip
+            require_same_model(config, run_dir, path, resume)
     except BaseException:
         lock.release()
         raise
     return lock, path
+
+
+def announce_resume(run_dir: Path, config: ArmorConfig, step: int) -> None:
+    """After a resume succeeded: :func:`record_resume`, and the changed settings on the
+    console."""
+    changed = record_resume(run_dir, config, step)
+    if changed:
+        print(f"resume: settings changed since the run started: {sorted(changed)} "
+              f"(recorded in {run_dir / RESUMES_FILE})", flush=True)  # fmt: skip

@@ -32,6 +32,11 @@ from megatron_armor.orchestration.actor_handles import (
     TrainerActors,
     close_actors,
 )
+from megatron_armor.orchestration.disk_space import (
+    check_free_space,
+    estimated_checkpoint_bytes,
+    no_space_error,
+)
 from megatron_armor.orchestration.host_usage import HostMemory, disk_metrics
 from megatron_armor.orchestration.placement import (
     LayoutPlan,
@@ -41,7 +46,8 @@ from megatron_armor.orchestration.placement import (
     rollout_hosts,
 )
 from megatron_armor.orchestration.progress import PhaseProgress
-from megatron_armor.orchestration.run_dir import open_run_dir
+from megatron_armor.orchestration.recovery import Recovery
+from megatron_armor.orchestration.run_dir import announce_resume, open_run_dir
 from megatron_armor.orchestration.run_lock import RunLock
 from megatron_armor.orchestration.run_state import RunState
 from megatron_armor.orchestration.run_watch import RunWatch
@@ -115,14 +121,19 @@ class Session:
     resume_from: Path | None
     weight_sync: WeightSync
     host_memory: HostMemory
+    recovery: Recovery
 
     @classmethod
-    def start(cls, config: ArmorConfig, resume: str = "auto") -> Session:
+    def start(cls, config: ArmorConfig, resume: str = "auto", announce=None) -> Session:
         """Lock the run directory and decide the resume checkpoint (``--resume
-        auto|none|PATH``, see ``run_dir.py``), then start everything for the next step."""
+        auto|none|PATH``, see ``run_dir.py``), then start everything for the next step;
+        ``announce()`` runs once the directory is this run's (a refused run never says it
+        started)."""
         run_dir = run_dir_of(config)
         lock, resume_from = open_run_dir(config, run_dir, resume)
         try:
+            if announce is not None:
+                announce()
             session = cls._start(config, run_dir)
         except BaseException:
             lock.release()
@@ -171,18 +182,34 @@ class Session:
             num_minibatches=updates_per_step(config), state=RunState(), watch=RunWatch(config), lock=None,
             resume_from=None, weight_sync=start_weight_sync(config, trainer, rollout),
             host_memory=host_memory,
+            recovery=Recovery(config),
         )  # fmt: skip
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, step: int, metrics_line: dict | None = None) -> Path:
         """Atomic checkpoint of ``step`` (trainer + orchestrator), keeping the last K; it
-        carries the step's ``metrics.jsonl`` line (``metrics_line``) for :meth:`restore`."""
+        carries the step's ``metrics.jsonl`` line (``metrics_line``) for :meth:`restore`. The
+        free space is checked first; a save that runs out of it is removed and raises
+        :class:`~megatron_armor.orchestration.disk_space.DiskFullError` (``disk_space.py``)."""
+        t = self.config.trainer
+        estimate = estimated_checkpoint_bytes(t.model_path, t.precision)
+        need = check_free_space(self.run_dir, step, estimate)
         tmp = checkpoints.begin_checkpoint(self.run_dir, step)
+        try:
+            return self._save_into(tmp, step, metrics_line)
+        except Exception as err:
+            full = no_space_error(self.run_dir, step, tmp, err, need)
+            if full is None:
+                raise
+            raise full from err
+
+    def _save_into(self, tmp: Path, step: int, metrics_line: dict | None) -> Path:
         self.state.step = step
         self.state.metrics_line = dict(metrics_line or {})
         self.state.sampler = self.sampler.state_dict()
         self.state.reset = self.schedule.state_dict()
-        self.state.rollout = self.rollout.state_dicts()
+        # a rollout worker that died since its step's rollout is replaced (recovery.py)
+        self.state.rollout = self.recovery.guard(self, step, "checkpoint", self.rollout.state_dicts)
         self.state.watch = self.watch.state_dict()
         self.state.capture_rng()
         offload = self.config.trainer.offload_train_state
@@ -277,6 +304,7 @@ class Session:
         self.restore_metrics_line(state)
         self.state = state
         self.offload_for_rollout()
+        announce_resume(self.run_dir, self.config, state.step)  # resumes.jsonl: it succeeded
         print(f"resumed from {path} at step {state.step}", flush=True)
         return state.step
 
@@ -293,7 +321,10 @@ class Session:
     def close(self, shutdown_ray: bool = True) -> None:
         """Stop the actors and Ray (best effort: a failing close must not hide the real error)."""
         self.progress.close()
-        self.logger.close()
+        try:
+            self.logger.close()  # flushes TensorBoard: fails on a full disk
+        except OSError as err:
+            print(f"warning: closing the metrics sinks failed: {err}", flush=True)
         close_actors([self.trainer, self.rollout, self.reward])
         if shutdown_ray:
             placement.shutdown_ray()

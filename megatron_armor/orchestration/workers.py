@@ -635,7 +635,11 @@ class RolloutWorker:
         return self.reference.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
+        """The reference sampler's state of a checkpoint or of a step's snapshot (a worker
+        replaced in the run, ``orchestration/recovery.py``); the anchor-cache counters restart
+        from it, so the next ``anchor/cache_*`` read counts what came after."""
         self.reference.load_state_dict(state)
+        self.counted = {}
 
     def health(self) -> bool:
         return all(self._pool(pool).health() for pool in self.pools())

@@ -18,6 +18,11 @@ How an item is bounded (``timeout_s`` per item):
 So one bad answer costs at most ``timeout_s + kill_grace_s`` of one worker and never
 stalls the batch. A worker that dies (e.g. out of memory) marks its item ``error``.
 Workers are ``spawn``-ed (safe next to torch / Ray threads) and stay up across batches.
+
+Every replacement is counted (``reward/worker_restarts`` of the next batch), also of a worker
+that died between batches. A worker that dies before it is ready is started again after a
+back-off (:data:`START_BACKOFF_S`, doubling); :data:`START_ATTEMPTS` such deaths in a row stop
+the pool with an error naming the verifier and the last exit code.
 """
 
 from __future__ import annotations
@@ -33,6 +38,12 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 WORKER_START_TIMEOUT_S = 120.0
+START_ATTEMPTS = 5
+"""Workers that die while starting, in a row, before the pool gives up (a verifier that cannot
+import, or a node out of memory: starting more would fail the same way)."""
+START_BACKOFF_S = 0.1
+"""Wait before the first restart of a worker that died while starting; doubled each time in a
+row (0.1, 0.2, 0.4, 0.8 s before the fifth and last attempt)."""
 REPORT_EVERY_S = 0.01
 """A worker sends the verdicts it holds before starting an item once its last send is this
 old (and at the end of a chunk): a few messages per chunk instead of one per answer, and a
@@ -70,6 +81,11 @@ class PoolStats:
     errors: int = 0
     worker_restarts: int = 0
     seconds: float = 0.0
+
+
+class RewardPoolError(RuntimeError):
+    """The scoring pool cannot keep its workers up; the message names ``reward.verifier``, the
+    last exit code and what to check."""
 
 
 class _ItemTimeout(BaseException):
@@ -187,7 +203,13 @@ class _Worker:
 class ScoringPool:
     """``num_workers`` verifier processes with a per-item limit of ``timeout_s`` seconds."""
 
-    def __init__(self, num_workers: int = 2, timeout_s: float = 5.0, kill_grace_s: float = 0.5):
+    def __init__(
+        self,
+        num_workers: int = 2,
+        timeout_s: float = 5.0,
+        kill_grace_s: float = 0.5,
+        verifier: str = "math_verify",
+    ):
         if num_workers < 1:
             raise ValueError(f"reward.num_workers={num_workers}: must be >= 1")
         if timeout_s <= 0:
@@ -195,9 +217,13 @@ class ScoringPool:
         self.num_workers = num_workers
         self.timeout_s = timeout_s
         self.kill_grace_s = kill_grace_s
+        self.verifier = verifier  # ``reward.verifier``, named when workers cannot start
         self._ctx = mp.get_context("spawn")
         self._workers: list[_Worker] = []
         self._next_chunk = 0
+        self._restarts = 0  # replacements not yet reported in a batch's stats
+        self._start_deaths = 0  # workers in a row that died before they were ready
+        self._spawn_at = 0.0  # monotonic time before which no worker is started (back-off)
 
     # -- worker lifecycle -------------------------------------------------------------------
 
@@ -213,17 +239,43 @@ class ScoringPool:
         return _Worker(process, parent, current)
 
     def _ensure_workers(self) -> None:
-        self._workers = [w for w in self._workers if w.process.is_alive()]
+        """Replace dead workers (counted: one that died while idle between batches too, one
+        that died while starting as a start failure) and start missing ones, unless a
+        back-off holds the start (:meth:`_start_died`)."""
+        for worker in [w for w in self._workers if not w.process.is_alive()]:
+            self._kill(worker)
+            if worker.ready:
+                self._restarts += 1
+            else:
+                self._start_died(worker.process.exitcode)
+        if time.monotonic() < self._spawn_at:
+            return
         while len(self._workers) < self.num_workers:
             self._workers.append(self._spawn())
+
+    def _start_died(self, exitcode: int | None) -> None:
+        """A worker died before it was ready: back off before the next start; after
+        :data:`START_ATTEMPTS` in a row, give up naming the verifier and the exit code."""
+        self._restarts += 1
+        self._start_deaths += 1
+        if self._start_deaths >= START_ATTEMPTS:
+            raise RewardPoolError(
+                f"reward.verifier={self.verifier!r}: a reward worker exited while starting "
+                f"{self._start_deaths} times in a row (last exit code {describe_exit(exitcode)}); "
+                "check that the verifier imports in a fresh Python process (python -c 'import "
+                f"math_verify') and that the node has memory for reward.num_workers="
+                f"{self.num_workers} more processes"
+            )
+        self._spawn_at = time.monotonic() + START_BACKOFF_S * 2 ** (self._start_deaths - 1)
 
     def start(self) -> None:
         """Start the workers and wait until each is ready (``run`` also starts them lazily)."""
         self._ensure_workers()
         stats = PoolStats()
-        while not all(w.ready for w in self._workers):
+        while len(self._workers) < self.num_workers or not all(w.ready for w in self._workers):
             self._collect([], deque(), stats)
             self._enforce_deadlines([], deque(), stats)
+            self._ensure_workers()
 
     def _kill(self, worker: _Worker) -> None:
         worker.process.kill()
@@ -259,16 +311,18 @@ class ScoringPool:
         verdicts: list[Verdict | None] = [None] * len(jobs)
         pending = deque(range(len(jobs)))
         chunk_size = self.chunk_size(len(jobs))
-        self._ensure_workers()
         try:
+            self._ensure_workers()
             while pending or any(w.busy for w in self._workers):
                 self._dispatch(jobs, pending, chunk_size)
                 self._collect(verdicts, pending, stats)
                 self._enforce_deadlines(verdicts, pending, stats)
+                self._ensure_workers()
         except BaseException:
             # Interrupted mid-batch: workers may still hold chunks of this batch; start over.
             self._terminate()
             raise
+        stats.worker_restarts, self._restarts = self._restarts, 0
         stats.seconds = time.monotonic() - start
         return [v for v in verdicts if v is not None], stats
 
@@ -291,8 +345,10 @@ class ScoringPool:
                 worker.conn.send((worker.chunk_id, [jobs[i] for i in chunk]))
 
     def _wait_timeout(self) -> float:
-        """Seconds until the nearest deadline (busy item or worker start-up)."""
+        """Seconds until the nearest deadline (busy item, worker start-up, a start held back)."""
         now, deadlines = time.monotonic(), []
+        if len(self._workers) < self.num_workers:
+            deadlines.append(self._spawn_at)
         for w in self._workers:
             if not w.ready:
                 deadlines.append(w.started_at + WORKER_START_TIMEOUT_S)
@@ -318,6 +374,7 @@ class ScoringPool:
     ) -> None:
         if message[0] == "ready":
             worker.ready = True
+            self._start_deaths = 0
             return
         chunk_id, first, answered = message
         if chunk_id != worker.chunk_id:
@@ -345,11 +402,14 @@ class ScoringPool:
     def _replace_dead(
         self, worker: _Worker, verdicts: list[Verdict | None], pending: deque[int], stats: PoolStats
     ) -> None:
+        """A worker whose pipe closed: its item is an ``error`` and it is replaced; one that
+        was still starting is started again after a back-off (:meth:`_start_died`)."""
         if not worker.ready:
-            code = worker.process.exitcode
-            raise RuntimeError(f"a reward worker exited while starting (exit code {code})")
+            self._kill(worker)  # reaps it: its exit code is known
+            self._start_died(worker.process.exitcode)
+            return
         stats.errors += worker.busy
-        stats.worker_restarts += 1
+        self._restarts += 1
         self._abandon(worker, Verdict(False, None, "error"), verdicts, pending)
 
     def _enforce_deadlines(
@@ -365,5 +425,14 @@ class ScoringPool:
                 )
             if worker.busy and now > worker.last_progress + self.timeout_s + self.kill_grace_s:
                 stats.timeouts += 1
-                stats.worker_restarts += 1
+                self._restarts += 1
                 self._abandon(worker, Verdict(False, None, "timeout"), verdicts, pending)
+
+
+def describe_exit(exitcode: int | None) -> str:
+    """``-9 (killed by SIGKILL)``, ``1``, or ``unknown`` for a process's exit code."""
+    if exitcode is None:
+        return "unknown"
+    if exitcode < 0:
+        return f"{exitcode} (killed by {signal.Signals(-exitcode).name})"
+    return str(exitcode)

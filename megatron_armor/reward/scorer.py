@@ -82,7 +82,7 @@ class RewardScorer:
         self.overlong_buffer = overlong_buffer
         self.overlong_factor = overlong_factor
         self.max_new_tokens = max_new_tokens
-        self.pool = ScoringPool(num_workers=num_workers, timeout_s=timeout_s)
+        self.pool = ScoringPool(num_workers=num_workers, timeout_s=timeout_s, verifier=verifier)
 
     @classmethod
     def from_config(cls, reward_cfg: Any, max_new_tokens: int) -> RewardScorer:
@@ -185,5 +185,7 @@ class RewardScorer:
         """Pickle the settings only (e.g. into a Ray actor); workers restart on first use."""
         state = self.__dict__.copy()
         pool = self.pool
-        state["pool"] = ScoringPool(pool.num_workers, pool.timeout_s, pool.kill_grace_s)
+        state["pool"] = ScoringPool(
+            pool.num_workers, pool.timeout_s, pool.kill_grace_s, pool.verifier
+        )
         return state

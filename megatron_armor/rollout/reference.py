@@ -276,9 +276,12 @@ class CachedReferenceSampler(ReferenceSampler):
         return {"ref_version": self.ref_version, "cache": cache, "inner": self.inner.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
+        """The cache of ``state``; the hit and miss counters restart at 0 (they are not part of
+        the state: the counts after a load are those of the calls after it)."""
         super().load_state_dict(state)
         self.inner.load_state_dict(state["inner"])
         self.cache = {q: _entry_from(e) for q, e in state["cache"].items()}
+        self.hits = self.misses = 0
 
     def metrics(self) -> dict[str, float]:
         """``anchor/cache_hits``, ``anchor/cache_misses``, ``anchor/cache_size`` so far."""

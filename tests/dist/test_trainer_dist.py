@@ -160,6 +160,7 @@ def assert_reference_swaps(result: dict) -> None:
     # the reference stays the initial weights while the policy trains, then follows a reset
     assert not torch.allclose(result["lp_policy"], result["lp0"])
     torch.testing.assert_close(result["lp_ref"], result["lp0"], atol=1e-6, rtol=0)
+    # bit for bit: the store copies the reference into the live parameters (the same tensors)
     torch.testing.assert_close(result["lp_ref_after_reset"], result["lp_policy"], atol=0, rtol=0)
     positions = result["kl2"]["kl/exact_positions"]  # every response token of the batch
     assert positions == float((result["lp0"] != 0).sum()) > 0

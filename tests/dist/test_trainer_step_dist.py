@@ -201,12 +201,26 @@ def test_trainer_step_work(tmp_path) -> None:
             assert abs(got[key] - value) <= 1e-5 * max(1.0, abs(value)), key
     assert results["concurrent"]
     sequential = results["step_sequential"]
-    for key in ("one_call", "no_ref"):  # the concurrent reference pass's values, bit for bit
+    for key in ("one_call", "no_ref"):  # the concurrent reference pass's values
         for got, want in zip(results["step"][key], sequential[key], strict=True):
-            assert (got is None and want is None) or (
-                torch.equal(got, want) if isinstance(got, torch.Tensor) else got == want
-            ), key
+            assert_same_pass(got, want, key)
     check_reference_after_reset(results["reset"], results["step"]["positions"])
+
+
+def assert_same_pass(got, want, key: str) -> None:
+    """The concurrent reference pass against the sequential one: the same kernels on the same
+    values, but from the stored copy's memory (a second model aliasing it) instead of the live
+    parameters it is copied into: within fp32 rounding, since a CPU's kernels may round data
+    laid out differently in the last digits (bit-identical on the Intel Xeon and AMD EPYC
+    measured)."""
+    if got is None or want is None:
+        assert got is None and want is None, key
+    elif isinstance(got, torch.Tensor):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    else:
+        assert sorted(got) == sorted(want), key
+        for name, value in want.items():
+            assert abs(got[name] - value) <= 1e-6 * max(1.0, abs(value)), (key, name)
 
 
 def check_reference_after_reset(got: dict, positions: int) -> None:

@@ -42,6 +42,25 @@ def free_ports(count: int) -> list[int]:
     return ports
 
 
+def actor_pids(ray_tmp: str, cls: str) -> list[int]:
+    """Live processes of Ray actors of class ``cls`` (their title starts ``ray::cls``) of the
+    run whose Ray temp dir is ``ray_tmp`` (in their environment: ``RAY_TMPDIR``)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            title = (entry / "cmdline").read_bytes()
+            environ = (entry / "environ").read_bytes().split(b"\0")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        mine = f"RAY_TMPDIR={ray_tmp}".encode() in environ
+        if mine and title.startswith(f"ray::{cls}".encode()) and state not in ("Z", "X"):
+            found.append(int(entry.name))
+    return found
+
+
 def server_pids(port: int) -> list[int]:
     """Processes started with the arguments ``--port PORT`` (a server's, as the SGLang backend
     launches it: ``/proc/PID/cmdline`` separates arguments with NUL bytes)."""

@@ -24,6 +24,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from crafted_checkpoint import write_checkpoint_of_model  # noqa: E402
+
 pytestmark = pytest.mark.unit
 
 REPO = Path(__file__).resolve().parents[2]
@@ -34,14 +37,29 @@ TINY_CONFIG = {
 }  # fmt: skip
 
 
-def _model_dir(path: Path, config: dict | str | None = TINY_CONFIG, tokenizer: bool = True) -> Path:
+def _qwen2_weights() -> dict[str, torch.Tensor]:
+    """Every tensor of an HF Qwen2 model of :data:`TINY_CONFIG` (transformers builds it)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    model = Qwen2ForCausalLM(Qwen2Config(**TINY_CONFIG))
+    return {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+
+
+def _model_dir(path: Path, config: dict | str | None = TINY_CONFIG, tokenizer: bool = True,
+               drop: str = "", cut: int = 0) -> Path:  # fmt: skip
+    """A model directory; ``drop`` leaves that tensor out, ``cut`` truncates the weights file
+    to that many bytes (a download that stopped)."""
     path.mkdir(parents=True)
     if config is not None:
         text = config if isinstance(config, str) else json.dumps(config)
         (path / "config.json").write_text(text)
     if tokenizer:
         (path / "tokenizer.json").write_text(json.dumps({"version": "1.0", "model": {}}))
-    save_file({"model.embed_tokens.weight": torch.zeros(64, 32)}, str(path / "model.safetensors"))
+    weights = {k: v for k, v in _qwen2_weights().items() if k != drop}
+    save_file(weights, str(path / "model.safetensors"))
+    if cut:
+        data = (path / "model.safetensors").read_bytes()
+        (path / "model.safetensors").write_bytes(data[:cut])
     return path
 
 
@@ -69,12 +87,20 @@ def inputs(tmp_path_factory) -> dict[str, Path]:
         "syntax": root / "syntax.yaml",
         "duplicate": root / "duplicate.yaml",
         "locked": root / "runs",
+        "truncated": _model_dir(root / "truncated", cut=20_000),
+        "partial": _model_dir(root / "partial", drop="model.layers.1.mlp.down_proj.weight"),
+        "other_ckpt": root / "other" / "checkpoints" / "step_000002",
     }
+    bigger = {**TINY_CONFIG, "hidden_size": 64, "num_hidden_layers": 4}  # another model size
+    write_checkpoint_of_model(out["other_ckpt"], bigger, 2)
     pq.write_table(pa.table({"problem": pa.array([], pa.string()), "answer": pa.array([], pa.string())}),
                    out["empty"])  # fmt: skip
     out["csv"].write_text("problem,answer\n1 + 1,2\n")
     out["syntax"].write_text("base: configs/tiny_cpu.yaml\nrun:\n  steps: [3\n  name: x\n")
     out["duplicate"].write_text("run:\n  steps: 3\n  seed: 1\n  steps: 4\n")
+    (root / "cycle_b.yaml").write_text("base: cycle.yaml\n")
+    out["cycle"] = root / "cycle.yaml"
+    out["cycle"].write_text("base: cycle_b.yaml\n")
     lock = out["locked"] / "busy" / ".lock"  # a live run (this test process) holds the dir
     lock.parent.mkdir(parents=True)
     lock.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": 0}))
@@ -108,6 +134,8 @@ CASES = [
     ("steps", train("run.steps=0"), "run.steps=0: must be >= 1"),
     ("min_batch_fraction", train("algo.min_batch_fraction=2"), "algo.min_batch_fraction=2.0: must lie in [0, 1]"),
     ("retire_solved_after", train("data.retire_solved_after=-1"), "data.retire_solved_after=-1: must be >= 0"),
+    ("max_recoveries", train("run.max_recoveries=-1"), "run.max_recoveries=-1: must be >= 0"),
+    ("base_cycle", train(config="{cycle}"), "`base:` cycle: cycle.yaml -> cycle_b.yaml -> cycle.yaml"),
     ("minibatch", train("rollout.batch=3", "trainer.ppo_mini_batch=2"), "must divide rollout.batch=3"),
     ("context_parallel", train("trainer.cp=2", "trainer.world_size=2"), "trainer.cp=2: context parallelism is not implemented"),
     ("te_on_cpu", train("trainer.transformer_impl=te"), "trainer.transformer_impl='te': Transformer Engine does not import"),
@@ -123,6 +151,10 @@ CASES = [
     ("hub_name", train("trainer.model_path=Qwen/Qwen2.5-Math-7B"), "never fetched from the hub"),
     ("run_dir_in_use", train("run.output_dir={locked}", "run.name=busy"), "in use by another run"),
     ("resume_path_missing", train("--resume", "{runs}/nowhere"), "no such checkpoint directory"),
+    ("resume_other_model", train("--resume", "{other_ckpt}"), "holds a model of another shape than trainer.model_path"),
+    ("seed", train("run.seed=-1"), "run.seed=-1: must be an integer in [0, 2147483647]"),
+    ("truncated_weights", train("trainer.model_path={truncated}"), "model.safetensors: tensor"),
+    ("missing_tensor", train("trainer.model_path={partial}"), "lack 1 of the 27 tensors its config.json needs (qwen2, 2 layers), e.g. model.layers.1.mlp.down_proj.weight"),
     ("eval_temperature", evaluate("--temperature", "-1"), "validation.temperature=-1.0"),
     ("eval_k", evaluate("--k", "0"), "validation.n_samples=0"),
     ("eval_model_missing", ["eval", "--model", "{runs}/m", "--data", "{data}"], "--model="),
@@ -167,3 +199,22 @@ def test_bad_input_is_named_before_anything_starts(case_id, fragment, outcomes):
     assert fragment.format(**got["fill"]) in got["stderr"], got["stderr"][-3000:]
     assert "Traceback" not in got["stderr"]
     assert not got["ray"], f"Ray was started ({got['seconds']:.1f}s in): {got['ray']}"
+
+
+def test_a_refused_second_run_never_says_it_started(outcomes):
+    """The lock is taken before the driver announces the run: the refusal is the only line."""
+    got = outcomes["run_dir_in_use"]
+    assert "armor train: starting" not in got["stdout"] + got["stderr"], got["stdout"]
+
+
+def test_the_listed_inputs_fail_in_seconds_and_leave_no_trace(outcomes):
+    """A bad seed, weights or resume checkpoint is refused within seconds (no model is
+    loaded, Ray never starts) and writes nothing into the run directory (no ``config.yaml``,
+    ``tb/``, ``resumes.jsonl``)."""
+    for case_id in ("seed", "truncated_weights", "missing_tensor", "resume_other_model"):
+        got = outcomes[case_id]
+        assert got["seconds"] < 60, (case_id, got["seconds"])
+        run_dir = Path(got["fill"]["runs"]) / "tiny_cpu"
+        assert not run_dir.exists() or not {"config.yaml", "tb", "resumes.jsonl"} & {
+            p.name for p in run_dir.iterdir()
+        }, (case_id, sorted(p.name for p in run_dir.iterdir()))

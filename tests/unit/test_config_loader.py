@@ -73,8 +73,12 @@ def test_base_errors(tmp_path):
         load_config(two)
     _write(tmp_path / "c.yaml", "base: d.yaml\n")
     loop = _write(tmp_path / "d.yaml", "base: c.yaml\n")
-    with pytest.raises(ConfigError, match="deeper than 8 files"):
+    with pytest.raises(ConfigError, match=r"d.yaml: `base:` cycle: d.yaml -> c.yaml -> d.yaml"):
         load_config(loop)
+    for i in range(10):  # a chain without a cycle, too long to be meant
+        _write(tmp_path / f"chain{i}.yaml", f"base: chain{i + 1}.yaml\n")
+    with pytest.raises(ConfigError, match=r"deeper than 8 files: chain0.yaml -> chain1.yaml"):
+        load_config(tmp_path / "chain0.yaml")
     scalar = _write(tmp_path / "e.yaml", "- just\n- a list\n")
     with pytest.raises(ConfigError, match="top level must be a mapping"):
         load_config(scalar)

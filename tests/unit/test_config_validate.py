@@ -81,6 +81,10 @@ def test_defaults_are_valid():
         (["rollout.sampling.top_p=1.5"], ["rollout.sampling.top_p=1.5", "(0, 1]"]),
         (["reward.overlong.buffer=64"], ["reward.overlong.buffer=64", "overlong.enabled=false"]),
         (["run.steps=0"], ["run.steps=0", ">= 1"]),
+        (["run.seed=-1"], ["run.seed=-1", "[0, 2147483647]", "e.g. 1"]),
+        (["run.seed=2147483648"], ["run.seed=2147483648", "[0, 2147483647]"]),
+        (["run.max_recoveries=-1"], ["run.max_recoveries=-1", ">= 0"]),
+        (["run.recovery_window=0"], ["run.recovery_window=0", ">= 1 step"]),
         (["rollout.reference_parts=0"], ["rollout.reference_parts=0", ">= 1 part"]),
         (["validation.n_samples=0"], ["validation.n_samples=0", ">= 1"]),
         (
@@ -393,3 +397,34 @@ def test_concurrent_reference_resolves_on_for_one_cpu_rank_only():
     assert "trainer.concurrent_reference=true with tp=2" in tp and "=false" in tp
     bad = _error("trainer.concurrent_reference=sometimes")
     assert "trainer.concurrent_reference='sometimes' is not one of true, false, auto" in bad
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["algo.group_size=1000"], ["algo.group_size=1000", "2 to 64", "1000 generations"]),
+        (["algo.max_gen_batches=500"], ["algo.max_gen_batches=500", "1 to 64"]),
+        (["rollout.gen_batch=1000"], ["rollout.gen_batch=1000", "125x rollout.batch=8"]),
+    ],
+)
+def test_settings_far_outside_their_range_load_with_a_warning(overrides, expected, capsys):
+    load_config(None, overrides)
+    err = capsys.readouterr().err
+    assert err.count("warning: ") == 1, err
+    for part in expected:
+        assert part in err, (part, err)
+
+
+def test_the_shipped_configs_load_without_range_warnings(capsys):
+    """Every config under configs/ sits inside the ranges of config/ranges.py."""
+    from pathlib import Path
+
+    from megatron_armor.config.ranges import range_warnings
+
+    root = Path(__file__).resolve().parents[2] / "configs"
+    for path in sorted(root.rglob("*.yaml")):
+        text = path.read_text()
+        if "stage1:" in text or "variants:" in text or "seeds:" in text:
+            continue  # pipelines and comparison specs, not run configs
+        config = load_config(path)
+        assert list(range_warnings(config)) == [], path

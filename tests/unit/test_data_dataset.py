@@ -15,6 +15,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from megatron_armor.data import PromptItem, load_prompt_dataset
+from megatron_armor.data.dataset import check_data_file
 from megatron_armor.data.templates import DAPO_PREFIX, DAPO_SUFFIX, format_dapo_prompt
 
 pytestmark = pytest.mark.unit
@@ -126,6 +127,17 @@ def test_bad_rows_skipped_counted_and_logged(tmp_path, tokenizer, caplog):
     message = caplog.text
     assert "skipped 6 of 8 bad rows" in message and "r1 (" in message and "r5 (" in message
     assert "r6" not in message  # only the first few ids are logged
+
+
+def test_bad_rows_are_reported_once_by_the_input_check_and_the_load(tmp_path, tokenizer, caplog):
+    """``armor train`` checks a data file at load and loads it again when the run starts: one
+    line names its skipped rows."""
+    rows = [dapo_row("ok", "1", "good"), dapo_row("missing answer", None, "r1")]
+    path = write_jsonl(tmp_path / "once.jsonl", rows)
+    with caplog.at_level(logging.WARNING, logger="megatron_armor.data.dataset"):
+        assert check_data_file(path) == 1
+        assert len(load_prompt_dataset([path], tokenizer, "dapo", 512)) == 1
+    assert caplog.text.count("skipped 1 of 2 bad rows") == 1, caplog.text
 
 
 def test_benchmark_bad_rows(tmp_path, tokenizer):

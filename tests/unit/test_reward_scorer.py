@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_armor.reward import RewardScorer, auto_verifier, overlong_penalty
-from megatron_armor.reward.pool import Job, ScoringPool
+from megatron_armor.reward.pool import Job, RewardPoolError, ScoringPool
 from megatron_armor.types import Sample
 
 pytestmark = pytest.mark.unit
@@ -296,6 +296,83 @@ def test_worker_stopped_mid_chunk_loses_only_the_item_under_way(scorer):
     assert len(timed_out) == 1 and 2 <= timed_out[0] <= 4
     assert stats.timeouts == 1 and stats.worker_restarts == 1
     assert all(v.correct for i, v in enumerate(verdicts) if i not in timed_out)
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_that_died_while_idle_is_replaced_and_counted():
+    """Killed between batches (as by the OOM killer), a worker is replaced when the next batch
+    starts, and that batch's stats count the restart (``reward/worker_restarts``)."""
+    pool = ScoringPool(num_workers=2, timeout_s=TIMEOUT_S)
+    try:
+        pool.start()
+        victim = pool._workers[0].process
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.join(timeout=30)  # reaped: the death is a fact before the batch starts
+        assert victim.exitcode == -signal.SIGKILL
+        verdicts, stats = pool.run([Job("dapo", f"Answer: {i}", str(i)) for i in range(8)])
+        assert stats.worker_restarts == 1 and stats.errors == 0
+        assert all(v.correct for v in verdicts) and victim.pid not in pool_pids(pool)
+        assert pool.run([Job("dapo", "Answer: 1", "1")])[1].worker_restarts == 0  # counted once
+    finally:
+        pool.close()
+
+
+def pool_pids(pool: ScoringPool) -> list[int]:
+    return [w.process.pid for w in list(pool._workers)]
+
+
+def kill_workers_while_starting(pool: ScoringPool, count: int, killed: list[int]) -> None:
+    """SIGKILL every worker process ``pool`` starts, as soon as its pid is there (long before
+    its imports let it report ready), until ``count`` were killed (bounded)."""
+    deadline = time.monotonic() + 50
+    while len(killed) < count and time.monotonic() < deadline:
+        for worker in list(pool._workers):
+            if not worker.ready and worker.process.pid not in killed:
+                os.kill(worker.process.pid, signal.SIGKILL)
+                killed.append(worker.process.pid)
+        time.sleep(0.001)
+
+
+@pytest.mark.timeout(120)
+def test_a_worker_that_dies_while_starting_is_started_again_after_a_back_off():
+    """Killed before it is ready, a worker is started again after a back-off; one less than
+    ``START_ATTEMPTS`` deaths in a row leave a pool that starts and scores, every restart
+    counted in the next batch's stats."""
+    from megatron_armor.reward.pool import START_ATTEMPTS
+
+    pool, killed = ScoringPool(num_workers=1, timeout_s=TIMEOUT_S), []
+    killer = threading.Thread(target=kill_workers_while_starting,
+                              args=(pool, START_ATTEMPTS - 1, killed))  # fmt: skip
+    killer.start()
+    try:
+        pool.start()
+        killer.join()
+        verdicts, stats = pool.run([Job("dapo", "Answer: 3", "3")])
+        assert len(killed) == START_ATTEMPTS - 1 and verdicts[0].correct
+        assert stats.worker_restarts == START_ATTEMPTS - 1
+        assert not set(killed) & set(pool_pids(pool))
+    finally:
+        killer.join()
+        pool.close()
+
+
+@pytest.mark.timeout(120)
+def test_workers_that_keep_dying_while_starting_stop_the_pool_naming_verifier_and_exit_code():
+    from megatron_armor.reward.pool import START_ATTEMPTS
+
+    pool, killed = ScoringPool(num_workers=1, timeout_s=TIMEOUT_S, verifier="math_verify"), []
+    killer = threading.Thread(target=kill_workers_while_starting,
+                              args=(pool, START_ATTEMPTS, killed))  # fmt: skip
+    killer.start()
+    try:
+        with pytest.raises(RewardPoolError) as err:
+            pool.start()
+    finally:
+        killer.join()
+        pool.close()
+    message = str(err.value)
+    assert f"exited while starting {START_ATTEMPTS} times in a row" in message, message
+    assert "reward.verifier='math_verify'" in message and "-9 (killed by SIGKILL)" in message
 
 
 @pytest.mark.parametrize(

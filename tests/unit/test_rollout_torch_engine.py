@@ -177,13 +177,21 @@ def test_buffered_kv_layer_holds_what_dynamic_layer_holds():
 
 @pytest.mark.parametrize("kv_block", [1, 3])
 def test_buffered_cache_samples_what_dynamic_cache_samples(model_dirs, kv_block):
-    """Growth every 1 or 3 tokens, rows stopping early, chunks of 4 rows: the same tokens and
-    bit-identical log-probs as transformers' ``DynamicCache`` (``kv_block=0``)."""
+    """Growth every 1 or 3 tokens, rows stopping early, chunks of 4 rows: the same tokens as
+    transformers' ``DynamicCache`` (``kv_block=0``), log-probs within fp32 rounding. Attention
+    reads the keys and values as a view of a larger buffer here and as a concatenated tensor
+    there: the same arithmetic on data laid out differently, which a CPU's kernels may round
+    differently in the last digits (bit-identical on the Intel Xeon and AMD EPYC measured)."""
     params = SamplingParams(temperature=1.0, max_new_tokens=14, stop_token_ids=(2, 3, 4), seed=5)
     buffered = TorchEngine(model_dirs[0], max_batch=4, kv_block=kv_block)
     plain = TorchEngine(model_dirs[0], max_batch=4, kv_block=0)
     out = buffered.generate(PROMPTS, 3, params)
-    assert out == plain.generate(PROMPTS, 3, params)
+    for got, want in zip(out, plain.generate(PROMPTS, 3, params), strict=True):
+        for a, b in zip(got, want, strict=True):
+            assert (a.token_ids, a.finish_reason, a.weight_version) == (
+                b.token_ids, b.finish_reason, b.weight_version
+            )  # fmt: skip
+            assert max(abs(p - q) for p, q in zip(a.logprobs, b.logprobs, strict=True)) < 1e-5
     lengths = {len(s.token_ids) for g in out for s in g}
     assert len(lengths) > 1 and max(lengths) == 14  # some rows left the batch early
     with pytest.raises(ValueError, match="kv_block=-1"):

@@ -3,6 +3,7 @@ the safe loader, the run-directory lock and the config record of a resumed run."
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pickle
@@ -14,13 +15,17 @@ from pathlib import Path
 import pytest
 
 from megatron_armor.config.schema import ArmorConfig
-from megatron_armor.orchestration import checkpoints
-from megatron_armor.orchestration.run_dir import RESUMES_FILE, open_run_dir
+from megatron_armor.orchestration import checkpoints, disk_space
+from megatron_armor.orchestration.run_dir import RESUMES_FILE, announce_resume, open_run_dir
 from megatron_armor.orchestration.run_lock import LOCK_FILE, RunDirLocked, RunLock
 from megatron_armor.orchestration.run_state import STATE_FILE, RunState
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from crafted_checkpoint import plant_crafted_pickle  # noqa: E402
+from crafted_checkpoint import (  # noqa: E402
+    plant_crafted_metadata,
+    plant_crafted_pickle,
+    write_checkpoint_of_model,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -86,14 +91,77 @@ def test_rotation_counts_complete_checkpoints_only(tmp_path):
     assert [s for s, _ in checkpoints.list_checkpoints(tmp_path)] == [2, 4]
 
 
-def test_free_space_is_checked_before_a_save(tmp_path, monkeypatch):
+def _huge_model(path: Path) -> str:
+    """An HF config.json of a model whose checkpoint no disk holds (about 22.5 PiB)."""
+    return _model(path, {**TINY, "hidden_size": 2**20, "intermediate_size": 2**22,
+                         "num_hidden_layers": 96, "vocab_size": 2**17})  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("count", "text"),
+    [(0, "0 B"), (1023, "1023 B"), (1536, "1.5 KiB"), (7.4 * 2**20, "7.4 MiB"),
+     (0.01 * 2**30, "10.2 MiB"), (3 * 2**40, "3 TiB")],
+)  # fmt: skip
+def test_sizes_are_written_in_the_unit_that_fits(count, text):
+    assert disk_space.format_bytes(count) == text
+
+
+def test_free_space_is_checked_before_the_first_checkpoint_too(tmp_path):
+    """Before any checkpoint exists the need is estimated from the model: weights, reference
+    and Adam's state (16 bytes per parameter in fp32 and in bf16)."""
+    huge = _huge_model(tmp_path / "huge")
+    estimate = disk_space.estimated_checkpoint_bytes(huge, "bf16")
+    with pytest.raises(disk_space.DiskFullError) as err:
+        disk_space.check_free_space(tmp_path / "run", 2, estimate)
+    message = str(err.value)
+    assert "not enough free space for the checkpoint of step 2: about 24.8 PiB needed" in message
+    assert "(the model's checkpoint is about 22.5 PiB)" in message and " free under " in message
+    tiny = disk_space.estimated_checkpoint_bytes(_model(tmp_path / "tiny", TINY), "fp32")
+    assert tiny == 16 * 22_816  # TINY's parameters
+    assert disk_space.check_free_space(tmp_path / "run", 2, tiny) == int(tiny * 1.1)
+
+
+def test_free_space_before_a_later_save_follows_the_previous_checkpoint(tmp_path):
     _save(tmp_path, 1)
-    usage = checkpoints.shutil.disk_usage(tmp_path)
-    monkeypatch.setattr(checkpoints.shutil, "disk_usage", lambda _: usage._replace(free=100))
-    with pytest.raises(checkpoints.CheckpointError, match="not enough free space.*step 2"):
-        checkpoints.begin_checkpoint(tmp_path, 2)
-    assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
-    assert checkpoints.latest_checkpoint(tmp_path).name == "step_000001"
+    size = checkpoints.directory_bytes(checkpoints.latest_checkpoint(tmp_path))
+    assert disk_space.space_needed(tmp_path, 10**18) == (
+        int(size * 1.1),
+        f"step_000001 is {disk_space.format_bytes(size)}",
+    )
+
+
+def test_a_save_that_ran_out_of_space_is_removed_and_named(tmp_path):
+    """The trainer's write fails (torch says ``basic_ios::clear: iostream error``, no errno):
+    the partial directory goes, the error names the path, the bytes needed and free, and the
+    intact previous checkpoint; an ``ENOSPC`` from anywhere in the cause chain is named too,
+    another failure with room to spare is not turned into one."""
+    _save(tmp_path, 2)
+    need = disk_space.estimated_checkpoint_bytes(_huge_model(tmp_path / "huge"), "bf16")
+    tmp = checkpoints.begin_checkpoint(tmp_path, 4)
+    (tmp / "trainer").mkdir()
+    (tmp / "trainer" / "part.distcp").write_bytes(b"x" * 4096)
+    err = disk_space.no_space_error(
+        tmp_path, 4, tmp, RuntimeError("basic_ios::clear: iostream error"), need
+    )
+    message = str(err)
+    assert isinstance(err, disk_space.DiskFullError) and not tmp.exists()
+    assert (
+        f"writing the checkpoint of step 4 to {tmp_path / 'checkpoints' / 'step_000004'}" in message
+    )
+    assert "(RuntimeError: basic_ios::clear: iostream error)" in message and "PiB needed" in message
+    assert (
+        f"the previous checkpoint {tmp_path / 'checkpoints' / 'step_000002'} is intact" in message
+    )
+    assert checkpoints.latest_checkpoint(tmp_path).name == "step_000002"
+    tmp = checkpoints.begin_checkpoint(tmp_path, 4)
+    try:
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp / "x"))
+    except OSError as cause:
+        wrapped = RuntimeError("the trainer's save failed")
+        wrapped.__cause__ = cause
+    assert "No space left" in str(disk_space.no_space_error(tmp_path, 4, tmp, wrapped, 1))
+    tmp = checkpoints.begin_checkpoint(tmp_path, 4)
+    assert disk_space.no_space_error(tmp_path, 4, tmp, ValueError("a bug"), 1) is None
 
 
 def test_open_run_dir_removes_stale_temps_and_keeps_the_original_config(tmp_path, capsys):
@@ -111,11 +179,54 @@ def test_open_run_dir_removes_stale_temps_and_keeps_the_original_config(tmp_path
     assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
     assert "removed" in capsys.readouterr().out
     assert (tmp_path / "config.yaml").read_text() == original
+    assert not (tmp_path / RESUMES_FILE).exists()  # recorded once the resume has succeeded
+    announce_resume(tmp_path, config, 2)
     record = json.loads((tmp_path / RESUMES_FILE).read_text().splitlines()[-1])
     assert record["step"] == 2 and record["changed"] == {"run.steps": [10, 20]}
     with pytest.raises(checkpoints.CheckpointError, match="--resume none"):
         open_run_dir(config, tmp_path, "none")
     assert not (tmp_path / LOCK_FILE).exists()  # released after the refusal
+
+
+TINY = {"model_type": "qwen2", "hidden_size": 32, "intermediate_size": 64, "vocab_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
+
+
+def _model(path: Path, hf: dict) -> str:
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps(hf))
+    return str(path)
+
+
+def test_a_checkpoint_of_another_model_size_is_refused_before_anything_starts(tmp_path):
+    """``--resume auto`` and ``--resume PATH`` alike, naming both shapes; a checkpoint of the
+    same model is accepted, whatever its vocabulary padding."""
+    run_dir, config = tmp_path / "run", ArmorConfig()
+    ckpt = write_checkpoint_of_model(run_dir / "checkpoints" / "step_000002", TINY, 2)
+    config.trainer.model_path = _model(tmp_path / "bigger", {**TINY, "num_hidden_layers": 4})
+    for resume in ("auto", str(ckpt)):
+        with pytest.raises(checkpoints.CheckpointError) as err:
+            open_run_dir(config, run_dir, resume)
+        message = str(err.value)
+        assert f"--resume {resume}: {ckpt} holds a model of another shape" in message, message
+        assert "num_hidden_layers=4" in message and "[2, 64, 32] in the checkpoint" in message
+        assert not (run_dir / LOCK_FILE).exists() and not (run_dir / RESUMES_FILE).exists()
+    padded = {**TINY, "vocab_size": 60}  # the checkpoint's 64 rows: padding of a 60-token vocab
+    config.trainer.model_path = _model(tmp_path / "same", padded)
+    lock, path = open_run_dir(config, run_dir, "auto")
+    lock.release()
+    assert path == ckpt
+
+
+def test_crafted_trainer_metadata_is_refused_without_running_it(tmp_path):
+    run_dir, config = tmp_path / "run", ArmorConfig()
+    ckpt = write_checkpoint_of_model(run_dir / "checkpoints" / "step_000002", TINY, 2)
+    marker = tmp_path / "pwned"
+    plant_crafted_metadata(ckpt, marker, 2)
+    config.trainer.model_path = _model(tmp_path / "model", TINY)
+    with pytest.raises(checkpoints.CheckpointError, match="not checkpoint metadata"):
+        open_run_dir(config, run_dir, "auto")
+    assert not marker.exists()
 
 
 def test_second_writer_is_refused_and_a_stale_lock_taken_over(tmp_path, capsys):

@@ -1,0 +1,254 @@
+"""In-run recovery of a dead rollout or reward worker (docs/orchestration.md, "Faults").
+
+The loop runs the parts of a step that call the rollout and reward workers through
+:meth:`Recovery.guard`. When a call fails with a fault (``faults.py``) of one of those workers,
+the worker is replaced by a new actor made like the first (same options, same bundle), the
+rollout workers get back the state of the step's start, the new one gets the trainer's current
+weights, and the part is done again:
+
+===========  ==============================================  ================================
+phase        the fault came during                           then
+===========  ==============================================  ================================
+rollout      the step's generation and scoring               the driver's sampler and RNG go
+                                                             back to the step's start and the
+                                                             rollout is drawn again
+sync/reset   the weight push (after the step's updates)      the push is sent again
+validation   validation                                      validation runs again
+checkpoint   the read of the rollout workers' state          the read runs again
+===========  ==============================================  ================================
+
+The trainer is never touched twice: its updates come between the rollout and the sync, and
+nothing of the trainer is redone. The state a replacement needs is the anchor cache
+(``algo.anchor_source: cache``), the only state a rollout worker holds besides its weights:
+the driver reads it after each step's rollout, before the trainer gets the step
+(:meth:`collect`; one call per worker, the cache as tensors, as a checkpoint stores it), and
+the replaced and surviving workers load it (a reset since then drops it, as the reset did).
+The anchor cache and the reference call sent ahead (``rollout.prefetch_reference``) never go
+together (``anchor_rollout.prefetches_reference``). Without the cache there is nothing to
+restore, and the next step's reference call sent during the step (``rollout.prefetch_
+reference``) is drawn again with the same seed. Every sample drawn again is the one the
+uninterrupted run drew: the seeds derive from ``(run.seed, step, batch)``
+(``anchor_rollout.derive_seed``).
+
+What cannot be rebuilt in the run ends it for a requeue (``faults.RequeueError``, exit 75):
+a trainer rank, a worker that owns SGLang servers, a fault of a process the run does not
+know, and a cache state lost with its worker. ``run.max_recoveries`` bounds the replacements
+within ``run.recovery_window`` steps (``faults.RecoveryBudget``). Each recovery is a line on
+the console and in ``RUN_DIR/recoveries.jsonl``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from megatron_armor.orchestration.actor_handles import wait
+from megatron_armor.orchestration.faults import Fault, RecoveryBudget, locate, requeue_error
+from megatron_armor.rollout.backends import backend_of
+
+if TYPE_CHECKING:
+    from megatron_armor.orchestration.session import Session
+
+RECOVERIES_FILE = "recoveries.jsonl"
+WHY_TRAINER = "a trainer rank's model and optimizer state live only in its process"
+AFTER_ROLLOUT = ("sync", "reset", "validation", "checkpoint")
+"""Phases after the step's rollout: the rollout workers' state is that of the step's end."""
+
+
+@dataclass
+class StepMark:
+    """The driver's state at the start of a step's rollout: what a redrawn rollout starts
+    from (the sampler position and the driver's RNG)."""
+
+    sampler: dict
+    python_rng: Any
+    torch_rng: torch.Tensor
+
+    @classmethod
+    def take(cls, sampler) -> StepMark:
+        return cls(sampler.state_dict(), random.getstate(), torch.get_rng_state())
+
+    def rewind(self, sampler) -> None:
+        sampler.load_state_dict(self.sampler)
+        random.setstate(self.python_rng)
+        torch.set_rng_state(self.torch_rng)
+
+
+class Recovery:
+    """Replacing dead rollout and reward workers in the run; one per session."""
+
+    def __init__(self, config) -> None:
+        run = config.run
+        self.budget = RecoveryBudget(run.max_recoveries, run.recovery_window)
+        self.snapshot: list[dict] | None = None  # the reference workers' states (anchor cache)
+        self.snapshot_step = -1  # the step whose end (or resumed start) they are of
+        self.step = 0  # the step under way, for faults the loop does not guard
+        self.anchor_rollout = None  # the loop's AnchorRollout (its sent-ahead call is dropped)
+
+    # ------------------------------------------------------------------ snapshots
+    def submit_snapshot(self, s: Session) -> list:
+        """Queue the read of the rollout workers' state right after a step's rollout (the
+        anchor cache only; nothing to read without it)."""
+        if not s.rollout.caches_anchors:
+            return []
+        return [a.state_dict.remote() for a in s.rollout.reference_actors]
+
+    def settle_snapshot(self, s: Session, refs: list, step: int) -> None:
+        """Wait for :meth:`submit_snapshot`'s read: the state a replacement continues from."""
+        states = wait(refs, "rollout state (kept for a recovery)") if refs else None
+        self.snapshot, self.snapshot_step = states, step
+
+    # ------------------------------------------------------------------ guarded calls
+    def collect(self, s: Session, rollout, step: int):
+        """``(result, counters)``: the step's rollout (``rollout.collect``), the queued read of
+        the anchor-cache counters (``RolloutActors.submit_reference_metrics``) and the rollout
+        workers' state after it (:meth:`submit_snapshot`, waited for: each worker answers the
+        read before it), drawn again after a recovery from the driver's state of the step's
+        start. Both are in hand before the trainer gets the step: a fault after this point
+        never needs the rollout drawn again."""
+        self.step, self.anchor_rollout = step, rollout
+        mark = StepMark.take(s.sampler)
+
+        def draw():
+            result = rollout.collect(step)
+            counters = s.rollout.submit_reference_metrics()  # ahead of the state on each worker
+            self.settle_snapshot(s, self.submit_snapshot(s), step)  # the state after it
+            return result, counters
+
+        return self.guard(s, step, "rollout", draw, redo=lambda: mark.rewind(s.sampler))
+
+    def guard(self, s: Session, step: int, phase: str, call: Callable, redo=None):
+        """``call()``; after a fault of a rollout or reward worker, :meth:`recover` and call
+        it again (``redo()`` first); any other failure propagates."""
+        while True:
+            try:
+                return call()
+            except Exception as err:
+                fault = locate(err, handles(s))
+                if fault is None:
+                    raise
+                self.recover(s, step, phase, fault, err)
+                if redo is not None:
+                    redo()
+
+    def recover(self, s: Session, step: int, phase: str, fault: Fault, err: BaseException) -> None:
+        """Replace the worker of ``fault`` and restore the rollout workers for ``phase`` of
+        ``step``, or raise :class:`~megatron_armor.orchestration.faults.RequeueError`."""
+        why = self.unrecoverable(s, step, phase, fault)
+        if why:
+            raise requeue_error(s.run_dir, fault, step, why) from err
+        count = self.budget.spend(step, fault, s.run_dir)
+        new = replace_actor(s, fault)
+        self.restore_rollout(s, new, everyone=fault.kind == "rollout" or phase == "rollout")
+        if self.anchor_rollout is not None:
+            self.anchor_rollout.forget_prefetch()
+        s.rollout.forget_unsettled()
+        record(s, step, phase, fault, count, self.budget)
+
+    def unrecoverable(self, s: Session, step: int, phase: str, fault: Fault) -> str:
+        """Why ``fault`` cannot be recovered in the run (``""``: it can)."""
+        if fault.kind == "trainer":
+            return WHY_TRAINER
+        if fault.kind not in ("rollout", "reward"):
+            return "the failed process is not a worker the run can replace"
+        if fault.kind == "rollout" and backend_of(s.config).serves_over_http:
+            return "a rollout worker that owns SGLang servers is not replaced in the run"
+        if s.config.run.max_recoveries == 0:
+            return "run.max_recoveries=0 (no worker is replaced in the run)"
+        needed = step if phase in AFTER_ROLLOUT else step - 1
+        if s.rollout.caches_anchors and self.snapshot_step != needed:
+            return f"the rollout workers' anchor cache of step {needed} is not in the driver"
+        return ""
+
+    # ------------------------------------------------------------------ restore
+    def restore_rollout(self, s: Session, new: int | None, everyone: bool) -> None:
+        """The anchor cache of :attr:`snapshot` into the new rollout worker ``new`` (and every
+        rollout worker with ``everyone``: the others ran part of the failed phase); a reset
+        since the snapshot drops it again; then the new worker's weights."""
+        rollout, ref_version = s.rollout, s.state.ref_version
+        calls = []
+        for i, actor in enumerate(rollout.reference_actors):
+            fresh = new is not None and actor is rollout.actors[new]
+            if self.snapshot is None or not (everyone or fresh):
+                continue
+            calls.append(actor.load_state_dict.remote(self.snapshot[i]))
+            if not fresh and int(self.snapshot[i]["ref_version"]) != ref_version:
+                calls.append(actor.reference_in_place.remote(ref_version, True))
+        wait(calls, "rollout state restore")
+        if new is not None:
+            push_into_new(s, rollout.actors[new], self.snapshot_version(new, s))
+
+    def snapshot_version(self, new: int, s: Session) -> int | None:
+        """The reference version of the new worker's restored cache (``None``: no cache)."""
+        if self.snapshot is None:
+            return None
+        index = s.rollout.reference_actors.index(s.rollout.actors[new])
+        return int(self.snapshot[index]["ref_version"])
+
+
+def handles(s: Session) -> dict[str, object]:
+    return {"trainer": s.trainer, "rollout": s.rollout, "reward": s.reward}
+
+
+def replace_actor(s: Session, fault: Fault) -> int | None:
+    """A new actor in place of the dead one of ``fault``, made like it and started; returns
+    its index among the rollout workers (``None`` for a reward worker)."""
+    import ray
+
+    from megatron_armor.orchestration.workers import RewardWorker, RolloutWorker
+
+    handle = s.rollout if fault.kind == "rollout" else s.reward
+    cls = RolloutWorker if fault.kind == "rollout" else RewardWorker
+    old = handle.actors[fault.index]
+    try:
+        ray.kill(old, no_restart=True)
+    except Exception:  # noqa: BLE001 - it is dead already
+        pass
+    options, args = handle.specs[fault.index]
+    new = ray.remote(cls).options(**options).remote(*args)
+    ready = new.health.remote() if fault.kind == "rollout" else new.__ray_ready__.remote()
+    wait(ready, f"{fault.actor}'s replacement start-up", handle.startup_timeout)
+    for group in {id(g): g for g in member_lists(handle)}.values():
+        group[:] = [new if a is old else a for a in group]
+    s.host_memory.replace(f"{fault.kind}{fault.index}", new)  # mem/* of the new process
+    return fault.index if fault.kind == "rollout" else None
+
+
+def member_lists(handle) -> list[list]:
+    """The handle's lists of actors (a rollout handle also sorts them by pool)."""
+    names = ("actors", "policy_actors", "reference_actors")
+    return [getattr(handle, n) for n in names if hasattr(handle, n)]
+
+
+def push_into_new(s: Session, actor, cache_version: int | None) -> None:
+    """The trainer's current policy (as ``state.policy_version``) and its reference (as
+    ``state.ref_version``; clearing a restored cache of an older reference) into ``actor``."""
+    state, trainer = s.state, s.trainer
+    wait(actor.update_weights.remote(state.policy_version, *trainer.export_refs("policy")),
+         "policy weights into a replaced rollout worker")  # fmt: skip
+    if not s.weight_sync.anchors:  # no reference samples: the version only
+        wait(actor.reference_in_place.remote(state.ref_version, False), "rollout reference")
+        return
+    reset = cache_version is not None and cache_version != state.ref_version
+    load = actor.reset_reference if reset else actor.load_reference
+    wait(load.remote(state.ref_version, *trainer.export_refs("ref")),
+         "reference weights into a replaced rollout worker")  # fmt: skip
+
+
+def record(s: Session, step: int, phase: str, fault: Fault, count: int, budget) -> None:
+    """The recovery on the console and in ``RUN_DIR/recoveries.jsonl``."""
+    redo = "rollout drawn again" if phase == "rollout" else f"{phase} done again"
+    pushed = "the current weights pushed, " if fault.kind == "rollout" else ""
+    print(f"recovery: {fault.actor} died during step {step} ({phase}; {fault.summary()}); "
+          f"replaced, {pushed}{redo} ({count} of run.max_recoveries={budget.limit} within "
+          f"run.recovery_window={budget.window} steps)", flush=True)  # fmt: skip
+    line = {"step": step, "phase": phase, "actor": fault.actor, "kind": fault.kind,
+            "error": fault.summary(), "time": time.time()}  # fmt: skip
+    with (s.run_dir / RECOVERIES_FILE).open("a") as f:
+        f.write(json.dumps(line) + "\n")

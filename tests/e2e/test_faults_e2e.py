@@ -1,0 +1,157 @@
+"""e2e tier: faults in the middle of a run of the tiny config (``orchestration/faults.py``,
+``orchestration/recovery.py``), each ending with every step's metrics equal to the
+uninterrupted reference run's (timings excepted):
+
+1. ``kill -9`` of the rollout worker when step 1's metrics line is written (its death shows
+   in step 2's rollout: drawn again), of its replacement when step 2's anchor file is
+   written (while the trainer works: the weight push is sent again), and of the reward
+   worker when step 3's anchor file is written (its death shows in step 4's rollout): each is
+   replaced in the run, which ends normally; ``recoveries.jsonl`` names the three.
+2. ``kill -9`` of the trainer rank when step 3's anchor file is written: the run stops with
+   exit 75 naming the newest complete checkpoint (step 2) and ``--resume auto``; no Ray process
+   is left; the same command resumes from step 2 and completes the run.
+3. The disk fills up during a save (another writer takes the free space of the run's file
+   system, a 64 MiB tmpfs, once the save's temporary directory appears): exit 74, the error
+   names the checkpoint's path and the bytes needed and free, the temporary directory is gone
+   and step 2's checkpoint is intact; with the space freed, ``--resume auto`` completes the
+   run.
+
+Every kill and fill waits on a file or a line the run writes, never on a clock.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_armor.observability.metrics import read_metrics, without_wall_clock
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from e2e_runs import CACHED, Run  # noqa: E402
+from process_group import actor_pids  # noqa: E402
+
+pytestmark = pytest.mark.e2e
+
+
+def anchor_file(run_dir: Path, step: int) -> Path:
+    return run_dir / "anchors" / f"step_{step:06d}.jsonl"
+
+
+def kill_actor(run: Run, cls: str, ready) -> int:
+    """``kill -9`` of the run's live ``cls`` actor once ``ready()``; returns its pid."""
+    run.wait_for(lambda: ready() and len(actor_pids(run.ray_tmp, cls)) == 1)
+    (pid,) = actor_pids(run.ray_tmp, cls)
+    os.kill(pid, signal.SIGKILL)
+    return pid
+
+
+def assert_metrics_equal(run_dir: Path, reference_run: Path) -> None:
+    expected = {r["step"]: without_wall_clock(r) for r in read_metrics(reference_run)}
+    got = {r["step"]: without_wall_clock(r) for r in read_metrics(run_dir)}
+    assert sorted(got) == sorted(expected) == [0, 1, 2, 3, 4]
+    for step in (1, 2, 3, 4):
+        assert got[step] == expected[step], step
+
+
+@pytest.mark.timeout(1200)
+def test_dead_rollout_and_reward_workers_are_replaced_in_the_run(reference_run, tiny_dir, out_dir):
+    run = Run(out_dir, "workers_killed", tiny_dir, *CACHED)
+    first = kill_actor(run, "RolloutWorker", lambda: 1 in run.steps_logged())
+    second = kill_actor(run, "RolloutWorker", anchor_file(run.run_dir, 2).is_file)
+    kill_actor(run, "RewardWorker", anchor_file(run.run_dir, 3).is_file)
+    assert run.wait() == 0, run.output()
+    assert first != second
+    lines = (run.run_dir / "recoveries.jsonl").read_text().splitlines()
+    events = [(e["step"], e["phase"], e["actor"]) for e in map(json.loads, lines)]
+    assert events == [(2, "rollout", "RolloutWorker 0"), (2, "sync", "RolloutWorker 0"),
+                      (4, "rollout", "RewardWorker 0")], events  # fmt: skip
+    text = Path(run.log.name).read_text()
+    assert text.count("recovery: ") == 3 and "Traceback" not in text, text[-4000:]
+    assert_metrics_equal(run.run_dir, reference_run)
+    last = read_metrics(run.run_dir)[-1]  # the replacements' memory is measured, not the dead's
+    assert last["mem/rollout0_gb"] > 0 and last["mem/reward0_gb"] > 0, last
+
+
+@pytest.mark.timeout(1200)
+def test_a_dead_trainer_rank_stops_the_run_for_a_requeue_and_it_resumes(
+    reference_run, tiny_dir, out_dir
+):
+    run = Run(out_dir, "trainer_killed", tiny_dir, *CACHED)
+    kill_actor(run, "TrainerWorker", anchor_file(run.run_dir, 3).is_file)
+    assert run.proc.wait(timeout=600) == 75, run.output()
+    run.wait_for_exit_of_ray(timeout=120)
+    run.cleanup()
+    text = Path(run.log.name).read_text()  # all of it: Ray's lines about the death follow
+    newest = run.run_dir / "checkpoints" / "step_000002"
+    said = [line for line in text.splitlines() if line.startswith("armor train:")]
+    assert any("fault at step 3: TrainerWorker 0 failed (ActorDiedError" in x for x in said), said
+    assert f"Newest complete checkpoint: step 2 ({newest})" in text and "--resume auto" in text
+    resumed = Run(out_dir, "trainer_killed", tiny_dir, *CACHED)
+    assert resumed.wait() == 0, resumed.output()
+    assert f"resumed from {newest} at step 2" in Path(resumed.log.name).read_text()
+    assert_metrics_equal(run.run_dir, reference_run)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 64 MiB tmpfs (root only: mounting needs CAP_SYS_ADMIN)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mount)],
+                          capture_output=True, text=True)  # fmt: skip
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip()}): needs root")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def fill(disk: Path) -> Path:
+    """Another writer takes every free byte of ``disk`` (in shrinking pieces, while the run
+    writes too, until not a page is left)."""
+    filler, size, piece = disk / "filler", 0, 1 << 24
+    with filler.open("wb") as f:
+        while piece >= 4096:
+            try:
+                os.posix_fallocate(f.fileno(), size, piece)
+                size += piece
+            except OSError as err:
+                if err.errno != errno.ENOSPC:
+                    raise
+                piece //= 2
+    assert shutil.disk_usage(disk).free < 1 << 16
+    return filler
+
+
+@pytest.mark.timeout(1200)
+def test_a_full_disk_during_a_save_is_named_and_the_previous_checkpoint_resumes(
+    reference_run, tiny_dir, out_dir, small_disk
+):
+    on_disk = (*CACHED, f"run.output_dir={small_disk}")
+    run = Run(out_dir, "disk_full", tiny_dir, *on_disk)
+    run.run_dir = small_disk / "disk_full"
+    saving = run.run_dir / "checkpoints" / ".tmp-step_000004"
+    run.wait_for(saving.is_dir)  # the save of step 4 is under way: the free-space check passed
+    filler = fill(small_disk)
+    assert run.wait() == 74, run.output()
+    text = Path(run.log.name).read_text()
+    path = run.run_dir / "checkpoints" / "step_000004"
+    assert f"DiskFullError: no space left while writing the checkpoint of step 4 to {path}" in text
+    assert "MiB needed" in text and " free under " in text, text
+    intact = run.run_dir / "checkpoints" / "step_000002"
+    assert f"the previous checkpoint {intact} is intact" in text and "Traceback" not in text
+    assert not saving.exists() and not path.exists()
+    filler.unlink()
+    resumed = Run(out_dir, "disk_full", tiny_dir, *on_disk)
+    resumed.run_dir = run.run_dir
+    assert resumed.wait() == 0, resumed.output()
+    assert f"resumed from {intact} at step 2" in Path(resumed.log.name).read_text()
+    assert_metrics_equal(run.run_dir, reference_run)
