@@ -113,6 +113,53 @@ def test_sigusr1_checkpoints_requeues_and_resumes_with_the_uninterrupted_metrics
         assert got[s] == expected[s], s
 
 
+def test_a_rollout_worker_killed_mid_run_is_replaced_and_the_job_ends_with_its_metrics(
+    reference, layout, workdir, jobs
+):
+    """kill -9 of the job's rollout worker once step 1 is logged: the run replaces it in place
+    (``orchestration/recovery.py``), the job is never requeued and every step's metrics are the
+    uninterrupted run's."""
+    expected = {r["step"]: without_wall_clock(r) for r in read_metrics(reference[0].run_dir)}
+    assert reference[1] == "COMPLETED", reference[0].report()
+    job = jobs.submit(workdir, run_overrides(layout), nodes=layout)
+    wait_until(lambda: f"step 1/{STEPS}" in job.driver_log(), 600, "the first step", job.report)
+    wait_until(lambda: len(job_actor_pids(job.job_id, "RolloutWorker")) == 1, 60,
+               "the job's rollout worker", job.report)  # fmt: skip
+    (pid,) = job_actor_pids(job.job_id, "RolloutWorker")
+    os.kill(pid, signal.SIGKILL)
+    state = job.wait_done()
+    out = job.report()
+    assert state == "COMPLETED", out
+    assert job.field("Restarts") == "0", out  # recovered in the run, not by a requeue
+    driver = job.driver_log()
+    assert "recovery: RolloutWorker 0 died during step" in driver, out
+    assert "Traceback" not in driver, out
+    assert pid not in job_actor_pids(job.job_id, "RolloutWorker")
+    got = {r["step"]: without_wall_clock(r) for r in read_metrics(job.run_dir)}
+    assert sorted(got) == sorted(expected) == list(range(1, STEPS + 1))
+    for s in range(1, STEPS + 1):
+        assert got[s] == expected[s], s
+
+
+def job_actor_pids(job_id: str, cls: str) -> list[int]:
+    """Live processes of the Slurm job ``job_id``'s Ray actors of class ``cls`` (title
+    ``ray::cls``; the job's raylets, started by its srun steps, hand ``SLURM_JOB_ID`` on)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            title = (entry / "cmdline").read_bytes()
+            environ = (entry / "environ").read_bytes().split(b"\0")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        mine = f"SLURM_JOB_ID={job_id}".encode() in environ
+        if mine and title.startswith(f"ray::{cls}".encode()) and state not in ("Z", "X"):
+            found.append(int(entry.name))
+    return found
+
+
 def test_a_worker_node_killed_mid_run_stops_the_job_with_a_named_error(two_nodes, workdir, jobs):
     job = jobs.submit(workdir, [*run_overrides(2)[:1], "run.ckpt_every=1", "trainer.world_size=2",
                                 "trainer.tp=2"], nodes=2)  # fmt: skip
