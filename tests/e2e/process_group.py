@@ -42,9 +42,11 @@ def free_ports(count: int) -> list[int]:
     return ports
 
 
-def actor_pids(ray_tmp: str, cls: str) -> list[int]:
-    """Live processes of Ray actors of class ``cls`` (their title starts ``ray::cls``) of the
-    run whose Ray temp dir is ``ray_tmp`` (in their environment: ``RAY_TMPDIR``)."""
+def actor_pids(ray_tmp: str, cls: str, env: str = "RAY_TMPDIR") -> list[int]:
+    """Live processes of Ray actors of class ``cls`` (their title starts ``ray::cls``) whose
+    environment holds ``env=ray_tmp``: by default the run whose Ray temp dir is ``ray_tmp``
+    (``RAY_TMPDIR``); ``env="SLURM_JOB_ID"`` the actors of that Slurm job (its raylets, started
+    by its srun steps, hand the variable on)."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -55,7 +57,7 @@ def actor_pids(ray_tmp: str, cls: str) -> list[int]:
             state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        mine = f"RAY_TMPDIR={ray_tmp}".encode() in environ
+        mine = f"{env}={ray_tmp}".encode() in environ
         if mine and title.startswith(f"ray::{cls}".encode()) and state not in ("Z", "X"):
             found.append(int(entry.name))
     return found

@@ -24,6 +24,9 @@ from slurm_jobs import REPO, SlurmJobs, make_workdir, wait_until
 
 from megatron_armor.observability.metrics import read_metrics, without_wall_clock
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
+from process_group import actor_pids  # noqa: E402  (the e2e tier's /proc reader)
+
 pytestmark = pytest.mark.slurm
 
 STEPS = 6
@@ -142,22 +145,8 @@ def test_a_rollout_worker_killed_mid_run_is_replaced_and_the_job_ends_with_its_m
 
 
 def job_actor_pids(job_id: str, cls: str) -> list[int]:
-    """Live processes of the Slurm job ``job_id``'s Ray actors of class ``cls`` (title
-    ``ray::cls``; the job's raylets, started by its srun steps, hand ``SLURM_JOB_ID`` on)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            title = (entry / "cmdline").read_bytes()
-            environ = (entry / "environ").read_bytes().split(b"\0")
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        mine = f"SLURM_JOB_ID={job_id}".encode() in environ
-        if mine and title.startswith(f"ray::{cls}".encode()) and state not in ("Z", "X"):
-            found.append(int(entry.name))
-    return found
+    """Live processes of the Slurm job ``job_id``'s Ray actors of class ``cls``."""
+    return actor_pids(job_id, cls, env="SLURM_JOB_ID")
 
 
 def test_a_worker_node_killed_mid_run_stops_the_job_with_a_named_error(two_nodes, workdir, jobs):
