@@ -92,6 +92,20 @@ def _merge(schema, node, where: str):
         raise ConfigError(f"{where}: {e}") from None
 
 
+def yaml_off_as_off(config: ArmorConfig) -> None:
+    """YAML reads a bare ``off`` as ``false``, which a string field then holds as ``'False'``:
+    for a setting whose names include ``off`` (``validate.CHOICES``) that is the name ``off``."""
+    from megatron_armor.config.validate import CHOICES
+
+    for key, names in CHOICES.items():
+        section, _, name = key.rpartition(".")
+        node = config
+        for part in section.split("."):
+            node = getattr(node, part)
+        if "off" in names and getattr(node, name) == "False":
+            setattr(node, name, "off")
+
+
 def load_config(
     path: str | Path | None = None,
     overrides: list[str] | None = None,
@@ -113,6 +127,7 @@ def load_config(
             raise ConfigError(f"override {item!r}: cannot be parsed ({e})") from None
         cfg = _merge(cfg, node, f"override {item!r}")
     config: ArmorConfig = OmegaConf.to_object(cfg)
+    yaml_off_as_off(config)
     try:
         validate(config, inputs=check_inputs)
     except ValueError as e:

@@ -416,6 +416,12 @@ class OrchestrationConfig:
     """Torch CPU threads of each trainer rank, rollout worker and reward worker; 0 = the
     node's cores divided by the actors placed on it (never more threads than cores,
     ``placement.threads_per_actor``)."""
+    async_rollout: str = "off"
+    """``off`` | ``one_step``. ``one_step``: the rollout of step t+1 runs while the trainer
+    updates on step t, on the weights of step t-1 (policy samples at most one version old;
+    the ``old`` pass uses those weights, kept on the trainer); a step that resets the
+    reference drains the pipeline (docs/orchestration.md, "Asynchronous rollout"). Needs
+    rollout workers on devices of their own: ``disaggregated``, or ``cpu`` with a core each."""
 
 
 @dataclass

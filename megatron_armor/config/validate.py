@@ -39,6 +39,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "data.template": ("dapo", "chat", "plain"),
     "reward.verifier": ("auto", "dapo", "math_verify"),
     "orchestration.layout": ("cpu", "colocated", "disaggregated"),
+    "orchestration.async_rollout": ("off", "one_step"),
     "logging.profile": ("none", "nsys", "torch", "dlprof"),
 }
 
@@ -322,9 +323,53 @@ def runs_concurrent_reference(config: ArmorConfig) -> bool:
     with one trainer rank (its reference pass borrows the idle rollout engine's thread share;
     more ranks than the layout's one engine would oversubscribe the cores)."""
     value = concurrent_reference_value(config)
-    if value == "auto":
-        return config.orchestration.layout == "cpu" and config.trainer.world_size == 1
+    if value == "auto":  # with async_rollout the engine's thread share generates meanwhile
+        return (config.orchestration.layout == "cpu" and config.trainer.world_size == 1
+                and not runs_async_rollout(config))  # fmt: skip
     return value
+
+
+def runs_async_rollout(config: ArmorConfig) -> bool:
+    """Whether the next step's rollout overlaps this step's updates
+    (``orchestration.async_rollout: one_step``, ``orchestration/async_rollout.py``)."""
+    return config.orchestration.async_rollout == "one_step"
+
+
+def check_async_rollout(config: ArmorConfig) -> Problems:
+    """``orchestration.async_rollout: one_step`` needs engines that generate while the trainer
+    updates: not on the trainer's GPUs (``colocated``) and, on CPU, a core for each."""
+    if not runs_async_rollout(config):
+        return
+    orch = config.orchestration
+    fix = "set orchestration.async_rollout=off"
+    if orch.layout == "colocated":
+        yield (
+            "orchestration.async_rollout=one_step with orchestration.layout='colocated': the "
+            "engines share the trainer's GPUs and release their memory while it updates, so "
+            f"nothing can overlap; use layout=disaggregated (rollout GPUs of their own) or {fix}"
+        )
+    if config.trainer.offload_train_state:
+        yield (
+            "orchestration.async_rollout=one_step with trainer.offload_train_state=true: the "
+            "offload frees the trainer's GPUs for colocated engines between updates; set "
+            f"trainer.offload_train_state=false or {fix}"
+        )
+    if orch.layout == "cpu":
+        from megatron_armor.orchestration.placement import node_cores
+
+        cores, wanted = node_cores(), config.trainer.world_size + 1
+        if cores < wanted:
+            yield (
+                f"orchestration.async_rollout=one_step on {cores} core(s): the cpu layout's "
+                f"{config.trainer.world_size} trainer rank(s) and rollout engine need a core "
+                f"each ({wanted}) to work at once; run on a machine with more cores or {fix}"
+            )
+    if concurrent_reference_value(config) is True:
+        yield (
+            "trainer.concurrent_reference=true with orchestration.async_rollout=one_step: the "
+            "concurrent reference pass borrows the rollout engine's core, which generates the "
+            "next step meanwhile; set trainer.concurrent_reference=auto or false"
+        )
 
 
 def check_concurrent_reference(config: ArmorConfig) -> Problems:
@@ -580,6 +625,7 @@ RULES: list[Callable[[ArmorConfig], Problems]] = [
     check_sglang_reference,
     check_offload,
     check_concurrent_reference,
+    check_async_rollout,
     check_parallel,
     check_context,
     check_hardware,

@@ -228,16 +228,28 @@ class TrainerActors:
         wait([a.offload_train_state.remote() for a in self.actors], "trainer offload")
 
     def submit_logprobs(
-        self, batch: TrainBatch, with_ref: bool, kl_mask: torch.Tensor | None = None
+        self,
+        batch: TrainBatch,
+        with_ref: bool,
+        kl_mask: torch.Tensor | None = None,
+        old_weights: str = "policy",
     ) -> list:
-        """One call per step, queued on every rank without waiting: old log-probs, reference
-        log-probs (``with_ref``) ``[total]`` and the exact-KL diagnostic at ``kl_mask``. The
-        batch goes into the object store once: every rank keeps it, with both log-probs
-        filled in, for :meth:`submit_updates`. :meth:`logprobs_result` waits."""
+        """One call per step, queued on every rank without waiting: old log-probs (under
+        ``old_weights``), reference log-probs (``with_ref``) ``[total]`` and the exact-KL
+        diagnostic at ``kl_mask``. The batch goes into the object store once: every rank
+        keeps it, with both log-probs filled in, for :meth:`submit_updates`.
+        :meth:`logprobs_result` waits."""
         import ray
 
         ref = ray.put(batch)
-        return [a.step_logprobs.remote(ref, with_ref, kl_mask) for a in self.actors]
+        if old_weights == "policy":
+            return [a.step_logprobs.remote(ref, with_ref, kl_mask) for a in self.actors]
+        return [a.step_logprobs.remote(ref, with_ref, kl_mask, old_weights) for a in self.actors]
+
+    def submit_snapshot_behavior(self) -> list:
+        """Queue :meth:`TrainerWorker.snapshot_behavior` on every rank (behind the calls queued
+        before it, ahead of the updates queued after it)."""
+        return [a.snapshot_behavior.remote() for a in self.actors]
 
     def logprobs_result(
         self, refs: list

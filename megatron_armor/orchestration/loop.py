@@ -8,6 +8,8 @@ with code 75 for a Slurm requeue; ``trainer.max_skipped_updates`` non-finite upd
 checkpoint the step and stop the run with a ``DivergedError`` (exit 65, no requeue). A dead
 rollout or reward worker is replaced and the interrupted part of the step done again
 (``recovery.py``); a fault the run cannot recover from in place exits 75 (``faults.py``).
+With ``orchestration.async_rollout: one_step`` the step is ``async_rollout.AsyncPipeline``'s:
+the next step's rollout runs beside the updates.
 """
 
 from __future__ import annotations
@@ -21,15 +23,25 @@ from megatron_armor.algo.advantages import assign_configured_advantages
 from megatron_armor.algo.losses import needs_reference_logprobs
 from megatron_armor.algo.registry import get_rollout_correction
 from megatron_armor.config.schema import ArmorConfig
-from megatron_armor.config.validate import groups_per_update, runs_concurrent_reference
+from megatron_armor.config.validate import (
+    groups_per_update,
+    runs_async_rollout,
+    runs_concurrent_reference,
+)
 from megatron_armor.data.sampler import SamplerExhausted
 from megatron_armor.observability.metrics import metrics_record
 from megatron_armor.observability.nvtx import nvtx_range
 from megatron_armor.observability.summary import step_line
+from megatron_armor.observability.timers import PhaseTimers
 from megatron_armor.orchestration import checkpoints
 from megatron_armor.orchestration.acceptance import EXIT_ACCEPTANCE, AcceptanceError, exit_message
 from megatron_armor.orchestration.actor_handles import RemoteEngine, RemoteScorer
 from megatron_armor.orchestration.anchor_rollout import AnchorRollout, derive_seed
+from megatron_armor.orchestration.async_rollout import (
+    AsyncPipeline,
+    collected_from_state,
+    overlap_fraction,
+)
 from megatron_armor.orchestration.faults import RequeueError, locate, requeue_error
 from megatron_armor.orchestration.placement import shutdown_ray
 from megatron_armor.orchestration.recovery import WHY_TRAINER, handles
@@ -302,7 +314,9 @@ def run_loop(s: Session, start: int, stop: StopSignal) -> int:
         print(f"{s.run_dir}: {s.watch.stop_line()}; nothing left to train", flush=True)
         return 0
     resumed_at_0 = bool(s.state.watch)
-    s.recovery.settle_snapshot(s, s.recovery.submit_snapshot(s), start)  # the resumed state
+    # the resumed state: that after the rollout of the step in flight, if one is
+    ahead = start + 1 if s.state.pending else start
+    s.recovery.settle_snapshot(s, s.recovery.submit_snapshot(s), ahead)
     if start == 0 and cfg.validation.every > 0 and not resumed_at_0 and not stop.received:
         initial = validate(s, 0)
         initial.update(s.watch.observe(0, initial))
@@ -310,8 +324,14 @@ def run_loop(s: Session, start: int, stop: StopSignal) -> int:
         s.logger.write(line)
         if s.watch.wants_checkpoint:  # the start model is the best so far (run.keep_best)
             s.save(0, line)
-    rollout = AnchorRollout(cfg, s.dataset, s.sampler, s.rollout, s.reward,
-                            s.progress.rollout_update, s.timers)  # fmt: skip
+    pipeline = None
+    if runs_async_rollout(cfg):  # the rollout on its own timers, without a progress bar
+        timers = PhaseTimers()
+        rollout = AnchorRollout(cfg, s.dataset, s.sampler, s.rollout, s.reward, None, timers)
+        pipeline = AsyncPipeline(s, rollout, timers, collected_from_state(s.state.pending))
+    else:
+        rollout = AnchorRollout(cfg, s.dataset, s.sampler, s.rollout, s.reward,
+                                s.progress.rollout_update, s.timers)  # fmt: skip
     rollout.observe(s.state.metrics_line)  # resumed: the checkpointed step's line
     for step in range(start + 1, cfg.run.steps + 1):
         if stop.received:
@@ -319,7 +339,7 @@ def run_loop(s: Session, start: int, stop: StopSignal) -> int:
             return EXIT_REQUEUE
         t0 = time.perf_counter()
         s.trainer.profile_begin(step)
-        metrics = run_step(s, rollout, step)
+        metrics = pipeline.run_step(step) if pipeline else run_step(s, rollout, step)
         s.trainer.profile_end(step)
         metrics.update(s.meter.pop_metrics())
         metrics.update(s.weight_sync.pop_metrics())
@@ -328,6 +348,7 @@ def run_loop(s: Session, start: int, stop: StopSignal) -> int:
         metrics.update(s.watch.observe(step, metrics))
         metrics.update(s.timers.pop_metrics())
         metrics["timing/step_s"] = time.perf_counter() - t0
+        overlap_fraction(metrics)
         diverged = s.state.skipped_in_a_row >= cfg.trainer.max_skipped_updates
         saved = stop.received or checkpoint_due(cfg, step) or s.watch.wants_checkpoint or diverged
         if saved:  # the line travels in the checkpoint: a kill before it is appended loses nothing

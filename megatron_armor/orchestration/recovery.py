@@ -90,6 +90,8 @@ class Recovery:
         self.snapshot_step = -1  # the step whose end (or resumed start) they are of
         self.step = 0  # the step under way, for faults the loop does not guard
         self.anchor_rollout = None  # the loop's AnchorRollout (its sent-ahead call is dropped)
+        self.collected = 0  # the newest step whose rollout was drawn (the workers' state)
+        self.served = "policy"  # the trainer weights the engines serve (a replacement's)
 
     # ------------------------------------------------------------------ snapshots
     def submit_snapshot(self, s: Session) -> list:
@@ -100,9 +102,21 @@ class Recovery:
         return [a.state_dict.remote() for a in s.rollout.reference_actors]
 
     def settle_snapshot(self, s: Session, refs: list, step: int) -> None:
-        """Wait for :meth:`submit_snapshot`'s read: the state a replacement continues from."""
+        """Wait for :meth:`submit_snapshot`'s read: the state a replacement continues from
+        (that after step ``step``'s rollout)."""
         states = wait(refs, "rollout state (kept for a recovery)") if refs else None
         self.snapshot, self.snapshot_step = states, step
+        self.collected = step
+
+    def ahead(self, weights: str) -> None:
+        """The engines draw the next step while the trainer updates (``async_rollout.py``): a
+        replacement gets the trainer's ``weights`` copy (the weights the engines serve), not
+        the live weights, which the updates are changing."""
+        self.served = weights
+
+    def caught_up(self) -> None:
+        """The next step's rollout is drawn: a replacement gets the live weights again."""
+        self.served = "policy"
 
     # ------------------------------------------------------------------ guarded calls
     def collect(self, s: Session, rollout, step: int):
@@ -161,7 +175,8 @@ class Recovery:
             return "a rollout worker that owns SGLang servers is not replaced in the run"
         if s.config.run.max_recoveries == 0:
             return "run.max_recoveries=0 (no worker is replaced in the run)"
-        needed = step if phase in AFTER_ROLLOUT else step - 1
+        # after a step's rollout: the newest one drawn (the next step's, with async_rollout)
+        needed = self.collected if phase in AFTER_ROLLOUT else step - 1
         if s.rollout.caches_anchors and self.snapshot_step != needed:
             return f"the rollout workers' anchor cache of step {needed} is not in the driver"
         return ""
@@ -230,7 +245,8 @@ def push_into_new(s: Session, actor, cache_version: int | None) -> None:
     """The trainer's current policy (as ``state.policy_version``) and its reference (as
     ``state.ref_version``; clearing a restored cache of an older reference) into ``actor``."""
     state, trainer = s.state, s.trainer
-    wait(actor.update_weights.remote(state.policy_version, *trainer.export_refs("policy")),
+    weights = s.recovery.served  # "behavior" while the engines draw the next step
+    wait(actor.update_weights.remote(state.policy_version, *trainer.export_refs(weights)),
          "policy weights into a replaced rollout worker")  # fmt: skip
     if not s.weight_sync.anchors:  # no reference samples: the version only
         wait(actor.reference_in_place.remote(state.ref_version, False), "rollout reference")

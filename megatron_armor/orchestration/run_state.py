@@ -49,6 +49,9 @@ class RunState:
     metrics_line: dict = field(default_factory=dict)
     """The ``metrics.jsonl`` line of ``step`` (``metrics_record``), written back on resume when a
     kill came between the checkpoint and the line; ``{}`` in checkpoints that predate it."""
+    pending: dict = field(default_factory=dict)
+    """The next step's rollout, drawn during this step (``orchestration.async_rollout:
+    one_step``, ``async_rollout.collected_state``); ``{}`` when none is in flight."""
     python_rng: Any = None
     torch_rng: Any = None
 

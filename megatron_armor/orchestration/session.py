@@ -15,7 +15,7 @@ from pathlib import Path
 
 from megatron_armor.algo.reset import ResetSchedule
 from megatron_armor.config.schema import ArmorConfig
-from megatron_armor.config.validate import updates_per_step
+from megatron_armor.config.validate import runs_async_rollout, updates_per_step
 from megatron_armor.data.dataset import load_prompt_dataset
 from megatron_armor.data.sampler import ResumableSampler, sampled_prompt_count
 from megatron_armor.observability.metrics import MetricsLogger, read_metrics, truncate_metrics
@@ -60,6 +60,22 @@ from megatron_armor.rollout.backends import backend_of
 
 def run_dir_of(config: ArmorConfig) -> Path:
     return Path(config.run.output_dir) / config.run.name
+
+
+def check_resume_mode(config: ArmorConfig, resume_from: Path | None) -> None:
+    """A checkpoint that holds the next step's rollout (``orchestration.async_rollout:
+    one_step``) resumes only with it: the sampler is past that rollout's queries, which only
+    the pipeline trains on. Checked before anything starts."""
+    if resume_from is None or runs_async_rollout(config):
+        return
+    state = RunState.load(resume_from)
+    if state.pending:
+        raise checkpoints.CheckpointError(
+            f"{resume_from} (step {state.step}) holds the rollout of step {state.step + 1}, "
+            "drawn during its step with orchestration.async_rollout=one_step; resume with "
+            "orchestration.async_rollout=one_step, or from the checkpoint of a step that "
+            "drained the pipeline (a reset step: docs/orchestration.md, 'Asynchronous rollout')"
+        )
 
 
 def train_size(config: ArmorConfig, dataset) -> int:
@@ -132,6 +148,7 @@ class Session:
         run_dir = run_dir_of(config)
         lock, resume_from = open_run_dir(config, run_dir, resume)
         try:
+            check_resume_mode(config, resume_from)
             if announce is not None:
                 announce()
             session = cls._start(config, run_dir)
@@ -290,8 +307,8 @@ class Session:
             self.push_reference(0)
             self.offload_for_rollout()
             return 0
-        self.trainer.load_checkpoint(str(path / "trainer"))
         state = RunState.load(path)
+        self.trainer.load_checkpoint(str(path / "trainer"))
         self.sampler.load_state_dict(state.sampler)
         self.schedule.load_state_dict(state.reset)
         self.watch.load_state_dict(state.watch)

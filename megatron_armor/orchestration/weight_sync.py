@@ -132,11 +132,12 @@ class WeightSync:
     def _send(self, version: int, weights: str, pool: str, servers: Servers | None) -> int:
         raise NotImplementedError
 
-    def queue_policy_push(self, version: int) -> None:
+    def queue_policy_push(self, version: int, load_early: bool = True) -> None:
         """Called once a step's updates are queued on the trainer ranks, before the driver
         waits for them, with the version :meth:`push_policy` will push; a transport that can
         start the push then does (:class:`InProcessSync`), the others push in
-        :meth:`push_policy`."""
+        :meth:`push_policy`. ``load_early`` off: the engines must not load it before
+        :meth:`push_policy` (they draw the next step meanwhile, ``async_rollout.py``)."""
 
     def skip_policy_push(self) -> int:
         """Instead of :meth:`push_policy` after a step whose every update was skipped
@@ -171,18 +172,20 @@ class InProcessSync(WeightSync):
         super().__init__(config, trainer, rollout)
         self._queued: list | None = None
 
-    def queue_policy_push(self, version: int) -> None:
+    def queue_policy_push(self, version: int, load_early: bool = True) -> None:
         """Queue the policy's export on the trainer ranks behind the updates just queued, and
         its load into the engines behind it: an actor runs its calls in order, so the export
         starts as the last update ends and the load as the export ends, while the driver is
         still reading the step's results; :meth:`push_policy` waits for them. The load waits
         for :meth:`push_policy` where the engines must take their memory back first
-        (``colocated``, ``trainer.offload_train_state``). The export is ``if_changed``: after a
-        step whose every update was skipped it is empty and the engines load nothing
-        (:meth:`skip_policy_push`)."""
+        (``colocated``, ``trainer.offload_train_state``) or draw the next step meanwhile
+        (``load_early`` off). The export is ``if_changed``: after a step whose every update
+        was skipped it is empty and the engines load nothing (:meth:`skip_policy_push`)."""
         refs = self.trainer.export_refs("policy", if_changed=True)
-        early = self.config.orchestration.layout != "colocated" and not (
-            self.config.trainer.offload_train_state
+        early = (
+            load_early
+            and self.config.orchestration.layout != "colocated"
+            and not (self.config.trainer.offload_train_state)
         )
         loads = self.rollout.submit_update_weights(version, refs) if early else None
         self._queued = (version, refs, loads)

@@ -196,14 +196,18 @@ class TrainerWorker:
     def offload_train_state(self) -> None:
         self.trainer.offload_train_state()
 
-    def step_logprobs(self, batch, with_ref: bool, kl_mask=None):
+    def step_logprobs(self, batch, with_ref: bool, kl_mask=None, old_weights: str = "policy"):
         """Old (+ reference) log-probs and the exact-KL diagnostic of a step, one call.
 
         Every rank gets the whole log-probs (``shared``) and keeps ``batch`` with them filled
         in for the step's updates (:meth:`train_step` without a batch), so the driver places
-        the batch once. Global rank 0 returns the log-probs, the others ``None``."""
+        the batch once. Global rank 0 returns the log-probs, the others ``None``.
+        ``old_weights``: ``policy``, or ``behavior`` for a one-step-off batch
+        (:meth:`snapshot_behavior`)."""
         with nvtx_range("logprobs/step"), self.clock.measure():
-            old, ref, exact_kl = self.trainer.step_logprobs(batch, with_ref, kl_mask, shared=True)
+            old, ref, exact_kl = self.trainer.step_logprobs(
+                batch, with_ref, kl_mask, shared=True, old_weights=old_weights
+            )
         batch.old_logprobs = old
         if ref is not None:
             batch.ref_logprobs = ref
@@ -242,6 +246,10 @@ class TrainerWorker:
     def reset_reference(self) -> None:
         with nvtx_range("reset"):
             self.trainer.reset_reference()
+
+    def snapshot_behavior(self) -> None:
+        """Keep the live weights as the next batch's behavior weights (``async_rollout``)."""
+        self.trainer.snapshot_behavior()
 
     def export_weights(self, weights: str = "policy", if_changed: bool = False) -> NamedTensors:
         """This rank's exported HF tensors of ``weights``; with ``if_changed``, ``None`` when no

@@ -5,7 +5,9 @@ Layout of ``path`` (the caller writes it inside a temporary directory and rename
 
     path/
       dist/            dist_checkpointing: model (``model``), reference weights (``reference.*``),
-                       optimizer state (none if it never stepped), LR scheduler, update counter
+                       the behavior weights of a one-step-off batch in flight (``behavior.*``,
+                       ``orchestration.async_rollout``, when kept), optimizer state (none if it
+                       never stepped), LR scheduler, update counter
       rng/rank_R.pt    torch / CUDA / Python / NumPy RNG states of global rank R
       run_state.pt     the orchestrator's ``run_state`` dict (written by global rank 0)
 
@@ -18,6 +20,7 @@ The reference weights are saved through the model's own sharded state dict (keys
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 
@@ -30,8 +33,10 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 from megatron_armor.trainer import parallel
 from megatron_armor.trainer.hf_weights import unwrap
+from megatron_armor.trainer.weight_store import BEHAVIOR
 
 REFERENCE_PREFIX = "reference."
+BEHAVIOR_PREFIX = "behavior."
 # distributed optimizer: one ShardedTensor per contiguous buffer, saved and loaded by every DP
 # rank in parallel (reshardable across DP sizes); ignored by the non-distributed optimizers
 _OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
@@ -55,9 +60,12 @@ def _strip_prefix(state: dict, prefix: str) -> dict:
     return {k[len(prefix) :] if k.startswith(prefix) else k: v for k, v in state.items()}
 
 
-def _sharded_state(trainer, is_loading: bool, with_optimizer: bool = True) -> dict:
+def _sharded_state(
+    trainer, is_loading: bool, with_optimizer: bool = True, with_behavior: bool = False
+) -> dict:
     """What :func:`save_trainer` writes; without the optimizer when it never stepped
-    (:func:`optimizer_stepped`), recorded as ``optimizer_stepped``."""
+    (:func:`optimizer_stepped`), recorded as ``optimizer_stepped``; the behavior weights
+    with ``with_behavior`` (recorded as ``behavior_kept``)."""
     core = unwrap(trainer.model)
     model_sd = core.sharded_state_dict()
     with trainer.store.swapped("ref"):
@@ -68,7 +76,12 @@ def _sharded_state(trainer, is_loading: bool, with_optimizer: bool = True) -> di
         "scheduler": trainer.scheduler.state_dict(),
         "updates": trainer.updates,
         "optimizer_stepped": with_optimizer,
+        "behavior_kept": with_behavior,
     }
+    if with_behavior:  # loading: the live tensors' shapes (the copy is made from the load)
+        kept = trainer.store.has(BEHAVIOR)
+        with trainer.store.swapped(BEHAVIOR) if kept else contextlib.nullcontext():
+            state["behavior"] = _detached_copy(core.sharded_state_dict(prefix=BEHAVIOR_PREFIX))
     if with_optimizer:
         state["optimizer"] = trainer.optimizer.sharded_state_dict(
             model_sd, is_loading=is_loading, metadata=_OPTIMIZER_METADATA
@@ -139,8 +152,9 @@ def save_trainer(trainer, path: str, run_state: dict) -> None:
     os.makedirs(os.path.join(path, "rng"), exist_ok=True)
     _barrier()
     stepped = optimizer_stepped(trainer.optimizer)
+    behavior = trainer.store.has(BEHAVIOR)  # orchestration.async_rollout: one_step
     dist_checkpointing.save(
-        _sharded_state(trainer, is_loading=False, with_optimizer=stepped),
+        _sharded_state(trainer, is_loading=False, with_optimizer=stepped, with_behavior=behavior),
         os.path.join(path, "dist"),
     )
     torch.save(_rng_state(), os.path.join(path, "rng", f"rank_{rank}.pt"))
@@ -155,10 +169,12 @@ def load_trainer(trainer, path: str) -> dict:
     if not os.path.isdir(dist_dir):
         raise FileNotFoundError(f"{path!r} is not a trainer checkpoint (no dist/ directory)")
     # checkpoints written before optimizer_stepped was recorded all hold the optimizer
-    stepped = dist_checkpointing.load_common_state_dict(dist_dir).get("optimizer_stepped", True)
+    common = dist_checkpointing.load_common_state_dict(dist_dir)
+    stepped = common.get("optimizer_stepped", True)
+    behavior = common.get("behavior_kept", False)
     if stepped:
         _materialize_optimizer_state(trainer.optimizer)
-    loaded = dist_checkpointing.load(_sharded_state(trainer, True, stepped), dist_dir)
+    loaded = dist_checkpointing.load(_sharded_state(trainer, True, stepped, behavior), dist_dir)
     core = unwrap(trainer.model)
     # dist_checkpointing loads the model in place (its tensors are the live parameters), so
     # keep a copy before the reference passes through the live parameters
@@ -167,6 +183,11 @@ def load_trainer(trainer, path: str) -> dict:
     }
     core.load_state_dict(_strip_prefix(loaded["reference"], REFERENCE_PREFIX))
     trainer.store.snapshot("ref")
+    if behavior:
+        core.load_state_dict(_strip_prefix(loaded["behavior"], BEHAVIOR_PREFIX))
+        trainer.store.snapshot(BEHAVIOR)
+    else:  # a run without async rollout
+        trainer.store.copies.pop(BEHAVIOR, None)
     core.load_state_dict(model_state)
     if stepped:  # else the fresh optimizer is the saved one (no state)
         with torch.no_grad():  # the optimizer copies into views of parameters

@@ -45,13 +45,22 @@ class TrainerInterface(ABC):
         with_ref: bool,
         kl_mask: torch.Tensor | None = None,
         shared: bool = False,
+        old_weights: str = "policy",
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, dict[str, float]]:
         """A step's log-prob work in one call: ``compute_logprobs(batch, "policy")``,
         ``compute_logprobs(batch, "ref")`` when ``with_ref`` (else ``None``), and ``exact_kl``
         at the tokens flagged by ``kl_mask`` (``[total]``; ``{}`` when ``None``), reusing the
         policy pass for the diagnostic. ``shared``: the whole log-probs on every rank (not only
         the reporting ranks' parts). While the reference equals the policy (reset, no update
-        since) ``ref`` is the policy pass's result, bit for bit what a reference pass gives."""
+        since) ``ref`` is the policy pass's result, bit for bit what a reference pass gives.
+        ``old_weights``: the first pass under ``policy`` (the live weights) or ``behavior``,
+        the copy of :meth:`snapshot_behavior` (a one-step-off batch's behavior policy)."""
+
+    @abstractmethod
+    def snapshot_behavior(self) -> None:
+        """Keep the live weights as ``behavior`` (``orchestration.async_rollout: one_step``:
+        the engines generate the next batch with them while the updates change the live
+        ones); kept until the next call and saved in checkpoints."""
 
     @abstractmethod
     def train_step(self, batch: TrainBatch, num_minibatches: int) -> dict[str, float]:

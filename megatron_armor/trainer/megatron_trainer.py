@@ -9,6 +9,7 @@ LR schedule counted in RL steps or updates (``optim.py``) and stores the referen
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from concurrent import futures
 
@@ -51,7 +52,7 @@ from megatron_armor.trainer.schedule import (
     reduce_metric_sums,
     run_schedule,
 )
-from megatron_armor.trainer.weight_store import WeightStore
+from megatron_armor.trainer.weight_store import BEHAVIOR, WeightStore
 
 
 def exact_kl_means(sums: dict[str, float]) -> dict[str, float]:
@@ -127,6 +128,10 @@ class MegatronTrainer(TrainerInterface):
                 out.append((i, mb))
         return out or [(0, mbs[0])]
 
+    def _under(self, weights: str):
+        """The block under stored ``weights`` (no swap for the live ``policy``)."""
+        return contextlib.nullcontext() if weights == "policy" else self.store.swapped(weights)
+
     def _update(self, minibatch) -> dict[str, float]:
         """One optimizer update on one mini-batch; metrics reduced over DP. A non-finite loss
         or gradient norm on any rank skips it on every rank (``optim.guarded_step``): no
@@ -186,7 +191,12 @@ class MegatronTrainer(TrainerInterface):
         return out
 
     def step_logprobs(
-        self, batch, with_ref: bool, kl_mask: torch.Tensor | None = None, shared: bool = False
+        self,
+        batch,
+        with_ref: bool,
+        kl_mask: torch.Tensor | None = None,
+        shared: bool = False,
+        old_weights: str = "policy",
     ):
         """The log-prob work of a step in one call: ``(old, ref, exact_kl)``.
 
@@ -204,16 +214,22 @@ class MegatronTrainer(TrainerInterface):
         pass bit for bit, so it is not run: ``ref`` is a copy of ``old`` and the exact KLs are
         taken between the policy pass's rows and themselves (zero, as the pass would give).
         With ``trainer.concurrent_reference`` the reference pass runs beside the policy pass
-        (:meth:`_concurrent_passes`), with the same results bit for bit."""
+        (:meth:`_concurrent_passes`), with the same results bit for bit.
+
+        ``old_weights``: the weights of the ``old`` pass, ``policy`` (the live weights) or
+        ``behavior`` (the copy of :meth:`snapshot_behavior`: the weights the engines generated
+        a one-step-off batch with, ``orchestration.async_rollout``)."""
         enable_cpu_mode()  # per thread (no-op with CUDA)
         mbs = self._micro_batches(batch)
         self.model.eval()
         captured: list[torch.Tensor] = []
         policy = logprob_kl_builder(self.lp, kl_mask, captured, None)
+        live_old = old_weights == "policy" or self.store.matches_live(old_weights)
         with torch.no_grad():
-            if (not with_ref and kl_mask is None) or self.store.matches_live("ref"):
+            if (not with_ref and kl_mask is None) or (live_old and self.store.matches_live("ref")):
                 # no reference pass, or one that would repeat this one
-                outputs = run_schedule(self.model, mbs, policy, True)
+                with self._under(old_weights):
+                    outputs = run_schedule(self.model, mbs, policy, True)
                 old = self._gather_logprobs(outputs, batch, shared)
                 ref = old.clone() if with_ref and old is not None else None
                 return old, ref, self._self_kl(kl_mask, captured)
@@ -224,10 +240,11 @@ class MegatronTrainer(TrainerInterface):
             )
             if self.reference is not None:
                 outputs, ref_outputs = self._concurrent_passes(
-                    mbs, policy, passes, kl_mask, captured
+                    mbs, policy, passes, kl_mask, captured, old_weights
                 )
             else:
-                outputs = run_schedule(self.model, mbs, policy, True)
+                with self._under(old_weights):  # never nested: one swap buffer
+                    outputs = run_schedule(self.model, mbs, policy, True)
                 compare = [captured[i] for i, _ in passes] if captured else []
                 builder = logprob_kl_builder(self.lp, kl_mask, [], compare)
                 with self.store.swapped("ref"):
@@ -239,7 +256,7 @@ class MegatronTrainer(TrainerInterface):
         kl_outputs = [{k: v for k, v in o.items() if k.startswith("kl/")} for o in ref_outputs]
         return old, ref, exact_kl_means(reduce_metric_sums(kl_outputs))
 
-    def _concurrent_passes(self, mbs, policy, passes, kl_mask, captured):
+    def _concurrent_passes(self, mbs, policy, passes, kl_mask, captured, old_weights="policy"):
         """The policy pass over ``mbs`` here and the reference pass over ``passes`` on the
         reference model's thread, at once (``trainer.concurrent_reference``,
         ``reference_model.py``); the reference outputs then get the exact-KL sums the
@@ -249,7 +266,8 @@ class MegatronTrainer(TrainerInterface):
         builder = logprob_kl_builder(self.lp, kl_mask, ref_rows, None)
         pending = self.reference.submit(self.store.get("ref"), [mb for _, mb in passes], builder)
         try:
-            outputs = run_schedule(self.model, mbs, policy, True)
+            with self._under(old_weights):
+                outputs = run_schedule(self.model, mbs, policy, True)
         except BaseException:
             futures.wait([pending])  # never leave the pass running behind the error
             raise
@@ -304,6 +322,15 @@ class MegatronTrainer(TrainerInterface):
     def reset_reference(self) -> None:
         enable_cpu_mode()  # per thread (no-op with CUDA)
         self.store.snapshot("ref")
+
+    def snapshot_behavior(self) -> None:
+        """Keep the live weights as ``behavior``: the engines generate the next step's batch
+        with them while this step's updates change the live ones
+        (``orchestration.async_rollout: one_step``); that batch's ``old`` pass runs under
+        them (:meth:`step_logprobs` with ``old_weights="behavior"``) and a checkpoint keeps
+        them (``checkpoint.py``)."""
+        enable_cpu_mode()  # per thread (no-op with CUDA)
+        self.store.snapshot(BEHAVIOR)
 
     def export_weights(
         self, weights: str = "policy", device: str | None = "cpu", every_rank: bool = False

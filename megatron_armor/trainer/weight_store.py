@@ -1,4 +1,5 @@
-"""Named CPU copies of the live model's parameters (``ref``, optionally ``old``).
+"""Named CPU copies of the live model's parameters (``ref``; ``behavior`` with
+``orchestration.async_rollout: one_step``, the weights a one-step-off batch was generated with).
 
 A copy holds this rank's shard of every parameter (TP/PP-local, like the live model). For a
 forward pass under a stored copy, :meth:`WeightStore.swapped` copies it into the live
@@ -19,6 +20,10 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+
+BEHAVIOR = "behavior"
+"""The copy of the weights the engines generate the next step's batch with while the live
+weights are updated (``MegatronTrainer.snapshot_behavior``)."""
 
 
 class WeightStore:

@@ -17,6 +17,9 @@ One megatron-core trainer rank (gloo, CPU, padded layout) in a subprocess, bound
   pass's, exact KLs of zero with the diagnostic's positions. An update brings the pass back; a
   checkpoint saved right after a reset skips it again once loaded, one saved after an update
   does not.
+- A one-step-off batch's ``old`` pass under the behavior weights kept before an update
+  (``orchestration.async_rollout``) equals the pass before the update bit for bit, leaves the
+  live weights as they were, and survives a checkpoint.
 
 Run as a script (``python this_file.py MODEL_DIR OUT PORT``) it is the trainer rank.
 """
@@ -130,6 +133,25 @@ def reference_after_reset(trainer, batch, ckpt_dir: str) -> dict:
     return out
 
 
+def behavior_pass(trainer, batch, ckpt_dir: str) -> dict:
+    """A one-step-off batch's ``old`` pass (``orchestration.async_rollout``): under the weights
+    kept before the updates, against the live pass at that point; after a checkpoint round
+    trip too (the live weights moved on in between)."""
+    out = {"before": trainer.step_logprobs(batch, True, None)}
+    trainer.snapshot_behavior()
+    trainer.train_step(batch, 1)
+    out["live_after"] = trainer.compute_logprobs(batch)
+    out["behavior"] = trainer.step_logprobs(batch, True, None, old_weights="behavior")
+    out["live_after_pass"] = trainer.compute_logprobs(batch)  # the swap restored the live ones
+    trainer.save_checkpoint(os.path.join(ckpt_dir, "behavior"), {"at": "behavior"})
+    trainer.train_step(batch, 1)
+    trainer.store.copies.pop("behavior")  # as in a new process
+    trainer.load_checkpoint(os.path.join(ckpt_dir, "behavior"))
+    out["loaded"] = trainer.step_logprobs(batch, True, None, old_weights="behavior")
+    out["loaded_live"] = trainer.compute_logprobs(batch)
+    return out
+
+
 def trainer_main(model_dir: str, out: str, port: int) -> None:
     from megatron_armor.config.schema import ArmorConfig
     from megatron_armor.trainer.megatron_trainer import MegatronTrainer
@@ -159,6 +181,7 @@ def trainer_main(model_dir: str, out: str, port: int) -> None:
         results["step_sequential"] = step_logprobs_vs_plain(trainer, batch)
         trainer.reference = concurrent
         results["reset"] = reference_after_reset(trainer, batch, os.path.dirname(out))
+        results["behavior"] = behavior_pass(trainer, batch, os.path.dirname(out))
         torch.save(results, out)
     finally:
         trainer.close()
@@ -205,6 +228,20 @@ def test_trainer_step_work(tmp_path) -> None:
         for got, want in zip(results["step"][key], sequential[key], strict=True):
             assert_same_pass(got, want, key)
     check_reference_after_reset(results["reset"], results["step"]["positions"])
+    check_behavior_pass(results["behavior"])
+
+
+def check_behavior_pass(got: dict) -> None:
+    """The kept weights give the pre-update pass bit for bit (the same computation on the same
+    values), the live weights are untouched by it, and a checkpoint keeps the copy."""
+    old, ref, _ = got["before"]
+    old_b, ref_b, _ = got["behavior"]
+    assert torch.equal(old_b, old) and torch.equal(ref_b, ref)
+    assert not torch.equal(got["live_after"], old)  # the update moved the live weights
+    assert torch.equal(got["live_after_pass"], got["live_after"])
+    old_l, ref_l, _ = got["loaded"]
+    assert torch.equal(old_l, old) and torch.equal(ref_l, ref)
+    assert torch.equal(got["loaded_live"], got["live_after"])  # the checkpoint's live weights
 
 
 def assert_same_pass(got, want, key: str) -> None:

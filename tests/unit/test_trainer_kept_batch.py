@@ -33,7 +33,7 @@ class RecordingTrainer:
         self.trained: list[dict[str, torch.Tensor]] = []
         self.shared: list[bool] = []
 
-    def step_logprobs(self, batch, with_ref, kl_mask=None, shared=False):
+    def step_logprobs(self, batch, with_ref, kl_mask=None, shared=False, old_weights="policy"):
         self.shared.append(shared)
         old = -0.01 * batch.tokens.float() * batch.loss_mask
         ref = -0.02 * batch.tokens.float() * batch.loss_mask if with_ref else None

@@ -4,6 +4,8 @@ The pass itself, bit for bit against the sequential one: ``tests/dist/test_train
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -75,6 +77,7 @@ def test_an_error_in_the_policy_pass_waits_for_the_reference_pass(monkeypatch) -
         store=types.SimpleNamespace(get=lambda _name: {}),
         model=None,
         lp=None,
+        _under=lambda _weights: contextlib.nullcontext(),  # the live weights: no swap
     )
     monkeypatch.setattr(megatron_trainer, "run_schedule", failing_policy_pass)
     with pytest.raises(ValueError, match="policy pass failed"):

@@ -1,0 +1,308 @@
+"""One-step-off asynchronous rollout: the next step's generation beside this step's updates.
+
+``orchestration.async_rollout: one_step`` (docs/orchestration.md, "Asynchronous rollout").
+While the trainer ranks run step t (old/ref log-probs, the updates, the export of the new
+weights), a driver thread draws step t+1's accepted groups (:class:`Collector`) from engines
+that still serve the weights of step t-1; the two meet before step t's weight push::
+
+    step t    trainer:  logprobs(t) -> keep weights as `behavior` -> updates(t) -> export
+              engines:  collect(t+1) on the weights of step t-1 ..........|
+              then:     push(t) -> reset? -> validate? -> checkpoint (holds the batch t+1)
+    step t+1  trainer:  logprobs(t+1) with `old` under `behavior` -> keep -> updates(t+1)
+              engines:  collect(t+2) on the weights of step t ...
+
+ARMOR stays exact under three rules:
+
+- **Anchors from the valid reference.** The reference only changes at a reset, and a step
+  that resets does not overlap: step t+1's rollout starts after step t's reset, so every
+  anchor comes from the reference the step that trains on it uses (``async/drained`` 1). The
+  last step drains too (there is no next one).
+- **The behavior policy in the ratio.** The mixed ratio's ``old`` term is each sample's
+  behavior policy: a one-step-off batch's ``old`` pass runs under the weights the engines
+  generated it with, which the ranks keep (``MegatronTrainer.snapshot_behavior``) before the
+  updates that follow; a batch drawn after a drain (version lag 0) uses the live weights, as
+  the synchronous loop does. The engine/trainer log-prob agreement of policy tokens
+  (``rollout/policy_logprob_absdiff_*``) checks it every step.
+- **Staleness bound one.** Policy samples are at most one pushed version old
+  (``async/version_lag_max``); the batch of step t+1 is drawn entirely on one version (the
+  push waits for the rollout), so a batch never mixes versions.
+
+Exact resume: a checkpoint of step t holds the batch of step t+1 (:func:`collected_state`,
+in the types the safe loader reads) and the ranks' behavior weights (``trainer/checkpoint.py``);
+the sampler and the rollout workers' state are those after that batch's rollout. A resumed run
+trains that batch next and draws step t+2 exactly as the uninterrupted run does (the seeds
+derive from ``(run.seed, step, batch)``), so every step's metrics are the same.
+
+Sampling order (``rollout.reference_first: auto``) follows the rollout metrics of the step
+before, as in the synchronous loop; the reference prefetch (``rollout.prefetch_reference``) has
+nothing left to do: the whole next rollout overlaps the updates (it applies to drained steps
+only, which are reset steps, where it never applies).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+
+from megatron_armor.algo.advantages import assign_configured_advantages
+from megatron_armor.algo.anchors import AcceptanceStats
+from megatron_armor.algo.losses import needs_reference_logprobs
+from megatron_armor.observability.timers import PhaseTimers
+from megatron_armor.orchestration.actor_handles import wait
+from megatron_armor.orchestration.anchor_rollout import AnchorRollout, RolloutResult
+from megatron_armor.orchestration.step_metrics import (
+    logprob_mismatch_metrics,
+    rollout_metrics,
+    write_anchor_file,
+)
+from megatron_armor.rollout.backends import backend_of
+from megatron_armor.trainer.weight_store import BEHAVIOR
+from megatron_armor.types import Group, Sample, SampleSource, pack_groups
+
+
+@dataclass
+class Collected:
+    """One step's rollout, drawn ahead of the step that trains on it."""
+
+    step: int
+    result: RolloutResult
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Read right after the rollout: the sampler's ``data/*`` and the anchor cache's counters."""
+    timings: dict[str, float] = field(default_factory=dict)
+    """``timing/rollout_s``, ``timing/generate_s``, ``timing/score_s`` of this rollout."""
+    version: int = 0
+    """The policy version the engines served while drawing it."""
+    old_weights: str = "policy"
+    """The trainer weights of its ``old`` pass: ``policy`` (drawn on them) or ``behavior``."""
+    seconds: float = 0.0
+    """Wall time of the rollout."""
+    ended: float = 0.0
+    """``time.perf_counter()`` at its end (this process only; 0 after a resume)."""
+
+
+# ---------------------------------------------------------------------------- checkpointing
+def collected_state(c: Collected | None) -> dict:
+    """``c`` in the types ``torch.load(weights_only=True)`` reads: the rollout as JSON text
+    (floats round-trip exactly) and the rest as numbers; ``{}`` for none."""
+    if c is None:
+        return {}
+    return {
+        "step": c.step, "result": json.dumps(dataclasses.asdict(c.result)),
+        "metrics": dict(c.metrics), "timings": dict(c.timings), "version": c.version,
+        "old_weights": c.old_weights, "seconds": c.seconds,
+    }  # fmt: skip
+
+
+def _sample(d: dict) -> Sample:
+    return Sample(**{**d, "source": SampleSource(d["source"])})
+
+
+def result_from_dict(d: dict) -> RolloutResult:
+    """The :class:`RolloutResult` of ``dataclasses.asdict`` (after a JSON round trip)."""
+    groups = [Group(**{**g, "samples": [_sample(x) for x in g["samples"]]}) for g in d["groups"]]
+    return RolloutResult(**{
+        **d, "groups": groups, "stats": AcceptanceStats(**d["stats"]),
+        "policy_samples": [_sample(x) for x in d["policy_samples"]],
+    })  # fmt: skip
+
+
+def collected_from_state(state: dict) -> Collected | None:
+    """The inverse of :func:`collected_state`."""
+    if not state:
+        return None
+    return Collected(
+        step=int(state["step"]), result=result_from_dict(json.loads(state["result"])),
+        metrics=dict(state["metrics"]), timings=dict(state["timings"]),
+        version=int(state["version"]), old_weights=str(state["old_weights"]),
+        seconds=float(state["seconds"]),
+    )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------- the collector
+class Collector:
+    """Draws a step's rollout now (:meth:`collect`) or on a driver thread (:meth:`launch`,
+    :meth:`join`). The rollout's phases are timed on its own timers, so each step's line
+    carries the timings of the rollout it trained on."""
+
+    def __init__(self, session, rollout: AnchorRollout, timers: PhaseTimers):
+        self.s, self.rollout, self.timers = session, rollout, timers
+        self._thread: threading.Thread | None = None
+        self._outcome: tuple | None = None
+
+    def collect(self, step: int, version: int, old_weights: str) -> Collected:
+        """Step ``step``'s rollout (the engines at policy ``version``), in this thread."""
+        s, start = self.s, time.perf_counter()
+        with self.timers.phase("rollout"):
+            # drawn again if a worker dies (recovery.py); the cache counters' read is queued
+            result, counters = s.recovery.collect(s, self.rollout, step)
+        metrics = dict(s.sampler.metrics())  # data/epoch, data/retired*
+        metrics.update(s.rollout.reference_metrics(counters))
+        timings = self.timers.pop_metrics()
+        end = time.perf_counter()
+        return Collected(step, result, metrics, timings, version, old_weights, end - start, end)
+
+    def launch(self, step: int, version: int, old_weights: str) -> None:
+        """Start :meth:`collect` on a daemon thread (a run that fails meanwhile is not held
+        at exit by a thread waiting on Ray)."""
+
+        def run():
+            try:
+                self._outcome = (self.collect(step, version, old_weights), None)
+            except BaseException as err:  # noqa: BLE001 - raised again in join()
+                self._outcome = (None, err)
+
+        self._outcome = None
+        self._thread = threading.Thread(target=run, name=f"rollout-step-{step}", daemon=True)
+        self._thread.start()
+
+    def join(self) -> Collected:
+        """Wait for :meth:`launch`'s rollout; its failure is raised here, in the loop's thread."""
+        self._thread.join()
+        self._thread = None
+        collected, err = self._outcome
+        self._outcome = None
+        if err is not None:
+            raise err
+        return collected
+
+
+# ---------------------------------------------------------------------------- one step
+def lag_metrics(result: RolloutResult, trainer_version: int) -> dict[str, float]:
+    """``async/version_lag_{mean,max}``: pushed policy versions between each trained policy
+    sample's weights and the trainer's at the step's start."""
+    lags = [trainer_version - x.weight_version for g in result.groups for x in g.samples
+            if x.source == SampleSource.POLICY]  # fmt: skip
+    if not lags:
+        return {}
+    return {"async/version_lag_mean": sum(lags) / len(lags), "async/version_lag_max": max(lags)}
+
+
+class AsyncPipeline:
+    """The loop's step with ``orchestration.async_rollout: one_step`` (module docstring)."""
+
+    def __init__(self, session, rollout: AnchorRollout, timers: PhaseTimers, pending=None):
+        self.s = session
+        self.rollout = rollout
+        self.collector = Collector(session, rollout, timers)
+        self.pending: Collected | None = pending
+
+    def overlaps(self, step: int) -> bool:
+        """Whether step ``step + 1``'s rollout runs beside step ``step``'s updates: not at the
+        last step, and not at a reset step (the next anchors need the new reference)."""
+        return step < self.s.config.run.steps and not self.s.schedule.should_reset(step)
+
+    def run_step(self, step: int) -> dict[str, float]:
+        """One step; leaves the next step's rollout in :attr:`pending` (and the run state, for
+        the checkpoint) when it overlapped."""
+        from megatron_armor.orchestration import loop
+
+        s, t0 = self.s, time.perf_counter()
+        restarted = 0
+        batch, self.pending = self.pending, None
+        if batch is None:  # the first step, a resume after a drained step, or after a drain
+            restarted += s.heal_rollout(step)
+            batch = self.collector.collect(step, s.state.policy_version, "policy")
+        waited = time.perf_counter() - t0  # the trainer's wait for this step's batch
+        if batch.step != step:
+            raise RuntimeError(f"the rollout in flight is of step {batch.step}, not {step}")
+        result, overlap = batch.result, self.overlaps(step)
+        if overlap:
+            restarted += s.heal_rollout(step + 1)  # before the engines get step t+1's calls
+        metrics = {"train/updates": 0.0, "train/response_tokens": 0.0}
+        train_start = time.perf_counter()
+        # the ranks: log-probs (old under the batch's behavior weights), then keep the live
+        # weights as the next batch's behavior weights, then the updates (in this order)
+        queued = self.submit_train(step, batch, overlap) if result.groups else None
+        kept = queued[3] if queued else s.trainer.submit_snapshot_behavior() if overlap else []
+        metrics.update(rollout_metrics(result))  # after the advantages (submit_train)
+        if overlap:
+            # the order rule reads the step before's rollout (no reset: none in an overlap)
+            self.rollout.observe({**metrics, **batch.metrics, "reset/performed": 0.0})
+            s.recovery.ahead(BEHAVIOR)
+            self.collector.launch(step + 1, s.state.policy_version, BEHAVIOR)
+        write_anchor_file(s.run_dir, step, result)
+        if queued is not None:
+            metrics.update(self.finish_train(step, batch, queued, load_early=not overlap))
+        wait(kept, "behavior weights")
+        train_end = time.perf_counter()
+        if overlap:
+            self.pending = self.collector.join()
+            s.recovery.caught_up()
+        join_end = time.perf_counter()
+        metrics.update(batch.metrics)
+        metrics.update(batch.timings)
+        s.meter.add_rollout(result.generated_tokens, batch.timings.get("timing/generate_s", 0.0))
+        metrics.update(lag_metrics(result, s.state.policy_version))
+        metrics.update(self.overlap_metrics(waited, train_start, train_end, join_end, overlap))
+        restarted += loop.heal_before_push(s, step)
+        updated = metrics["train/updates"] > metrics.get("train/skipped_updates", 0.0)
+        metrics.update(loop.sync_and_maybe_reset(s, step, updated))
+        metrics["algo/alpha"] = s.config.algo.alpha
+        if backend_of(s.config).serves_over_http:
+            metrics["rollout/servers_restarted"] = float(restarted)
+        if loop.validation_due(s.config, step):
+            metrics.update(loop.validate(s, step))
+        if not overlap:
+            self.rollout.observe(metrics)  # the next rollout comes after this step, as in sync
+        s.state.pending = collected_state(self.pending)
+        return metrics
+
+    def overlap_metrics(self, waited, train_start, train_end, join_end, overlap):
+        """``async/rollout_wait_s`` (the trainer waiting for rollouts: this step's batch drawn
+        now, or the next one still drawing after the updates), ``async/trainer_wait_s`` (the
+        next rollout done, waiting for the updates), ``async/overlap_s`` (both at work) and
+        ``async/drained``; ``async/overlap_fraction`` follows in :func:`overlap_fraction`."""
+        out = {"async/drained": float(not overlap), "async/rollout_wait_s": waited,
+               "async/trainer_wait_s": 0.0, "async/overlap_s": 0.0}  # fmt: skip
+        if overlap:
+            ended = self.pending.ended
+            out["async/rollout_wait_s"] += join_end - train_end
+            out["async/trainer_wait_s"] = max(0.0, train_end - ended)
+            out["async/overlap_s"] = max(0.0, min(ended, train_end) - train_start)
+        return out
+
+    def submit_train(self, step: int, batch: Collected, keep: bool):
+        """Advantages, packing and the trainer calls of the step (queued): the log-probs, the
+        behavior weights kept for the next batch (``keep``), the updates."""
+        from megatron_armor.orchestration import loop
+
+        s, groups = self.s, batch.result.groups
+        assign_configured_advantages(groups, s.config.algo)
+        packed = pack_groups(groups)
+        loop.require_engine_logprobs(s.config, packed, step)
+        with s.timers.phase("logprobs"):
+            logprobs = s.trainer.submit_logprobs(
+                packed, needs_reference_logprobs(s.config.algo),
+                loop.exact_kl_tokens(s, packed, step), batch.old_weights,
+            )  # fmt: skip
+        kept = s.trainer.submit_snapshot_behavior() if keep else []
+        with s.timers.phase("train"):
+            updates = loop.submit_minibatches(s, groups)
+        return packed, logprobs, updates, kept
+
+    def finish_train(self, step: int, batch: Collected, queued, load_early: bool) -> dict:
+        """Wait for the step's log-probs and updates (the weight export queued behind them;
+        the engines load it only after the next rollout: ``load_early`` off in an overlap)."""
+        from megatron_armor.orchestration import loop
+
+        s, (packed, logprobs, updates, _) = self.s, queued
+        with s.timers.phase("logprobs"):
+            exact_kl = loop.finish_logprobs(s, packed, logprobs)
+        with s.timers.phase("train"):
+            s.weight_sync.queue_policy_push(step, load_early=load_early)
+            metrics = loop.finish_minibatches(s, updates)
+        s.meter.add_train(packed.seq_lengths(), s.timers.seconds("train"))
+        metrics.update(exact_kl)
+        metrics.update(logprob_mismatch_metrics(packed, needs_reference_logprobs(s.config.algo)))
+        metrics["train/response_tokens"] = float(packed.num_response_tokens)
+        return metrics
+
+
+def overlap_fraction(metrics: dict[str, float]) -> None:
+    """``async/overlap_fraction``: the share of the step's wall time in which the rollout and
+    the trainer both worked (``async/overlap_s / timing/step_s``)."""
+    if "async/overlap_s" in metrics and metrics.get("timing/step_s"):
+        metrics["async/overlap_fraction"] = metrics["async/overlap_s"] / metrics["timing/step_s"]

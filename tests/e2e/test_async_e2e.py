@@ -1,0 +1,151 @@
+"""e2e tier: ``orchestration.async_rollout=one_step`` on the tiny config, end to end, after a
+``kill -9`` and after a SIGTERM (exit 75, as a Slurm requeue resumes it).
+
+The e2e runs' 4 steps with resets every 3 steps and checkpoints every 2: step 1 draws step 2's
+rollout beside its updates, step 2 draws step 3's, step 3 resets the reference (the pipeline
+drains: step 4's rollout comes after the reset) and step 4 is the last. So the checkpoint of
+step 2 holds a batch in flight (step 3's rollout and the trainer's behavior weights), and the
+anchor cache is on (the rollout workers' state is that after the batch in flight).
+
+1. The uninterrupted run: every step's ``async/*`` metrics say what the schedule says (drained
+   at 3 and 4; version lag 1 for the batches drawn one step ahead, 0 for the first and for the
+   one drawn after the drain) and the engine's log-probs of policy tokens equal the trainer's
+   ``old`` pass (under the behavior weights for the lagged batches): what a wrong ``old`` pass
+   (the updated weights) would break.
+2. ``kill -9`` of the run's process group once step 2's checkpoint is committed; ``--resume
+   auto`` gives every step's metrics of the uninterrupted run.
+3. SIGTERM once step 1 is logged: the step finishes, checkpoints with its batch in flight,
+   exit 75; the resume gives every step's metrics of the uninterrupted run.
+4. Resuming a checkpoint with a batch in flight with ``async_rollout=off`` is refused before
+   anything starts, with the setting that resumes it.
+5. ``kill -9`` of the rollout worker once step 1's anchor file is written (the main thread
+   writes it after starting step 2's rollout): the worker is replaced in the run with the
+   weights the engines served (the trainer's behavior copy while the rollout is drawn, the live
+   weights once it is), and every step's metrics are the uninterrupted run's.
+
+The runs wait on their own files and log lines, never on a clock.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_armor.observability.metrics import read_metrics, without_wall_clock
+from megatron_armor.orchestration.run_state import RunState
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from e2e_runs import CACHED, Run  # noqa: E402
+from process_group import actor_pids  # noqa: E402
+
+pytestmark = pytest.mark.e2e
+
+ASYNC = (*CACHED, "orchestration.async_rollout=one_step", "algo.reset.every=3")
+
+
+def metrics_of(run_dir: Path) -> list[dict]:
+    return [without_wall_clock(r) for r in read_metrics(run_dir)]
+
+
+def checkpoint_written(run_dir: Path, step: int):
+    return lambda: (run_dir / "checkpoints" / f"step_{step:06d}" / "meta.json").is_file()
+
+
+@pytest.fixture(scope="module")
+def async_run(tiny_dir, out_dir) -> Path:
+    run = Run(out_dir, "async", tiny_dir, *ASYNC)
+    code = run.wait()
+    assert code == 0, run.output()
+    return run.run_dir
+
+
+def test_async_run_follows_the_schedule_and_the_behavior_policy(async_run):
+    lines = {r["step"]: r for r in read_metrics(async_run)}
+    assert sorted(lines) == [0, 1, 2, 3, 4]
+    steps = [lines[t] for t in (1, 2, 3, 4)]
+    assert [r["async/drained"] for r in steps] == [0.0, 0.0, 1.0, 1.0]
+    assert [r["async/version_lag_max"] for r in steps] == [0.0, 1.0, 1.0, 0.0]
+    assert [r["reset/performed"] for r in steps] == [0.0, 0.0, 1.0, 0.0]
+    for r in steps[:2]:  # the two steps that drew the next rollout beside their updates
+        assert r["async/overlap_s"] > 0 and 0 < r["async/overlap_fraction"] <= 1
+    for r in steps:
+        # the embedded engine computes the policy's log-probs with the trainer's kernels: the
+        # old pass under the weights that drew each sample gives the engine's numbers
+        assert r["rollout/policy_logprob_absdiff_max"] <= 1e-5, r["step"]
+        assert r["rollout/anchor_logprob_absdiff_max"] <= 1e-5, r["step"]
+    held = RunState.load(async_run / "checkpoints" / "step_000002")
+    assert held.pending["step"] == 3 and held.pending["old_weights"] == "behavior"
+    assert held.pending["version"] == 1  # drawn on the weights of step 1
+    assert (async_run / "checkpoints" / "step_000002" / "trainer" / "dist").is_dir()
+    assert RunState.load(async_run / "checkpoints" / "step_000004").pending == {}
+
+
+@pytest.mark.timeout(900)
+def test_kill_9_then_resume_gives_the_uninterrupted_metrics(async_run, tiny_dir, out_dir):
+    first = Run(out_dir, "async_killed", tiny_dir, *ASYNC)
+    first.wait_for(checkpoint_written(first.run_dir, 2))
+    first.kill_group()
+    second = Run(out_dir, "async_killed", tiny_dir, *ASYNC)
+    code = second.wait()
+    assert code == 0, second.output()
+    assert "resumed from" in second.output()
+    assert metrics_of(second.run_dir) == metrics_of(async_run)
+
+
+@pytest.mark.timeout(900)
+def test_sigterm_checkpoints_the_batch_in_flight_and_resumes_exactly(async_run, tiny_dir, out_dir):
+    first = Run(out_dir, "async_stopped", tiny_dir, *ASYNC)
+    first.wait_for(lambda: 1 in first.steps_logged())
+    first.signal_group(signal.SIGTERM)
+    code = first.proc.wait(timeout=300)
+    out = first.output()
+    first.cleanup()
+    assert code == 75, out
+    saved = sorted((first.run_dir / "checkpoints").glob("step_*"))[-1]
+    state = RunState.load(saved)
+    if state.step in (1, 2):  # the steps that draw the next rollout beside their updates
+        assert state.pending["step"] == state.step + 1
+    second = Run(out_dir, "async_stopped", tiny_dir, *ASYNC)
+    code = second.wait()
+    assert code == 0, second.output()
+    assert f"resumed from {saved}" in second.output()
+    assert metrics_of(second.run_dir) == metrics_of(async_run)
+
+
+def test_a_batch_in_flight_resumes_only_with_async_rollout(async_run, tiny_dir, out_dir):
+    import shutil
+
+    shutil.copytree(async_run, out_dir / "async_off",
+                    ignore=shutil.ignore_patterns("step_000004"))  # fmt: skip
+    run = Run(out_dir, "async_off", tiny_dir, *CACHED, "algo.reset.every=3")
+    code = run.wait()
+    out = run.output()
+    assert code == 2, out
+    assert "holds the rollout of step 3" in out and "async_rollout=one_step" in out
+    assert "armor train: starting" not in out  # refused before anything started
+
+
+@pytest.mark.timeout(900)
+def test_a_rollout_worker_killed_during_the_overlap_is_replaced(async_run, tiny_dir, out_dir):
+    import json
+
+    run = Run(out_dir, "async_worker_killed", tiny_dir, *ASYNC)
+    step1 = run.run_dir / "anchors" / "step_000001.jsonl"
+    run.wait_for(lambda: step1.is_file() and len(actor_pids(run.ray_tmp, "RolloutWorker")) == 1)
+    (pid,) = actor_pids(run.ray_tmp, "RolloutWorker")
+    os.kill(pid, signal.SIGKILL)
+    assert run.wait() == 0, run.output()
+    lines = (run.run_dir / "recoveries.jsonl").read_text().splitlines()
+    events = [(e["step"], e["phase"], e["actor"]) for e in map(json.loads, lines)]
+    # drawing step 2 beside step 1's updates; drawn already: step 1's weight push; pushed
+    # already: drawing step 3 beside step 2's updates
+    assert len(events) == 1 and events[0] in (
+        (2, "rollout", "RolloutWorker 0"), (1, "sync", "RolloutWorker 0"),
+        (3, "rollout", "RolloutWorker 0"),
+    ), events  # fmt: skip
+    assert metrics_of(run.run_dir) == metrics_of(async_run)
