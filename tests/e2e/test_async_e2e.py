@@ -74,10 +74,11 @@ def test_async_run_follows_the_schedule_and_the_behavior_policy(async_run):
     for r in steps[:2]:  # the two steps that drew the next rollout beside their updates
         assert r["async/overlap_s"] > 0 and 0 < r["async/overlap_fraction"] <= 1
     for r in steps:
-        # the embedded engine computes the policy's log-probs with the trainer's kernels: the
-        # old pass under the weights that drew each sample gives the engine's numbers
-        assert r["rollout/policy_logprob_absdiff_max"] <= 1e-5, r["step"]
-        assert r["rollout/anchor_logprob_absdiff_max"] <= 1e-5, r["step"]
+        # the old pass under the weights that drew each sample gives the engine's log-probs to
+        # fp32 rounding (<= 3.1e-5 nats over 60 steps of the tiny config, as in the synchronous
+        # loop); under the updated weights it is off by 0.2-1.7 nats at every lagged step
+        assert r["rollout/policy_logprob_absdiff_max"] <= 1e-3, r["step"]
+        assert r["rollout/anchor_logprob_absdiff_max"] <= 1e-3, r["step"]
     held = RunState.load(async_run / "checkpoints" / "step_000002")
     assert held.pending["step"] == 3 and held.pending["old_weights"] == "behavior"
     assert held.pending["version"] == 1  # drawn on the weights of step 1
