@@ -188,6 +188,7 @@ class AsyncPipeline:
         self.rollout = rollout
         self.collector = Collector(session, rollout, timers)
         self.pending: Collected | None = pending
+        session.in_flight = lambda: collected_state(self.pending)  # what a save keeps
 
     def overlaps(self, step: int) -> bool:
         """Whether step ``step + 1``'s rollout runs beside step ``step``'s updates: not at the
@@ -195,8 +196,8 @@ class AsyncPipeline:
         return step < self.s.config.run.steps and not self.s.schedule.should_reset(step)
 
     def run_step(self, step: int) -> dict[str, float]:
-        """One step; leaves the next step's rollout in :attr:`pending` (and the run state, for
-        the checkpoint) when it overlapped."""
+        """One step; leaves the next step's rollout in :attr:`pending` when it overlapped (a
+        checkpoint of the step keeps it: ``Session.in_flight``)."""
         from megatron_armor.orchestration import loop
 
         s, t0 = self.s, time.perf_counter()
@@ -247,7 +248,6 @@ class AsyncPipeline:
             metrics.update(loop.validate(s, step))
         if not overlap:
             self.rollout.observe(metrics)  # the next rollout comes after this step, as in sync
-        s.state.pending = collected_state(self.pending)
         return metrics
 
     def overlap_metrics(self, waited, train_start, train_end, join_end, overlap):

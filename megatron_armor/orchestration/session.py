@@ -10,6 +10,7 @@ renamed into place only when complete.
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -138,6 +139,9 @@ class Session:
     weight_sync: WeightSync
     host_memory: HostMemory
     recovery: Recovery
+    in_flight: Callable[[], dict] = dict
+    """The next step's rollout drawn during this step, as a checkpoint keeps it (``{}``: none;
+    set by ``async_rollout.AsyncPipeline``), read at each save only."""
 
     @classmethod
     def start(cls, config: ArmorConfig, resume: str = "auto", announce=None) -> Session:
@@ -223,6 +227,7 @@ class Session:
     def _save_into(self, tmp: Path, step: int, metrics_line: dict | None) -> Path:
         self.state.step = step
         self.state.metrics_line = dict(metrics_line or {})
+        self.state.pending = self.in_flight()
         self.state.sampler = self.sampler.state_dict()
         self.state.reset = self.schedule.state_dict()
         # a rollout worker that died since its step's rollout is replaced (recovery.py)
