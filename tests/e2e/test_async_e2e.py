@@ -12,16 +12,15 @@ anchor cache is on (the rollout workers' state is that after the batch in flight
    one drawn after the drain) and the engine's log-probs of policy tokens equal the trainer's
    ``old`` pass (under the behavior weights for the lagged batches): what a wrong ``old`` pass
    (the updated weights) would break.
-2. ``kill -9`` of the run's process group once step 2's checkpoint is committed; ``--resume
-   auto`` gives every step's metrics of the uninterrupted run.
+2. ``kill -9`` of the rollout worker once step 1's anchor file is written (the main thread
+   writes it after starting step 2's rollout): the worker is replaced in the run with the
+   weights the engines served (the trainer's behavior copy while the rollout is drawn, the live
+   weights once it is); then ``kill -9`` of the run's process group once step 2's checkpoint is
+   committed; ``--resume auto`` gives every step's metrics of the uninterrupted run.
 3. SIGTERM once step 1 is logged: the step finishes, checkpoints with its batch in flight,
    exit 75; the resume gives every step's metrics of the uninterrupted run.
 4. Resuming a checkpoint with a batch in flight with ``async_rollout=off`` is refused before
    anything starts, with the setting that resumes it.
-5. ``kill -9`` of the rollout worker once step 1's anchor file is written (the main thread
-   writes it after starting step 2's rollout): the worker is replaced in the run with the
-   weights the engines served (the trainer's behavior copy while the rollout is drawn, the live
-   weights once it is), and every step's metrics are the uninterrupted run's.
 
 The runs wait on their own files and log lines, never on a clock.
 """
@@ -87,10 +86,24 @@ def test_async_run_follows_the_schedule_and_the_behavior_policy(async_run):
 
 
 @pytest.mark.timeout(900)
-def test_kill_9_then_resume_gives_the_uninterrupted_metrics(async_run, tiny_dir, out_dir):
+def test_worker_killed_in_the_overlap_then_kill_9_and_resume(async_run, tiny_dir, out_dir):
+    import json
+
     first = Run(out_dir, "async_killed", tiny_dir, *ASYNC)
+    step1 = first.run_dir / "anchors" / "step_000001.jsonl"
+    first.wait_for(lambda: step1.is_file() and len(actor_pids(first.ray_tmp, "RolloutWorker")) == 1)
+    (pid,) = actor_pids(first.ray_tmp, "RolloutWorker")
+    os.kill(pid, signal.SIGKILL)  # while step 2's rollout is drawn beside step 1's updates
     first.wait_for(checkpoint_written(first.run_dir, 2))
     first.kill_group()
+    lines = (first.run_dir / "recoveries.jsonl").read_text().splitlines()
+    events = [(e["step"], e["phase"], e["actor"]) for e in map(json.loads, lines)]
+    # drawing step 2 beside step 1's updates; drawn already: step 1's weight push; pushed
+    # already: drawing step 3 beside step 2's updates
+    assert len(events) == 1 and events[0] in (
+        (2, "rollout", "RolloutWorker 0"), (1, "sync", "RolloutWorker 0"),
+        (3, "rollout", "RolloutWorker 0"),
+    ), events  # fmt: skip
     second = Run(out_dir, "async_killed", tiny_dir, *ASYNC)
     code = second.wait()
     assert code == 0, second.output()
@@ -129,24 +142,3 @@ def test_a_batch_in_flight_resumes_only_with_async_rollout(async_run, tiny_dir, 
     assert code == 2, out
     assert "holds the rollout of step 3" in out and "async_rollout=one_step" in out
     assert "armor train: starting" not in out  # refused before anything started
-
-
-@pytest.mark.timeout(900)
-def test_a_rollout_worker_killed_during_the_overlap_is_replaced(async_run, tiny_dir, out_dir):
-    import json
-
-    run = Run(out_dir, "async_worker_killed", tiny_dir, *ASYNC)
-    step1 = run.run_dir / "anchors" / "step_000001.jsonl"
-    run.wait_for(lambda: step1.is_file() and len(actor_pids(run.ray_tmp, "RolloutWorker")) == 1)
-    (pid,) = actor_pids(run.ray_tmp, "RolloutWorker")
-    os.kill(pid, signal.SIGKILL)
-    assert run.wait() == 0, run.output()
-    lines = (run.run_dir / "recoveries.jsonl").read_text().splitlines()
-    events = [(e["step"], e["phase"], e["actor"]) for e in map(json.loads, lines)]
-    # drawing step 2 beside step 1's updates; drawn already: step 1's weight push; pushed
-    # already: drawing step 3 beside step 2's updates
-    assert len(events) == 1 and events[0] in (
-        (2, "rollout", "RolloutWorker 0"), (1, "sync", "RolloutWorker 0"),
-        (3, "rollout", "RolloutWorker 0"),
-    ), events  # fmt: skip
-    assert metrics_of(run.run_dir) == metrics_of(async_run)

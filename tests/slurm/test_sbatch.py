@@ -144,6 +144,57 @@ def test_a_rollout_worker_killed_mid_run_is_replaced_and_the_job_ends_with_its_m
         assert got[s] == expected[s], s
 
 
+ASYNC = [f"run.steps={STEPS}", "run.ckpt_every=100", "orchestration.async_rollout=one_step",
+         "algo.reset.every=4"]  # fmt: skip
+"""One trainer rank (the cpu layout's pipeline needs a core for it and one for the engine):
+steps 1-3 and 5 draw the next step's rollout beside their updates, 4 resets and drains."""
+
+
+@pytest.fixture(scope="module")
+def async_reference(cluster, tiny_dir, tmp_path_factory):
+    """The uninterrupted job with ``orchestration.async_rollout=one_step``."""
+    submitted = SlurmJobs()
+    workdir = make_workdir(tiny_dir, tmp_path_factory.mktemp("async_reference"))
+    try:
+        job = submitted.submit(workdir, ASYNC, nodes=1)
+        yield job, job.wait_done()
+    finally:
+        submitted.cancel_all()
+
+
+def test_async_rollout_sigusr1_requeues_and_resumes_with_the_batch_in_flight(
+    async_reference, workdir, jobs
+):
+    """SIGUSR1 once step 1 is logged: the step's checkpoint holds the next step's rollout
+    (drawn beside its updates) and the trainer's behavior weights; the requeued job trains that
+    batch and every step's metrics are the uninterrupted async job's."""
+    from megatron_armor.orchestration.run_state import RunState
+
+    reference, state = async_reference
+    assert state == "COMPLETED", reference.report()
+    expected = {r["step"]: without_wall_clock(r) for r in read_metrics(reference.run_dir)}
+    job = jobs.submit(workdir, ASYNC, nodes=1)
+    wait_until(lambda: f"step 1/{STEPS}" in job.driver_log(), 600, "the first step", job.report)
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job.job_id], check=True, timeout=30)
+    state = job.wait_done()
+    out = job.report()
+    assert state == "COMPLETED", out
+    assert job.field("Restarts") == "1", out
+    driver = job.driver_log()
+    saved = re.search(r"SIGUSR1: checkpoint of step (\d+) written .*; exiting 75", driver)
+    assert saved, out
+    step = int(saved.group(1))
+    assert 1 <= step < STEPS, out
+    assert re.search(rf"resumed from \S+step_{step:06d} at step {step}", driver), out
+    held = RunState.load(job.run_dir / "checkpoints" / f"step_{step:06d}")
+    assert (held.pending.get("step") == step + 1) == (step != 4), held.pending.keys()
+    got = {r["step"]: without_wall_clock(r) for r in read_metrics(job.run_dir)}
+    assert sorted(got) == sorted(expected) == list(range(1, STEPS + 1))
+    assert [got[s]["async/drained"] for s in range(1, STEPS + 1)] == [0, 0, 0, 1, 0, 1]
+    for s in range(1, STEPS + 1):
+        assert got[s] == expected[s], s
+
+
 def job_actor_pids(job_id: str, cls: str) -> list[int]:
     """Live processes of the Slurm job ``job_id``'s Ray actors of class ``cls``."""
     return actor_pids(job_id, cls, env="SLURM_JOB_ID")
