@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -335,6 +336,30 @@ def runs_async_rollout(config: ArmorConfig) -> bool:
     return config.orchestration.async_rollout == "one_step"
 
 
+def host_cores() -> int:
+    """The cores this process may run on (its CPU affinity; all cores where unknown)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def swaps_reference_into_policy_servers(config: ArmorConfig) -> bool:
+    """Whether reference samples come from the SGLang policy servers with the reference pushed
+    into them around each reference call (``ref_strategy: swap`` without a reference pool;
+    ``orchestration/weight_sync.py``). ``False`` for an unknown name (:func:`check_names`)."""
+    from megatron_armor.rollout.reference import reference_strategy
+
+    if not serves_over_http(config):
+        return False
+    try:
+        anchors = registry.get_anchor_mode(config.algo.anchor).draws_reference
+        served = reference_strategy(config.rollout.ref_strategy, config.algo.anchor_source)
+    except (KeyError, ValueError):
+        return False
+    return anchors and served.swaps_into_policy
+
+
 def check_async_rollout(config: ArmorConfig) -> Problems:
     """``orchestration.async_rollout: one_step`` needs engines that generate while the trainer
     updates: not on the trainer's GPUs (``colocated``) and, on CPU, a core for each."""
@@ -355,15 +380,21 @@ def check_async_rollout(config: ArmorConfig) -> Problems:
             f"trainer.offload_train_state=false or {fix}"
         )
     if orch.layout == "cpu":
-        from megatron_armor.orchestration.placement import node_cores
-
-        cores, wanted = node_cores(), config.trainer.world_size + 1
+        cores, wanted = host_cores(), config.trainer.world_size + 1
         if cores < wanted:
             yield (
                 f"orchestration.async_rollout=one_step on {cores} core(s): the cpu layout's "
                 f"{config.trainer.world_size} trainer rank(s) and rollout engine need a core "
                 f"each ({wanted}) to work at once; run on a machine with more cores or {fix}"
             )
+    if swaps_reference_into_policy_servers(config):
+        yield (
+            f"orchestration.async_rollout=one_step with rollout.ref_strategy="
+            f"{config.rollout.ref_strategy!r} on SGLang: the reference is swapped into the policy "
+            "servers by trainer pushes, and the push back would load the updated policy in the "
+            "middle of the next step's rollout; use rollout.ref_strategy=dedicated (a reference "
+            f"pool) or {fix}"
+        )
     if concurrent_reference_value(config) is True:
         yield (
             "trainer.concurrent_reference=true with orchestration.async_rollout=one_step: the "

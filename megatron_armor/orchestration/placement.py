@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_armor.config.schema import ArmorConfig
+from megatron_armor.config.validate import host_cores
 from megatron_armor.orchestration.ray_node import LocalRayHead
 from megatron_armor.rollout.backends import backend_of
 
@@ -65,10 +66,7 @@ class LayoutPlan:
 
 def node_cores() -> int:
     """The cores this process may run on (its CPU affinity; all cores where unknown)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+    return host_cores()
 
 
 def actors_per_node(plan: LayoutPlan, gpus_per_node: int) -> int:

@@ -13,7 +13,11 @@ import torch
 from megatron_armor.algo.anchors import AcceptanceStats
 from megatron_armor.algo.reset import ResetSchedule
 from megatron_armor.config import ConfigError, load_config
-from megatron_armor.config.validate import runs_async_rollout, runs_concurrent_reference
+from megatron_armor.config.validate import (
+    find_problems,
+    runs_async_rollout,
+    runs_concurrent_reference,
+)
 from megatron_armor.orchestration.anchor_rollout import RolloutResult
 from megatron_armor.orchestration.async_rollout import (
     AsyncPipeline,
@@ -53,13 +57,23 @@ def test_layouts_that_cannot_overlap_are_refused_with_why():
     assert "trainer.offload_train_state=true" in msg
 
 
-def test_cpu_layout_needs_a_core_for_the_trainer_and_the_engine(monkeypatch):
-    from megatron_armor.orchestration import placement
+def test_a_reference_swapped_into_the_policy_servers_is_refused():
+    sglang = ["rollout.backend=sglang", "orchestration.layout=disaggregated",
+              "rollout.sglang.weight_transport=distributed",
+              "orchestration.rollout_gpus=2", "trainer.world_size=2"]  # fmt: skip
+    msg = _error("orchestration.async_rollout=one_step", *sglang, "rollout.ref_strategy=swap")
+    assert "rollout.ref_strategy='swap'" in msg and "ref_strategy=dedicated" in msg
+    problems = find_problems(load_config(None, [*sglang, "rollout.ref_strategy=dedicated"]))
+    assert problems == []
 
-    monkeypatch.setattr(placement, "node_cores", lambda: 1)
+
+def test_cpu_layout_needs_a_core_for_the_trainer_and_the_engine(monkeypatch):
+    from megatron_armor.config import validate
+
+    monkeypatch.setattr(validate, "host_cores", lambda: 1)
     msg = _error("orchestration.async_rollout=one_step")
     assert "on 1 core(s)" in msg and "need a core each (2)" in msg
-    monkeypatch.setattr(placement, "node_cores", lambda: 2)
+    monkeypatch.setattr(validate, "host_cores", lambda: 2)
     load_config(None, ["orchestration.async_rollout=one_step"])
 
 
