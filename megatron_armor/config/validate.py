@@ -331,7 +331,7 @@ def runs_concurrent_reference(config: ArmorConfig) -> bool:
 
 def runs_async_rollout(config: ArmorConfig) -> bool:
     """Whether the next step's rollout overlaps this step's updates
-    (``orchestration.async_rollout: one_step``, ``orchestration/async_rollout.py``)."""
+    (``orchestration.async_rollout: one_step``, ``orchestration/step/async_rollout.py``)."""
     return config.orchestration.async_rollout == "one_step"
 
 
@@ -355,7 +355,7 @@ def check_async_rollout(config: ArmorConfig) -> Problems:
             f"trainer.offload_train_state=false or {fix}"
         )
     if orch.layout == "cpu":
-        from megatron_armor.orchestration.placement import node_cores
+        from megatron_armor.orchestration.actors.placement import node_cores
 
         cores, wanted = node_cores(), config.trainer.world_size + 1
         if cores < wanted:

@@ -14,8 +14,9 @@ from megatron_armor.algo.anchors import AcceptanceStats
 from megatron_armor.algo.reset import ResetSchedule
 from megatron_armor.config import ConfigError, load_config
 from megatron_armor.config.validate import runs_async_rollout, runs_concurrent_reference
-from megatron_armor.orchestration.anchor_rollout import RolloutResult
-from megatron_armor.orchestration.async_rollout import (
+from megatron_armor.orchestration.run.run_state import RunState
+from megatron_armor.orchestration.step.anchor_rollout import RolloutResult
+from megatron_armor.orchestration.step.async_rollout import (
     AsyncPipeline,
     Collected,
     Collector,
@@ -24,7 +25,6 @@ from megatron_armor.orchestration.async_rollout import (
     lag_metrics,
     overlap_fraction,
 )
-from megatron_armor.orchestration.run_state import RunState
 from megatron_armor.types import Group, Sample, SampleSource
 
 pytestmark = pytest.mark.unit
@@ -54,7 +54,7 @@ def test_layouts_that_cannot_overlap_are_refused_with_why():
 
 
 def test_cpu_layout_needs_a_core_for_the_trainer_and_the_engine(monkeypatch):
-    from megatron_armor.orchestration import placement
+    from megatron_armor.orchestration.actors import placement
 
     monkeypatch.setattr(placement, "node_cores", lambda: 1)
     msg = _error("orchestration.async_rollout=one_step")

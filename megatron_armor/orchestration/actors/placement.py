@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_armor.config.schema import ArmorConfig
-from megatron_armor.orchestration.ray_node import LocalRayHead
+from megatron_armor.orchestration.actors.ray_node import LocalRayHead
 from megatron_armor.rollout.backends import backend_of
 
 LAYOUTS = ("cpu", "colocated", "disaggregated")
