@@ -6,7 +6,7 @@ Runs ``armor train configs/tiny_cpu.yaml run.steps=N run.ckpt_every=100 validati
 Ray temp dir, then reads the run's ``metrics.jsonl`` and reports:
 
 - **finished**: the exit code, the last step logged of ``N``, the wall time;
-- **memory**: ``mem/run_gb`` (every process of the run: ``orchestration/host_usage.py``) and
+- **memory**: ``mem/run_gb`` (every process of the run: ``orchestration/run/host_usage.py``) and
   the driver's, trainer rank 0's, rollout worker 0's and reward worker 0's RSS: first, last,
   and growth per 100 steps (least-squares slope x 100) over the whole run and over its second
   half (after the start-up growth);
@@ -173,7 +173,7 @@ def markdown(rep: dict) -> str:
 def run_soak(args) -> dict:
     """The soak run in a subprocess; its report with the exit code and wall time."""
     from megatron_armor.observability.metrics import read_metrics
-    from megatron_armor.orchestration.checkpoints import directory_bytes
+    from megatron_armor.orchestration.run.checkpoints import directory_bytes
 
     out = Path(args.out or tempfile.mkdtemp(prefix="armor-soak-"))
     ray_tmp = tempfile.mkdtemp(prefix="soak", dir="/tmp")

@@ -141,7 +141,7 @@ def timed_step(session, rollout, step: int) -> dict[str, float]:
     the trainer's (the next step's reference samples drawn while the trainer works,
     ``rollout.prefetch_reference``) counts once; ``engine_compute_s`` is the engine's compute
     outside the trainer's, ``engine_overlap_s`` the rest."""
-    from megatron_armor.orchestration.loop import run_step
+    from megatron_armor.orchestration.step.loop import run_step
 
     session.trainer.compute_intervals(), session.rollout.compute_intervals()  # reset the clocks
     session.timers.pop_metrics()
@@ -173,8 +173,8 @@ def local_ray(cpus: int, out: Path):
     cluster), connected; returns it for ``stop``."""
     import ray
 
-    from megatron_armor.orchestration.placement import LOOPBACK
-    from megatron_armor.orchestration.ray_node import LocalRayHead
+    from megatron_armor.orchestration.actors.placement import LOOPBACK
+    from megatron_armor.orchestration.actors.ray_node import LocalRayHead
 
     args = ["--include-dashboard=false", f"--num-cpus={cpus}", "--num-gpus=0",
             f"--object-store-memory={512 << 20}"]  # fmt: skip
@@ -204,8 +204,8 @@ def run_rounds(configs: dict, rounds: int) -> dict[str, list[dict[str, float]]]:
     of :func:`balanced_orders`, cycled."""
     import ray
 
-    from megatron_armor.orchestration.anchor_rollout import AnchorRollout
-    from megatron_armor.orchestration.session import Session
+    from megatron_armor.orchestration.run.session import Session
+    from megatron_armor.orchestration.step.anchor_rollout import AnchorRollout
 
     head = local_ray(4 * len(configs), Path(next(iter(configs.values())).run.output_dir))
     sessions, records = {}, {name: [] for name in configs}

@@ -4,7 +4,7 @@
 #   launch/local.sh CONFIG [key=value ...] [--resume auto]
 #
 # The head runs as `ray start --head --block` in the background, through
-# megatron_armor/orchestration/ray_node.py: SIGTERM/SIGINT/SIGUSR1 are blocked in its processes,
+# megatron_armor/orchestration/actors/ray_node.py: SIGTERM/SIGINT/SIGUSR1 are blocked in its processes,
 # so a signal to this script's whole process group reaches only the driver, which checkpoints and
 # exits 75 (SIGINT/SIGTERM/SIGUSR1 to this script are forwarded to it). Stopping the head is a
 # SIGUSR2 to that one PID, which stops exactly the Ray processes it started (other Ray clusters on
@@ -41,7 +41,7 @@ start_head() {
   fi
   [ -z "${ARMOR_RAY_NUM_CPUS:-}" ] || args+=(--num-cpus="$ARMOR_RAY_NUM_CPUS")
   [ -z "${ARMOR_RAY_NUM_GPUS:-}" ] || args+=(--num-gpus="$ARMOR_RAY_NUM_GPUS")
-  "$ARMOR_PYTHON" -m megatron_armor.orchestration.ray_node -- "$ARMOR_RAY" "${args[@]}" > "$LOG_DIR/ray-head.log" 2>&1 &
+  "$ARMOR_PYTHON" -m megatron_armor.orchestration.actors.ray_node -- "$ARMOR_RAY" "${args[@]}" > "$LOG_DIR/ray-head.log" 2>&1 &
   RAY_PID=$!
   log "Ray head pid $RAY_PID at $IP:$PORT (log $LOG_DIR/ray-head.log)"
 }

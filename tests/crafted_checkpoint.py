@@ -8,8 +8,8 @@ import pickle
 import warnings
 from pathlib import Path
 
-from megatron_armor.orchestration.checkpoints import write_manifest
-from megatron_armor.orchestration.run_state import STATE_FILE
+from megatron_armor.orchestration.run.checkpoints import write_manifest
+from megatron_armor.orchestration.run.run_state import STATE_FILE
 
 
 class _Exec:
@@ -38,7 +38,7 @@ def write_checkpoint_of_model(checkpoint: Path, hf: dict, step: int) -> Path:
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from megatron_armor.orchestration.run_state import RunState
+    from megatron_armor.orchestration.run.run_state import RunState
 
     h, layers, heads = hf["hidden_size"], hf["num_hidden_layers"], hf["num_attention_heads"]
     kv, ffn = hf.get("num_key_value_heads") or heads, hf["intermediate_size"]

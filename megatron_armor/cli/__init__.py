@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     command = (sys.argv[1:] if argv is None else argv)[:1]
     if command and command[0] in CHECKPOINT_ON_SIGNAL:
-        from megatron_armor.orchestration.ray_node import held_stop_signals
+        from megatron_armor.orchestration.actors.ray_node import held_stop_signals
 
         with held_stop_signals():  # before any import starts a thread: every thread inherits it
             return run_command(argv)

@@ -46,7 +46,7 @@ def resolve_source(args: argparse.Namespace) -> tuple[str, str, str]:
         return args.to_hf, args.model, args.precision or run_precision(args.to_hf)
     from omegaconf import OmegaConf
 
-    from megatron_armor.orchestration.checkpoints import named_checkpoint
+    from megatron_armor.orchestration.run.checkpoints import named_checkpoint
 
     checkpoint = named_checkpoint(args.to_hf, args.name)
     saved = Path(args.to_hf) / "config.yaml"

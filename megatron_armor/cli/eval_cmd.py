@@ -134,7 +134,7 @@ def make_engine(settings: dict, args: argparse.Namespace, config: ArmorConfig):
 def run(args: argparse.Namespace) -> int:
     from megatron_armor.evaluation.report import markdown_table, write_report
     from megatron_armor.evaluation.runner import evaluate
-    from megatron_armor.orchestration.workers import load_model_tokenizer
+    from megatron_armor.orchestration.actors.workers import load_model_tokenizer
     from megatron_armor.reward.scorer import RewardScorer
     from megatron_armor.rollout.protocol import SamplingParams
 

@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from megatron_armor.cli.train_cmd import report_stop, stopping_errors
     from megatron_armor.orchestration.pipeline import run_pipeline
-    from megatron_armor.orchestration.run_state import EXIT_REQUEUE
+    from megatron_armor.orchestration.run.run_state import EXIT_REQUEUE
 
     try:
         code = run_pipeline(pipeline)

@@ -8,7 +8,7 @@ accepted too few queries (``AcceptanceError``, below ``algo.min_batch_fraction``
 message names and resume, a requeue would meet the same queries; 75 (``EX_TEMPFAIL``) requeue
 me: a SIGTERM/SIGINT/SIGUSR1 arrived, the current step finished and a checkpoint was written
 (or, during start-up, nothing was written), or a fault the run cannot recover from in place (a
-trainer rank died; ``orchestration/faults.py``) — the job resumes from the newest complete
+trainer rank died; ``orchestration/actors/faults.py``) — the job resumes from the newest complete
 checkpoint (``--resume auto`` is the default); 65 (``EX_DATAERR``) training diverged:
 ``trainer.max_skipped_updates`` updates in a row had a non-finite loss or gradient norm, a
 checkpoint of the last applied weights was written and the error names the settings to change
@@ -40,7 +40,7 @@ def finish(run_dir) -> None:
     from megatron_armor.observability.metrics import read_metrics
     from megatron_armor.observability.plot import plot_run
     from megatron_armor.observability.summary import write_summary
-    from megatron_armor.orchestration.checkpoints import read_best
+    from megatron_armor.orchestration.run.checkpoints import read_best
 
     plots = plot_run(run_dir)
     extra = {"plots": str(plots[0].parent) if plots else "none",
@@ -56,10 +56,10 @@ def finish(run_dir) -> None:
 
 def stopping_errors() -> tuple[type, ...]:
     """The named errors that end a run with their own exit code (:func:`exit_code_of`)."""
-    from megatron_armor.orchestration.checkpoints import CheckpointError
-    from megatron_armor.orchestration.faults import RecoveryLimitError
-    from megatron_armor.orchestration.run_lock import RunDirLocked
-    from megatron_armor.orchestration.update_guard import DivergedError
+    from megatron_armor.orchestration.actors.faults import RecoveryLimitError
+    from megatron_armor.orchestration.run.checkpoints import CheckpointError
+    from megatron_armor.orchestration.run.run_lock import RunDirLocked
+    from megatron_armor.orchestration.step.update_guard import DivergedError
     from megatron_armor.reward.pool import RewardPoolError
 
     return (RunDirLocked, CheckpointError, DivergedError, RecoveryLimitError, RewardPoolError)
@@ -68,9 +68,9 @@ def stopping_errors() -> tuple[type, ...]:
 def exit_code_of(err: BaseException) -> int:
     """74 disk full, 65 diverged, 69 workers that keep dying, 1 a scoring pool that cannot
     start its workers, 2 a refused run directory or checkpoint."""
-    from megatron_armor.orchestration.disk_space import EXIT_NO_SPACE, DiskFullError
-    from megatron_armor.orchestration.faults import EXIT_RECOVERY_LIMIT, RecoveryLimitError
-    from megatron_armor.orchestration.update_guard import EXIT_DIVERGED, DivergedError
+    from megatron_armor.orchestration.actors.faults import EXIT_RECOVERY_LIMIT, RecoveryLimitError
+    from megatron_armor.orchestration.run.disk_space import EXIT_NO_SPACE, DiskFullError
+    from megatron_armor.orchestration.step.update_guard import EXIT_DIVERGED, DivergedError
     from megatron_armor.reward.pool import RewardPoolError
 
     codes = ((DiskFullError, EXIT_NO_SPACE), (DivergedError, EXIT_DIVERGED),
@@ -94,12 +94,12 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"armor train: {e}", file=sys.stderr)
         return 2
-    from megatron_armor.orchestration.placement import ray_environment
+    from megatron_armor.orchestration.actors.placement import ray_environment
 
     ray_environment(config)  # before Ray is imported (it reads some settings at import)
-    from megatron_armor.orchestration.loop import train
-    from megatron_armor.orchestration.run_state import EXIT_REQUEUE
-    from megatron_armor.orchestration.session import run_dir_of
+    from megatron_armor.orchestration.run.run_state import EXIT_REQUEUE
+    from megatron_armor.orchestration.run.session import run_dir_of
+    from megatron_armor.orchestration.step.loop import train
 
     try:
         code = train(config, args.resume or config.run.resume)

@@ -19,7 +19,7 @@ from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.data.sampler import sampled_prompt_count
 from megatron_armor.observability.metrics import read_metrics
 from megatron_armor.observability.plot import reset_steps
-from megatron_armor.orchestration.step_metrics import anchor_file_steps, read_anchor_file
+from megatron_armor.orchestration.step.step_metrics import anchor_file_steps, read_anchor_file
 
 TRAINING_KEYS = {
     "train_reward": ("reward/policy_mean",),

@@ -27,7 +27,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from megatron_armor.config import ConfigError, load_config
-from megatron_armor.orchestration.checkpoints import list_checkpoints
+from megatron_armor.orchestration.run.checkpoints import list_checkpoints
 
 SPEC_KEYS = {"name", "output_dir", "config", "seeds", "overrides", "variants", "pairs"}
 

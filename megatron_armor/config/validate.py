@@ -332,7 +332,7 @@ def runs_concurrent_reference(config: ArmorConfig) -> bool:
 
 def runs_async_rollout(config: ArmorConfig) -> bool:
     """Whether the next step's rollout overlaps this step's updates
-    (``orchestration.async_rollout: one_step``, ``orchestration/async_rollout.py``)."""
+    (``orchestration.async_rollout: one_step``, ``orchestration/step/async_rollout.py``)."""
     return config.orchestration.async_rollout == "one_step"
 
 
@@ -347,7 +347,7 @@ def host_cores() -> int:
 def swaps_reference_into_policy_servers(config: ArmorConfig) -> bool:
     """Whether reference samples come from the SGLang policy servers with the reference pushed
     into them around each reference call (``ref_strategy: swap`` without a reference pool;
-    ``orchestration/weight_sync.py``). ``False`` for an unknown name (:func:`check_names`)."""
+    ``orchestration/actors/weight_sync.py``). ``False`` for an unknown name (:func:`check_names`)."""
     from megatron_armor.rollout.reference import reference_strategy
 
     if not serves_over_http(config):

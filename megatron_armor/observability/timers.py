@@ -3,7 +3,7 @@
 ``with timers.phase("rollout"): ...`` adds the elapsed seconds to ``timing/rollout_s`` for
 the current step; nested phases are timed independently (``rollout`` can contain
 ``generate`` and ``score``). Phases may run in several threads at once (the overlapped
-reference parts of ``orchestration/anchor_rollout.py``): each adds its own seconds, so such a
+reference parts of ``orchestration/step/anchor_rollout.py``): each adds its own seconds, so such a
 phase can sum to more than the wall time it spanned. :meth:`PhaseTimers.pop_metrics` returns
 the step's totals and clears them.
 """

@@ -5,7 +5,7 @@ training reward keeps rising (over-optimization), take the best checkpoint befor
 and continue from it with ARMOR (or a KL-regularized baseline) with that checkpoint as the
 policy and as the reference. The stages::
 
-    stage1   `train` of stage 1's config until its detector fires (run_watch.py) or run.steps
+    stage1   `train` of stage 1's config until its detector fires (run/run_watch.py) or run.steps
     export   its best checkpoint (run.keep_best) -> OUTPUT_DIR/NAME/stage1_best_hf (HF format)
     stage2   `train` of stage 2's config from stage1_best_hf: own run dir, step counter from 0,
              fresh optimizer (Adam moments and LR warm-up start over, see docs/orchestration.md)
@@ -27,7 +27,7 @@ from pathlib import Path
 
 from megatron_armor.config.loader import save_config
 from megatron_armor.config.pipeline import Pipeline
-from megatron_armor.orchestration import checkpoints
+from megatron_armor.orchestration.run import checkpoints
 
 STATE_FILE = "pipeline.json"
 SOURCE_FILE = "source.json"  # in stage 2's run dir: where its start checkpoint came from
@@ -53,7 +53,7 @@ def stage_dir(config) -> Path:
 def run_stage(config, label: str) -> int:
     """Train (or resume, ``--resume auto``) one stage; summary and plots when it finishes."""
     from megatron_armor.cli.train_cmd import finish
-    from megatron_armor.orchestration.loop import train
+    from megatron_armor.orchestration.step.loop import train
 
     print(f"pipeline: {label} in {stage_dir(config)}", flush=True)
     code = train(config, "auto")
@@ -101,7 +101,7 @@ def link_stage2(p: Pipeline, best: dict) -> None:
 
 def stage1_outcome(p: Pipeline) -> str:
     """How stage 1 ended, from its last checkpoint: ``detector at step N`` or ``step limit``."""
-    from megatron_armor.orchestration.run_state import RunState
+    from megatron_armor.orchestration.run.run_state import RunState
 
     latest = checkpoints.latest_checkpoint(stage_dir(p.stage1))
     overopt = (RunState.load(latest).watch.get("overopt") or {}) if latest else {}

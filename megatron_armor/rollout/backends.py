@@ -64,8 +64,8 @@ def visible_index(gpu_id: int) -> int:
             f"Ray placed an SGLang server on GPU {gpu_id}, but this rollout worker sees "
             "CUDA_VISIBLE_DEVICES='' (the servers it starts would see no GPU): Ray blanks it "
             "for an actor without GPUs unless RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=0, which "
-            "orchestration/placement.py sets for the rollout workers; check that the cluster "
-            "does not force it to 1"
+            "orchestration/actors/placement.py sets for the rollout workers; check that the "
+            "cluster does not force it to 1"
         )
     entries = [e.strip() for e in visible.split(",")]
     if str(gpu_id) not in entries:

@@ -1,7 +1,7 @@
 """Trainer checkpoints: megatron-core ``dist_checkpointing`` plus per-rank run state.
 
 Layout of ``path`` (the caller writes it inside a temporary directory and renames it, see
-``orchestration/checkpoints.py``)::
+``orchestration/run/checkpoints.py``)::
 
     path/
       dist/            dist_checkpointing: model (``model``), reference weights (``reference.*``),

@@ -1,6 +1,6 @@
 """The trainer ranks' end of the weight sync into SGLang servers, one class per transport.
 
-The driver (``orchestration/weight_sync.py``) picks the transport once from
+The driver (``orchestration/actors/weight_sync.py``) picks the transport once from
 ``rollout.sglang.weight_transport`` and asks every trainer rank to :meth:`RankSync.push`; the
 weights go from the trainer's GPUs to the servers without passing the driver or Ray's object
 store (docs/weight-sync.md):
@@ -131,7 +131,7 @@ class TensorRankSync(RankSync):
 
     def push(self, version: int, weights: str, pool: str, target: list[ServerTarget]) -> int:
         """Every bucket of every stage into the servers ``target`` (inside their weight-update
-        session, opened and closed by their rollout worker: ``orchestration/weight_sync.py``).
+        session, opened and closed by their rollout worker: ``orchestration/actors/weight_sync.py``).
         On ranks without a GPU each bucket travels as inline bytes
         (``weights.serialize_cpu_bucket``), the CPU form of the same requests."""
         rank, sent = dist.get_rank(), 0
@@ -235,7 +235,11 @@ class DistributedRankSync(RankSync):
     def _sender(self, pool: str, targets: list[tuple[str, int]], api_key: str = ""):
         """The connected sender of this rank's stage into ``pool`` (a new one if the servers
         changed)."""
-        from megatron_armor.orchestration.workers import free_port, node_ip, weight_group_name
+        from megatron_armor.orchestration.actors.workers import (
+            free_port,
+            node_ip,
+            weight_group_name,
+        )
         from megatron_armor.rollout.sglang.client import ClientSettings
         from megatron_armor.rollout.sglang.distributed import DistributedWeightSender
         from megatron_armor.trainer import parallel

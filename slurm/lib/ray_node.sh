@@ -34,6 +34,6 @@ case "$role" in
   *) die "ray_node.sh: role must be head or worker, got '$role'" ;;
 esac
 log "ray start ($role) on $node at $ip"
-# The stop signals (TERM, INT, USR1) are blocked in every Ray process (ray_node.py): Slurm sends
+# The stop signals (TERM, INT, USR1) are blocked in every Ray process (orchestration/actors/ray_node.py): Slurm sends
 # them to all of the job's processes, and only the driver must act on them. SIGUSR2 stops Ray.
-exec "${ARMOR_PYTHON:-python3}" -m megatron_armor.orchestration.ray_node -- "${ARMOR_RAY:-ray}" start "${args[@]}"
+exec "${ARMOR_PYTHON:-python3}" -m megatron_armor.orchestration.actors.ray_node -- "${ARMOR_RAY:-ray}" start "${args[@]}"

@@ -66,7 +66,7 @@ def one_update(trainer, batch, bucket: bool, loss_agg: str) -> dict:
 
 
 def step_logprobs_vs_plain(trainer, batch) -> dict:
-    from megatron_armor.orchestration.step_metrics import exact_kl_batch, exact_kl_mask
+    from megatron_armor.orchestration.step.step_metrics import exact_kl_batch, exact_kl_mask
 
     mask = exact_kl_mask(batch, 3, 4)
     mbs = trainer._micro_batches(batch)
@@ -89,7 +89,7 @@ def step_logprobs_vs_plain(trainer, batch) -> dict:
 def reference_after_reset(trainer, batch, ckpt_dir: str) -> dict:
     """``step_logprobs`` and the weight swaps it made: after a reset, after an update, and
     after loading checkpoints saved at each point; with the plain passes to compare."""
-    from megatron_armor.orchestration.step_metrics import exact_kl_batch, exact_kl_mask
+    from megatron_armor.orchestration.step.step_metrics import exact_kl_batch, exact_kl_mask
 
     swaps: list[str] = []
     swapped = trainer.store.swapped

@@ -119,7 +119,7 @@ def run(trainer, out: dict, ckpt: bool, offload: bool = False) -> None:
     out[f"shared/{dist.get_rank()}"] = trainer.step_logprobs(batch, True, None, shared=True)[:2]
     out["kl2"] = trainer.exact_kl(batch)
     # the loop's diagnostic without reference log-probs: a reference pass over its samples only
-    from megatron_armor.orchestration.step_metrics import exact_kl_batch, exact_kl_mask
+    from megatron_armor.orchestration.step.step_metrics import exact_kl_batch, exact_kl_mask
 
     mask = exact_kl_mask(batch, 3, 4)
     out["kl2_diag"] = trainer.step_logprobs(batch, False, mask, shared=True)[2]

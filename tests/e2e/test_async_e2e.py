@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 
 from megatron_armor.observability.metrics import read_metrics, without_wall_clock
-from megatron_armor.orchestration.run_state import RunState
+from megatron_armor.orchestration.run.run_state import RunState
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from megatron_armor.observability.metrics import read_metrics
-from megatron_armor.orchestration.step_metrics import read_anchor_file
+from megatron_armor.orchestration.step.step_metrics import read_anchor_file
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from e2e_runs import REPO, Run  # noqa: E402

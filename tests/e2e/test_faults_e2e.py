@@ -1,5 +1,5 @@
-"""e2e tier: faults in the middle of a run of the tiny config (``orchestration/faults.py``,
-``orchestration/recovery.py``), each ending with every step's metrics equal to the
+"""e2e tier: faults in the middle of a run of the tiny config (``orchestration/actors/faults.py``,
+``orchestration/actors/recovery.py``), each ending with every step's metrics equal to the
 uninterrupted reference run's (timings excepted):
 
 1. ``kill -9`` of the rollout worker when step 1's metrics line is written (its death shows

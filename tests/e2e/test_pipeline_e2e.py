@@ -93,7 +93,7 @@ class PipelineProcess:
 
     def kill_group(self) -> None:
         """``kill -9`` of the process group alone, as a shell or a launcher does it: the Ray
-        node (its own session, ``orchestration/ray_node.py``) stops with the driver, and every
+        node (its own session, ``orchestration/actors/ray_node.py``) stops with the driver, and every
         Ray process of the run is gone (bounded); then the clean-up."""
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)

@@ -5,7 +5,7 @@ damaged checkpoints (``kill -9`` of the group: ``test_pipeline_e2e.py``):
 1. SIGTERM to the group while step 2 runs (once its anchor file is written): the step
    finishes, its checkpoint is written, the exit message names the step on disk, exit 75.
    Ray's processes run in their own session and block the stop signals
-   (``orchestration/ray_node.py``), so the group signal reaches only the driver; they are gone
+   (``orchestration/actors/ray_node.py``), so the group signal reaches only the driver; they are gone
    once the driver has exited.
 2. SIGTERM to the group during start-up of the resumed run: exit 75 before any step, nothing
    written (no new checkpoint, no temp directory, ``metrics.jsonl`` untouched).

@@ -112,7 +112,7 @@ def test_a_cuda_ipc_bucket_round_trips_into_another_process(trainer):
 
 def in_session(served, push):
     """``push`` inside the server's weight-update session, as the rollout worker opens and
-    closes it around the trainer ranks' pushes (``orchestration/weight_sync.SessionSync``)."""
+    closes it around the trainer ranks' pushes (``orchestration/actors/weight_sync.SessionSync``)."""
 
     def pushed(version: int):
         served["engine"].begin_weight_update()

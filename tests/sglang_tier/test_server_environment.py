@@ -21,8 +21,12 @@ from process_group import server_pids
 from sglang_servers import STARTUP_S, free_ports
 
 from megatron_armor.config.schema import ArmorConfig
-from megatron_armor.orchestration.placement import LayoutPlan, actor_options, server_owner_options
-from megatron_armor.orchestration.workers import RolloutWorker
+from megatron_armor.orchestration.actors.placement import (
+    LayoutPlan,
+    actor_options,
+    server_owner_options,
+)
+from megatron_armor.orchestration.actors.workers import RolloutWorker
 from megatron_armor.rollout.sglang.launch import CPU_SERVER_ARGS
 
 pytestmark = pytest.mark.sglang

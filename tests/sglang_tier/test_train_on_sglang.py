@@ -33,8 +33,8 @@ from process_group import server_pids
 from sglang_servers import free_ports
 
 from megatron_armor.observability.metrics import read_metrics
-from megatron_armor.orchestration.checkpoints import list_checkpoints
-from megatron_armor.orchestration.step_metrics import read_anchor_file
+from megatron_armor.orchestration.run.checkpoints import list_checkpoints
+from megatron_armor.orchestration.step.step_metrics import read_anchor_file
 
 pytestmark = pytest.mark.sglang
 RUN_S = 1500  # start-up of Ray, the trainer and two servers takes minutes on 2 busy cores

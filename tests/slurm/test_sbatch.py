@@ -120,7 +120,7 @@ def test_a_rollout_worker_killed_mid_run_is_replaced_and_the_job_ends_with_its_m
     reference, layout, workdir, jobs
 ):
     """kill -9 of the job's rollout worker once step 1 is logged: the run replaces it in place
-    (``orchestration/recovery.py``), the job is never requeued and every step's metrics are the
+    (``orchestration/actors/recovery.py``), the job is never requeued and every step's metrics are the
     uninterrupted run's."""
     expected = {r["step"]: without_wall_clock(r) for r in read_metrics(reference[0].run_dir)}
     assert reference[1] == "COMPLETED", reference[0].report()
@@ -168,7 +168,7 @@ def test_async_rollout_sigusr1_requeues_and_resumes_with_the_batch_in_flight(
     """SIGUSR1 once step 1 is logged: the step's checkpoint holds the next step's rollout
     (drawn beside its updates) and the trainer's behavior weights; the requeued job trains that
     batch and every step's metrics are the uninterrupted async job's."""
-    from megatron_armor.orchestration.run_state import RunState
+    from megatron_armor.orchestration.run.run_state import RunState
 
     reference, state = async_reference
     assert state == "COMPLETED", reference.report()
@@ -299,7 +299,9 @@ def test_join_check_names_the_missing_node_and_fails_fast_when_a_launcher_dies(t
         assert fast.returncode == 1 and "its Ray start exited" in fast.stderr
         assert time.monotonic() - start < 60  # did not wait for the 600 s deadline
     finally:
-        head.send_signal(signal.SIGUSR2)  # stops the Ray processes it started (ray_node.py)
+        head.send_signal(
+            signal.SIGUSR2
+        )  # stops the Ray processes it started (orchestration/actors/ray_node.py)
         head.wait(timeout=60)
         log.close()
 

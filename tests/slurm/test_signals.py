@@ -3,7 +3,7 @@
 1. ``scancel --signal=TERM --full`` while the driver starts up (every process of the job gets
    SIGTERM): the driver stops before its first step (exit 75), the job requeues itself.
 2. ``scancel --signal=TERM --full`` once step 1 has ended: Ray's processes block the signal
-   (``orchestration/ray_node.py``), so the driver finishes the step, checkpoints it, exits 75,
+   (``orchestration/actors/ray_node.py``), so the driver finishes the step, checkpoints it, exits 75,
    and the job requeues itself.
 3. A preemption once the next start has run a step, as ``PreemptMode=REQUEUE`` does it: ``scontrol requeue``
    sends SIGTERM to every process of the job, SIGKILL after ``KillWait``, and requeues it.
@@ -22,7 +22,7 @@ import pytest
 from slurm_jobs import FINAL_STATES, JOB_TIMEOUT_S, Job, make_workdir, wait_until
 
 from megatron_armor.observability.metrics import read_metrics, without_wall_clock
-from megatron_armor.orchestration.step_metrics import anchor_file_steps
+from megatron_armor.orchestration.step.step_metrics import anchor_file_steps
 
 pytestmark = pytest.mark.slurm
 

@@ -21,7 +21,7 @@ CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu.yaml"
 SCRIPT = """
 import gc
 from megatron_armor.config import load_config
-from megatron_armor.orchestration.workers import RewardWorker
+from megatron_armor.orchestration.actors.workers import RewardWorker
 config = load_config(CONFIG, [])
 before = gc.get_freeze_count()
 worker = RewardWorker(config, 1)

@@ -18,8 +18,8 @@ from megatron_armor.config.validate import (
     runs_async_rollout,
     runs_concurrent_reference,
 )
-from megatron_armor.orchestration.anchor_rollout import RolloutResult
-from megatron_armor.orchestration.async_rollout import (
+from megatron_armor.orchestration.step.anchor_rollout import RolloutResult
+from megatron_armor.orchestration.step.async_rollout import (
     AsyncPipeline,
     Collected,
     Collector,
@@ -28,7 +28,6 @@ from megatron_armor.orchestration.async_rollout import (
     lag_metrics,
     overlap_fraction,
 )
-from megatron_armor.orchestration.run_state import RunState
 from megatron_armor.types import Group, Sample, SampleSource
 
 pytestmark = pytest.mark.unit

@@ -13,7 +13,7 @@ import pytest
 from megatron_armor.compare.report import build_report, write_report
 from megatron_armor.compare.runner import pending_runs, slurm_command
 from megatron_armor.compare.spec import SpecError, load_spec
-from megatron_armor.orchestration.checkpoints import write_manifest
+from megatron_armor.orchestration.run.checkpoints import write_manifest
 
 pytestmark = pytest.mark.unit
 

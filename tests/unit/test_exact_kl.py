@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_armor.algo.kl import exact_kl
-from megatron_armor.orchestration.step_metrics import exact_kl_batch
+from megatron_armor.orchestration.step.step_metrics import exact_kl_batch
 from megatron_armor.trainer.logprobs import vocab_parallel_exact_kl
 from megatron_armor.types import Group, Sample, SampleSource, pack_groups
 

@@ -1,4 +1,4 @@
-"""Unit tier: which failures are faults of the machinery (``orchestration/faults.py``), the
+"""Unit tier: which failures are faults of the machinery (``orchestration/actors/faults.py``), the
 bound on in-run recoveries and the messages of a run that stops for a requeue or past the
 bound. The recoveries themselves (``kill -9`` of each actor kind in a real run) are in
 ``tests/e2e/test_faults_e2e.py``."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from ray.exceptions import ActorDiedError, ObjectLostError, RayTaskError
 
-from megatron_armor.orchestration.faults import (
+from megatron_armor.orchestration.actors.faults import (
     Fault,
     RecoveryBudget,
     RecoveryLimitError,
@@ -61,8 +61,8 @@ def test_recoveries_are_bounded_within_a_window_of_steps(tmp_path):
 
 
 def test_a_requeue_names_the_fault_the_newest_checkpoint_and_resume_auto(tmp_path):
-    from megatron_armor.orchestration import checkpoints
-    from megatron_armor.orchestration.run_state import RunState
+    from megatron_armor.orchestration.run import checkpoints
+    from megatron_armor.orchestration.run.run_state import RunState
 
     tmp = checkpoints.begin_checkpoint(tmp_path, 2)
     RunState(step=2).save(tmp)

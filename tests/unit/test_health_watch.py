@@ -20,7 +20,7 @@ from megatron_armor.observability.health import (
 )
 from megatron_armor.observability.summary import step_line
 from megatron_armor.observability.watchers import least_squares
-from megatron_armor.orchestration.run_watch import RunWatch, acceptance_limits
+from megatron_armor.orchestration.run.run_watch import RunWatch, acceptance_limits
 
 pytestmark = pytest.mark.unit
 

@@ -1,5 +1,5 @@
 """Unit tier: host memory of named process trees (psutil) and the run directory's size, the
-``mem/*`` and ``disk/*`` metrics (``observability/host_memory.py``, ``orchestration/host_usage.py``).
+``mem/*`` and ``disk/*`` metrics (``observability/host_memory.py``, ``orchestration/run/host_usage.py``).
 
 A child process allocates a known amount of memory and says so on its stdout; the reads wait
 for that line, never for a clock.
@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from megatron_armor.observability.host_memory import node_memory, tree_pids
-from megatron_armor.orchestration.host_usage import HostMemory, RunProcess, disk_metrics
+from megatron_armor.orchestration.run.host_usage import HostMemory, RunProcess, disk_metrics
 
 pytestmark = pytest.mark.unit
 

@@ -10,8 +10,8 @@ import pytest
 
 from megatron_armor.config.pipeline import PipelineConfig, split_overrides, stage_overrides
 from megatron_armor.config.schema import ArmorConfig, KeepBestConfig
-from megatron_armor.orchestration import checkpoints
-from megatron_armor.orchestration.run_watch import RunWatch
+from megatron_armor.orchestration.run import checkpoints
+from megatron_armor.orchestration.run.run_watch import RunWatch
 
 pytestmark = pytest.mark.unit
 

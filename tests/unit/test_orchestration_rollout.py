@@ -1,7 +1,7 @@
 """Unit tier: anchor rejection sampling (docs/algorithm.md, anchor rollout) with scripted in-process generators.
 
 The rollout and reward actors here are small deterministic test doubles with the same
-methods as ``orchestration.actor_handles`` (``generate``, ``sample_reference``, ``score``): each query
+methods as ``orchestration.actors.actor_handles`` (``generate``, ``sample_reference``, ``score``): each query
 has a scripted number of correct policy responses and a scripted reference correctness
 sequence, so group compositions and rejection counts are known exactly.
 """
@@ -18,8 +18,9 @@ from megatron_armor.algo.registry import get_anchor_mode
 from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.data.dataset import PromptItem
 from megatron_armor.data.sampler import ResumableSampler
-from megatron_armor.orchestration.acceptance import AcceptanceError
-from megatron_armor.orchestration.anchor_rollout import (
+from megatron_armor.orchestration.actors.workers import set_remembered_scores
+from megatron_armor.orchestration.step.acceptance import AcceptanceError
+from megatron_armor.orchestration.step.anchor_rollout import (
     AnchorRollout,
     caches_anchors,
     derive_seed,
@@ -27,14 +28,13 @@ from megatron_armor.orchestration.anchor_rollout import (
     prefers_reference_first,
     reference_parts,
 )
-from megatron_armor.orchestration.step_metrics import (
+from megatron_armor.orchestration.step.step_metrics import (
     anchor_file_steps,
     compress_anchor_files,
     read_anchor_file,
     rollout_metrics,
     write_anchor_file,
 )
-from megatron_armor.orchestration.workers import set_remembered_scores
 from megatron_armor.rollout.protocol import GenerationOutput
 from megatron_armor.rollout.reference import CachedReferenceSampler, ReferenceSampler
 from megatron_armor.types import Sample, SampleSource, pack_groups
@@ -781,7 +781,7 @@ def test_no_prefetch_when_the_next_step_draws_policy_first_or_the_call_differs()
     ],
 )
 def test_prefetch_applies_only_where_the_call_is_known_and_the_engines_are_free(change):
-    from megatron_armor.orchestration.anchor_rollout import prefetches_reference
+    from megatron_armor.orchestration.step.anchor_rollout import prefetches_reference
 
     config = make_config()
     config.rollout.ref_strategy = "dedicated"

@@ -24,19 +24,20 @@ from megatron_armor.config.validate import (
     updates_per_step,
 )
 from megatron_armor.observability.metrics import MetricsLogger, metrics_record, read_metrics
-from megatron_armor.orchestration import checkpoints, placement
-from megatron_armor.orchestration.actor_handles import shard
-from megatron_armor.orchestration.loop import minibatch_sample_ids
-from megatron_armor.orchestration.placement import (
+from megatron_armor.orchestration.actors import placement
+from megatron_armor.orchestration.actors.actor_handles import shard
+from megatron_armor.orchestration.actors.placement import (
     actor_options,
     plan_layout,
     rollout_hosts,
     trainer_runtime_env,
 )
-from megatron_armor.orchestration.run_state import EXIT_REQUEUE, RunState, StopSignal
-from megatron_armor.orchestration.session import Session
-from megatron_armor.orchestration.step_metrics import reduce_update_metrics
-from megatron_armor.orchestration.workers import reference_strategy
+from megatron_armor.orchestration.actors.workers import reference_strategy
+from megatron_armor.orchestration.run import checkpoints
+from megatron_armor.orchestration.run.run_state import EXIT_REQUEUE, RunState, StopSignal
+from megatron_armor.orchestration.run.session import Session
+from megatron_armor.orchestration.step.loop import minibatch_sample_ids
+from megatron_armor.orchestration.step.step_metrics import reduce_update_metrics
 from megatron_armor.rollout.sglang.pools import pool_problems
 from megatron_armor.types import Group, Sample
 
@@ -138,12 +139,12 @@ def test_stop_signal_handles_sigint_and_keeps_its_handler_through_start_up_code(
 
 HELD_THROUGH_NATIVE_HANDLER = """
 import ctypes, os, signal
-from megatron_armor.orchestration.ray_node import held_stop_signals
+from megatron_armor.orchestration.actors.ray_node import held_stop_signals
 
 held = held_stop_signals()  # armor train's first line (the CLI holds it with `with`)
 held.__enter__()
 os.kill(os.getpid(), signal.SIGINT)  # while it imports (torch starts threads)
-from megatron_armor.orchestration.run_state import StopSignal
+from megatron_armor.orchestration.run.run_state import StopSignal
 with StopSignal() as stop:
     with stop.guarded():
         assert stop.received is None, "held until start-up ends"
@@ -331,7 +332,7 @@ def test_every_config_file_loads(path):
 
 
 def test_reward_stats_merge_weights_means_and_adds_counters():
-    from megatron_armor.orchestration.actor_handles import merge_reward_stats
+    from megatron_armor.orchestration.actors.actor_handles import merge_reward_stats
 
     a = {"reward/n": 2.0, "reward/acc": 1.0, "reward/timeouts": 1.0, "reward/overlong_frac": 0.5}
     b = {"reward/n": 6.0, "reward/acc": 0.0, "reward/timeouts": 2.0, "reward/overlong_frac": 0.0}
@@ -344,7 +345,7 @@ def test_reward_stats_merge_weights_means_and_adds_counters():
 def test_engine_logprobs_align_with_packed_response_tokens():
     import math
 
-    from megatron_armor.orchestration.step_metrics import logprob_mismatch_metrics
+    from megatron_armor.orchestration.step.step_metrics import logprob_mismatch_metrics
     from megatron_armor.types import pack_groups
 
     a = Sample("q", [1, 2], [3, 4], response_logprobs=[-0.1, -0.2])
@@ -378,7 +379,7 @@ def test_a_sample_without_engine_logprobs_packs_nan_on_its_response():
 
 def test_a_correction_refuses_a_sample_without_engine_logprobs():
     from megatron_armor.config import load_config
-    from megatron_armor.orchestration.loop import require_engine_logprobs
+    from megatron_armor.orchestration.step.loop import require_engine_logprobs
     from megatron_armor.types import pack_groups
 
     a = Sample("q", [1], [3, 4], response_logprobs=[])  # an engine that returned none
@@ -395,7 +396,7 @@ def test_orchestration_never_imports_megatron():
     import sys
 
     code = (
-        "import sys, megatron_armor.orchestration.loop, megatron_armor.cli.train_cmd; "
+        "import sys, megatron_armor.orchestration.step.loop, megatron_armor.cli.train_cmd; "
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('megatron', 'ray', "
         "'transformer_engine', 'sglang')); print(bad); sys.exit(1 if bad else 0)"
     )
@@ -406,7 +407,7 @@ def test_orchestration_never_imports_megatron():
 
 
 def test_checkpoint_and_validation_cadence():
-    from megatron_armor.orchestration.loop import checkpoint_due, validation_due
+    from megatron_armor.orchestration.step.loop import checkpoint_due, validation_due
 
     cfg = ArmorConfig()
     cfg.run.steps, cfg.run.ckpt_every, cfg.validation.every = 7, 3, 2

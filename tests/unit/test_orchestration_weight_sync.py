@@ -1,4 +1,4 @@
-"""Driver-side weight sync (``orchestration/weight_sync.py``): which calls each transport
+"""Driver-side weight sync (``orchestration/actors/weight_sync.py``): which calls each transport
 makes on the trainer and rollout actors for a policy push, a reference push, a swap and the
 recovery of dead SGLang servers, against recording stand-ins of the two handles (the handles'
 Ray calls are exercised by the e2e tier; the trainer ranks' side by the dist and gpu tiers).
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from megatron_armor.config.loader import load_config
-from megatron_armor.orchestration.weight_sync import (
+from megatron_armor.orchestration.actors.weight_sync import (
     DiskSync,
     DistributedSync,
     InProcessSync,
@@ -320,8 +320,8 @@ def test_a_step_without_an_applied_update_pushes_nothing(early):
 
 
 def test_worker_roles_follow_the_pools_on_each_node():
-    from megatron_armor.orchestration.actor_handles import worker_roles
-    from megatron_armor.orchestration.placement import RolloutHost
+    from megatron_armor.orchestration.actors.actor_handles import worker_roles
+    from megatron_armor.orchestration.actors.placement import RolloutHost
 
     hosts = [
         RolloutHost(8, "10.0.0.2", {"policy": [(0, 0)]}),

@@ -71,7 +71,7 @@ def trainer_main(model_dir: str, targets_json: str, out_path: str, port: int) ->
     a disk push of the policy (shards of at most 1 MB and their index)."""
     from megatron_armor.config.schema import ArmorConfig
     from megatron_armor.config.validate import validate
-    from megatron_armor.orchestration.workers import TrainerWorker
+    from megatron_armor.orchestration.actors.workers import TrainerWorker
     from megatron_armor.trainer.weight_sync import DiskRankSync, ServerTarget
 
     cfg = ArmorConfig()

@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from megatron_armor.orchestration.step_metrics import exact_kl_mask
+from megatron_armor.orchestration.step.step_metrics import exact_kl_mask
 from megatron_armor.types import Group, Sample, pack_groups
 
 pytestmark = pytest.mark.unit

@@ -1,4 +1,4 @@
-"""The shielded Ray node launcher (``orchestration/ray_node.py``) with a stand-in for
+"""The shielded Ray node launcher (``orchestration/actors/ray_node.py``) with a stand-in for
 ``ray start``: the stop signals are blocked in what it starts, SIGUSR2 kills that process group,
 and a launcher whose parent is gone stops at once."""
 
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from megatron_armor.orchestration.ray_node import SHIELDED, STOP
+from megatron_armor.orchestration.actors.ray_node import SHIELDED, STOP
 
 pytestmark = pytest.mark.unit
 
@@ -27,7 +27,7 @@ NODE = (
 
 
 def launch(*args: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "megatron_armor.orchestration.ray_node", *args,
+    cmd = [sys.executable, "-m", "megatron_armor.orchestration.actors.ray_node", *args,
            "--", sys.executable, "-c", NODE]  # fmt: skip
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
 

@@ -114,9 +114,9 @@ def test_scoring_workers_get_answers_only(scorer, monkeypatch):
     scoring the samples in-process."""
     import pickle
 
-    from megatron_armor.orchestration import actor_handles
-    from megatron_armor.orchestration.actor_handles import RewardActors
-    from megatron_armor.orchestration.workers import RewardWorker
+    from megatron_armor.orchestration.actors import actor_handles
+    from megatron_armor.orchestration.actors.actor_handles import RewardActors
+    from megatron_armor.orchestration.actors.workers import RewardWorker
     from megatron_armor.reward.dapo_rule import TAIL_CHARS
     from megatron_armor.reward.scorer import Answer
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 
 from megatron_armor.data.dataset import PromptItem
-from megatron_armor.orchestration import actor_handles
-from megatron_armor.orchestration.actor_handles import RolloutActors, query_worker, shard
-from megatron_armor.orchestration.workers import ComputeClock, RolloutWorker
+from megatron_armor.orchestration.actors import actor_handles
+from megatron_armor.orchestration.actors.actor_handles import RolloutActors, query_worker, shard
+from megatron_armor.orchestration.actors.workers import ComputeClock, RolloutWorker
 from megatron_armor.rollout.protocol import GenerationOutput, SamplingParams
 from megatron_armor.rollout.reference import CachedReferenceSampler, ReferenceSampler
 
@@ -183,8 +183,8 @@ class Scorer:
 
 
 def reward_group(workers: int):
-    from megatron_armor.orchestration.actor_handles import RewardActors
-    from megatron_armor.orchestration.workers import RewardWorker
+    from megatron_armor.orchestration.actors.actor_handles import RewardActors
+    from megatron_armor.orchestration.actors.workers import RewardWorker
 
     group, scorers = object.__new__(RewardActors), []
     group.actors, group.verifier = [], "dapo"

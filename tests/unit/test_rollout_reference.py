@@ -234,7 +234,7 @@ def test_a_reset_to_the_served_policy_takes_the_engines_own_weights(models, stra
     """``RolloutWorker.reset_reference_from_policy``: the reference becomes the policy the
     engine serves at that version without receiving weights; it then samples what the policy
     samples, and survives the next policy push (a copy, not the policy's tensors)."""
-    from megatron_armor.orchestration.workers import RolloutWorker
+    from megatron_armor.orchestration.actors.workers import RolloutWorker
 
     engine = TorchEngine(models["policy_dir"])
     w = object.__new__(RolloutWorker)

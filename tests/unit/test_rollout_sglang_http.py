@@ -587,7 +587,7 @@ def test_stop_kills_at_once_a_server_started_with_sigterm_blocked():
     """A Ray actor starts its servers with the stop signals blocked (``ray_node.SHIELDED``,
     inherited through fork and exec): ``stop`` sees the blocked SIGTERM and sends SIGKILL
     instead of waiting out its timeout (600 s here, far beyond this test's limit)."""
-    from megatron_armor.orchestration.ray_node import SHIELDED
+    from megatron_armor.orchestration.actors.ray_node import SHIELDED
 
     started: list[launch.ManagedProcess] = []
 

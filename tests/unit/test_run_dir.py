@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from megatron_armor.config.schema import ArmorConfig
-from megatron_armor.orchestration import checkpoints, disk_space
-from megatron_armor.orchestration.run_dir import RESUMES_FILE, announce_resume, open_run_dir
-from megatron_armor.orchestration.run_lock import LOCK_FILE, RunDirLocked, RunLock
-from megatron_armor.orchestration.run_state import STATE_FILE, RunState
+from megatron_armor.orchestration.run import checkpoints, disk_space
+from megatron_armor.orchestration.run.run_dir import RESUMES_FILE, announce_resume, open_run_dir
+from megatron_armor.orchestration.run.run_lock import LOCK_FILE, RunDirLocked, RunLock
+from megatron_armor.orchestration.run.run_state import STATE_FILE, RunState
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from crafted_checkpoint import (  # noqa: E402

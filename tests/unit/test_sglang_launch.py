@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from megatron_armor.orchestration.placement import SERVER_OWNER_ENV, server_owner_options
+from megatron_armor.orchestration.actors.placement import SERVER_OWNER_ENV, server_owner_options
 from megatron_armor.rollout.sglang import launch
 from megatron_armor.trainer import weight_sync
 

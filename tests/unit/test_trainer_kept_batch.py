@@ -16,10 +16,10 @@ import pickle
 import pytest
 import torch
 
-from megatron_armor.orchestration import actor_handles
-from megatron_armor.orchestration.actor_handles import TrainerActors
-from megatron_armor.orchestration.loop import minibatch_sample_ids
-from megatron_armor.orchestration.workers import ComputeClock, TrainerWorker
+from megatron_armor.orchestration.actors import actor_handles
+from megatron_armor.orchestration.actors.actor_handles import TrainerActors
+from megatron_armor.orchestration.actors.workers import ComputeClock, TrainerWorker
+from megatron_armor.orchestration.step.loop import minibatch_sample_ids
 from megatron_armor.types import Group, Sample, SampleSource, pack_groups
 
 pytestmark = pytest.mark.unit

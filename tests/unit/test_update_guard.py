@@ -1,4 +1,4 @@
-"""The driver's side of the non-finite guard (``orchestration/update_guard.py``): skipped
+"""The driver's side of the non-finite guard (``orchestration/step/update_guard.py``): skipped
 updates counted per step and in a row across steps, the error that stops a diverged run, and
 the exit code it gets. Tier: unit."""
 
@@ -9,9 +9,9 @@ import math
 import pytest
 
 from megatron_armor.config import load_config
-from megatron_armor.orchestration.run_state import EXIT_REQUEUE
-from megatron_armor.orchestration.step_metrics import reduce_update_metrics
-from megatron_armor.orchestration.update_guard import (
+from megatron_armor.orchestration.run.run_state import EXIT_REQUEUE
+from megatron_armor.orchestration.step.step_metrics import reduce_update_metrics
+from megatron_armor.orchestration.step.update_guard import (
     EXIT_DIVERGED,
     DivergedError,
     diverged_error,

@@ -270,7 +270,7 @@ class ManagedProcess:
         group is signalled even when the leader is already dead (a crashed server's scheduler
         and detokenizer children would otherwise keep their GPU memory and port). A server
         that blocks SIGTERM gets SIGKILL at once: one started by a Ray actor inherits the
-        stop signals blocked (``orchestration/ray_node.py``: it must outlive a preemption
+        stop signals blocked (``orchestration/actors/ray_node.py``: it must outlive a preemption
         signal while the driver checkpoints), so a SIGTERM would only wait ``timeout_s`` out."""
         if self.process is None:
             return

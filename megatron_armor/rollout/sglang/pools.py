@@ -16,7 +16,7 @@ sglang 0.4.x-0.5.x). The reference servers start after the policy servers are he
 shared GPUs their flag is ``share / (1 - policy_fraction)`` to claim ``share`` of the GPU.
 
 Servers may sit on several nodes (one rollout worker per node launches that node's servers,
-``orchestration/placement.py``); a server's ``tp`` GPUs are on one node.
+``orchestration/actors/placement.py``); a server's ``tp`` GPUs are on one node.
 
 Pure config arithmetic: no SGLang, no Ray, so the validator and the planner use it too.
 """

@@ -2,7 +2,7 @@
 
 :func:`open_run_dir` runs before Ray and the actors start, in this order:
 
-1. take the run's lock (:class:`~megatron_armor.orchestration.run_lock.RunLock`; a second
+1. take the run's lock (:class:`~megatron_armor.orchestration.run.run_lock.RunLock`; a second
    run on the directory is refused);
 2. delete ``checkpoints/.tmp-*`` left by interrupted saves;
 3. decide where to resume from (``--resume auto|none|PATH``; the newest complete checkpoint
@@ -29,10 +29,10 @@ from omegaconf import OmegaConf
 
 from megatron_armor.config.loader import save_config
 from megatron_armor.config.schema import ArmorConfig
-from megatron_armor.orchestration import checkpoints
-from megatron_armor.orchestration.resume_check import METADATA, model_shape_problem
-from megatron_armor.orchestration.run_lock import RunLock
-from megatron_armor.orchestration.run_state import RunState
+from megatron_armor.orchestration.run import checkpoints
+from megatron_armor.orchestration.run.resume_check import METADATA, model_shape_problem
+from megatron_armor.orchestration.run.run_lock import RunLock
+from megatron_armor.orchestration.run.run_state import RunState
 
 CONFIG_FILE = "config.yaml"
 RESUMES_FILE = "resumes.jsonl"

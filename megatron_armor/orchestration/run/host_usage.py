@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_armor.observability.host_memory import node_memory
-from megatron_armor.orchestration import checkpoints
-from megatron_armor.orchestration.actor_handles import wait
+from megatron_armor.orchestration.actors.actor_handles import wait
+from megatron_armor.orchestration.run import checkpoints
 
 GB = 1e9
 
@@ -71,7 +71,8 @@ class HostMemory:
 
     def replace(self, name: str, actor) -> None:
         """The process ``name`` (e.g. ``rollout1``) is now ``actor``'s: a worker replaced in
-        the run (``recovery.py``) is measured from then on, under the dead one's name."""
+        the run (``orchestration/actors/recovery.py``) is measured from then on, under the dead
+        one's name."""
         (info,) = wait([actor.node_info.remote()], "actor node info")
         new = RunProcess(name, info["node_id"], info["pid"], True)
         self.processes = [new if p.name == name else p for p in self.processes]

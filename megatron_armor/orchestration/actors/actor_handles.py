@@ -21,14 +21,14 @@ import torch
 
 from megatron_armor.algo.registry import get_anchor_mode
 from megatron_armor.config.schema import ArmorConfig
-from megatron_armor.orchestration.placement import (
+from megatron_armor.orchestration.actors.placement import (
     LayoutPlan,
     RolloutHost,
     actor_options,
     server_owner_options,
     trainer_runtime_env,
 )
-from megatron_armor.orchestration.workers import RewardWorker, RolloutWorker, TrainerWorker
+from megatron_armor.orchestration.actors.workers import RewardWorker, RolloutWorker, TrainerWorker
 from megatron_armor.reward.scorer import answers_of
 from megatron_armor.rollout.backends import backend_of
 from megatron_armor.rollout.protocol import GenerationOutput, RolloutEngine, SamplingParams
@@ -284,7 +284,7 @@ class TrainerActors:
 
     def push_weights(self, version: int, weights: str, pool: str, target) -> int:
         """Every rank's part of a weight push into ``pool``'s servers ``target`` (the
-        transport's address of them, ``orchestration/weight_sync.py``); the bytes sent."""
+        transport's address of them, ``orchestration/actors/weight_sync.py``); the bytes sent."""
         refs = [a.push_weights.remote(version, weights, pool, target) for a in self.actors]
         return sum(wait(refs, f"weight sync ({weights} into the {pool} servers)"))
 
@@ -353,7 +353,7 @@ class RolloutActors:
         served = reference_strategy(config.rollout.ref_strategy, config.algo.anchor_source)
         anchors = get_anchor_mode(config.algo.anchor).draws_reference
         self.caches_anchors = anchors and served.caches_anchors
-        self.weight_sync = None  # set by the session (orchestration/weight_sync.py)
+        self.weight_sync = None  # set by the session (orchestration/actors/weight_sync.py)
         if hosts:
             for i, host in enumerate(hosts):
                 opts = server_owner_options(actor_options(plan, pg, order or [], host.bundle, 0.0))
@@ -518,7 +518,7 @@ class RolloutActors:
 
     def forget_unsettled(self) -> None:
         """Drop the unwaited calls of a step that a worker's death cut short (they may hold
-        its error; the step is drawn again: ``orchestration/recovery.py``)."""
+        its error; the step is drawn again: ``orchestration/actors/recovery.py``)."""
         self._unsettled = ()
 
     def reference_unsolved(self, items: list, n: int) -> list[bool]:
@@ -536,7 +536,7 @@ class RolloutActors:
 
     def submit_update_weights(self, version: int, export_refs: list) -> list:
         """Embedded engine: every policy worker loads the trainer's exported tensors at
-        ``version`` (``orchestration/weight_sync.InProcessSync``), queued without waiting;
+        ``version`` (``orchestration/actors/weight_sync.InProcessSync``), queued without waiting;
         :meth:`wait_update_weights` waits."""
         return [a.update_weights.remote(version, *export_refs) for a in self.policy_actors]
 
@@ -724,7 +724,7 @@ class RewardActors:
 
     def submit_score(self, answer_refs: list[list]) -> list:
         """Refs of the scores of ``answer_refs``: per rollout worker, the refs of its answers'
-        parts, one per scoring worker (:func:`~megatron_armor.orchestration.workers.with_answers`);
+        parts, one per scoring worker (:func:`~megatron_armor.orchestration.actors.workers.with_answers`);
         worker ``k`` scores part ``k`` of each. Not waited for (:class:`ScoredRows`)."""
         return [a.score_parts.remote(*(parts[k] for parts in answer_refs))
                 for k, a in enumerate(self.actors)]  # fmt: skip

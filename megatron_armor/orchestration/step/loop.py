@@ -7,7 +7,8 @@ metrics line) -> log. A SIGTERM, SIGINT or SIGUSR1 finishes the step, checkpoint
 with code 75 for a Slurm requeue; ``trainer.max_skipped_updates`` non-finite updates in a row
 checkpoint the step and stop the run with a ``DivergedError`` (exit 65, no requeue). A dead
 rollout or reward worker is replaced and the interrupted part of the step done again
-(``recovery.py``); a fault the run cannot recover from in place exits 75 (``faults.py``).
+(``orchestration/actors/recovery.py``); a fault the run cannot recover from in place exits 75
+(``orchestration/actors/faults.py``).
 With ``orchestration.async_rollout: one_step`` the step is ``async_rollout.AsyncPipeline``'s:
 the next step's rollout runs beside the updates.
 """
@@ -33,28 +34,32 @@ from megatron_armor.observability.metrics import metrics_record
 from megatron_armor.observability.nvtx import nvtx_range
 from megatron_armor.observability.summary import step_line
 from megatron_armor.observability.timers import PhaseTimers
-from megatron_armor.orchestration import checkpoints
-from megatron_armor.orchestration.acceptance import EXIT_ACCEPTANCE, AcceptanceError, exit_message
-from megatron_armor.orchestration.actor_handles import RemoteEngine, RemoteScorer
-from megatron_armor.orchestration.anchor_rollout import AnchorRollout, derive_seed
-from megatron_armor.orchestration.async_rollout import (
+from megatron_armor.orchestration.actors.actor_handles import RemoteEngine, RemoteScorer
+from megatron_armor.orchestration.actors.faults import RequeueError, locate, requeue_error
+from megatron_armor.orchestration.actors.placement import shutdown_ray
+from megatron_armor.orchestration.actors.recovery import WHY_TRAINER, handles
+from megatron_armor.orchestration.run import checkpoints
+from megatron_armor.orchestration.run.run_state import EXIT_REQUEUE, StopSignal
+from megatron_armor.orchestration.run.session import Session, run_dir_of
+from megatron_armor.orchestration.step.acceptance import (
+    EXIT_ACCEPTANCE,
+    AcceptanceError,
+    exit_message,
+)
+from megatron_armor.orchestration.step.anchor_rollout import AnchorRollout, derive_seed
+from megatron_armor.orchestration.step.async_rollout import (
     AsyncPipeline,
     collected_from_state,
     overlap_fraction,
 )
-from megatron_armor.orchestration.faults import RequeueError, locate, requeue_error
-from megatron_armor.orchestration.placement import shutdown_ray
-from megatron_armor.orchestration.recovery import WHY_TRAINER, handles
-from megatron_armor.orchestration.run_state import EXIT_REQUEUE, StopSignal
-from megatron_armor.orchestration.session import Session, run_dir_of
-from megatron_armor.orchestration.step_metrics import (
+from megatron_armor.orchestration.step.step_metrics import (
     exact_kl_mask,
     logprob_mismatch_metrics,
     reduce_update_metrics,
     rollout_metrics,
     write_anchor_file,
 )
-from megatron_armor.orchestration.update_guard import diverged_error, skip_metrics
+from megatron_armor.orchestration.step.update_guard import diverged_error, skip_metrics
 from megatron_armor.rollout.backends import backend_of
 from megatron_armor.rollout.protocol import SamplingParams
 from megatron_armor.types import Group, TrainBatch, pack_groups
@@ -134,7 +139,7 @@ def submit_minibatches(s: Session, groups: list[Group]) -> list[list]:
     but each mini-batch's sample ids), right behind that call: a rank runs its calls in order,
     so the updates follow the log-probs and each other with no driver round trip. The policy's
     weight push of ``step`` is queued behind them by :func:`run_step`
-    (:meth:`~megatron_armor.orchestration.weight_sync.WeightSync.queue_policy_push`)."""
+    (:meth:`~megatron_armor.orchestration.actors.weight_sync.WeightSync.queue_policy_push`)."""
     per_update = groups_per_update(s.config)
     return s.trainer.submit_updates(minibatch_sample_ids(groups, s.num_minibatches, per_update))
 
@@ -174,7 +179,7 @@ def sync_and_maybe_reset(s: Session, step: int, updated: bool = True) -> dict[st
             s.trainer.offload_train_state()
         if colocated:
             s.rollout.resume_memory(["weights"])
-        if updated:  # trainer ranks -> engines (weight_sync.py); a dead worker is replaced
+        if updated:  # trainer ranks -> engines (actors/weight_sync.py); a dead worker is replaced
             num_bytes = s.recovery.guard(s, step, "sync", lambda: s.push_policy(step))
             s.state.policy_version = step
         else:
@@ -300,7 +305,7 @@ def stop_message(s: Session, stop: StopSignal, saved: bool) -> str:
 def run_loop(s: Session, start: int, stop: StopSignal) -> int:
     """Steps ``start + 1 .. run.steps``; returns the process exit code (0, or 75 on a signal).
     After ``trainer.max_skipped_updates`` non-finite updates in a row it checkpoints the step
-    and raises :class:`~megatron_armor.orchestration.update_guard.DivergedError`.
+    and raises :class:`~megatron_armor.orchestration.step.update_guard.DivergedError`.
 
     A signal during a step (its logging included) lets the step finish, then checkpoints it;
     one that arrives before the first step (start-up, restore, step-0 validation) stops
@@ -374,8 +379,9 @@ def run_loop(s: Session, start: int, stop: StopSignal) -> int:
 
 def run_with_faults(s: Session, stop: StopSignal) -> int:
     """Restore and run the loop; a fault the run cannot recover from in place (a trainer rank
-    died, or one of the cases of ``recovery.py``) prints why, the newest complete checkpoint
-    and ``--resume auto``, and exits 75 (requeue: ``faults.py``)."""
+    died, or one of the cases of ``orchestration/actors/recovery.py``) prints why, the newest
+    complete checkpoint and ``--resume auto``, and exits 75 (requeue:
+    ``orchestration/actors/faults.py``)."""
     try:
         return run_loop(s, s.restore(), stop)
     except RequeueError as err:

@@ -4,7 +4,7 @@ Slurm signals every process of a job on preemption or ``scancel --signal=TERM --
 shell signals a whole process group; a Ray GCS or raylet that receives that SIGTERM exits,
 and the driver then cannot save. So every Ray node the project starts runs as
 
-    python -m megatron_armor.orchestration.ray_node [--parent PID] -- ray start --block ARGS...
+    python -m megatron_armor.orchestration.actors.ray_node [--parent PID] -- ray start --block ARGS...
 
 which blocks :data:`SHIELDED` (SIGTERM, SIGINT, SIGUSR1) in its signal mask and runs the
 command as a child in a new session. A blocked mask is inherited through fork and exec, so the
@@ -107,7 +107,9 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["--"]:
         argv = argv[1:]
     if not argv:
-        sys.exit("usage: python -m megatron_armor.orchestration.ray_node [--parent PID] -- CMD...")
+        sys.exit(
+            "usage: python -m megatron_armor.orchestration.actors.ray_node [--parent PID] -- CMD..."
+        )
     return run_shielded(argv, parent)
 
 

@@ -17,7 +17,7 @@ import logging
 
 from megatron_armor.algo.anchors import AcceptanceStats
 from megatron_armor.algo.registry import get_anchor_mode, get_short_batch_policy
-from megatron_armor.orchestration.update_guard import divergence_note
+from megatron_armor.orchestration.step.update_guard import divergence_note
 
 log = logging.getLogger(__name__)
 

@@ -137,7 +137,8 @@ class WeightSync:
         waits for them, with the version :meth:`push_policy` will push; a transport that can
         start the push then does (:class:`InProcessSync`), the others push in
         :meth:`push_policy`. ``load_early`` off: the engines must not load it before
-        :meth:`push_policy` (they draw the next step meanwhile, ``async_rollout.py``)."""
+        :meth:`push_policy` (they draw the next step meanwhile,
+        ``orchestration/step/async_rollout.py``)."""
 
     def skip_policy_push(self) -> int:
         """Instead of :meth:`push_policy` after a step whose every update was skipped

@@ -1,9 +1,10 @@
 """Set-up and tear-down of a run: Ray, actor handles, data, schedule, sinks, checkpoints.
 
-:class:`Session` owns every long-lived object of a run so the loop (``loop.py``) reads as
-verbs only. ``save``/``restore`` implement the checkpoint contract of docs/algorithm.md, reference reset: the
-trainer writes model, optimizer, reference weights and RNG; the orchestrator writes
-:class:`~megatron_armor.orchestration.run_state.RunState` next to it; the directory is
+:class:`Session` owns every long-lived object of a run so the loop
+(``orchestration/step/loop.py``) reads as verbs only. ``save``/``restore`` implement the
+checkpoint contract of docs/algorithm.md, reference reset: the trainer writes model,
+optimizer, reference weights and RNG; the orchestrator writes
+:class:`~megatron_armor.orchestration.run.run_state.RunState` next to it; the directory is
 renamed into place only when complete.
 """
 
@@ -26,35 +27,36 @@ from megatron_armor.observability.throughput import (
     peak_tflops,
 )
 from megatron_armor.observability.timers import PhaseTimers
-from megatron_armor.orchestration import checkpoints, placement
-from megatron_armor.orchestration.actor_handles import (
+from megatron_armor.orchestration.actors import placement
+from megatron_armor.orchestration.actors.actor_handles import (
     RewardActors,
     RolloutActors,
     TrainerActors,
     close_actors,
 )
-from megatron_armor.orchestration.disk_space import (
-    check_free_space,
-    estimated_checkpoint_bytes,
-    no_space_error,
-)
-from megatron_armor.orchestration.host_usage import HostMemory, disk_metrics
-from megatron_armor.orchestration.placement import (
+from megatron_armor.orchestration.actors.placement import (
     LayoutPlan,
     create_bundles,
     init_ray,
     plan_layout,
     rollout_hosts,
 )
-from megatron_armor.orchestration.progress import PhaseProgress
-from megatron_armor.orchestration.recovery import Recovery
-from megatron_armor.orchestration.run_dir import announce_resume, open_run_dir
-from megatron_armor.orchestration.run_lock import RunLock
-from megatron_armor.orchestration.run_state import RunState
-from megatron_armor.orchestration.run_watch import RunWatch
-from megatron_armor.orchestration.step_metrics import compress_anchor_files
-from megatron_armor.orchestration.weight_sync import WeightSync, make_weight_sync
-from megatron_armor.orchestration.workers import freeze_heap, load_model_tokenizer
+from megatron_armor.orchestration.actors.recovery import Recovery
+from megatron_armor.orchestration.actors.weight_sync import WeightSync, make_weight_sync
+from megatron_armor.orchestration.actors.workers import freeze_heap, load_model_tokenizer
+from megatron_armor.orchestration.run import checkpoints
+from megatron_armor.orchestration.run.disk_space import (
+    check_free_space,
+    estimated_checkpoint_bytes,
+    no_space_error,
+)
+from megatron_armor.orchestration.run.host_usage import HostMemory, disk_metrics
+from megatron_armor.orchestration.run.run_dir import announce_resume, open_run_dir
+from megatron_armor.orchestration.run.run_lock import RunLock
+from megatron_armor.orchestration.run.run_state import RunState
+from megatron_armor.orchestration.run.run_watch import RunWatch
+from megatron_armor.orchestration.step.progress import PhaseProgress
+from megatron_armor.orchestration.step.step_metrics import compress_anchor_files
 from megatron_armor.planner.model import load_model_dims
 from megatron_armor.rollout.backends import backend_of
 
@@ -211,7 +213,7 @@ class Session:
         """Atomic checkpoint of ``step`` (trainer + orchestrator), keeping the last K; it
         carries the step's ``metrics.jsonl`` line (``metrics_line``) for :meth:`restore`. The
         free space is checked first; a save that runs out of it is removed and raises
-        :class:`~megatron_armor.orchestration.disk_space.DiskFullError` (``disk_space.py``)."""
+        :class:`~megatron_armor.orchestration.run.disk_space.DiskFullError` (``disk_space.py``)."""
         t = self.config.trainer
         estimate = estimated_checkpoint_bytes(t.model_path, t.precision)
         need = check_free_space(self.run_dir, step, estimate)
@@ -230,7 +232,8 @@ class Session:
         self.state.pending = self.in_flight()
         self.state.sampler = self.sampler.state_dict()
         self.state.reset = self.schedule.state_dict()
-        # a rollout worker that died since its step's rollout is replaced (recovery.py)
+        # a rollout worker that died since its step's rollout is replaced
+        # (orchestration/actors/recovery.py)
         self.state.rollout = self.recovery.guard(self, step, "checkpoint", self.rollout.state_dicts)
         self.state.watch = self.watch.state_dict()
         self.state.capture_rng()
@@ -264,7 +267,7 @@ class Session:
         self.rollout.resume_memory(["kv_cache"])
 
     def push_policy(self, version: int) -> int:
-        """Load the trainer's policy into the engines (``orchestration/weight_sync.py``)."""
+        """Load the trainer's policy into the engines (``orchestration/actors/weight_sync.py``)."""
         return self.weight_sync.push_policy(version)
 
     def offload_for_rollout(self) -> None:
@@ -295,7 +298,7 @@ class Session:
 
     def host_metrics(self, checkpoint_step: bool) -> dict[str, float]:
         """``mem/*`` (every step) and, at a step of the periodic checkpoints, ``disk/*`` before
-        its checkpoint is written (``orchestration/host_usage.py``)."""
+        its checkpoint is written (``orchestration/run/host_usage.py``)."""
         out = self.host_memory.metrics()
         if checkpoint_step:
             out.update(disk_metrics(self.run_dir))

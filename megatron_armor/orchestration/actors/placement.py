@@ -34,7 +34,7 @@ from pathlib import Path
 
 from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.config.validate import host_cores
-from megatron_armor.orchestration.ray_node import LocalRayHead
+from megatron_armor.orchestration.actors.ray_node import LocalRayHead
 from megatron_armor.rollout.backends import backend_of
 
 LAYOUTS = ("cpu", "colocated", "disaggregated")

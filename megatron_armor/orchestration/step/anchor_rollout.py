@@ -54,8 +54,8 @@ from megatron_armor.config.validate import reference_order, short_batch_floor
 from megatron_armor.data.retirement import retire_drawn
 from megatron_armor.observability.nvtx import nvtx_range
 from megatron_armor.observability.timers import PhaseTimers
-from megatron_armor.orchestration.acceptance import check_short
-from megatron_armor.orchestration.actor_handles import merge_reward_stats, shard
+from megatron_armor.orchestration.actors.actor_handles import merge_reward_stats, shard
+from megatron_armor.orchestration.step.acceptance import check_short
 from megatron_armor.rollout.protocol import SamplingParams
 from megatron_armor.types import Group, Sample
 
@@ -130,7 +130,7 @@ def reference_parts(query_ids: list[str], parts: int) -> list[list[int]]:
 def driver_swaps(config) -> bool:
     """Whether the driver swaps the reference weights into the SGLang policy servers around
     each reference call (``ref_strategy: swap`` without a reference pool,
-    ``orchestration/weight_sync.py``)."""
+    ``orchestration/actors/weight_sync.py``)."""
     from megatron_armor.rollout.backends import backend_of
     from megatron_armor.rollout.reference import reference_strategy
     from megatron_armor.rollout.sglang.pools import uses_ref_pool
@@ -455,8 +455,8 @@ class AnchorRollout:
         return True
 
     def forget_prefetch(self) -> None:
-        """Drop the call :meth:`prefetch` sent (a worker died since: ``recovery.py``); the step
-        draws it itself, with the same seed."""
+        """Drop the call :meth:`prefetch` sent (a worker died since:
+        ``orchestration/actors/recovery.py``); the step draws it itself, with the same seed."""
         self._prefetched = None
 
     def _prefetched_rows(self, pending: tuple | None, step: int, items: list):

@@ -48,12 +48,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from megatron_armor.orchestration.actor_handles import wait
-from megatron_armor.orchestration.faults import Fault, RecoveryBudget, locate, requeue_error
+from megatron_armor.orchestration.actors.actor_handles import wait
+from megatron_armor.orchestration.actors.faults import Fault, RecoveryBudget, locate, requeue_error
 from megatron_armor.rollout.backends import backend_of
 
 if TYPE_CHECKING:
-    from megatron_armor.orchestration.session import Session
+    from megatron_armor.orchestration.run.session import Session
 
 RECOVERIES_FILE = "recoveries.jsonl"
 WHY_TRAINER = "a trainer rank's model and optimizer state live only in its process"
@@ -109,9 +109,10 @@ class Recovery:
         self.collected = step
 
     def ahead(self, weights: str) -> None:
-        """The engines draw the next step while the trainer updates (``async_rollout.py``): a
-        replacement gets the trainer's ``weights`` copy (the weights the engines serve), not
-        the live weights, which the updates are changing."""
+        """The engines draw the next step while the trainer updates
+        (``orchestration/step/async_rollout.py``): a replacement gets the trainer's ``weights``
+        copy (the weights the engines serve), not the live weights, which the updates are
+        changing."""
         self.served = weights
 
     def caught_up(self) -> None:
@@ -153,7 +154,7 @@ class Recovery:
 
     def recover(self, s: Session, step: int, phase: str, fault: Fault, err: BaseException) -> None:
         """Replace the worker of ``fault`` and restore the rollout workers for ``phase`` of
-        ``step``, or raise :class:`~megatron_armor.orchestration.faults.RequeueError`."""
+        ``step``, or raise :class:`~megatron_armor.orchestration.actors.faults.RequeueError`."""
         why = self.unrecoverable(s, step, phase, fault)
         if why:
             raise requeue_error(s.run_dir, fault, step, why) from err
@@ -216,7 +217,7 @@ def replace_actor(s: Session, fault: Fault) -> int | None:
     its index among the rollout workers (``None`` for a reward worker)."""
     import ray
 
-    from megatron_armor.orchestration.workers import RewardWorker, RolloutWorker
+    from megatron_armor.orchestration.actors.workers import RewardWorker, RolloutWorker
 
     handle = s.rollout if fault.kind == "rollout" else s.reward
     cls = RolloutWorker if fault.kind == "rollout" else RewardWorker

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from megatron_armor.algo.kl import kl_k1, kl_k3
-from megatron_armor.orchestration.anchor_rollout import RolloutResult
+from megatron_armor.orchestration.step.anchor_rollout import RolloutResult
 from megatron_armor.types import Group, Sample, SampleSource, TrainBatch
 
 

@@ -5,7 +5,7 @@ A *fault* is a failure of the machinery, not of the run's code or data: an actor
 that died (``kill -9``, the OOM killer, a lost node), an object lost with its node, a call
 past its bound (``actor_handles.wait``). An exception raised by an actor's own code (a
 ``RayTaskError`` whose cause is not one of those) is not a fault: it propagates as before.
-:func:`locate` names the actor a fault came from; ``orchestration/recovery.py`` replaces a
+:func:`locate` names the actor a fault came from; ``orchestration/actors/recovery.py`` replaces a
 dead rollout or reward worker in the run, and everything else (a trainer rank, a worker of
 SGLang servers, a state lost with its worker) ends the run with :class:`RequeueError`:
 exit 75, so ``slurm/armor.sbatch`` requeues it and ``--resume auto`` continues from the
@@ -21,8 +21,8 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_armor.orchestration import checkpoints
-from megatron_armor.orchestration.run_state import EXIT_REQUEUE
+from megatron_armor.orchestration.run import checkpoints
+from megatron_armor.orchestration.run.run_state import EXIT_REQUEUE
 
 EXIT_RECOVERY_LIMIT = 69  # EX_UNAVAILABLE
 ACTOR_CLASSES = {"trainer": "TrainerWorker", "rollout": "RolloutWorker", "reward": "RewardWorker"}

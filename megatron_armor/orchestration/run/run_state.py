@@ -44,8 +44,8 @@ class RunState:
     """Keep-best and over-optimization detector state (``run_watch.py``)."""
     skipped_in_a_row: int = 0
     """Optimizer updates skipped in a row for a non-finite loss or gradient norm, up to this
-    step (``update_guard.py``): a resume keeps counting toward ``trainer.max_skipped_updates``;
-    0 in checkpoints that predate it."""
+    step (``orchestration/step/update_guard.py``): a resume keeps counting toward
+    ``trainer.max_skipped_updates``; 0 in checkpoints that predate it."""
     metrics_line: dict = field(default_factory=dict)
     """The ``metrics.jsonl`` line of ``step`` (``metrics_record``), written back on resume when a
     kill came between the checkpoint and the line; ``{}`` in checkpoints that predate it."""
@@ -126,7 +126,7 @@ class StopSignal:
         installs absl's failure signal handler, which covers SIGTERM and aborts) never sees
         one: a signal that arrives stays pending and reaches this handler when the body ends.
         The end unblocks them also when the caller held them from its first line
-        (:func:`~megatron_armor.orchestration.ray_node.held_stop_signals`)."""
+        (:func:`~megatron_armor.orchestration.actors.ray_node.held_stop_signals`)."""
         original = signal.signal
 
         def keep_ours(signum, handler):

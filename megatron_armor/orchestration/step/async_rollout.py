@@ -51,9 +51,9 @@ from megatron_armor.algo.advantages import assign_configured_advantages
 from megatron_armor.algo.anchors import AcceptanceStats
 from megatron_armor.algo.losses import needs_reference_logprobs
 from megatron_armor.observability.timers import PhaseTimers
-from megatron_armor.orchestration.actor_handles import wait
-from megatron_armor.orchestration.anchor_rollout import AnchorRollout, RolloutResult
-from megatron_armor.orchestration.step_metrics import (
+from megatron_armor.orchestration.actors.actor_handles import wait
+from megatron_armor.orchestration.step.anchor_rollout import AnchorRollout, RolloutResult
+from megatron_armor.orchestration.step.step_metrics import (
     logprob_mismatch_metrics,
     rollout_metrics,
     write_anchor_file,
@@ -136,7 +136,8 @@ class Collector:
         """Step ``step``'s rollout (the engines at policy ``version``), in this thread."""
         s, start = self.s, time.perf_counter()
         with self.timers.phase("rollout"):
-            # drawn again if a worker dies (recovery.py); the cache counters' read is queued
+            # drawn again if a worker dies (orchestration/actors/recovery.py); the cache
+            # counters' read is queued
             result, counters = s.recovery.collect(s, self.rollout, step)
         metrics = dict(s.sampler.metrics())  # data/epoch, data/retired*
         metrics.update(s.rollout.reference_metrics(counters))
@@ -198,7 +199,7 @@ class AsyncPipeline:
     def run_step(self, step: int) -> dict[str, float]:
         """One step; leaves the next step's rollout in :attr:`pending` when it overlapped (a
         checkpoint of the step keeps it: ``Session.in_flight``)."""
-        from megatron_armor.orchestration import loop
+        from megatron_armor.orchestration.step import loop
 
         s, t0 = self.s, time.perf_counter()
         restarted = 0
@@ -267,7 +268,7 @@ class AsyncPipeline:
     def submit_train(self, step: int, batch: Collected, keep: bool):
         """Advantages, packing and the trainer calls of the step (queued): the log-probs, the
         behavior weights kept for the next batch (``keep``), the updates."""
-        from megatron_armor.orchestration import loop
+        from megatron_armor.orchestration.step import loop
 
         s, groups = self.s, batch.result.groups
         assign_configured_advantages(groups, s.config.algo)
@@ -286,7 +287,7 @@ class AsyncPipeline:
     def finish_train(self, step: int, batch: Collected, queued, load_early: bool) -> dict:
         """Wait for the step's log-probs and updates (the weight export queued behind them;
         the engines load it only after the next rollout: ``load_early`` off in an overlap)."""
-        from megatron_armor.orchestration import loop
+        from megatron_armor.orchestration.step import loop
 
         s, (packed, logprobs, updates, _) = self.s, queued
         with s.timers.phase("logprobs"):

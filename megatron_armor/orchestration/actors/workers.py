@@ -26,7 +26,7 @@ from megatron_armor.algo.registry import get_anchor_mode
 from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.observability.nvtx import enable_nvtx, nvtx_range
 from megatron_armor.observability.throughput import peak_gpu_memory_gb
-from megatron_armor.orchestration.ray_node import ignore_stop_signals
+from megatron_armor.orchestration.actors.ray_node import ignore_stop_signals
 from megatron_armor.rollout.backends import backend_of
 from megatron_armor.rollout.protocol import GenerationOutput, SamplingParams
 from megatron_armor.types import NamedTensorList, Sample, SampleSource
@@ -335,7 +335,7 @@ def with_answers(rows: list[list[Sample]], verifier: str | None, parts: int = 1)
     and no answer sent twice (``actor_handles.RolloutActors.submit_scored``)."""
     if verifier is None:
         return rows
-    from megatron_armor.orchestration.actor_handles import shard
+    from megatron_armor.orchestration.actors.actor_handles import shard
     from megatron_armor.reward.scorer import answers_of
 
     answers = answers_of([s for row in rows for s in row if not s.scored], verifier)
@@ -408,7 +408,7 @@ class RolloutWorker:
         ref_engine = self.ref_engine
         if backend.serves_over_http and plan.swaps_into_policy:
             # the trainer ranks swap the reference into the policy servers around each call
-            # (orchestration/weight_sync.py): the servers then serve it like a dedicated pool
+            # (orchestration/actors/weight_sync.py): the servers then serve it like a dedicated pool
             strategy = plan.strategy if plan.caches_anchors else "dedicated"
             plan, ref_engine = ReferencePlan(strategy, "dedicated"), self.engine
         self.keep_copies = plan.swaps_into_policy
@@ -644,7 +644,7 @@ class RolloutWorker:
 
     def load_state_dict(self, state: dict) -> None:
         """The reference sampler's state of a checkpoint or of a step's snapshot (a worker
-        replaced in the run, ``orchestration/recovery.py``); the anchor-cache counters restart
+        replaced in the run, ``orchestration/actors/recovery.py``); the anchor-cache counters restart
         from it, so the next ``anchor/cache_*`` read counts what came after."""
         self.reference.load_state_dict(state)
         self.counted = {}

@@ -4,7 +4,7 @@ The trainer ranks skip an update whose loss or gradient norm is not finite on so
 (``trainer/optim.py: guarded_step``; the update's metrics say ``train/skipped``). Here the
 driver counts the skipped updates of each step (``train/skipped_updates``) and those in a
 row across steps (``train/skipped_in_a_row``, kept in the checkpoint's
-:class:`~megatron_armor.orchestration.run_state.RunState`), and after
+:class:`~megatron_armor.orchestration.run.run_state.RunState`), and after
 ``trainer.max_skipped_updates`` in a row it stops the run: the loop checkpoints the step
 (its weights are those of the last applied update) and raises :class:`DivergedError`, which
 ``armor train`` turns into exit code :data:`EXIT_DIVERGED`. Slurm requeues only exit 75, so a

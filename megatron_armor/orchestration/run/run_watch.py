@@ -20,7 +20,7 @@ from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.config.validate import short_batch_floor
 from megatron_armor.observability.health import AcceptanceLimits, HealthWatch
 from megatron_armor.observability.watchers import BestTracker, OveroptDetector
-from megatron_armor.orchestration import checkpoints
+from megatron_armor.orchestration.run import checkpoints
 
 
 def acceptance_limits(config: ArmorConfig) -> AcceptanceLimits:

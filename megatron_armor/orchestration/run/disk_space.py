@@ -17,7 +17,7 @@ import errno
 import shutil
 from pathlib import Path
 
-from megatron_armor.orchestration.checkpoints import (
+from megatron_armor.orchestration.run.checkpoints import (
     CheckpointError,
     checkpoint_root,
     directory_bytes,
