@@ -18,6 +18,7 @@ from megatron_armor.config.validate import (
     runs_async_rollout,
     runs_concurrent_reference,
 )
+from megatron_armor.orchestration.run.run_state import RunState
 from megatron_armor.orchestration.step.anchor_rollout import RolloutResult
 from megatron_armor.orchestration.step.async_rollout import (
     AsyncPipeline,
