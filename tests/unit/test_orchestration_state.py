@@ -36,7 +36,7 @@ from megatron_armor.orchestration.actors.workers import reference_strategy
 from megatron_armor.orchestration.run import checkpoints
 from megatron_armor.orchestration.run.run_state import EXIT_REQUEUE, RunState, StopSignal
 from megatron_armor.orchestration.run.session import Session
-from megatron_armor.orchestration.step.loop import minibatch_sample_ids
+from megatron_armor.orchestration.step.phases import minibatch_sample_ids
 from megatron_armor.orchestration.step.step_metrics import reduce_update_metrics
 from megatron_armor.rollout.sglang.pools import pool_problems
 from megatron_armor.types import Group, Sample
@@ -379,7 +379,7 @@ def test_a_sample_without_engine_logprobs_packs_nan_on_its_response():
 
 def test_a_correction_refuses_a_sample_without_engine_logprobs():
     from megatron_armor.config import load_config
-    from megatron_armor.orchestration.step.loop import require_engine_logprobs
+    from megatron_armor.orchestration.step.phases import require_engine_logprobs
     from megatron_armor.types import pack_groups
 
     a = Sample("q", [1], [3, 4], response_logprobs=[])  # an engine that returned none
@@ -407,7 +407,7 @@ def test_orchestration_never_imports_megatron():
 
 
 def test_checkpoint_and_validation_cadence():
-    from megatron_armor.orchestration.step.loop import checkpoint_due, validation_due
+    from megatron_armor.orchestration.step.phases import checkpoint_due, validation_due
 
     cfg = ArmorConfig()
     cfg.run.steps, cfg.run.ckpt_every, cfg.validation.every = 7, 3, 2

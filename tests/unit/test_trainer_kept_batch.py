@@ -19,7 +19,7 @@ import torch
 from megatron_armor.orchestration.actors import actor_handles
 from megatron_armor.orchestration.actors.actor_handles import TrainerActors
 from megatron_armor.orchestration.actors.workers import ComputeClock, TrainerWorker
-from megatron_armor.orchestration.step.loop import minibatch_sample_ids
+from megatron_armor.orchestration.step.phases import minibatch_sample_ids
 from megatron_armor.types import Group, Sample, SampleSource, pack_groups
 
 pytestmark = pytest.mark.unit

@@ -1,6 +1,7 @@
 """The step: one pass of Algorithm 1 from the sampled queries to the logged metrics.
 
 - ``loop``: the training loop as a short sequence of verbs on actor handles.
+- ``phases``: the verbs both loops share (log-probs, updates, sync and reset, validation).
 - ``anchor_rollout``: phase 1, generation and scoring with rejection sampling until B groups.
 - ``async_rollout``: one-step-off rollout, the next step's generation beside this step's updates.
 - ``acceptance``: a short step (fewer accepted groups than ``rollout.batch``).

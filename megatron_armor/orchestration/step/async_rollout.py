@@ -52,6 +52,7 @@ from megatron_armor.algo.anchors import AcceptanceStats
 from megatron_armor.algo.losses import needs_reference_logprobs
 from megatron_armor.observability.timers import PhaseTimers
 from megatron_armor.orchestration.actors.actor_handles import wait
+from megatron_armor.orchestration.step import phases
 from megatron_armor.orchestration.step.anchor_rollout import AnchorRollout, RolloutResult
 from megatron_armor.orchestration.step.step_metrics import (
     logprob_mismatch_metrics,
@@ -199,8 +200,6 @@ class AsyncPipeline:
     def run_step(self, step: int) -> dict[str, float]:
         """One step; leaves the next step's rollout in :attr:`pending` when it overlapped (a
         checkpoint of the step keeps it: ``Session.in_flight``)."""
-        from megatron_armor.orchestration.step import loop
-
         s, t0 = self.s, time.perf_counter()
         restarted = 0
         batch, self.pending = self.pending, None
@@ -239,14 +238,14 @@ class AsyncPipeline:
         s.meter.add_rollout(result.generated_tokens, batch.timings.get("timing/generate_s", 0.0))
         metrics.update(lag_metrics(result, s.state.policy_version))
         metrics.update(self.overlap_metrics(waited, train_start, train_end, join_end, overlap))
-        restarted += loop.heal_before_push(s, step)
+        restarted += phases.heal_before_push(s, step)
         updated = metrics["train/updates"] > metrics.get("train/skipped_updates", 0.0)
-        metrics.update(loop.sync_and_maybe_reset(s, step, updated))
+        metrics.update(phases.sync_and_maybe_reset(s, step, updated))
         metrics["algo/alpha"] = s.config.algo.alpha
         if backend_of(s.config).serves_over_http:
             metrics["rollout/servers_restarted"] = float(restarted)
-        if loop.validation_due(s.config, step):
-            metrics.update(loop.validate(s, step))
+        if phases.validation_due(s.config, step):
+            metrics.update(phases.validate(s, step))
         if not overlap:
             self.rollout.observe(metrics)  # the next rollout comes after this step, as in sync
         return metrics
@@ -268,33 +267,29 @@ class AsyncPipeline:
     def submit_train(self, step: int, batch: Collected, keep: bool):
         """Advantages, packing and the trainer calls of the step (queued): the log-probs, the
         behavior weights kept for the next batch (``keep``), the updates."""
-        from megatron_armor.orchestration.step import loop
-
         s, groups = self.s, batch.result.groups
         assign_configured_advantages(groups, s.config.algo)
         packed = pack_groups(groups)
-        loop.require_engine_logprobs(s.config, packed, step)
+        phases.require_engine_logprobs(s.config, packed, step)
         with s.timers.phase("logprobs"):
             logprobs = s.trainer.submit_logprobs(
                 packed, needs_reference_logprobs(s.config.algo),
-                loop.exact_kl_tokens(s, packed, step), batch.old_weights,
+                phases.exact_kl_tokens(s, packed, step), batch.old_weights,
             )  # fmt: skip
         kept = s.trainer.submit_snapshot_behavior() if keep else []
         with s.timers.phase("train"):
-            updates = loop.submit_minibatches(s, groups)
+            updates = phases.submit_minibatches(s, groups)
         return packed, logprobs, updates, kept
 
     def finish_train(self, step: int, batch: Collected, queued, load_early: bool) -> dict:
         """Wait for the step's log-probs and updates (the weight export queued behind them;
         the engines load it only after the next rollout: ``load_early`` off in an overlap)."""
-        from megatron_armor.orchestration.step import loop
-
         s, (packed, logprobs, updates, _) = self.s, queued
         with s.timers.phase("logprobs"):
-            exact_kl = loop.finish_logprobs(s, packed, logprobs)
+            exact_kl = phases.finish_logprobs(s, packed, logprobs)
         with s.timers.phase("train"):
             s.weight_sync.queue_policy_push(step, load_early=load_early)
-            metrics = loop.finish_minibatches(s, updates)
+            metrics = phases.finish_minibatches(s, updates)
         s.meter.add_train(packed.seq_lengths(), s.timers.seconds("train"))
         metrics.update(exact_kl)
         metrics.update(logprob_mismatch_metrics(packed, needs_reference_logprobs(s.config.algo)))
