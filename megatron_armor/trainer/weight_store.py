@@ -45,9 +45,17 @@ class WeightStore:
         return out
 
     def snapshot(self, name: str) -> None:
-        """Store the live parameters as copy ``name`` (``reset``: ``snapshot("ref")``)."""
+        """Store the live parameters as copy ``name`` (``reset``: ``snapshot("ref")``; every
+        step for ``behavior``): into the buffers of the copy held under that name when it has
+        the live shapes (nothing allocated or page-locked again), else into new ones."""
+        params = self._params()
+        held = self.copies.get(name)
         with torch.no_grad():
-            self.copies[name] = {k: self._host_copy(p) for k, p in self._params().items()}
+            if held is not None and _same_layout(held, params):
+                for k, p in params.items():
+                    held[k].copy_(p.detach())
+            else:
+                self.copies[name] = {k: self._host_copy(p) for k, p in params.items()}
         self._live.add(name)
 
     def has(self, name: str) -> bool:
@@ -116,3 +124,10 @@ class WeightStore:
             for k, p in params.items():
                 self._backup[k].copy_(p.detach())
         return self._backup
+
+
+def _same_layout(copy: dict[str, torch.Tensor], params: dict[str, torch.Tensor]) -> bool:
+    """Whether ``copy`` holds a tensor of each parameter's name, shape and dtype."""
+    return copy.keys() == params.keys() and all(
+        copy[k].shape == p.shape and copy[k].dtype == p.dtype for k, p in params.items()
+    )

@@ -90,12 +90,11 @@ def test_the_tiny_config_runs_to_completion_with_traces_from_every_node(referenc
     assert hosts == set(nodes)  # one trainer rank on each node
 
 
-def test_sigusr1_checkpoints_requeues_and_resumes_with_the_uninterrupted_metrics(
-    reference, layout, workdir, jobs
-):
-    expected = {r["step"]: without_wall_clock(r) for r in read_metrics(reference[0].run_dir)}
-    assert reference[1] == "COMPLETED", reference[0].report()
-    job = jobs.submit(workdir, run_overrides(layout), nodes=layout)
+def preempted_with_sigusr1(jobs, workdir, overrides: list[str], nodes: int):
+    """A job of ``overrides`` sent SIGUSR1 once step 1 is logged: it checkpoints, exits 75, is
+    requeued once and resumes from that checkpoint to the end. Returns ``(job, step)``, the step
+    the signal's checkpoint holds."""
+    job = jobs.submit(workdir, overrides, nodes=nodes)
     wait_until(lambda: f"step 1/{STEPS}" in job.driver_log(), 600, "the first step", job.report)
     subprocess.run(["scancel", "--signal=USR1", "--batch", job.job_id], check=True, timeout=30)
     state = job.wait_done()
@@ -110,10 +109,24 @@ def test_sigusr1_checkpoints_requeues_and_resumes_with_the_uninterrupted_metrics
     assert "requeueing job" in job.out.read_text()
     assert re.search(rf"resumed from \S+step_{step:06d} at step {step}", driver), out
     assert f"step {STEPS}/{STEPS}" in driver.split("=== restart 1")[-1], out
+    return job, step
+
+
+def assert_same_metrics(job, reference) -> None:
+    """Every step's metrics of ``job`` equal those of the ``reference`` job (timings excepted)."""
+    expected = {r["step"]: without_wall_clock(r) for r in read_metrics(reference.run_dir)}
     got = {r["step"]: without_wall_clock(r) for r in read_metrics(job.run_dir)}
     assert sorted(got) == sorted(expected) == list(range(1, STEPS + 1))
     for s in range(1, STEPS + 1):
         assert got[s] == expected[s], s
+
+
+def test_sigusr1_checkpoints_requeues_and_resumes_with_the_uninterrupted_metrics(
+    reference, layout, workdir, jobs
+):
+    assert reference[1] == "COMPLETED", reference[0].report()
+    job, _ = preempted_with_sigusr1(jobs, workdir, run_overrides(layout), layout)
+    assert_same_metrics(job, reference[0])
 
 
 def test_a_rollout_worker_killed_mid_run_is_replaced_and_the_job_ends_with_its_metrics(
@@ -122,7 +135,6 @@ def test_a_rollout_worker_killed_mid_run_is_replaced_and_the_job_ends_with_its_m
     """kill -9 of the job's rollout worker once step 1 is logged: the run replaces it in place
     (``orchestration/actors/recovery.py``), the job is never requeued and every step's metrics are the
     uninterrupted run's."""
-    expected = {r["step"]: without_wall_clock(r) for r in read_metrics(reference[0].run_dir)}
     assert reference[1] == "COMPLETED", reference[0].report()
     job = jobs.submit(workdir, run_overrides(layout), nodes=layout)
     wait_until(lambda: f"step 1/{STEPS}" in job.driver_log(), 600, "the first step", job.report)
@@ -138,10 +150,7 @@ def test_a_rollout_worker_killed_mid_run_is_replaced_and_the_job_ends_with_its_m
     assert "recovery: RolloutWorker 0 died during step" in driver, out
     assert "Traceback" not in driver, out
     assert pid not in job_actor_pids(job.job_id, "RolloutWorker")
-    got = {r["step"]: without_wall_clock(r) for r in read_metrics(job.run_dir)}
-    assert sorted(got) == sorted(expected) == list(range(1, STEPS + 1))
-    for s in range(1, STEPS + 1):
-        assert got[s] == expected[s], s
+    assert_same_metrics(job, reference[0])
 
 
 ASYNC = [f"run.steps={STEPS}", "run.ckpt_every=100", "orchestration.async_rollout=one_step",
@@ -172,27 +181,12 @@ def test_async_rollout_sigusr1_requeues_and_resumes_with_the_batch_in_flight(
 
     reference, state = async_reference
     assert state == "COMPLETED", reference.report()
-    expected = {r["step"]: without_wall_clock(r) for r in read_metrics(reference.run_dir)}
-    job = jobs.submit(workdir, ASYNC, nodes=1)
-    wait_until(lambda: f"step 1/{STEPS}" in job.driver_log(), 600, "the first step", job.report)
-    subprocess.run(["scancel", "--signal=USR1", "--batch", job.job_id], check=True, timeout=30)
-    state = job.wait_done()
-    out = job.report()
-    assert state == "COMPLETED", out
-    assert job.field("Restarts") == "1", out
-    driver = job.driver_log()
-    saved = re.search(r"SIGUSR1: checkpoint of step (\d+) written .*; exiting 75", driver)
-    assert saved, out
-    step = int(saved.group(1))
-    assert 1 <= step < STEPS, out
-    assert re.search(rf"resumed from \S+step_{step:06d} at step {step}", driver), out
+    job, step = preempted_with_sigusr1(jobs, workdir, ASYNC, 1)
     held = RunState.load(job.run_dir / "checkpoints" / f"step_{step:06d}")
     assert (held.pending.get("step") == step + 1) == (step != 4), held.pending.keys()
-    got = {r["step"]: without_wall_clock(r) for r in read_metrics(job.run_dir)}
-    assert sorted(got) == sorted(expected) == list(range(1, STEPS + 1))
-    assert [got[s]["async/drained"] for s in range(1, STEPS + 1)] == [0, 0, 0, 1, 0, 1]
-    for s in range(1, STEPS + 1):
-        assert got[s] == expected[s], s
+    drained = [r["async/drained"] for r in read_metrics(job.run_dir)]
+    assert drained == [0, 0, 0, 1, 0, 1]
+    assert_same_metrics(job, reference)
 
 
 def job_actor_pids(job_id: str, cls: str) -> list[int]:

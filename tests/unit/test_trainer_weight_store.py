@@ -108,3 +108,18 @@ def test_swaps_reuse_one_host_buffer_for_the_live_values(monkeypatch) -> None:
             assert torch.equal(p.detach(), live[k])
         update(m, store, step)  # different live values for the next swap
     assert len(allocations) == len(live)  # one buffer per parameter, once
+
+
+def test_a_snapshot_again_reuses_the_copy_held_under_its_name() -> None:
+    """``behavior`` is taken every step: the second snapshot writes into the first's buffers."""
+    model = torch.nn.Linear(3, 2)
+    store = WeightStore(model)
+    store.snapshot("behavior")
+    first = {k: t.data_ptr() for k, t in store.get("behavior").items()}
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    store.snapshot("behavior")
+    again = store.get("behavior")
+    assert {k: t.data_ptr() for k, t in again.items()} == first
+    assert torch.equal(again["weight"], model.weight.detach())
+    assert store.matches_live("behavior")

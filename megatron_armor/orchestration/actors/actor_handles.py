@@ -242,8 +242,6 @@ class TrainerActors:
         import ray
 
         ref = ray.put(batch)
-        if old_weights == "policy":
-            return [a.step_logprobs.remote(ref, with_ref, kl_mask) for a in self.actors]
         return [a.step_logprobs.remote(ref, with_ref, kl_mask, old_weights) for a in self.actors]
 
     def submit_snapshot_behavior(self) -> list:

@@ -90,8 +90,9 @@ class Recovery:
         self.snapshot_step = -1  # the step whose end (or resumed start) they are of
         self.step = 0  # the step under way, for faults the loop does not guard
         self.anchor_rollout = None  # the loop's AnchorRollout (its sent-ahead call is dropped)
-        self.collected = 0  # the newest step whose rollout was drawn (the workers' state)
-        self.served = "policy"  # the trainer weights the engines serve (a replacement's)
+        # the trainer weights the engines serve, which a replacement gets: "behavior" while
+        # the next step is drawn beside the updates (orchestration/step/async_rollout.py)
+        self.served = "policy"
 
     # ------------------------------------------------------------------ snapshots
     def submit_snapshot(self, s: Session) -> list:
@@ -106,18 +107,6 @@ class Recovery:
         (that after step ``step``'s rollout)."""
         states = wait(refs, "rollout state (kept for a recovery)") if refs else None
         self.snapshot, self.snapshot_step = states, step
-        self.collected = step
-
-    def ahead(self, weights: str) -> None:
-        """The engines draw the next step while the trainer updates
-        (``orchestration/step/async_rollout.py``): a replacement gets the trainer's ``weights``
-        copy (the weights the engines serve), not the live weights, which the updates are
-        changing."""
-        self.served = weights
-
-    def caught_up(self) -> None:
-        """The next step's rollout is drawn: a replacement gets the live weights again."""
-        self.served = "policy"
 
     # ------------------------------------------------------------------ guarded calls
     def collect(self, s: Session, rollout, step: int):
@@ -176,10 +165,11 @@ class Recovery:
             return "a rollout worker that owns SGLang servers is not replaced in the run"
         if s.config.run.max_recoveries == 0:
             return "run.max_recoveries=0 (no worker is replaced in the run)"
-        # after a step's rollout: the newest one drawn (the next step's, with async_rollout)
-        needed = self.collected if phase in AFTER_ROLLOUT else step - 1
-        if s.rollout.caches_anchors and self.snapshot_step != needed:
-            return f"the rollout workers' anchor cache of step {needed} is not in the driver"
+        # after a rollout the snapshot is that rollout's (:meth:`collect` settles it first; with
+        # async_rollout the next step's); a rollout drawn again needs the step before's
+        redrawn = phase not in AFTER_ROLLOUT
+        if s.rollout.caches_anchors and redrawn and self.snapshot_step != step - 1:
+            return f"the rollout workers' anchor cache of step {step - 1} is not in the driver"
         return ""
 
     # ------------------------------------------------------------------ restore

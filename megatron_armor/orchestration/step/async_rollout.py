@@ -47,21 +47,18 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from megatron_armor.algo.advantages import assign_configured_advantages
 from megatron_armor.algo.anchors import AcceptanceStats
-from megatron_armor.algo.losses import needs_reference_logprobs
 from megatron_armor.observability.timers import PhaseTimers
 from megatron_armor.orchestration.actors.actor_handles import wait
 from megatron_armor.orchestration.step import phases
 from megatron_armor.orchestration.step.anchor_rollout import AnchorRollout, RolloutResult
 from megatron_armor.orchestration.step.step_metrics import (
-    logprob_mismatch_metrics,
     rollout_metrics,
     write_anchor_file,
 )
 from megatron_armor.rollout.backends import backend_of
 from megatron_armor.trainer.weight_store import BEHAVIOR
-from megatron_armor.types import Group, Sample, SampleSource, pack_groups
+from megatron_armor.types import Group, Sample, SampleSource
 
 
 @dataclass
@@ -216,22 +213,25 @@ class AsyncPipeline:
         train_start = time.perf_counter()
         # the ranks: log-probs (old under the batch's behavior weights), then keep the live
         # weights as the next batch's behavior weights, then the updates (in this order)
-        queued = self.submit_train(step, batch, overlap) if result.groups else None
-        kept = queued[3] if queued else s.trainer.submit_snapshot_behavior() if overlap else []
+        queued, kept = None, []
+        if result.groups:
+            queued, kept = self.submit_train(step, batch, overlap)
+        elif overlap:
+            kept = s.trainer.submit_snapshot_behavior()
         metrics.update(rollout_metrics(result))  # after the advantages (submit_train)
         if overlap:
             # the order rule reads the step before's rollout (no reset: none in an overlap)
             self.rollout.observe({**metrics, **batch.metrics, "reset/performed": 0.0})
-            s.recovery.ahead(BEHAVIOR)
+            s.recovery.served = BEHAVIOR  # what a replaced rollout worker gets meanwhile
             self.collector.launch(step + 1, s.state.policy_version, BEHAVIOR)
         write_anchor_file(s.run_dir, step, result)
         if queued is not None:
-            metrics.update(self.finish_train(step, batch, queued, load_early=not overlap))
+            metrics.update(self.finish_train(step, queued, load_early=not overlap))
         wait(kept, "behavior weights")
         train_end = time.perf_counter()
         if overlap:
             self.pending = self.collector.join()
-            s.recovery.caught_up()
+            s.recovery.served = "policy"
         join_end = time.perf_counter()
         metrics.update(batch.metrics)
         metrics.update(batch.timings)
@@ -265,36 +265,28 @@ class AsyncPipeline:
         return out
 
     def submit_train(self, step: int, batch: Collected, keep: bool):
-        """Advantages, packing and the trainer calls of the step (queued): the log-probs, the
-        behavior weights kept for the next batch (``keep``), the updates."""
+        """The trainer calls of the step, queued: the log-prob call, the behavior weights kept
+        for the next batch (``keep``), the updates. Returns ``((batch, log-prob refs, update
+        refs), kept refs)``."""
         s, groups = self.s, batch.result.groups
-        assign_configured_advantages(groups, s.config.algo)
-        packed = pack_groups(groups)
-        phases.require_engine_logprobs(s.config, packed, step)
+        packed = phases.prepare_batch(s, groups, step)
         with s.timers.phase("logprobs"):
-            logprobs = s.trainer.submit_logprobs(
-                packed, needs_reference_logprobs(s.config.algo),
-                phases.exact_kl_tokens(s, packed, step), batch.old_weights,
-            )  # fmt: skip
+            logprobs = phases.submit_logprobs(s, packed, step, batch.old_weights)
         kept = s.trainer.submit_snapshot_behavior() if keep else []
         with s.timers.phase("train"):
             updates = phases.submit_minibatches(s, groups)
-        return packed, logprobs, updates, kept
+        return (packed, logprobs, updates), kept
 
-    def finish_train(self, step: int, batch: Collected, queued, load_early: bool) -> dict:
+    def finish_train(self, step: int, queued, load_early: bool) -> dict:
         """Wait for the step's log-probs and updates (the weight export queued behind them;
         the engines load it only after the next rollout: ``load_early`` off in an overlap)."""
-        s, (packed, logprobs, updates, _) = self.s, queued
+        s, (packed, logprobs, updates) = self.s, queued
         with s.timers.phase("logprobs"):
             exact_kl = phases.finish_logprobs(s, packed, logprobs)
         with s.timers.phase("train"):
             s.weight_sync.queue_policy_push(step, load_early=load_early)
             metrics = phases.finish_minibatches(s, updates)
-        s.meter.add_train(packed.seq_lengths(), s.timers.seconds("train"))
-        metrics.update(exact_kl)
-        metrics.update(logprob_mismatch_metrics(packed, needs_reference_logprobs(s.config.algo)))
-        metrics["train/response_tokens"] = float(packed.num_response_tokens)
-        return metrics
+        return phases.train_metrics(s, packed, metrics, exact_kl)
 
 
 def overlap_fraction(metrics: dict[str, float]) -> None:

@@ -20,8 +20,6 @@ import time
 
 import torch
 
-from megatron_armor.algo.advantages import assign_configured_advantages
-from megatron_armor.algo.losses import needs_reference_logprobs
 from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.config.validate import (
     runs_async_rollout,
@@ -53,21 +51,20 @@ from megatron_armor.orchestration.step.phases import (
     finish_logprobs,
     finish_minibatches,
     heal_before_push,
-    require_engine_logprobs,
+    prepare_batch,
     submit_logprobs,
     submit_minibatches,
     sync_and_maybe_reset,
+    train_metrics,
     validate,
     validation_due,
 )
 from megatron_armor.orchestration.step.step_metrics import (
-    logprob_mismatch_metrics,
     rollout_metrics,
     write_anchor_file,
 )
 from megatron_armor.orchestration.step.update_guard import diverged_error
 from megatron_armor.rollout.backends import backend_of
-from megatron_armor.types import pack_groups
 
 
 def run_step(s: Session, rollout: AnchorRollout, step: int) -> dict[str, float]:
@@ -107,9 +104,7 @@ def train_on(s: Session, rollout: AnchorRollout, step: int, result) -> dict[str,
     """Advantages, packing, the log-prob call and the step's updates on ``result.groups``
     (with the next step's reference prefetch and the policy push queued between them); the
     trainer's metrics, the exact KL and the engine/trainer log-prob agreement."""
-    assign_configured_advantages(result.groups, s.config.algo)
-    batch = pack_groups(result.groups)
-    require_engine_logprobs(s.config, batch, step)
+    batch = prepare_batch(s, result.groups, step)
     prefetch = step < s.config.run.steps and not s.schedule.should_reset(step)
     # a CPU rank's concurrent reference pass takes the engine's core: the prefetch waits for it
     after_logprobs = runs_concurrent_reference(s.config)
@@ -129,11 +124,7 @@ def train_on(s: Session, rollout: AnchorRollout, step: int, result) -> dict[str,
         # run their calls in order: queued first, the load would hold the call back)
         s.weight_sync.queue_policy_push(step)
         metrics = finish_minibatches(s, updates)
-    s.meter.add_train(batch.seq_lengths(), s.timers.seconds("train"))
-    metrics.update(exact_kl)
-    metrics.update(logprob_mismatch_metrics(batch, needs_reference_logprobs(s.config.algo)))
-    metrics["train/response_tokens"] = float(batch.num_response_tokens)
-    return metrics
+    return train_metrics(s, batch, metrics, exact_kl)
 
 
 def stop_message(s: Session, stop: StopSignal, saved: bool) -> str:

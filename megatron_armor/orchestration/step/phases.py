@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_armor.algo.advantages import assign_configured_advantages
 from megatron_armor.algo.losses import needs_reference_logprobs
 from megatron_armor.algo.registry import get_rollout_correction
 from megatron_armor.config.schema import ArmorConfig
@@ -20,11 +21,12 @@ from megatron_armor.orchestration.run.session import Session
 from megatron_armor.orchestration.step.anchor_rollout import derive_seed
 from megatron_armor.orchestration.step.step_metrics import (
     exact_kl_mask,
+    logprob_mismatch_metrics,
     reduce_update_metrics,
 )
 from megatron_armor.orchestration.step.update_guard import skip_metrics
 from megatron_armor.rollout.protocol import SamplingParams
-from megatron_armor.types import Group, TrainBatch
+from megatron_armor.types import Group, TrainBatch, pack_groups
 
 
 def minibatch_sample_ids(
@@ -66,12 +68,23 @@ def require_engine_logprobs(config: ArmorConfig, batch: TrainBatch, step: int) -
         )
 
 
-def submit_logprobs(s: Session, batch: TrainBatch, step: int) -> list:
-    """Queue the step's one log-prob call on the trainer ranks: old (pre-update policy) and
-    reference log-probs, and the exact-KL diagnostic when it is due (:func:`finish_logprobs`)."""
+def prepare_batch(s: Session, groups: list[Group], step: int) -> TrainBatch:
+    """The step's accepted groups with their advantages, packed for the trainer; refused when
+    a rollout correction lacks the engine's log-probs (:func:`require_engine_logprobs`)."""
+    assign_configured_advantages(groups, s.config.algo)
+    batch = pack_groups(groups)
+    require_engine_logprobs(s.config, batch, step)
+    return batch
+
+
+def submit_logprobs(s: Session, batch: TrainBatch, step: int, old_weights: str = "policy") -> list:
+    """Queue the step's one log-prob call on the trainer ranks: old log-probs (the live weights,
+    or the ``behavior`` copy a one-step-off batch was drawn with) and reference log-probs, and
+    the exact-KL diagnostic when it is due (:func:`finish_logprobs`)."""
     return s.trainer.submit_logprobs(
-        batch, needs_reference_logprobs(s.config.algo), exact_kl_tokens(s, batch, step)
-    )
+        batch, needs_reference_logprobs(s.config.algo), exact_kl_tokens(s, batch, step),
+        old_weights,
+    )  # fmt: skip
 
 
 def finish_logprobs(s: Session, batch: TrainBatch, refs: list) -> dict[str, float]:
@@ -118,6 +131,19 @@ def finish_minibatches(s: Session, queued: list[list]) -> dict[str, float]:
     s.progress.close()
     skips, s.state.skipped_in_a_row = skip_metrics(updates, s.state.skipped_in_a_row)
     return {**reduce_update_metrics(updates), **skips}
+
+
+def train_metrics(
+    s: Session, batch: TrainBatch, metrics: dict[str, float], exact_kl: dict[str, float]
+) -> dict[str, float]:
+    """``metrics`` of the step's updates (:func:`finish_minibatches`) with the exact KL, the
+    engine/trainer log-prob agreement and the response tokens trained; the throughput meter
+    counts the step's sequences."""
+    s.meter.add_train(batch.seq_lengths(), s.timers.seconds("train"))
+    metrics.update(exact_kl)
+    metrics.update(logprob_mismatch_metrics(batch, needs_reference_logprobs(s.config.algo)))
+    metrics["train/response_tokens"] = float(batch.num_response_tokens)
+    return metrics
 
 
 def heal_before_push(s: Session, step: int) -> int:
