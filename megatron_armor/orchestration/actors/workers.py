@@ -24,6 +24,7 @@ import torch
 
 from megatron_armor.algo.registry import get_anchor_mode
 from megatron_armor.config.schema import ArmorConfig
+from megatron_armor.net import free_port, node_ip
 from megatron_armor.observability.nvtx import enable_nvtx, nvtx_range
 from megatron_armor.observability.throughput import peak_gpu_memory_gb
 from megatron_armor.orchestration.actors.ray_node import ignore_stop_signals
@@ -100,20 +101,6 @@ def enable_worker_nvtx(config: ArmorConfig) -> None:
         enable_nvtx("nvtx")
 
 
-def free_port() -> int:
-    """A TCP port that is free on this node right now."""
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
-def node_ip() -> str:
-    """This node's IP as Ray reports it (reachable from the other nodes of the cluster)."""
-    import ray
-
-    return ray.util.get_node_ip_address()
-
-
 def node_info() -> dict[str, Any]:
     """Where this worker runs: node IP, Ray node id, hostname, visible GPU ids, a free TCP
     port, its pid."""
@@ -128,13 +115,6 @@ def node_info() -> dict[str, Any]:
         "free_port": free_port(),
         "pid": os.getpid(),
     }
-
-
-def weight_group_name(pp_stage: int, pool: str = "policy") -> str:
-    """The weight-sync process group of pipeline stage ``pp_stage`` into SGLang pool ``pool``
-    (one sender per stage and pool)."""
-    prefix = "armor-weights" if pool == "policy" else f"armor-{pool}-weights"
-    return f"{prefix}-pp{pp_stage}"
 
 
 class TrainerWorker:
