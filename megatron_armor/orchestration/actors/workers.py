@@ -307,15 +307,25 @@ def to_samples(
     return result
 
 
+def shard(items: list, parts: int) -> list[list]:
+    """Split ``items`` into ``parts`` contiguous, nearly equal slices (order kept)."""
+    size, extra = divmod(len(items), parts)
+    out, start = [], 0
+    for i in range(parts):
+        end = start + size + (1 if i < extra else 0)
+        out.append(items[start:end])
+        start = end
+    return out
+
+
 def with_answers(rows: list[list[Sample]], verifier: str | None, parts: int = 1):
     """``rows``, or with a ``verifier`` ``(rows, *answer parts)``: the :class:`Answer` of each
     sample not ``scored``, in row order, split into ``parts`` contiguous parts (one per scoring
-    worker, ``actor_handles.shard``), which a generation call returns as objects of their own
+    worker, :func:`shard`), which a generation call returns as objects of their own
     so each scoring worker takes its part from the object store, with no driver in between
     and no answer sent twice (``actor_handles.RolloutActors.submit_scored``)."""
     if verifier is None:
         return rows
-    from megatron_armor.orchestration.actors.actor_handles import shard
     from megatron_armor.reward.scorer import answers_of
 
     answers = answers_of([s for row in rows for s in row if not s.scored], verifier)
