@@ -110,7 +110,7 @@ def _receive(port: int, backend: str, device: str, meta, reps: int) -> None:
 
 
 def distributed(named, bucket_mb: int, reps: int, device: str) -> float:
-    from megatron_armor.orchestration.actors.workers import free_port
+    from megatron_armor.net import free_port
     from megatron_armor.rollout.sglang.weights import (
         broadcast_bucket,
         iter_buckets,

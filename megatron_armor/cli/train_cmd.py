@@ -35,25 +35,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
-def finish(run_dir) -> None:
-    """The summary table and the plots of a finished run."""
-    from megatron_armor.observability.metrics import read_metrics
-    from megatron_armor.observability.plot import plot_run
-    from megatron_armor.observability.summary import write_summary
-    from megatron_armor.orchestration.run.checkpoints import read_best
-
-    plots = plot_run(run_dir)
-    extra = {"plots": str(plots[0].parent) if plots else "none",
-             "metrics": f"{run_dir}/metrics.jsonl", "tensorboard": f"{run_dir}/tb"}  # fmt: skip
-    best = read_best(run_dir)
-    if best is not None:
-        extra["best_checkpoint"] = best
-    fired = [r["step"] for r in read_metrics(run_dir) if r.get("overopt/fired")]
-    if fired:
-        extra["overoptimization_detected_at_step"] = fired[0]
-    write_summary(run_dir, extra)
-
-
 def stopping_errors() -> tuple[type, ...]:
     """The named errors that end a run with their own exit code (:func:`exit_code_of`)."""
     from megatron_armor.orchestration.actors.faults import RecoveryLimitError
@@ -97,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
     from megatron_armor.orchestration.actors.placement import ray_environment
 
     ray_environment(config)  # before Ray is imported (it reads some settings at import)
+    from megatron_armor.orchestration.run.finish import finish
     from megatron_armor.orchestration.run.run_state import EXIT_REQUEUE
     from megatron_armor.orchestration.run.session import run_dir_of
     from megatron_armor.orchestration.step.loop import train

@@ -18,10 +18,28 @@ either layout, updated with the override), and all three readers get that.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters")
 DEFAULT_ROPE_THETA = 10000.0
+
+
+def read_hf_config(model_path: str) -> dict | None:
+    """``model_path/config.json`` as a dict, or ``None`` when there is none (yet)."""
+    if not model_path:
+        return None
+    path = Path(model_path) / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return None  # named by the input check (config/inputs.py)
+    if not isinstance(cfg, dict):
+        return None
+    return cfg.get("text_config", cfg) if isinstance(cfg.get("text_config"), dict) else cfg
 
 
 def _scaling(value: dict) -> dict:

@@ -12,16 +12,15 @@ from ``megatron_armor.algo.registry`` (config may import algo; algo never import
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
 import os
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 from megatron_armor.algo import registry
 from megatron_armor.algo.ratios import resolve_alpha
 from megatron_armor.algo.reset import check_schedule
 from megatron_armor.config.fields import SECTION_CHECKS, bound
+from megatron_armor.config.model_overrides import read_hf_config
 from megatron_armor.config.schema import ArmorConfig, TrainerConfig
 
 Problems = Iterator[str]
@@ -452,22 +451,6 @@ def check_parallel(config: ArmorConfig) -> Problems:
     if t.sequence_parallel and t.tp == 1:
         yield "trainer.sequence_parallel=true: needs trainer.tp > 1; set sequence_parallel=false"
     yield from check_model_shape(config)
-
-
-def read_hf_config(model_path: str) -> dict | None:
-    """``model_path/config.json`` as a dict, or ``None`` when there is none (yet)."""
-    if not model_path:
-        return None
-    path = Path(model_path) / "config.json"
-    if not path.is_file():
-        return None
-    try:
-        cfg = json.loads(path.read_text())
-    except json.JSONDecodeError:
-        return None  # named by the input check (config/inputs.py)
-    if not isinstance(cfg, dict):
-        return None
-    return cfg.get("text_config", cfg) if isinstance(cfg.get("text_config"), dict) else cfg
 
 
 def check_model_shape(config: ArmorConfig) -> Problems:

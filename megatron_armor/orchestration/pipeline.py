@@ -52,7 +52,7 @@ def stage_dir(config) -> Path:
 
 def run_stage(config, label: str) -> int:
     """Train (or resume, ``--resume auto``) one stage; summary and plots when it finishes."""
-    from megatron_armor.cli.train_cmd import finish
+    from megatron_armor.orchestration.run.finish import finish
     from megatron_armor.orchestration.step.loop import train
 
     print(f"pipeline: {label} in {stage_dir(config)}", flush=True)

@@ -235,11 +235,7 @@ class DistributedRankSync(RankSync):
     def _sender(self, pool: str, targets: list[tuple[str, int]], api_key: str = ""):
         """The connected sender of this rank's stage into ``pool`` (a new one if the servers
         changed)."""
-        from megatron_armor.orchestration.actors.workers import (
-            free_port,
-            node_ip,
-            weight_group_name,
-        )
+        from megatron_armor.net import free_port, node_ip, weight_group_name
         from megatron_armor.rollout.sglang.client import ClientSettings
         from megatron_armor.rollout.sglang.distributed import DistributedWeightSender
         from megatron_armor.trainer import parallel

@@ -28,7 +28,12 @@ from megatron_armor.orchestration.actors.placement import (
     server_owner_options,
     trainer_runtime_env,
 )
-from megatron_armor.orchestration.actors.workers import RewardWorker, RolloutWorker, TrainerWorker
+from megatron_armor.orchestration.actors.workers import (
+    RewardWorker,
+    RolloutWorker,
+    TrainerWorker,
+    shard,
+)
 from megatron_armor.reward.scorer import answers_of
 from megatron_armor.rollout.backends import backend_of
 from megatron_armor.rollout.protocol import GenerationOutput, RolloutEngine, SamplingParams
@@ -52,17 +57,6 @@ def wait(refs, what: str, timeout: float | None = None):
         raise TimeoutError(
             f"{what} did not finish within {timeout:.0f}s; set ARMOR_CALL_TIMEOUT_S to wait longer"
         ) from None
-
-
-def shard(items: list, parts: int) -> list[list]:
-    """Split ``items`` into ``parts`` contiguous, nearly equal slices (order kept)."""
-    size, extra = divmod(len(items), parts)
-    out, start = [], 0
-    for i in range(parts):
-        end = start + size + (1 if i < extra else 0)
-        out.append(items[start:end])
-        start = end
-    return out
 
 
 def query_worker(query_id: str, workers: int) -> int:

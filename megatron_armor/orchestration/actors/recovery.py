@@ -44,7 +44,8 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -53,12 +54,39 @@ from megatron_armor.orchestration.actors.faults import Fault, RecoveryBudget, lo
 from megatron_armor.rollout.backends import backend_of
 
 if TYPE_CHECKING:
-    from megatron_armor.orchestration.run.session import Session
+    from megatron_armor.config.schema import ArmorConfig
+    from megatron_armor.data.sampler import ResumableSampler
+    from megatron_armor.orchestration.actors.actor_handles import (
+        RewardActors,
+        RolloutActors,
+        TrainerActors,
+    )
+    from megatron_armor.orchestration.actors.weight_sync import WeightSync
+    from megatron_armor.orchestration.run.host_usage import HostMemory
+    from megatron_armor.orchestration.run.run_state import RunState
 
 RECOVERIES_FILE = "recoveries.jsonl"
 WHY_TRAINER = "a trainer rank's model and optimizer state live only in its process"
 AFTER_ROLLOUT = ("sync", "reset", "validation", "checkpoint")
 """Phases after the step's rollout: the rollout workers' state is that of the step's end."""
+
+
+class RunParts(Protocol):
+    """What recovery reads and replaces of a running session (``orchestration/run/session.py``
+    passes its ``Session``): the config and run directory, the driver's sampler and run state,
+    the actor handles, the weight sync, the host-memory watch and the session's
+    :class:`Recovery`."""
+
+    config: ArmorConfig
+    run_dir: Path
+    sampler: ResumableSampler
+    state: RunState
+    trainer: TrainerActors
+    rollout: RolloutActors
+    reward: RewardActors
+    weight_sync: WeightSync
+    host_memory: HostMemory
+    recovery: Recovery
 
 
 @dataclass
@@ -95,21 +123,21 @@ class Recovery:
         self.served = "policy"
 
     # ------------------------------------------------------------------ snapshots
-    def submit_snapshot(self, s: Session) -> list:
+    def submit_snapshot(self, s: RunParts) -> list:
         """Queue the read of the rollout workers' state right after a step's rollout (the
         anchor cache only; nothing to read without it)."""
         if not s.rollout.caches_anchors:
             return []
         return [a.state_dict.remote() for a in s.rollout.reference_actors]
 
-    def settle_snapshot(self, s: Session, refs: list, step: int) -> None:
+    def settle_snapshot(self, s: RunParts, refs: list, step: int) -> None:
         """Wait for :meth:`submit_snapshot`'s read: the state a replacement continues from
         (that after step ``step``'s rollout)."""
         states = wait(refs, "rollout state (kept for a recovery)") if refs else None
         self.snapshot, self.snapshot_step = states, step
 
     # ------------------------------------------------------------------ guarded calls
-    def collect(self, s: Session, rollout, step: int):
+    def collect(self, s: RunParts, rollout, step: int):
         """``(result, counters)``: the step's rollout (``rollout.collect``), the queued read of
         the anchor-cache counters (``RolloutActors.submit_reference_metrics``) and the rollout
         workers' state after it (:meth:`submit_snapshot`, waited for: each worker answers the
@@ -127,7 +155,7 @@ class Recovery:
 
         return self.guard(s, step, "rollout", draw, redo=lambda: mark.rewind(s.sampler))
 
-    def guard(self, s: Session, step: int, phase: str, call: Callable, redo=None):
+    def guard(self, s: RunParts, step: int, phase: str, call: Callable, redo=None):
         """``call()``; after a fault of a rollout or reward worker, :meth:`recover` and call
         it again (``redo()`` first); any other failure propagates."""
         while True:
@@ -141,7 +169,7 @@ class Recovery:
                 if redo is not None:
                     redo()
 
-    def recover(self, s: Session, step: int, phase: str, fault: Fault, err: BaseException) -> None:
+    def recover(self, s: RunParts, step: int, phase: str, fault: Fault, err: BaseException) -> None:
         """Replace the worker of ``fault`` and restore the rollout workers for ``phase`` of
         ``step``, or raise :class:`~megatron_armor.orchestration.actors.faults.RequeueError`."""
         why = self.unrecoverable(s, step, phase, fault)
@@ -155,7 +183,7 @@ class Recovery:
         s.rollout.forget_unsettled()
         record(s, step, phase, fault, count, self.budget)
 
-    def unrecoverable(self, s: Session, step: int, phase: str, fault: Fault) -> str:
+    def unrecoverable(self, s: RunParts, step: int, phase: str, fault: Fault) -> str:
         """Why ``fault`` cannot be recovered in the run (``""``: it can)."""
         if fault.kind == "trainer":
             return WHY_TRAINER
@@ -173,7 +201,7 @@ class Recovery:
         return ""
 
     # ------------------------------------------------------------------ restore
-    def restore_rollout(self, s: Session, new: int | None, everyone: bool) -> None:
+    def restore_rollout(self, s: RunParts, new: int | None, everyone: bool) -> None:
         """The anchor cache of :attr:`snapshot` into the new rollout worker ``new`` (and every
         rollout worker with ``everyone``: the others ran part of the failed phase); a reset
         since the snapshot drops it again; then the new worker's weights."""
@@ -190,7 +218,7 @@ class Recovery:
         if new is not None:
             push_into_new(s, rollout.actors[new], self.snapshot_version(new, s))
 
-    def snapshot_version(self, new: int, s: Session) -> int | None:
+    def snapshot_version(self, new: int, s: RunParts) -> int | None:
         """The reference version of the new worker's restored cache (``None``: no cache)."""
         if self.snapshot is None:
             return None
@@ -198,11 +226,11 @@ class Recovery:
         return int(self.snapshot[index]["ref_version"])
 
 
-def handles(s: Session) -> dict[str, object]:
+def handles(s: RunParts) -> dict[str, object]:
     return {"trainer": s.trainer, "rollout": s.rollout, "reward": s.reward}
 
 
-def replace_actor(s: Session, fault: Fault) -> int | None:
+def replace_actor(s: RunParts, fault: Fault) -> int | None:
     """A new actor in place of the dead one of ``fault``, made like it and started; returns
     its index among the rollout workers (``None`` for a reward worker)."""
     import ray
@@ -232,7 +260,7 @@ def member_lists(handle) -> list[list]:
     return [getattr(handle, n) for n in names if hasattr(handle, n)]
 
 
-def push_into_new(s: Session, actor, cache_version: int | None) -> None:
+def push_into_new(s: RunParts, actor, cache_version: int | None) -> None:
     """The trainer's current policy (as ``state.policy_version``) and its reference (as
     ``state.ref_version``; clearing a restored cache of an older reference) into ``actor``."""
     state, trainer = s.state, s.trainer
@@ -248,7 +276,7 @@ def push_into_new(s: Session, actor, cache_version: int | None) -> None:
          "reference weights into a replaced rollout worker")  # fmt: skip
 
 
-def record(s: Session, step: int, phase: str, fault: Fault, count: int, budget) -> None:
+def record(s: RunParts, step: int, phase: str, fault: Fault, count: int, budget) -> None:
     """The recovery on the console and in ``RUN_DIR/recoveries.jsonl``."""
     redo = "rollout drawn again" if phase == "rollout" else f"{phase} done again"
     pushed = "the current weights pushed, " if fault.kind == "rollout" else ""

@@ -24,6 +24,7 @@ import torch
 
 from megatron_armor.algo.registry import get_anchor_mode
 from megatron_armor.config.schema import ArmorConfig
+from megatron_armor.net import free_port, node_ip
 from megatron_armor.observability.nvtx import enable_nvtx, nvtx_range
 from megatron_armor.observability.throughput import peak_gpu_memory_gb
 from megatron_armor.orchestration.actors.ray_node import ignore_stop_signals
@@ -100,20 +101,6 @@ def enable_worker_nvtx(config: ArmorConfig) -> None:
         enable_nvtx("nvtx")
 
 
-def free_port() -> int:
-    """A TCP port that is free on this node right now."""
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
-def node_ip() -> str:
-    """This node's IP as Ray reports it (reachable from the other nodes of the cluster)."""
-    import ray
-
-    return ray.util.get_node_ip_address()
-
-
 def node_info() -> dict[str, Any]:
     """Where this worker runs: node IP, Ray node id, hostname, visible GPU ids, a free TCP
     port, its pid."""
@@ -128,13 +115,6 @@ def node_info() -> dict[str, Any]:
         "free_port": free_port(),
         "pid": os.getpid(),
     }
-
-
-def weight_group_name(pp_stage: int, pool: str = "policy") -> str:
-    """The weight-sync process group of pipeline stage ``pp_stage`` into SGLang pool ``pool``
-    (one sender per stage and pool)."""
-    prefix = "armor-weights" if pool == "policy" else f"armor-{pool}-weights"
-    return f"{prefix}-pp{pp_stage}"
 
 
 class TrainerWorker:
@@ -327,15 +307,25 @@ def to_samples(
     return result
 
 
+def shard(items: list, parts: int) -> list[list]:
+    """Split ``items`` into ``parts`` contiguous, nearly equal slices (order kept)."""
+    size, extra = divmod(len(items), parts)
+    out, start = [], 0
+    for i in range(parts):
+        end = start + size + (1 if i < extra else 0)
+        out.append(items[start:end])
+        start = end
+    return out
+
+
 def with_answers(rows: list[list[Sample]], verifier: str | None, parts: int = 1):
     """``rows``, or with a ``verifier`` ``(rows, *answer parts)``: the :class:`Answer` of each
     sample not ``scored``, in row order, split into ``parts`` contiguous parts (one per scoring
-    worker, ``actor_handles.shard``), which a generation call returns as objects of their own
+    worker, :func:`shard`), which a generation call returns as objects of their own
     so each scoring worker takes its part from the object store, with no driver in between
     and no answer sent twice (``actor_handles.RolloutActors.submit_scored``)."""
     if verifier is None:
         return rows
-    from megatron_armor.orchestration.actors.actor_handles import shard
     from megatron_armor.reward.scorer import answers_of
 
     answers = answers_of([s for row in rows for s in row if not s.scored], verifier)

@@ -8,5 +8,6 @@
 - ``disk_space``: free space before a save, and a save that ran out of it.
 - ``resume_check``: a resume checkpoint's model shapes against the config, before Ray starts.
 - ``run_watch``: keep-best, the over-optimization stop and a long run's warnings.
+- ``finish``: a finished run's summary table and plots.
 - ``host_usage``: host memory of every process of the run, the run directory's size.
 """

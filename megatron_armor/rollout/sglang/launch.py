@@ -23,8 +23,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from megatron_armor.config.model_overrides import resolve_model_overrides
-from megatron_armor.config.validate import read_hf_config
+from megatron_armor.config.model_overrides import read_hf_config, resolve_model_overrides
 
 ROUTER_POLICIES = ("random", "round_robin", "cache_aware", "power_of_two")
 # SGLang returns log_softmax(logits / T) for sampled tokens unless this is true; the trainer
