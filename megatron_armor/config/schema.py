@@ -341,6 +341,9 @@ class DataConfig:
     """Prompts longer than this (tokens) are dropped and counted."""
     shuffle: bool = True
     """Shuffle each epoch (deterministic from ``run.seed``)."""
+    dedupe: bool = False
+    """Drop training rows whose rendered prompt and answer repeat an earlier row's: the hub's
+    DAPO-Math-17k holds each problem about 100 times (``armor data`` writes it deduplicated)."""
     train_limit: int = 0
     """Train on the first N prompts of ``train_files`` only (0 = all): a small training set
     that many epochs over-fit (the tiny pipeline's stage 1)."""

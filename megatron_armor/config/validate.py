@@ -21,6 +21,7 @@ from pathlib import Path
 from megatron_armor.algo import registry
 from megatron_armor.algo.ratios import resolve_alpha
 from megatron_armor.algo.reset import check_schedule
+from megatron_armor.config.benchmarks import check_benchmark_names, check_watched_metrics
 from megatron_armor.config.fields import SECTION_CHECKS, bound
 from megatron_armor.config.schema import ArmorConfig, TrainerConfig
 
@@ -662,6 +663,8 @@ RULES: list[Callable[[ArmorConfig], Problems]] = [
     check_hardware,
     check_lr_schedule,
     check_watchers,
+    check_benchmark_names,
+    check_watched_metrics,
 ]
 
 

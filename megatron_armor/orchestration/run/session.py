@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_armor.algo.reset import ResetSchedule
+from megatron_armor.config.benchmarks import benchmark_name
 from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.config.validate import runs_async_rollout, updates_per_step
 from megatron_armor.data.dataset import load_prompt_dataset
@@ -90,7 +91,7 @@ def load_val_datasets(config: ArmorConfig, tokenizer) -> dict:
     """One prompt dataset per validation file, named by the file stem."""
     out = {}
     for file in config.data.val_files:
-        name = Path(file).stem
+        name = benchmark_name(file)
         out[name] = load_prompt_dataset(
             [file], tokenizer, config.data.template, config.data.max_prompt_len
         )
@@ -170,7 +171,9 @@ class Session:
         """Everything up and ready for step 1 (or the resumed step)."""
         tokenizer = load_model_tokenizer(config.trainer.model_path)
         d = config.data
-        dataset = load_prompt_dataset(d.train_files, tokenizer, d.template, d.max_prompt_len)
+        dataset = load_prompt_dataset(
+            d.train_files, tokenizer, d.template, d.max_prompt_len, dedupe=d.dedupe
+        )
         val = load_val_datasets(config, tokenizer) if config.validation.every > 0 else {}
         plan = plan_layout(config)
         init_ray(config, plan, run_dir)
