@@ -117,4 +117,17 @@ def check_inputs(config: ArmorConfig) -> Problems:
     if config.validation.every > 0:
         data["data.val_files"] = config.data.val_files
     yield from missing_watched_files(config, TARGETS)
+    yield from wandb_problems(config)
     yield from input_problems("trainer.model_path", config.trainer.model_path, data)
+
+
+def wandb_problems(config: ArmorConfig) -> Problems:
+    """``logging.wandb=true`` needs the ``wandb`` package on the driver's machine: refused at
+    load, before Ray and the servers start."""
+    import importlib.util
+
+    if config.logging.wandb and importlib.util.find_spec("wandb") is None:
+        yield (
+            "logging.wandb=true but the `wandb` package is not installed here; "
+            "`pip install -r requirements-wandb.txt` (the image has it) or set logging.wandb=false"
+        )

@@ -434,9 +434,17 @@ class LoggingConfig:
     tensorboard: bool = True
     """Write TensorBoard event files."""
     wandb: bool = False
-    """Log to Weights & Biases (needs ``wandb`` installed)."""
+    """Log to Weights & Biases (needs ``wandb``: ``requirements-wandb.txt``, in the image); one
+    W&B run per run directory, continued across requeues (its id: ``RUN_DIR/wandb_run_id``)."""
     wandb_project: str = "megatron_armor"
     """W&B project."""
+    wandb_entity: str = ""
+    """W&B entity (team or user); "" = the API key's default entity."""
+    wandb_group: str = ""
+    """W&B group (e.g. the seeds of one variant); "" = none."""
+    wandb_mode: str = "online"
+    """``online`` | ``offline`` (nodes without network: ``wandb sync RUN_DIR/wandb/offline-run-*``
+    later, from a machine with network)."""
     progress: bool = True
     """Progress bars for rollout and training phases."""
     profile: str = "none"

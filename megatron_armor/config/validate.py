@@ -43,6 +43,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "orchestration.layout": ("cpu", "colocated", "disaggregated"),
     "orchestration.async_rollout": ("off", "one_step"),
     "logging.profile": ("none", "nsys", "torch", "dlprof"),
+    "logging.wandb_mode": ("online", "offline"),
 }
 
 

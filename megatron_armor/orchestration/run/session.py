@@ -21,7 +21,12 @@ from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.config.validate import runs_async_rollout, updates_per_step
 from megatron_armor.data.dataset import load_prompt_dataset
 from megatron_armor.data.sampler import ResumableSampler, sampled_prompt_count
-from megatron_armor.observability.metrics import MetricsLogger, read_metrics, truncate_metrics
+from megatron_armor.observability.metrics import (
+    MetricsLogger,
+    WandbSettings,
+    read_metrics,
+    truncate_metrics,
+)
 from megatron_armor.observability.throughput import (
     ThroughputMeter,
     gpu_memory_metrics,
@@ -195,8 +200,9 @@ class Session:
         log = config.logging
         from omegaconf import OmegaConf
 
-        logger = MetricsLogger(run_dir, log.tensorboard, log.wandb, log.wandb_project,
-                               config.run.name, OmegaConf.to_container(OmegaConf.structured(config)))  # fmt: skip
+        wandb = WandbSettings(log.wandb_project, log.wandb_entity, log.wandb_group, log.wandb_mode)
+        logger = MetricsLogger(run_dir, log.tensorboard, log.wandb, config=OmegaConf.to_container(
+            OmegaConf.structured(config)), run_name=config.run.name, wandb_settings=wandb)  # fmt: skip
         return cls(
             config=config, run_dir=run_dir, trainer=trainer, rollout=rollout, reward=reward,
             dataset=dataset, val_datasets=val,
