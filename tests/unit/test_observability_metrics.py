@@ -9,7 +9,6 @@ import pytest
 
 from megatron_armor.observability.metrics import (
     MetricsLogger,
-    WandbSettings,
     read_metrics,
     truncate_metrics,
     wandb_run_id,
@@ -181,19 +180,6 @@ def test_wandb_run_id_is_kept_in_the_run_dir(tmp_path):
     assert wandb_run_id(tmp_path, lambda: next(ids)) == "first"
     assert wandb_run_id(tmp_path, lambda: next(ids)) == "first"  # a requeue: the same run
     assert (tmp_path / "wandb_run_id").read_text() == "first\n"
-
-
-def test_wandb_offline_restart_continues_one_run(tmp_path):
-    """Two starts of one run directory log to one W&B run (offline: nothing leaves the host)."""
-    pytest.importorskip("wandb")
-    settings = WandbSettings(project="armor-test", group="g", mode="offline")
-    for step in (1, 2):  # the run, then its requeue
-        logger = MetricsLogger(tmp_path, tensorboard=False, wandb=True, wandb_settings=settings)
-        logger.log(step, {"reward/acc": 0.5})
-        logger.close()
-    run_id = (tmp_path / "wandb_run_id").read_text().strip()
-    runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
-    assert len(runs) == 2 and all((r / f"run-{run_id}.wandb").is_file() for r in runs), runs
 
 
 def test_wandb_without_the_package_is_refused_at_load(monkeypatch):
