@@ -36,7 +36,7 @@ def saved_checkpoints(run_dir: Path) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_armor.observability.metrics import read_metrics
+    from megatron_armor.observability.metrics import WANDB_ID_FILE, read_metrics
     from megatron_armor.observability.status import status_lines
     from megatron_armor.orchestration.run.checkpoints import read_best
     from megatron_armor.orchestration.run.run_dir import CONFIG_FILE
@@ -51,6 +51,9 @@ def run(args: argparse.Namespace) -> int:
     lines = status_lines(
         records, planned_steps(run_dir), saved_checkpoints(run_dir), read_best(run_dir)
     )
+    wandb_id = run_dir / WANDB_ID_FILE
+    if wandb_id.is_file():
+        lines.append(f"W&B run id: {wandb_id.read_text().strip()}")
     print(f"{run_dir}:")
     for line in lines:
         print(f"  {line}")

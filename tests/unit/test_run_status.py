@@ -61,6 +61,7 @@ def write_run(run_dir, steps: int = 10) -> None:
     records[2]["val/aime24/avg@4"] = 0.5
     records[4].update({"watch/acceptance_warning": 1.0, "watch/memory_warning": 0.0})
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (run_dir / "wandb_run_id").write_text("abc123\n")
 
 
 def test_armor_status_reads_the_run_directory(tmp_path, capsys):
@@ -74,6 +75,7 @@ def test_armor_status_reads_the_run_directory(tmp_path, capsys):
     assert "warnings: acceptance trend" in out
     assert f"newest checkpoint: {tmp_path / 'checkpoints' / 'step_000002'}" in out
     assert "best checkpoint: step 2 (val/aime24/avg@4 0.5000)" in out
+    assert "W&B run id: abc123" in out
 
 
 def test_status_lines_before_the_first_step_and_without_warnings():
