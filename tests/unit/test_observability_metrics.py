@@ -197,3 +197,18 @@ def test_wandb_without_the_package_is_refused_at_load(monkeypatch):
     config = load_config(None, ["logging.wandb=true", "logging.wandb_mode=offline"])
     assert [p for p in wandb_problems(config) if "requirements-wandb.txt" in p]
     assert not list(wandb_problems(load_config(None, [])))
+
+
+def test_a_pipeline_with_wandb_but_without_the_package_exits_2(monkeypatch, capsys):
+    import importlib.util
+
+    from megatron_armor.cli import main
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "wandb" else find_spec(name, *a),
+    )
+    assert main(["pipeline", "configs/tiny_pipeline.yaml", "logging.wandb=true"]) == 2
+    assert "requirements-wandb.txt" in capsys.readouterr().err
