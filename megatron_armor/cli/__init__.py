@@ -20,6 +20,8 @@ SUBCOMMANDS = {
     "pipeline": "megatron_armor.cli.pipeline_cmd",
     "compare": "megatron_armor.cli.compare_cmd",
     "doctor": "megatron_armor.cli.doctor_cmd",
+    "data": "megatron_armor.cli.data_cmd",
+    "status": "megatron_armor.cli.status_cmd",
 }
 
 

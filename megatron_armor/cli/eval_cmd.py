@@ -92,11 +92,12 @@ def eval_settings(args: argparse.Namespace, config: ArmorConfig) -> dict:
 
 def load_benchmarks(files: list[str], tokenizer, template: str, max_prompt_len: int) -> dict:
     """``{file stem: PromptDataset}``; a repeated stem is an error naming both files."""
+    from megatron_armor.config.benchmarks import benchmark_name
     from megatron_armor.data.dataset import load_prompt_dataset
 
     datasets: dict = {}
     for file in files:
-        name = Path(file).stem
+        name = benchmark_name(file)
         if name in datasets:
             raise ValueError(f"--data: two files are named {name!r}; rename one (names label rows)")
         datasets[name] = load_prompt_dataset([file], tokenizer, template, max_prompt_len, name=name)

@@ -23,10 +23,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from megatron_armor.config.inputs import wandb_problems
     from megatron_armor.config.pipeline import load_pipeline
 
     try:
         pipeline = load_pipeline(args.config, args.overrides)
+        missing = [p for c in (pipeline.stage1, pipeline.stage2) for p in wandb_problems(c)]
+        if missing:  # before Ray starts, as `armor train` refuses it
+            raise ConfigError(missing[0])
     except ConfigError as e:
         print(f"armor pipeline: {e}", file=sys.stderr)
         return 2

@@ -15,6 +15,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+from megatron_armor.config.benchmarks import missing_watched_files
 from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.config.weights_check import weights_problems
 
@@ -110,7 +111,23 @@ def input_problems(model_key: str, model_path: str, data: dict[str, list[str]]) 
 def check_inputs(config: ArmorConfig) -> Problems:
     """The files ``armor train`` reads: ``trainer.model_path``, ``data.train_files`` and,
     when validation is on, ``data.val_files``."""
+    from megatron_armor.data.sources import TARGETS
+
     data = {"data.train_files": config.data.train_files}
     if config.validation.every > 0:
         data["data.val_files"] = config.data.val_files
+    yield from missing_watched_files(config, TARGETS)
+    yield from wandb_problems(config)
     yield from input_problems("trainer.model_path", config.trainer.model_path, data)
+
+
+def wandb_problems(config: ArmorConfig) -> Problems:
+    """``logging.wandb=true`` needs the ``wandb`` package on the driver's machine: refused at
+    load, before Ray and the servers start."""
+    import importlib.util
+
+    if config.logging.wandb and importlib.util.find_spec("wandb") is None:
+        yield (
+            "logging.wandb=true but the `wandb` package is not installed here; "
+            "`pip install -r requirements-wandb.txt` (the image has it) or set logging.wandb=false"
+        )

@@ -341,6 +341,9 @@ class DataConfig:
     """Prompts longer than this (tokens) are dropped and counted."""
     shuffle: bool = True
     """Shuffle each epoch (deterministic from ``run.seed``)."""
+    dedupe: bool = False
+    """Drop training rows whose rendered prompt and answer repeat an earlier row's: the hub's
+    DAPO-Math-17k holds each problem about 100 times (``armor data`` writes it deduplicated)."""
     train_limit: int = 0
     """Train on the first N prompts of ``train_files`` only (0 = all): a small training set
     that many epochs over-fit (the tiny pipeline's stage 1)."""
@@ -431,9 +434,17 @@ class LoggingConfig:
     tensorboard: bool = True
     """Write TensorBoard event files."""
     wandb: bool = False
-    """Log to Weights & Biases (needs ``wandb`` installed)."""
+    """Log to Weights & Biases (needs ``wandb``: ``requirements-wandb.txt``, in the image); one
+    W&B run per run directory, continued across requeues (its id: ``RUN_DIR/wandb_run_id``)."""
     wandb_project: str = "megatron_armor"
     """W&B project."""
+    wandb_entity: str = ""
+    """W&B entity (team or user); "" = the API key's default entity."""
+    wandb_group: str = ""
+    """W&B group (e.g. the seeds of one variant); "" = none."""
+    wandb_mode: str = "online"
+    """``online`` | ``offline`` (nodes without network: ``wandb sync RUN_DIR/wandb/offline-run-*``
+    later, from a machine with network)."""
     progress: bool = True
     """Progress bars for rollout and training phases."""
     profile: str = "none"

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from megatron_armor.algo import registry
 from megatron_armor.algo.ratios import resolve_alpha
 from megatron_armor.algo.reset import check_schedule
+from megatron_armor.config.benchmarks import check_benchmark_names, check_watched_metrics
 from megatron_armor.config.fields import SECTION_CHECKS, bound
 from megatron_armor.config.model_overrides import read_hf_config
 from megatron_armor.config.schema import ArmorConfig, TrainerConfig
@@ -41,6 +42,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "orchestration.layout": ("cpu", "colocated", "disaggregated"),
     "orchestration.async_rollout": ("off", "one_step"),
     "logging.profile": ("none", "nsys", "torch", "dlprof"),
+    "logging.wandb_mode": ("online", "offline"),
 }
 
 
@@ -645,6 +647,8 @@ RULES: list[Callable[[ArmorConfig], Problems]] = [
     check_hardware,
     check_lr_schedule,
     check_watchers,
+    check_benchmark_names,
+    check_watched_metrics,
 ]
 
 

@@ -69,13 +69,13 @@ def exit_code(results: list[CheckResult]) -> int:
     return int(any(r.status == FAIL for r in results))
 
 
-def render(results: list[CheckResult]) -> None:
+def render(results: list[CheckResult], title: str = "armor doctor") -> None:
     """A rich table: check, status, detail (and the fix of each failure)."""
     from rich.console import Console
     from rich.table import Table
 
     colours = {OK: "green", FAIL: "bold red", NOT_APPLICABLE: "yellow"}
-    table = Table(title="armor doctor", show_lines=True)
+    table = Table(title=title, show_lines=True)
     for column in ("check", "status", "seconds", "detail / fix"):
         table.add_column(column, overflow="fold")
     for r in results:
@@ -88,5 +88,13 @@ def render(results: list[CheckResult]) -> None:
 def write_json(results: list[CheckResult], path: str) -> None:
     """``{"ok": bool, "checks": [{name, status, detail, fix, seconds}, ...]}`` at ``path``."""
     body = {"ok": exit_code(results) == 0, "checks": [asdict(r) for r in results]}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(body, indent=2) + "\n")
+
+
+def write_nodes_json(nodes: list, path: str) -> None:
+    """``{"ok": bool, "nodes": [{host, node_id, rank, ok, checks}, ...]}`` at ``path``
+    (``armor doctor --all-nodes``; ``nodes``: ``doctor.cluster.NodeReport``)."""
+    body = {"ok": all(n.ok for n in nodes), "nodes": [n.to_dict() for n in nodes]}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(body, indent=2) + "\n")

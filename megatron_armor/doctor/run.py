@@ -44,5 +44,19 @@ def checks(config: ArmorConfig) -> list[Check]:
     ]
 
 
-def run_all(config: ArmorConfig) -> list[CheckResult]:
-    return [run_check(check) for check in checks(config)]
+def selected(config: ArmorConfig, names: list[str] | None = None) -> list[Check]:
+    """The checks whose names start with one of ``names`` (case-insensitive; ``None``: all);
+    a name that selects nothing is a ``ValueError`` listing the checks."""
+    every = checks(config)
+    if not names:
+        return every
+    unknown = [n for n in names if not any(c.name.lower().startswith(n.lower()) for c in every)]
+    if unknown:
+        raise ValueError(
+            f"--check {unknown[0]!r} names no check; the checks: {', '.join(c.name for c in every)}"
+        )
+    return [c for c in every if any(c.name.lower().startswith(n.lower()) for n in names)]
+
+
+def run_all(config: ArmorConfig, names: list[str] | None = None) -> list[CheckResult]:
+    return [run_check(check) for check in selected(config, names)]

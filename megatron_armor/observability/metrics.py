@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import secrets
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -103,18 +106,53 @@ class _TensorBoardSink:
         self.writer.close()
 
 
+WANDB_ID_FILE = "wandb_run_id"
+"""The run directory's W&B run id: a requeued job continues that W&B run (``resume="allow"``)."""
+
+
+@dataclass(frozen=True)
+class WandbSettings:
+    """Where a run logs in W&B (``logging.wandb_*``, docs/metrics.md)."""
+
+    project: str = "megatron_armor"
+    entity: str = ""
+    group: str = ""
+    mode: str = "online"
+
+
+def wandb_run_id(run_dir: Path, generate) -> str:
+    """The id kept in ``RUN_DIR/wandb_run_id``; a new one from ``generate()`` is written there
+    first (atomically), so every later start of the run directory continues the same W&B run."""
+    path = run_dir / WANDB_ID_FILE
+    if path.is_file() and path.read_text().strip():
+        return path.read_text().strip()
+    run_id = generate()
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(run_id + "\n")
+    os.replace(tmp, path)
+    return run_id
+
+
 class _WandbSink:
-    def __init__(self, project: str, name: str, run_dir: Path, config: dict | None):
+    def __init__(self, settings: WandbSettings, name: str, run_dir: Path, config: dict | None):
         try:
             import wandb
         except ImportError:
             raise RuntimeError(
                 "logging.wandb=true but the `wandb` package is not installed; "
-                "`pip install wandb` or set logging.wandb=false"
+                "`pip install -r requirements-wandb.txt` or set logging.wandb=false"
             ) from None
-        self.wandb = wandb
         self.run = wandb.init(
-            project=project, name=name, dir=str(run_dir), config=config, resume="allow"
+            project=settings.project,
+            entity=settings.entity or None,
+            group=settings.group or None,
+            mode=settings.mode,
+            name=name,
+            id=wandb_run_id(run_dir, lambda: secrets.token_hex(6)),
+            resume="allow",
+            dir=str(run_dir),
+            config=config,
+            settings=wandb.Settings(console="off"),  # the job's own log keeps the console
         )
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
@@ -132,6 +170,7 @@ class MetricsLogger:
         tensorboard: also write TensorBoard event files.
         wandb: also log to W&B (clear error when ``wandb`` is not installed).
         wandb_project / run_name / config: W&B run identity and the resolved config.
+        wandb_settings: entity, group and mode (its project overrides ``wandb_project``).
     """
 
     def __init__(
@@ -142,6 +181,7 @@ class MetricsLogger:
         wandb_project: str = "megatron_armor",
         run_name: str = "armor",
         config: dict | None = None,
+        wandb_settings: WandbSettings | None = None,
     ):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -150,7 +190,8 @@ class MetricsLogger:
         if tensorboard:
             self.sinks.append(_TensorBoardSink(self.run_dir / "tb"))
         if wandb:
-            self.sinks.append(_WandbSink(wandb_project, run_name, self.run_dir, config))
+            settings = wandb_settings or WandbSettings(project=wandb_project)
+            self.sinks.append(_WandbSink(settings, run_name, self.run_dir, config))
 
     def log(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
         """Append ``metrics`` for ``step``; returns the cleaned metrics that were written."""

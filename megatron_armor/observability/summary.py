@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_armor.observability.metrics import non_finite_keys, read_metrics
+from megatron_armor.observability.status import format_duration, throughput_text
 
 # (label, metric key, format) of the end-of-run table, in display order.
 SUMMARY_ROWS: tuple[tuple[str, str, str], ...] = (
@@ -32,8 +33,8 @@ def _fmt(fmt: str, value: Any) -> str:
     return "-" if value is None else fmt.format(value)
 
 
-def step_line(step: int, total: int, m: dict[str, Any]) -> str:
-    """One line per step: rewards, acceptance, validation, KL and time."""
+def step_line(step: int, total: int, m: dict[str, Any], eta_s: float | None = None) -> str:
+    """One line per step: rewards, acceptance, validation, KL, throughput, time and ETA."""
     parts = [f"step {step}/{total}"]
     if m.get("reward/policy_mean") is not None:
         parts.append(f"reward {m['reward/policy_mean']:+.3f}")
@@ -64,8 +65,13 @@ def step_line(step: int, total: int, m: dict[str, Any]) -> str:
     warnings = [w for w in ("acceptance", "memory", "disk") if m.get(f"watch/{w}_warning")]
     if warnings:
         parts.append("WARN " + ",".join(warnings))
+    rate = throughput_text(m)
+    if rate:
+        parts.append(rate)
     if m.get("timing/step_s") is not None:
         parts.append(f"{m['timing/step_s']:.1f}s")
+    if eta_s is not None and step < total:
+        parts.append(f"ETA {format_duration(eta_s)}")
     return " | ".join(parts)
 
 

@@ -18,6 +18,8 @@ damaged checkpoints (``kill -9`` of the group: ``test_pipeline_e2e.py``):
    pickle, writes step 3's line back from its checkpoint, removes the temp dir and completes
    the run, logging step 4 once; while it runs, a second run on the directory is refused
    before Ray starts, and every port the run listens on (Ray, workers) is on loopback.
+5. W&B logs offline throughout: every start continues the one W&B run whose id the run
+   directory keeps (``RUN_DIR/wandb_run_id``).
 
 Every step's metrics equal the uninterrupted reference run's (timings excepted). The run waits
 on its own log lines and files, never on a clock.
@@ -46,6 +48,8 @@ from process_group import is_loopback, listening_addresses, process_group_and_ra
 pytestmark = pytest.mark.e2e
 
 STARTING = "armor train: starting"
+WANDB_OFFLINE = ("logging.wandb=true", "logging.wandb_mode=offline", "logging.wandb_group=e2e")
+"""W&B on, offline (nothing leaves the host): a requeue continues the run's W&B run."""
 
 
 def checkpoint_steps(run_dir: Path) -> list[int]:
@@ -70,7 +74,7 @@ def test_group_signals_and_damaged_checkpoints_then_exact_resume(reference_run, 
     name = "signalled"
     run_dir = out_dir / name
     mid_step = lambda step: (run_dir / "anchors" / f"step_{step:06d}.jsonl").is_file  # noqa: E731
-    overrides = (*CACHED, "run.ckpt_every=100")  # checkpoints only on the signal and at the end
+    overrides = (*CACHED, "run.ckpt_every=100", *WANDB_OFFLINE)  # checkpoints: signal and end
 
     first = Run(out_dir, name, tiny_dir, *overrides)
     out = interrupt(first, signal.SIGTERM, mid_step(2))  # after step 2's rollout
@@ -110,6 +114,15 @@ def test_group_signals_and_damaged_checkpoints_then_exact_resume(reference_run, 
     got = {r["step"]: without_wall_clock(r) for r in read_metrics(run_dir)}
     for step in (1, 2, 3, 4):
         assert got[step] == expected[step], step
+    assert_one_wandb_run(run_dir, starts=3)  # runs 1, 3 and the last log (2 may stop before)
+
+
+def assert_one_wandb_run(run_dir: Path, starts: int) -> None:
+    """Every start of the run directory logged to the W&B run whose id it keeps."""
+    run_id = (run_dir / "wandb_run_id").read_text().strip()
+    offline = sorted((run_dir / "wandb").glob("offline-run-*"))
+    assert len(offline) >= starts, offline
+    assert all((d / f"run-{run_id}.wandb").is_file() for d in offline), (run_id, offline)
 
 
 def drop_metrics_line(run_dir: Path, step: int) -> None:

@@ -53,3 +53,31 @@ def test_outcomes_become_statuses_with_fixes(tmp_path, capsys):
 def test_bad_config_exits_2_naming_the_setting(capsys):
     assert main(["doctor", "trainer.no_such_key=1"]) == 2
     assert "no_such_key" in capsys.readouterr().err
+
+
+def test_all_nodes_outside_srun_exits_2_with_the_srun_line(monkeypatch, capsys):
+    for key in ("SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(key, raising=False)
+    assert main(["doctor", "--all-nodes"]) == 2
+    assert "srun --nodes=N --ntasks-per-node=1 armor doctor --all-nodes" in capsys.readouterr().err
+
+
+def test_a_misspelt_check_exits_2_listing_the_checks(monkeypatch, capsys):
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    assert main(["doctor", "--all-nodes", "--check", "nccl-typo"]) == 2
+    err = capsys.readouterr().err
+    assert "--check 'nccl-typo' names no check; the checks: versions, GPUs" in err
+
+
+def test_slurm_placement_reads_the_task_environment():
+    from megatron_armor.doctor.cluster import slurm_placement
+
+    env = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_NODEID": "3", "SLURM_LOCALID": "0",
+           "SLURM_JOB_ID": "12345", "MASTER_ADDR": "node01"}  # fmt: skip
+    place = slurm_placement(env)
+    assert (place.rank, place.world, place.node_id, place.master_addr) == (3, 4, 3, "node01")
+    assert place.master_port == 29400 + 345  # two jobs' doctors on one node use two ports
+    with pytest.raises(ValueError, match="export MASTER_ADDR"):
+        slurm_placement({"SLURM_PROCID": "0", "SLURM_NTASKS": "2"})

@@ -7,7 +7,12 @@ import time
 
 import pytest
 
-from megatron_armor.observability.metrics import MetricsLogger, read_metrics, truncate_metrics
+from megatron_armor.observability.metrics import (
+    MetricsLogger,
+    read_metrics,
+    truncate_metrics,
+    wandb_run_id,
+)
 from megatron_armor.observability.plot import plot_run, reset_steps, series
 from megatron_armor.observability.summary import step_line, summarize, write_summary
 from megatron_armor.observability.timers import PhaseTimers
@@ -96,7 +101,7 @@ def test_wandb_missing_is_a_clear_error(tmp_path, monkeypatch):
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", block)
-    with pytest.raises(RuntimeError, match="logging.wandb=false"):
+    with pytest.raises(RuntimeError, match="requirements-wandb.txt"):
         MetricsLogger(tmp_path, tensorboard=False, wandb=True)
 
 
@@ -168,3 +173,42 @@ def test_a_torn_last_line_is_left_out_and_a_damaged_one_elsewhere_is_named(tmp_p
     path.write_text('{"step": 1}\n{"step": 2, "wall_\n{"step": 3}\n')
     with pytest.raises(ValueError, match="metrics.jsonl:2 is not a JSON line"):
         read_metrics(tmp_path)
+
+
+def test_wandb_run_id_is_kept_in_the_run_dir(tmp_path):
+    ids = iter(["first", "second"])
+    assert wandb_run_id(tmp_path, lambda: next(ids)) == "first"
+    assert wandb_run_id(tmp_path, lambda: next(ids)) == "first"  # a requeue: the same run
+    assert (tmp_path / "wandb_run_id").read_text() == "first\n"
+
+
+def test_wandb_without_the_package_is_refused_at_load(monkeypatch):
+    import importlib.util
+
+    from megatron_armor.config import load_config
+    from megatron_armor.config.inputs import wandb_problems
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "wandb" else find_spec(name, *a),
+    )
+    config = load_config(None, ["logging.wandb=true", "logging.wandb_mode=offline"])
+    assert [p for p in wandb_problems(config) if "requirements-wandb.txt" in p]
+    assert not list(wandb_problems(load_config(None, [])))
+
+
+def test_a_pipeline_with_wandb_but_without_the_package_exits_2(monkeypatch, capsys):
+    import importlib.util
+
+    from megatron_armor.cli import main
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "wandb" else find_spec(name, *a),
+    )
+    assert main(["pipeline", "configs/tiny_pipeline.yaml", "logging.wandb=true"]) == 2
+    assert "requirements-wandb.txt" in capsys.readouterr().err

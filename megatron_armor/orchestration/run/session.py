@@ -16,11 +16,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_armor.algo.reset import ResetSchedule
+from megatron_armor.config.benchmarks import benchmark_name
 from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.config.validate import runs_async_rollout, updates_per_step
 from megatron_armor.data.dataset import load_prompt_dataset
 from megatron_armor.data.sampler import ResumableSampler, sampled_prompt_count
-from megatron_armor.observability.metrics import MetricsLogger, read_metrics, truncate_metrics
+from megatron_armor.observability.metrics import (
+    MetricsLogger,
+    WandbSettings,
+    read_metrics,
+    truncate_metrics,
+)
 from megatron_armor.observability.throughput import (
     ThroughputMeter,
     gpu_memory_metrics,
@@ -90,7 +96,7 @@ def load_val_datasets(config: ArmorConfig, tokenizer) -> dict:
     """One prompt dataset per validation file, named by the file stem."""
     out = {}
     for file in config.data.val_files:
-        name = Path(file).stem
+        name = benchmark_name(file)
         out[name] = load_prompt_dataset(
             [file], tokenizer, config.data.template, config.data.max_prompt_len
         )
@@ -170,7 +176,9 @@ class Session:
         """Everything up and ready for step 1 (or the resumed step)."""
         tokenizer = load_model_tokenizer(config.trainer.model_path)
         d = config.data
-        dataset = load_prompt_dataset(d.train_files, tokenizer, d.template, d.max_prompt_len)
+        dataset = load_prompt_dataset(
+            d.train_files, tokenizer, d.template, d.max_prompt_len, dedupe=d.dedupe
+        )
         val = load_val_datasets(config, tokenizer) if config.validation.every > 0 else {}
         plan = plan_layout(config)
         init_ray(config, plan, run_dir)
@@ -192,8 +200,9 @@ class Session:
         log = config.logging
         from omegaconf import OmegaConf
 
-        logger = MetricsLogger(run_dir, log.tensorboard, log.wandb, log.wandb_project,
-                               config.run.name, OmegaConf.to_container(OmegaConf.structured(config)))  # fmt: skip
+        wandb = WandbSettings(log.wandb_project, log.wandb_entity, log.wandb_group, log.wandb_mode)
+        logger = MetricsLogger(run_dir, log.tensorboard, log.wandb, config=OmegaConf.to_container(
+            OmegaConf.structured(config)), run_name=config.run.name, wandb_settings=wandb)  # fmt: skip
         return cls(
             config=config, run_dir=run_dir, trainer=trainer, rollout=rollout, reward=reward,
             dataset=dataset, val_datasets=val,

@@ -27,6 +27,7 @@ from megatron_armor.config.validate import (
 )
 from megatron_armor.data.sampler import SamplerExhausted
 from megatron_armor.observability.metrics import metrics_record
+from megatron_armor.observability.status import StepClock
 from megatron_armor.observability.summary import step_line
 from megatron_armor.observability.timers import PhaseTimers
 from megatron_armor.orchestration.actors.faults import RequeueError, locate, requeue_error
@@ -174,6 +175,7 @@ def run_loop(s: Session, start: int, stop: StopSignal) -> int:
         rollout = AnchorRollout(cfg, s.dataset, s.sampler, s.rollout, s.reward,
                                 s.progress.rollout_update, s.timers)  # fmt: skip
     rollout.observe(s.state.metrics_line)  # resumed: the checkpointed step's line
+    clock = StepClock()  # the step line's ETA
     for step in range(start + 1, cfg.run.steps + 1):
         if stop.received:
             print(stop_message(s, stop, saved=False), flush=True)
@@ -199,7 +201,8 @@ def run_loop(s: Session, start: int, stop: StopSignal) -> int:
             metrics["timing/step_s"] = time.perf_counter() - t0
         line = metrics_record(step, metrics)
         clean = s.logger.write(line)
-        print(step_line(step, cfg.run.steps, clean), flush=True)
+        clock.observe(metrics["timing/step_s"])
+        print(step_line(step, cfg.run.steps, clean, clock.eta(step, cfg.run.steps)), flush=True)
         if diverged:
             raise diverged_error(cfg, step, metrics, str(written))
         if stop.received and step < cfg.run.steps:

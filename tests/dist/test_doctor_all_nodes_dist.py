@@ -1,0 +1,67 @@
+"""Dist tier: ``armor doctor --all-nodes`` as ``srun --ntasks-per-node=1`` starts it, two tasks
+on this machine (gloo, CPU), each with the environment Slurm gives its task.
+
+- Each task runs its node's checks (``--check versions`` keeps it cheap), then both meet and
+  time a cross-node all-reduce; rank 0 prints both nodes' tables and writes the JSON of both
+  (the all-reduce's sum checked, its bus bandwidth measured), exit 0 on both.
+
+The refusals outside ``srun`` are unit tests (``tests/unit/test_doctor_report.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.dist
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def doctor(*argv: str, env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "megatron_armor.cli", "doctor", *argv],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+
+
+def task_env(rank: int, world: int, port: int) -> dict[str, str]:
+    """What srun sets for task ``rank`` of a one-task-per-node job (the master given directly:
+    no scontrol here)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    return {**env, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
+            "SLURM_PROCID": str(rank), "SLURM_NTASKS": str(world), "SLURM_NODEID": str(rank),
+            "SLURM_LOCALID": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
+
+
+@pytest.mark.timeout(300)
+def test_two_tasks_meet_and_rank_0_reports_both_nodes(tmp_path):
+    port, out = free_port(), tmp_path / "doctor.json"
+    tasks = [
+        doctor("--all-nodes", "--check", "versions", "--json", str(out), env=task_env(r, 2, port))
+        for r in range(2)
+    ]
+    outputs = [t.communicate(timeout=280)[0] for t in tasks]
+    assert [t.returncode for t in tasks] == [0, 0], outputs
+    report = json.loads(out.read_text())
+    assert report["ok"] and [n["rank"] for n in report["nodes"]] == [0, 1]
+    for node in report["nodes"]:
+        status = {c["name"]: (c["status"], c["detail"]) for c in node["checks"]}
+        assert list(status) == ["versions", "cross-node all-reduce"], status
+        assert status["versions"][0] == "ok"
+        state, detail = status["cross-node all-reduce"]
+        assert state == "ok" and "2 tasks, 32 MiB gloo all-reduce, bus bandwidth" in detail
+    assert "node 1" in outputs[0] and "2 nodes, all ok" in outputs[0], outputs[0]
+    assert "node 1" in outputs[1] and "node 0" not in outputs[1]  # each task its own table
