@@ -20,7 +20,7 @@ from megatron_armor.config.weights_check import weights_problems
 
 Problems = Iterator[str]
 
-SUPPORTED_ARCHITECTURES = ("qwen2", "qwen3", "llama")
+SUPPORTED_ARCHITECTURES = ("qwen2", "qwen3", "llama", "qwen3_moe")
 """HF ``model_type`` values the trainer and the engines implement (trainer/model.py)."""
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 MODEL_DIR_FIX = "an HF model directory (config.json, tokenizer files, *.safetensors)"
