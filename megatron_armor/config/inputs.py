@@ -15,6 +15,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+from megatron_armor.config.moe import engine_problems
 from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.config.weights_check import weights_problems
 
@@ -109,8 +110,14 @@ def input_problems(model_key: str, model_path: str, data: dict[str, list[str]]) 
 
 def check_inputs(config: ArmorConfig) -> Problems:
     """The files ``armor train`` reads: ``trainer.model_path``, ``data.train_files`` and,
-    when validation is on, ``data.val_files``."""
+    when validation is on, ``data.val_files``; a model whose weights the rollout engines
+    cannot take yet (``config/moe.py``: :func:`engine_problems`)."""
     data = {"data.train_files": config.data.train_files}
     if config.validation.every > 0:
         data["data.val_files"] = config.data.val_files
     yield from input_problems("trainer.model_path", config.trainer.model_path, data)
+    hf_file = Path(config.trainer.model_path or ".") / "config.json"
+    if config.trainer.model_path and hf_file.is_file():
+        hf = _hf_config("trainer.model_path", hf_file.parent)
+        if isinstance(hf, dict):  # a broken config.json is named by input_problems
+            yield from engine_problems(hf.get("text_config", hf), str(hf_file))

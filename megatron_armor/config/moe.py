@@ -108,3 +108,17 @@ def expert_layout_problems(trainer, hf: dict | None, where: str) -> Iterator[str
             f"trainer.tp={t.tp}: must divide moe_intermediate_size={shape.expert_ffn} of "
             f"{where} (the experts are split over tp too); pick another tp"
         )
+
+
+def engine_problems(hf: dict | None, where: str) -> Iterator[str]:
+    """A run (``armor train``) needs the rollout engines to take the policy's weights after each
+    update; for a model with experts they do not yet (the embedded engine holds transformers'
+    fused expert tensors, SGLang its own names), so such a run is refused at load rather than
+    at its first weight sync. The trainer itself (its API, ``armor convert``) trains it."""
+    shape = moe_shape(hf) if hf is not None else None
+    if shape is not None and any(shape.sparse_layers):
+        yield (
+            f"{where}: model_type={hf.get('model_type')!r} is a mixture-of-experts model; the "
+            "trainer implements it, but the rollout engines do not take its expert weights yet "
+            "(weight sync after each update); train a dense model (qwen2, qwen3, llama)"
+        )
