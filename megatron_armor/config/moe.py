@@ -111,14 +111,16 @@ def expert_layout_problems(trainer, hf: dict | None, where: str) -> Iterator[str
 
 
 def engine_problems(hf: dict | None, where: str) -> Iterator[str]:
-    """A run (``armor train``) needs the rollout engines to take the policy's weights after each
-    update; for a model with experts they do not yet (the embedded engine holds transformers'
-    fused expert tensors, SGLang its own names), so such a run is refused at load rather than
-    at its first weight sync. The trainer itself (its API, ``armor convert``) trains it."""
+    """A run (``armor train``) of a model with experts is refused at load: the trainer and the
+    embedded engine's weight update take it, but the rest of a run is not built yet (SGLang's
+    weight sync of expert weights, the engines' routes and their replay in the trainer), and a
+    refusal now beats a failure at the first weight sync. The trainer API and ``armor
+    convert`` take such a model."""
     shape = moe_shape(hf) if hf is not None else None
     if shape is not None and any(shape.sparse_layers):
         yield (
             f"{where}: model_type={hf.get('model_type')!r} is a mixture-of-experts model; the "
-            "trainer implements it, but the rollout engines do not take its expert weights yet "
-            "(weight sync after each update); train a dense model (qwen2, qwen3, llama)"
+            "trainer implements it, but a training run with it is not built yet (SGLang's "
+            "weight sync of expert weights, routing replay); train a dense model (qwen2, "
+            "qwen3, llama)"
         )

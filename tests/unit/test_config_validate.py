@@ -478,10 +478,10 @@ def test_expert_parallel_needs_experts(hf_dir, moe_dir):
 
 
 def test_train_refuses_a_moe_model_until_the_engines_take_its_weights(moe_dir):
-    """``armor train``'s input check names a MoE model (the engines cannot take its expert
-    weights yet); the config rules alone accept it (``armor config show``, ``armor plan``)."""
+    """``armor train``'s input check names a MoE model (a run with it is not built yet); the
+    config rules alone accept it (``armor config show``, ``armor plan``)."""
     from megatron_armor.config.inputs import check_inputs
 
     config = load_config(None, [f"trainer.model_path={moe_dir}"])
     found = [p for p in check_inputs(config) if "mixture-of-experts" in p]
-    assert len(found) == 1 and "qwen3_moe" in found[0] and "weight sync" in found[0]
+    assert len(found) == 1 and "qwen3_moe" in found[0] and "routing replay" in found[0]
