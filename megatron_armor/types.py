@@ -9,6 +9,7 @@ Python lists / torch tensors so they pickle cheaply across Ray; the CPU tensors 
 
 from __future__ import annotations
 
+import base64
 import math
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -23,6 +24,46 @@ class SampleSource(StrEnum):
 
     POLICY = "policy"
     REFERENCE = "reference"
+
+
+@dataclass
+class RoutedExperts:
+    """The experts a mixture-of-experts engine routed each position of a sample to, kept
+    compactly: ``[positions, layers, k]`` expert ids as ``uint8`` (up to 256 experts) or
+    ``int16``, base64 text (a sample pickles cheaply and a checkpoint of a batch in flight
+    keeps it as JSON). Position ``t`` is the forward pass over token ``t`` of prompt + response
+    (the last token is never fed back, so ``positions = len(prompt) + len(response) - 1``);
+    a dense layer of a partly sparse model holds zeros (docs/rollout.md)."""
+
+    data: str
+    """base64 of the ids' bytes (C order)."""
+    dtype: str
+    """``uint8`` | ``int16``."""
+    shape: list[int]
+    """``[positions, layers, k]``."""
+
+    @staticmethod
+    def from_array(ids: np.ndarray) -> RoutedExperts:
+        """Compact ``ids`` (``[positions, layers, k]``, any integer dtype, values in
+        ``[0, 32767]``): ``uint8`` when every id is below 256, else ``int16``."""
+        if ids.ndim != 3:
+            raise ValueError(f"routed experts: expected [positions, layers, k], got {ids.shape}")
+        top = int(ids.max()) if ids.size else 0
+        if ids.size and (int(ids.min()) < 0 or top > np.iinfo(np.int16).max):
+            raise ValueError(f"routed experts: ids outside [0, 32767] (max {top})")
+        dtype = np.uint8 if top < 256 else np.int16
+        raw = np.ascontiguousarray(ids, dtype=dtype).tobytes()
+        return RoutedExperts(base64.b64encode(raw).decode("ascii"), np.dtype(dtype).name,
+                             [int(d) for d in ids.shape])  # fmt: skip
+
+    def array(self) -> np.ndarray:
+        """The ids as ``[positions, layers, k]`` (this object's compact dtype)."""
+        raw = np.frombuffer(base64.b64decode(self.data), dtype=np.dtype(self.dtype))
+        return raw.reshape(self.shape)
+
+    @property
+    def positions(self) -> int:
+        return self.shape[0]
 
 
 @dataclass
@@ -50,6 +91,9 @@ class Sample:
     scored: bool = False
     """``score`` and ``acc`` were set before the reward step: a cached anchor's reward,
     remembered from when it was drawn (``rollout/reference.py``, anchor cache); not scored again."""
+    routed_experts: RoutedExperts | None = None
+    """A mixture-of-experts engine's routes of every position (``None``: not asked for, or a
+    dense model)."""
 
     @property
     def response_len(self) -> int:

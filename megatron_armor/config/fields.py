@@ -84,7 +84,11 @@ def check_rollout_correction(c) -> Problems:
 def check_trainer(config: ArmorConfig) -> Problems:
     """Parallel sizes (and the ones the trainer does not implement), LR, budgets."""
     t = config.trainer
-    yield from at_least(t, "trainer", ("tp", "pp", "cp", "vpp", "world_size"), 1)
+    yield from at_least(t, "trainer", ("tp", "pp", "cp", "vpp", "world_size", "ep"), 1)
+    yield from bound(
+        t.moe.aux_loss_coeff, t.moe.aux_loss_coeff >= 0, "trainer.moe.aux_loss_coeff",
+        "must be >= 0 (0 = no load-balancing loss), e.g. 1e-3",
+    )  # fmt: skip
     if t.cp > 1:
         yield (
             f"trainer.cp={t.cp}: context parallelism is not implemented by the trainer; set "

@@ -250,6 +250,17 @@ class FP8Config:
 
 
 @dataclass
+class MoEConfig:
+    """Mixture-of-experts training settings (read only for a model with experts, e.g.
+    Qwen3-MoE; docs/trainer.md, "Mixture of experts")."""
+
+    aux_loss_coeff: float = 0.0
+    """Weight of the load-balancing (Switch) loss added to the policy loss, logged apart as
+    ``train/moe_aux_loss``; 0 = off, as the Qwen3-MoE RL recipes run (slime's
+    ``--moe-aux-loss-coeff 0``; pre-training uses about 1e-3)."""
+
+
+@dataclass
 class TrainerConfig:
     """The Megatron-core trainer: model, parallel layout, precision, optimizer."""
 
@@ -268,6 +279,11 @@ class TrainerConfig:
     """Context-parallel size."""
     vpp: int = 1
     """Virtual pipeline stages per rank (1 = off)."""
+    ep: int = 1
+    """Expert-parallel size: the experts of each MoE layer are split over ``ep`` ranks
+    (``num_experts % ep == 0``, ``world_size % (tp * ep * pp) == 0``); 1 for a dense model."""
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    """Mixture-of-experts settings."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism (needs tp > 1)."""
     world_size: int = 1

@@ -15,6 +15,8 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+from megatron_armor.config.moe import MoEShape, moe_shape
+
 Problems = Iterator[str]
 Shapes = dict[str, list[int]]
 
@@ -97,7 +99,8 @@ def weight_files(model_dir: Path, key: str) -> list[Path] | str:
 
 
 def expected_shapes(cfg: dict) -> Shapes:
-    """The HF tensors a Qwen2 / Qwen3 / Llama ``config.json`` implies, with their shapes."""
+    """The HF tensors a Qwen2 / Qwen3 / Qwen3-MoE / Llama ``config.json`` implies, with their
+    shapes."""
     h, inter, heads = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"]
     kv, d = cfg.get("num_key_value_heads") or heads, cfg.get("head_dim") or h // heads
     out: Shapes = {"model.embed_tokens.weight": [-1, h], "model.norm.weight": [h]}
@@ -116,9 +119,29 @@ def expected_shapes(cfg: dict) -> Shapes:
         if bias:
             out.update({f"{p}self_attn.q_proj.bias": [heads * d],
                         f"{p}self_attn.k_proj.bias": [kv * d], f"{p}self_attn.v_proj.bias": [kv * d]})  # fmt: skip
-        if cfg.get("model_type") == "qwen3":
+        if cfg.get("model_type") in ("qwen3", "qwen3_moe"):
             out.update({f"{p}self_attn.q_norm.weight": [d], f"{p}self_attn.k_norm.weight": [d]})
+    moe = moe_shape(cfg)
+    if moe is not None:
+        swap_in_experts(out, moe, h)
     return out
+
+
+def swap_in_experts(out: Shapes, moe: MoEShape, hidden: int) -> None:
+    """In ``out``, a MoE model's sparse layers get the router and each expert's MLP in place
+    of the dense MLP (``config/moe.py``)."""
+    e, inter = moe.num_experts, moe.expert_ffn
+    for i, sparse in enumerate(moe.sparse_layers):
+        if not sparse:
+            continue
+        p = f"model.layers.{i}.mlp."
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            out.pop(f"{p}{name}.weight")
+        out[f"{p}gate.weight"] = [e, hidden]
+        for x in range(e):
+            out.update({f"{p}experts.{x}.gate_proj.weight": [inter, hidden],
+                        f"{p}experts.{x}.up_proj.weight": [inter, hidden],
+                        f"{p}experts.{x}.down_proj.weight": [hidden, inter]})  # fmt: skip
 
 
 def _fits(want: list[int], got: list[int]) -> bool:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -460,9 +461,35 @@ class TorchEngine(RolloutEngine):
         ]
 
 
+_EXPERT_WEIGHT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def fused_expert_view(targets: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:
+    """The part of a fused expert tensor that checkpoint tensor ``name`` fills, or ``None``.
+
+    transformers 5 holds a MoE layer's experts fused (``Qwen3MoeExperts``): ``gate_up_proj``
+    ``[E, 2I, H]`` (expert ``e``'s gate rows, then its up rows: its forward splits the output
+    in two halves) and ``down_proj`` ``[E, H, I]``; the trainer sends the checkpoint's
+    per-expert names (``mlp.experts.{e}.gate_proj.weight``, ...), as on disk."""
+    match = _EXPERT_WEIGHT.match(name)
+    if match is None:
+        return None
+    prefix, expert, proj = match.group(1), int(match.group(2)), match.group(3)
+    fused = targets.get(f"{prefix}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}")
+    if fused is None or fused.dim() != 3 or expert >= fused.shape[0]:
+        return None
+    if proj == "down_proj":
+        return fused[expert]
+    half = fused.shape[1] // 2
+    return fused[expert, :half] if proj == "gate_proj" else fused[expert, half:]
+
+
 def _copy_checked(targets: dict[str, torch.Tensor], name: str, tensor: torch.Tensor) -> None:
-    """``targets[name].copy_(tensor)`` with a clear error on an unknown name or shape."""
+    """``targets[name].copy_(tensor)`` with a clear error on an unknown name or shape (an
+    expert's weight goes into its slice of the fused tensor: :func:`fused_expert_view`)."""
     target = targets.get(name)
+    if target is None:
+        target = fused_expert_view(targets, name)
     if target is None:
         near = [k for k in targets if k.split(".")[-1] == name.split(".")[-1]][:3]
         raise KeyError(

@@ -11,13 +11,18 @@ enters a :class:`torch.overrides.TorchFunctionMode` for the process lifetime tha
 - reports CUDA type names from ``Tensor.type()`` (the optimizers' dtype checks),
 
 and replaces ``torch.cuda.current_device`` (-> CPU device), ``torch.cuda.synchronize`` and
-``torch.cuda.empty_cache`` (no-ops), and installs megatron's no-op RNG tracker (``fork()`` is a
+``torch.cuda.empty_cache`` (no-ops), ``torch.cuda.Stream`` / ``current_stream`` / ``stream``
+(one :class:`_HostStream` whose work is already done when it is queued: the MoE all-to-all
+token dispatcher copies its split sizes to the host on a side stream) and that dispatcher's
+device-to-host copy (:func:`_host_copy`: its split sizes become the host arrays the GPU path
+makes of them), and installs megatron's no-op RNG tracker (``fork()`` is a
 null context; dropout is off in RL fine-tuning). It is active only when CUDA is absent and
 only for the megatron-core version it was verified with.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any
 
@@ -57,6 +62,44 @@ class _CudaToCpuMode(TorchFunctionMode):
         if func is torch.Tensor.to:
             args = tuple(_to_cpu_device(a) for a in args)
         return func(*args, **kwargs)
+
+
+class _HostEvent:
+    """A CUDA event stand-in: host work is complete when it is recorded."""
+
+    def synchronize(self) -> None:
+        return None
+
+    def wait(self, *_args: Any) -> None:
+        return None
+
+
+class _HostStream:
+    """A CUDA stream stand-in: on the host every operation has finished when it returns, so
+    waiting and synchronising are no-ops."""
+
+    def wait_stream(self, _other: Any) -> None:
+        return None
+
+    def wait_event(self, _event: Any) -> None:
+        return None
+
+    def record_event(self, _event: Any = None) -> _HostEvent:
+        return _HostEvent()
+
+    def synchronize(self) -> None:
+        return None
+
+
+_HOST_STREAM = _HostStream()
+
+
+def _host_stream(*_args: Any, **_kwargs: Any) -> _HostStream:
+    return _HOST_STREAM
+
+
+def _stream_context(_stream: Any) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext()
 
 
 def _current_device() -> torch.device:
@@ -100,12 +143,31 @@ def enable_cpu_mode() -> bool:
         torch.cuda.current_device = _current_device
         torch.cuda.synchronize = _noop
         torch.cuda.empty_cache = _noop
+        torch.cuda.Stream = _host_stream
+        torch.cuda.current_stream = _host_stream
+        torch.cuda.stream = _stream_context
         _install_noop_rng_tracker()
+        _install_host_copy()
         _PATCHED = True
     if getattr(_THREAD, "mode", None) is None:
         _THREAD.mode = _CudaToCpuMode()
         _THREAD.mode.__enter__()
     return True
+
+
+def _host_copy(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    """megatron's ``maybe_move_tensor_to_cpu`` for host tensors: the copy to the host is not
+    needed, but the NumPy array asked for is (the all-to-all takes split sizes as a sequence
+    of ints; a tensor is refused)."""
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.numpy()
+    return tensor
+
+
+def _install_host_copy() -> None:
+    from megatron.core.transformer.moe import token_dispatcher
+
+    token_dispatcher.maybe_move_tensor_to_cpu = _host_copy
 
 
 def _install_noop_rng_tracker() -> None:

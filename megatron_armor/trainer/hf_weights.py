@@ -1,4 +1,4 @@
-"""HF <-> megatron-core weights for the Llama family (Qwen2/2.5, Qwen3, Llama 3).
+"""HF <-> megatron-core weights for the Llama family (Qwen2/2.5, Qwen3, Qwen3-MoE, Llama 3).
 
 The name map (:func:`map_param`) says, for each megatron parameter of a ``GPTModel`` built
 with the local or the Transformer Engine spec, which HF tensors it is made of and how it is
@@ -16,6 +16,10 @@ qkv          for each of this shard's KV groups g:       ``q_proj``, ``k_proj``,
              ``[q heads of g; k_g; v_g]`` (GQA)          (weight and bias)
 gate_up      ``[gate rows of r; up rows of r]``           ``gate_proj``, ``up_proj``
 ===========  ==========================================  =====================================
+
+A mixture-of-experts model (Qwen3-MoE) adds its routers (replicated) and experts
+(``gate_up`` / ``row`` over the expert-tensor-parallel group, each expert-parallel rank holding
+its own experts): ``moe_weights.py`` names them; their export gathers every EP rank's experts.
 
 Layer ``i`` of a pipeline stage is HF layer ``offset + i`` (``offset`` from the stage's first
 ``TransformerLayer.layer_number``). Loading reads only this rank's slices with safetensors
@@ -36,6 +40,7 @@ from safetensors import safe_open
 
 from megatron_armor.trainer import parallel
 from megatron_armor.trainer.model import HFModelSpec
+from megatron_armor.trainer.moe_weights import gather_expert_parts, gather_over_ep, moe_hf_source
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
@@ -67,6 +72,9 @@ class ParamMap:
 
     kind: str
     hf_names: tuple[str, ...]
+    expert: bool = False
+    """An expert's weight: split over the expert-tensor-parallel group, one expert per slot of
+    each expert-parallel rank (``moe_weights.py``)."""
 
 
 def layer_offset(model) -> int:
@@ -86,10 +94,20 @@ def map_param(name: str, spec: HFModelSpec, offset: int) -> ParamMap | None:
         return ParamMap("replicated", ("model.norm.weight",))
     match = _LAYER.match(name)
     if match is None or match.group(2) not in _LAYER_MAP:
-        return None
+        return map_moe_param(name, spec, offset) if spec.moe is not None else None
     kind, suffixes = _LAYER_MAP[match.group(2)]
     prefix = f"model.layers.{offset + int(match.group(1))}."
     return ParamMap(kind, tuple(prefix + s for s in suffixes))
+
+
+def map_moe_param(
+    name: str, spec: HFModelSpec, offset: int, ep_rank: int | None = None
+) -> ParamMap | None:
+    """:func:`map_param` of a router or expert parameter as held by expert-parallel rank
+    ``ep_rank`` (default: this rank's)."""
+    rank = parallel.ep_rank() if ep_rank is None else ep_rank
+    found = moe_hf_source(name, spec.moe.num_experts, offset, rank, parallel.ep_size())
+    return None if found is None else ParamMap(found[0], found[1], found[2])
 
 
 def unwrap(model):
@@ -166,6 +184,8 @@ def read_shard(
 ) -> torch.Tensor:
     """This TP rank's part of the parameter described by ``pmap``."""
     r, tp = parallel.tp_rank(), parallel.tp_size()
+    if pmap.expert:  # split over the expert-tensor-parallel group (moe_weights.py)
+        r, tp = parallel.expert_tp_rank(), parallel.expert_tp_size()
     names = pmap.hf_names
     if pmap.kind == "replicated":
         return src.slice(names[0])[:]
@@ -294,10 +314,27 @@ def export_hf_weights(
             continue
         if name == "output_layer.weight" and spec.tie_embeddings:
             continue
+        if pmap.expert:
+            yield from _export_expert(name, param, pmap, spec, offset, export, device)
+            continue
         parts = _gather_tp(param) if pmap.kind != "replicated" else [param.detach()]
         if not export:
             continue
         for hf_name, tensor in zip(pmap.hf_names, merge_shards(pmap, parts, spec), strict=True):
             # always a copy: a replicated tensor would otherwise alias the live parameter
+            target = tensor.device if device is None else device
+            yield hf_name, tensor.detach().to(target, copy=True).contiguous()
+
+
+def _export_expert(name, param, pmap: ParamMap, spec: HFModelSpec, offset: int, export: bool,
+                   device) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
+    """The HF tensors of one local-expert slot of every expert-parallel rank (collective over
+    the expert-TP and the EP groups; yielded on export ranks only)."""
+    full = merge_shards(pmap, gather_expert_parts(param), spec)
+    for rank, tensors in enumerate(gather_over_ep(full)):
+        if not export:
+            continue
+        names = map_moe_param(name, spec, offset, rank).hf_names
+        for hf_name, tensor in zip(names, tensors, strict=True):
             target = tensor.device if device is None else device
             yield hf_name, tensor.detach().to(target, copy=True).contiguous()

@@ -27,9 +27,15 @@ from megatron_armor.trainer.batching import (
     with_samples,
 )
 from megatron_armor.trainer.cpu_compat import enable_cpu_mode
-from megatron_armor.trainer.hf_weights import export_hf_weights, load_hf_weights, require_finite
+from megatron_armor.trainer.hf_weights import (
+    export_hf_weights,
+    load_hf_weights,
+    require_finite,
+    unwrap,
+)
 from megatron_armor.trainer.interface import TrainerInterface
 from megatron_armor.trainer.model import build_model, read_hf_spec
+from megatron_armor.trainer.moe import aux_loss_metrics, scale_aux_loss
 from megatron_armor.trainer.offload import TrainStateOffloader
 from megatron_armor.trainer.optim import (
     advance_lr_schedule,
@@ -77,7 +83,7 @@ class MegatronTrainer(TrainerInterface):
     ):
         t = config.trainer
         validate_runtime(config)  # the rest of the config was checked at load
-        layout = parallel.ParallelLayout(tp=t.tp, pp=t.pp, cp=t.cp, vpp=t.vpp)
+        layout = parallel.ParallelLayout(tp=t.tp, pp=t.pp, cp=t.cp, vpp=t.vpp, ep=t.ep)
         parallel.init_parallel(layout, rank, world_size, master_addr, master_port, config.run.seed)
         self.config = config
         self.spec = read_hf_spec(t.model_path, dict(t.model_overrides))
@@ -145,6 +151,8 @@ class MegatronTrainer(TrainerInterface):
         t = self.config.trainer
         advance_lr_schedule(self.scheduler, self.updates, self.updates_per_step, t.lr_unit)
         builder = policy_loss_builder(self.lp, self.loss_settings, normalizer)
+        if self.spec.moe is not None:  # the load-balancing loss's share of this update
+            scale_aux_loss(unwrap(self.model), t.moe.aux_loss_coeff, mbs)
         outputs = run_schedule(self.model, mbs, builder, forward_only=False)
         finite = all(bool(torch.isfinite(o["loss/objective"])) for o in outputs)
         applied, grad_norm = guarded_step(self.optimizer, finite)
@@ -159,6 +167,8 @@ class MegatronTrainer(TrainerInterface):
         metrics["train/skipped"] = 0.0 if applied else 1.0
         metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
         metrics["train/padding_fraction"] = padding_fraction(mbs)
+        if self.spec.moe is not None:
+            metrics.update(aux_loss_metrics(unwrap(self.model), self.spec.moe, len(mbs)))
         return metrics
 
     # --- TrainerInterface ------------------------------------------------------------------

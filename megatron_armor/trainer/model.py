@@ -1,7 +1,8 @@
 """Model provider: an HF ``config.json`` -> megatron-core ``GPTModel`` (docs/trainer.md).
 
 Supported architectures: Qwen2 / Qwen2.5 (qkv bias), Qwen3 (qk layernorm, explicit head_dim),
-Llama 3 (``llama3`` rope scaling); tied or untied embeddings. The vocabulary is padded to a
+Qwen3-MoE (Qwen3 attention, mixture-of-experts MLPs: ``moe.py``), Llama 3 (``llama3`` rope
+scaling); tied or untied embeddings. The vocabulary is padded to a
 multiple of ``VOCAB_PAD_MULTIPLE * tp``; the padded logits are masked out of every
 log-prob (``logprobs.py``). The layer spec is Transformer Engine's when
 ``transformer_impl == "te"`` (TE must import), the megatron-core local spec otherwise.
@@ -25,8 +26,10 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_armor.config.inputs import SUPPORTED_ARCHITECTURES
 from megatron_armor.config.model_overrides import merged_hf_config
+from megatron_armor.config.moe import MoEShape, moe_shape
 from megatron_armor.config.schema import FP8Config, TrainerConfig
 from megatron_armor.trainer import parallel
+from megatron_armor.trainer.moe import moe_block_spec, moe_config_fields
 
 VOCAB_PAD_MULTIPLE = 128
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -51,6 +54,8 @@ class HFModelSpec:
     tie_embeddings: bool
     qkv_bias: bool
     qk_norm: bool
+    moe: MoEShape | None = None
+    """Experts and routing of a mixture-of-experts model (``None``: dense)."""
 
     def padded_vocab(self, tp: int) -> int:
         """``V`` rounded up to a multiple of ``VOCAB_PAD_MULTIPLE * tp``."""
@@ -104,7 +109,8 @@ def read_hf_spec(model_dir: str, overrides: dict | None = None) -> HFModelSpec:
         max_positions=cfg.get("max_position_embeddings", 4096),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        moe=moe_shape(cfg),
     )
 
 
@@ -168,6 +174,7 @@ def build_transformer_config(spec: HFModelSpec, trainer: TrainerConfig) -> Trans
         gradient_accumulation_fusion=False,
         **recompute,
         **fp8_settings(trainer.fp8),
+        **(moe_config_fields(spec.moe, trainer) if spec.moe is not None else {}),
     )
 
 
@@ -200,9 +207,14 @@ def rope_inv_freq(spec: HFModelSpec) -> torch.Tensor:
 def build_model(spec: HFModelSpec, trainer: TrainerConfig) -> GPTModel:
     """This rank's ``GPTModel`` stage (parameters uninitialised; load weights next)."""
     config = build_transformer_config(spec, trainer)
+    blocks = (
+        layer_spec(spec, trainer.transformer_impl)
+        if spec.moe is None
+        else moe_block_spec(config, trainer.transformer_impl)
+    )
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(spec, trainer.transformer_impl),
+        transformer_layer_spec=blocks,
         vocab_size=spec.padded_vocab(parallel.tp_size()),
         max_sequence_length=spec.max_positions,
         pre_process=parallel.is_first_stage(),

@@ -31,6 +31,9 @@ class ParallelLayout:
     """Context-parallel size."""
     vpp: int = 1
     """Virtual pipeline stages per rank (1 = off)."""
+    ep: int = 1
+    """Expert-parallel size (MoE layers: the world is also factored as ``tp * ep * pp *
+    expert-dp``; ``config/moe.py``)."""
 
 
 def init_parallel(
@@ -66,6 +69,7 @@ def init_parallel(
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
         context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
     )
     seed_everything(seed)
 
@@ -132,6 +136,30 @@ def dp_size() -> int:
 
 def dp_group() -> dist.ProcessGroup:
     return ps.get_data_parallel_group()
+
+
+def ep_rank() -> int:
+    return ps.get_expert_model_parallel_rank()
+
+
+def ep_size() -> int:
+    return ps.get_expert_model_parallel_world_size()
+
+
+def ep_group() -> dist.ProcessGroup:
+    return ps.get_expert_model_parallel_group()
+
+
+def expert_tp_rank() -> int:
+    return ps.get_expert_tensor_parallel_rank()
+
+
+def expert_tp_size() -> int:
+    return ps.get_expert_tensor_parallel_world_size()
+
+
+def expert_tp_group() -> dist.ProcessGroup:
+    return ps.get_expert_tensor_parallel_group()
 
 
 def cp_rank() -> int:

@@ -1,5 +1,5 @@
-"""Tiny random HF models (Qwen2, Qwen3, Llama 3 with rope scaling) and a deterministic ARMOR
-batch, shared by the trainer tests and their worker processes."""
+"""Tiny random HF models (Qwen2, Qwen3, Llama 3 with rope scaling, Qwen3-MoE) and a
+deterministic ARMOR batch, shared by the trainer tests and their worker processes."""
 
 from __future__ import annotations
 
@@ -63,6 +63,36 @@ def make_models(root: str) -> dict[str, str]:
         dirs[name] = os.path.join(root, name)
         model.save_pretrained(dirs[name])
     return dirs
+
+
+MOE_EXPERTS = 4
+
+
+def make_moe_model(root: str) -> str:
+    """A tiny random Qwen3-MoE under ``root/qwen3_moe``: 3 layers (sparse, dense, sparse:
+    ``mlp_only_layers``), 4 experts, top-2 with renormalised probabilities; the routers get
+    large weights so that every token's top-2 is decided by a wide margin (no near-ties that
+    rounding could flip between implementations)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        num_experts=MOE_EXPERTS, num_experts_per_tok=2, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[1], num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        max_position_embeddings=128, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(110)
+    model = Qwen3MoeForCausalLM(cfg)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname:
+                p.add_(0.1 * torch.randn_like(p))
+            elif pname.endswith("mlp.gate.weight"):
+                p.copy_(torch.randn_like(p))
+    path = os.path.join(root, "qwen3_moe")
+    model.save_pretrained(path)
+    return path
 
 
 def oracle_tokens() -> torch.Tensor:

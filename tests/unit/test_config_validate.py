@@ -428,3 +428,60 @@ def test_the_shipped_configs_load_without_range_warnings(capsys):
             continue  # pipelines and comparison specs, not run configs
         config = load_config(path)
         assert list(range_warnings(config)) == [], path
+
+
+@pytest.fixture
+def moe_dir(tmp_path):
+    """A Qwen3-MoE ``config.json`` (6 experts, transformers 5's ``num_local_experts``)."""
+    cfg = {"model_type": "qwen3_moe", "num_attention_heads": 4, "num_key_value_heads": 2,
+           "num_hidden_layers": 2, "num_local_experts": 6, "moe_intermediate_size": 30,
+           "num_experts_per_tok": 2}  # fmt: skip
+    (tmp_path / "moe").mkdir()
+    (tmp_path / "moe" / "config.json").write_text(json.dumps(cfg))
+    return str(tmp_path / "moe")
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (
+            ["trainer.ep=4", "trainer.world_size=4"],
+            ["trainer.ep=4", "num_experts=6", "[1, 2, 3, 6]"],
+        ),
+        (["trainer.ep=2", "trainer.world_size=3"], ["trainer.world_size=3", "tp*ep*pp=1*2*1=2"]),
+        (
+            ["trainer.ep=2", "trainer.tp=2", "trainer.world_size=4"],
+            ["trainer.ep=2 with trainer.tp=2", "trainer.sequence_parallel=true"],
+        ),
+        (
+            ["trainer.tp=4", "trainer.world_size=4"],
+            ["trainer.tp=4", "moe_intermediate_size=30"],
+        ),
+        (["trainer.ep=0"], ["trainer.ep=0", ">= 1"]),
+        (["trainer.moe.aux_loss_coeff=-1"], ["trainer.moe.aux_loss_coeff", ">= 0"]),
+    ],
+)
+def test_expert_parallel_layout_rules(moe_dir, overrides, expected):
+    message = _error(f"trainer.model_path={moe_dir}", *overrides)
+    for part in expected:
+        assert part in message, (part, message)
+
+
+def test_expert_parallel_needs_experts(hf_dir, moe_dir):
+    """EP splits experts: a dense model refuses it; a layout megatron-core builds passes."""
+    message = _error(f"trainer.model_path={hf_dir}", "trainer.ep=2", "trainer.world_size=2")
+    assert "trainer.ep=2" in message and "dense model" in message
+    ok = [f"trainer.model_path={moe_dir}", "trainer.ep=3", "trainer.world_size=6"]
+    assert load_config(None, ok).trainer.ep == 3
+    sp = ["trainer.tp=2", "trainer.sequence_parallel=true", "trainer.ep=2"]
+    load_config(None, [f"trainer.model_path={moe_dir}", *sp, "trainer.world_size=4"])
+
+
+def test_train_refuses_a_moe_model_until_the_engines_take_its_weights(moe_dir):
+    """``armor train``'s input check names a MoE model (a run with it is not built yet); the
+    config rules alone accept it (``armor config show``, ``armor plan``)."""
+    from megatron_armor.config.inputs import check_inputs
+
+    config = load_config(None, [f"trainer.model_path={moe_dir}"])
+    found = [p for p in check_inputs(config) if "mixture-of-experts" in p]
+    assert len(found) == 1 and "qwen3_moe" in found[0] and "routing replay" in found[0]

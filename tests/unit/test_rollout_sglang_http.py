@@ -616,3 +616,40 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().split()[2]
     except OSError:
         return "gone"
+
+
+def test_routed_experts_decode_compactly_and_survive_a_checkpoint():
+    """``meta_info.routed_experts`` as SGLang 0.5.23 sends it (base64 of the int32 ids of
+    ``[prompt + output - 1, layers, top_k]``) decodes into the sample's compact routes:
+    ``uint8`` up to 256 experts, ``int16`` above; a size that disagrees or a missing field is
+    an error naming the cause; the routes survive the JSON of a batch-in-flight checkpoint."""
+    import base64
+    import dataclasses
+    import json
+
+    import numpy as np
+
+    from megatron_armor.orchestration.step.async_rollout import _sample
+    from megatron_armor.rollout.sglang.client import parse_routed_experts
+    from megatron_armor.types import Sample
+
+    rng = np.random.default_rng(0)
+    prompt, response, layers, k = [5, 6, 7], [8, 9], 3, 2
+    positions = len(prompt) + len(response) - 1
+    for experts, dtype in ((128, "uint8"), (300, "int16")):
+        ids = rng.integers(0, experts, (positions, layers, k)).astype(np.int32)
+        meta = {"routed_experts": base64.b64encode(ids.tobytes()).decode("utf-8")}
+        routes = parse_routed_experts(meta, layers, k, positions)
+        assert routes.dtype == dtype and routes.shape == [positions, layers, k]
+        assert np.array_equal(routes.array().astype(np.int32), ids)
+    assert routes.array().itemsize == 2 and len(base64.b64decode(routes.data)) == ids.size * 2
+    with pytest.raises(SGLangError, match="expected 5 positions x 3 layers x top-2 = 30"):
+        parse_routed_experts(meta, layers, k, positions + 1)
+    with pytest.raises(SGLangError, match="--enable-return-routed-experts"):
+        parse_routed_experts({}, layers, k, positions)
+    sample = Sample("q", prompt, response, [-0.5, -0.25], routed_experts=routes)
+    restored = _sample(json.loads(json.dumps(dataclasses.asdict(sample))))
+    assert restored == sample and np.array_equal(restored.routed_experts.array(), routes.array())
+    plain = dataclasses.asdict(Sample("q", prompt, response))
+    del plain["routed_experts"]  # a checkpoint written before the field existed
+    assert _sample(json.loads(json.dumps(plain))).routed_experts is None

@@ -196,3 +196,32 @@ def test_buffered_cache_samples_what_dynamic_cache_samples(model_dirs, kv_block)
     assert len(lengths) > 1 and max(lengths) == 14  # some rows left the batch early
     with pytest.raises(ValueError, match="kv_block=-1"):
         TorchEngine(model_dirs[0], kv_block=-1)
+
+
+def test_moe_expert_weights_load_into_the_fused_experts(tmp_path):
+    """A Qwen3-MoE engine takes the per-expert tensors the trainer exports (checkpoint names)
+    into transformers' fused experts: after the update it computes the logits of the model
+    the tensors came from; a wrong expert index is refused as an unknown name."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+        num_experts=4, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, max_position_embeddings=64, mlp_only_layers=[1],
+    )  # fmt: skip
+    for seed, name in ((1, "a"), (2, "b")):
+        torch.manual_seed(seed)
+        Qwen3MoeForCausalLM(cfg).save_pretrained(tmp_path / name)
+    engine = TorchEngine(str(tmp_path / "a"))
+    tensors = load_file(str(tmp_path / "b" / "model.safetensors"))
+    assert any(".mlp.experts.3.up_proj.weight" in k for k in tensors)
+    engine.update_weights(tensors.items(), version=1)
+    tokens = torch.tensor([[1, 5, 9, 2]])
+    want = AutoModelForCausalLM.from_pretrained(str(tmp_path / "b")).eval()(tokens).logits
+    with torch.no_grad():
+        got = engine._model("policy")(tokens).logits
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+    bad = [("model.layers.0.mlp.experts.4.down_proj.weight", torch.zeros(32, 16))]
+    with pytest.raises(KeyError, match="unknown tensor"):
+        engine.update_weights(bad, version=2)

@@ -152,6 +152,19 @@ def test_tensor_body_has_one_handle_per_server_tp_rank(sglang_src):
 
 
 @pytest.mark.unit
+def test_routed_experts_request_and_answer_follow_the_wheel(sglang_src):
+    """Asking for routes sets a ``GenerateReqInput`` field; the answer decodes as the wheel's
+    own decoder (``extract_routed_experts_from_meta_info``: base64 of int32) reads it."""
+    fields, _ = class_fields(parse(sglang_src / "srt/managers/io_struct.py"), "GenerateReqInput")
+    body = client.generate_payload([1, 2, 3], SamplingParams(), "r2", 7, return_routed_experts=True)
+    assert body["return_routed_experts"] is True and set(body) <= fields
+    source = (sglang_src / "srt/state_capturer/routed_experts.py").read_text()
+    assert "b64decode(routed_experts_base64" in source and "dtype=np.int32" in source
+    detok = (sglang_src / "srt/managers/detokenizer_manager.py").read_text()
+    assert "b64encode(item.numpy().tobytes())" in detok  # the server's encoding of the ids
+
+
+@pytest.mark.unit
 def test_sampling_params_are_sglang_sampling_params(sglang_src):
     tree = parse(sglang_src / "srt/sampling/sampling_params.py")
     accepted, _ = class_fields(tree, "SamplingParams")
@@ -200,11 +213,12 @@ def test_server_flags_are_sglang_server_args(sglang_src):
     extra = {"enable_deterministic_inference": True, "max_running_requests": 64}
     args = launch.server_args_for(
         "/models/qwen", 30000, tp=2, host="10.0.0.2", base_gpu_id=4, colocated=True,
-        extra_args=extra,
+        extra_args=extra, return_routed_experts=True,
     )  # fmt: skip
     command = launch.build_server_command(args, known_fields=annotations, python="python")
     flags = [token for token in command if token.startswith("--")]
     assert set(flags) <= options, f"{set(flags) - options} are not launch_server flags"
+    assert "--enable-return-routed-experts" in flags
     bare = [k for k, v in args.items() if v is True]
     assert bare and all(annotations[k].startswith("A[bool") for k in bare), bare
     with pytest.raises(ValueError, match="not fields of SGLang's ServerArgs"):

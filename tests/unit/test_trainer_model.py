@@ -148,3 +148,34 @@ def test_mxfp8_is_refused_on_a_gpu_older_than_blackwell(monkeypatch) -> None:
     config.trainer.fp8.recipe = "delayed"
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
     assert list(check_fp8_recipe_hardware(config)) == []
+
+
+def test_reads_qwen3_moe_layers_and_routing(tmp_path) -> None:
+    """Sparse layers as transformers builds them (``decoder_sparse_step``, ``mlp_only_layers``),
+    the expert count under either name, routing onto megatron-core's router settings, and the
+    HF tensors the weights check then expects."""
+    from megatron_armor.config.weights_check import expected_shapes
+    from megatron_armor.trainer.moe import moe_config_fields
+
+    moe = dict(model_type="qwen3_moe", num_hidden_layers=4, moe_intermediate_size=8,
+               num_experts_per_tok=2, decoder_sparse_step=2, mlp_only_layers=[3],
+               head_dim=16)  # fmt: skip
+    spec = read_hf_spec(write_config(tmp_path, **moe, num_experts=4, norm_topk_prob=True))
+    assert spec.qk_norm and spec.moe is not None
+    assert spec.moe.sparse_layers == (False, True, False, False)
+    assert spec.moe.layer_pattern == [0, 1, 0, 0]
+    assert (spec.moe.num_experts, spec.moe.topk, spec.moe.expert_ffn) == (4, 2, 8)
+    fields = moe_config_fields(spec.moe, TrainerConfig())
+    assert fields["moe_router_pre_softmax"] is False  # renormalised top-k: softmax over top-k
+    assert (
+        fields["moe_router_dtype"] == "fp32" and fields["moe_router_load_balancing_type"] == "none"
+    )
+    saved = read_hf_spec(write_config(tmp_path, **moe, num_local_experts=6, norm_topk_prob=False))
+    assert saved.moe.num_experts == 6
+    assert moe_config_fields(saved.moe, TrainerConfig())["moe_router_pre_softmax"] is True
+    shapes = expected_shapes(json.loads((tmp_path / "config.json").read_text()))
+    assert shapes["model.layers.1.mlp.gate.weight"] == [6, 64]
+    assert shapes["model.layers.1.mlp.experts.5.down_proj.weight"] == [64, 8]
+    assert "model.layers.1.mlp.gate_proj.weight" not in shapes
+    assert shapes["model.layers.3.mlp.gate_proj.weight"] == [96, 64]
+    assert read_hf_spec(write_config(tmp_path)).moe is None

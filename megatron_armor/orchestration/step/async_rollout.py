@@ -58,7 +58,7 @@ from megatron_armor.orchestration.step.step_metrics import (
 )
 from megatron_armor.rollout.backends import backend_of
 from megatron_armor.trainer.weight_store import BEHAVIOR
-from megatron_armor.types import Group, Sample, SampleSource
+from megatron_armor.types import Group, RoutedExperts, Sample, SampleSource
 
 
 @dataclass
@@ -95,7 +95,9 @@ def collected_state(c: Collected | None) -> dict:
 
 
 def _sample(d: dict) -> Sample:
-    return Sample(**{**d, "source": SampleSource(d["source"])})
+    routes = d.get("routed_experts")
+    return Sample(**{**d, "source": SampleSource(d["source"]),
+                     "routed_experts": RoutedExperts(**routes) if routes else None})  # fmt: skip
 
 
 def result_from_dict(d: dict) -> RolloutResult:

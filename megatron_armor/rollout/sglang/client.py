@@ -5,6 +5,9 @@ Request / response formats (SGLang ``GenerateReqInput`` and ``SamplingParams``):
 - ``POST /generate`` ``{"rid", "input_ids": [int], "sampling_params": {...}, "return_logprob": true}``
   -> ``{"text", "output_ids", "meta_info": {"output_token_logprobs": [[logprob, token_id, text|null], ...],
   "finish_reason": {"type": "stop"|"length"|"abort", ...}, "weight_version": str, ...}}``.
+- with ``"return_routed_experts": true`` (a server launched with
+  ``--enable-return-routed-experts``), ``meta_info.routed_experts``: base64 int32 expert ids,
+  ``[prompt + output - 1, layers, top_k]`` (:func:`parse_routed_experts`).
 - ``POST /abort_request`` ``{"rid": str, "abort_all": bool}`` (``AbortReq``).
 - Weight and memory endpoints answer ``{"success": bool, "message": str}`` (HTTP 400 on failure).
 
@@ -21,13 +24,16 @@ at once, with the server's message.
 from __future__ import annotations
 
 import asyncio
+import base64
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import numpy as np
 
 from megatron_armor.rollout.protocol import GenerationOutput, SamplingParams
+from megatron_armor.types import RoutedExperts
 
 
 class SGLangError(RuntimeError):
@@ -68,15 +74,51 @@ def sampling_params_payload(params: SamplingParams, seed: int | None = None) -> 
 
 
 def generate_payload(
-    input_ids: list[int], params: SamplingParams, rid: str, seed: int | None
+    input_ids: list[int],
+    params: SamplingParams,
+    rid: str,
+    seed: int | None,
+    return_routed_experts: bool = False,
 ) -> dict:
-    """Body of ``POST /generate`` for one sample of one prompt."""
-    return {
+    """Body of ``POST /generate`` for one sample of one prompt; ``return_routed_experts``
+    asks a mixture-of-experts server (launched with ``--enable-return-routed-experts``) for
+    the experts of every position (:func:`parse_routed_experts`)."""
+    payload = {
         "rid": rid,
         "input_ids": list(input_ids),
         "sampling_params": sampling_params_payload(params, seed),
         "return_logprob": True,
     }
+    if return_routed_experts:
+        payload["return_routed_experts"] = True
+    return payload
+
+
+def parse_routed_experts(
+    meta: dict[str, Any], num_layers: int, topk: int, positions: int
+) -> RoutedExperts:
+    """The routes of a ``/generate`` answer, compacted (``types.RoutedExperts``).
+
+    SGLang 0.5.23 (``srt/state_capturer/routed_experts.py``, ``detokenizer_manager``) sends
+    ``meta_info.routed_experts`` as base64 of the int32 ids of shape ``[positions, layers,
+    topk]`` (C order): positions ``[0, prompt + output - 1)`` with ``routed_experts_start_len``
+    0, every hidden layer (a dense layer's rows are zeros). ``positions`` is what the sample
+    needs (``len(prompt) + len(response) - 1``); a count or size that disagrees is an error,
+    not a silent misalignment."""
+    data = meta.get("routed_experts")
+    if not isinstance(data, str):
+        raise SGLangError(
+            "/generate answered without meta_info.routed_experts: launch the server with "
+            "--enable-return-routed-experts (server_args_for(return_routed_experts=True))"
+        )
+    ids = np.frombuffer(base64.b64decode(data), dtype=np.int32)
+    per_position = num_layers * topk
+    if ids.size != positions * per_position:
+        raise SGLangError(
+            f"/generate: meta_info.routed_experts holds {ids.size} ids, expected {positions} "
+            f"positions x {num_layers} layers x top-{topk} = {positions * per_position}"
+        )
+    return RoutedExperts.from_array(ids.reshape(positions, num_layers, topk))
 
 
 def abort_payload(rid: str | None) -> dict[str, Any]:

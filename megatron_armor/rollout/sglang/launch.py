@@ -108,6 +108,7 @@ def server_args_for(
     model_overrides: dict[str, Any] | None = None,
     on_cpu: bool = False,
     weights_cpu_backup: bool = False,
+    return_routed_experts: bool = False,
 ) -> dict[str, Any]:
     """``ServerArgs`` fields for one engine; ``colocated`` turns on ``enable_memory_saver``
     (needed by ``/release_memory_occupation``) and ``weights_cpu_backup`` keeps a host copy of
@@ -117,7 +118,9 @@ def server_args_for(
     ``context_length`` (> 0) and ``model_overrides`` (``trainer.model_overrides``, resolved
     against the model's ``config.json`` by ``config/model_overrides.py`` and sent as
     ``--json-model-override-args``) serve the model as the trainer trains it; ``on_cpu`` adds
-    :data:`CPU_SERVER_ARGS`. ``extra_args`` override the rest."""
+    :data:`CPU_SERVER_ARGS`; ``return_routed_experts`` lets ``/generate`` return each position's
+    experts (a mixture-of-experts model, ``--enable-return-routed-experts``). ``extra_args``
+    override the rest."""
     args: dict[str, Any] = {"api_key": api_key} if api_key else {}
     args |= {
         "model_path": model_path,
@@ -138,6 +141,8 @@ def server_args_for(
         args["json_model_override_args"] = json.dumps(served, sort_keys=True)
     if on_cpu:
         args.update(CPU_SERVER_ARGS)
+    if return_routed_experts:
+        args["enable_return_routed_experts"] = True
     args.update(extra_args or {})
     return args
 

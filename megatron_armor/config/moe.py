@@ -1,0 +1,126 @@
+"""Mixture-of-experts facts of an HF ``config.json`` and the checks of an expert-parallel
+layout (docs/trainer.md, "Mixture of experts").
+
+:func:`moe_shape` reads a Qwen3-MoE ``config.json`` (``model_type: qwen3_moe``) the way
+transformers' ``Qwen3MoeDecoderLayer`` builds it: layer ``i`` is sparse unless it is listed in
+``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step != 0``; a sparse layer routes each
+token to ``num_experts_per_tok`` of ``num_experts`` experts (softmax over the router logits,
+top-k, renormalised when ``norm_topk_prob``), each expert a SwiGLU MLP of width
+``moe_intermediate_size``; a dense layer is the usual MLP of width ``intermediate_size``.
+The trainer (``trainer/moe.py``), the weights check (``weights_check.py``) and the config
+validation (:func:`expert_layout_problems`) read the model through it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+MOE_ARCHITECTURES = ("qwen3_moe",)
+"""HF ``model_type`` values with mixture-of-experts layers that the trainer implements."""
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """The routing and expert sizes of a mixture-of-experts model."""
+
+    num_experts: int
+    """Routed experts per sparse layer."""
+    topk: int
+    """Experts each token is routed to (``num_experts_per_tok``)."""
+    expert_ffn: int
+    """Width of one expert's MLP (``moe_intermediate_size``)."""
+    norm_topk_prob: bool
+    """The top-k probabilities are renormalised to sum to 1."""
+    sparse_layers: tuple[bool, ...]
+    """Per layer: ``True`` for a mixture-of-experts layer, ``False`` for a dense MLP."""
+
+    @property
+    def layer_pattern(self) -> list[int]:
+        """megatron-core's ``moe_layer_freq`` list (1: MoE layer, 0: dense)."""
+        return [1 if sparse else 0 for sparse in self.sparse_layers]
+
+
+def num_experts_of(cfg: dict) -> int:
+    """The expert count of ``cfg``: ``num_experts`` (Qwen's own files) or
+    ``num_local_experts`` (what transformers 5 writes on save)."""
+    return int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+
+
+def moe_shape(cfg: dict) -> MoEShape | None:
+    """The :class:`MoEShape` of an HF ``config.json`` dict; ``None`` for a dense model."""
+    if cfg.get("model_type") not in MOE_ARCHITECTURES:
+        return None
+    experts, layers = num_experts_of(cfg), int(cfg["num_hidden_layers"])
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    dense_only = set(cfg.get("mlp_only_layers") or [])
+    sparse = tuple(
+        experts > 0 and i not in dense_only and (i + 1) % step == 0 for i in range(layers)
+    )
+    return MoEShape(
+        num_experts=experts,
+        topk=int(cfg.get("num_experts_per_tok", 1)),
+        expert_ffn=int(cfg["moe_intermediate_size"]),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        sparse_layers=sparse,
+    )
+
+
+def expert_layout_problems(trainer, hf: dict | None, where: str) -> Iterator[str]:
+    """``trainer.ep`` against the model (``hf``: its ``config.json``, ``None`` = unknown) and
+    the world: megatron-core splits the experts of each layer evenly over the EP ranks
+    (``num_experts % ep == 0``) and factors the world as ``tp * ep * pp * expert-dp`` for the
+    expert layers (``parallel_state.initialize_model_parallel``), beside ``tp * pp * cp * dp``
+    for the rest; expert and tensor parallelism together need sequence parallelism."""
+    t = trainer
+    if t.ep < 1:
+        return  # named by the trainer section's check
+    shape = moe_shape(hf) if hf is not None else None
+    if hf is not None and t.ep > 1 and (shape is None or not any(shape.sparse_layers)):
+        yield (
+            f"trainer.ep={t.ep}: {where} is a dense model (model_type="
+            f"{hf.get('model_type')!r}) with no experts to split; set trainer.ep=1"
+        )
+        return
+    expert_parallel = t.tp * t.ep * t.pp
+    if t.world_size % expert_parallel:
+        yield (
+            f"trainer.world_size={t.world_size}: must be divisible by tp*ep*pp="
+            f"{t.tp}*{t.ep}*{t.pp}={expert_parallel} (the expert layers' model-parallel "
+            "size); change world_size, trainer.ep or the parallel sizes"
+        )
+    if t.ep > 1 and t.tp > 1 and not t.sequence_parallel:
+        yield (
+            f"trainer.ep={t.ep} with trainer.tp={t.tp}: megatron-core needs sequence "
+            "parallelism when expert and tensor parallelism are combined; set "
+            "trainer.sequence_parallel=true"
+        )
+    if shape is None:
+        return
+    if shape.num_experts % t.ep:
+        fits = [d for d in range(1, shape.num_experts + 1) if shape.num_experts % d == 0]
+        yield (
+            f"trainer.ep={t.ep}: must divide num_experts={shape.num_experts} of {where} "
+            f"(each EP rank holds num_experts / ep experts); use ep in {fits}"
+        )
+    if shape.expert_ffn % t.tp:
+        yield (
+            f"trainer.tp={t.tp}: must divide moe_intermediate_size={shape.expert_ffn} of "
+            f"{where} (the experts are split over tp too); pick another tp"
+        )
+
+
+def engine_problems(hf: dict | None, where: str) -> Iterator[str]:
+    """A run (``armor train``) of a model with experts is refused at load: the trainer and the
+    embedded engine's weight update take it, but the rest of a run is not built yet (SGLang's
+    weight sync of expert weights, the engines' routes and their replay in the trainer), and a
+    refusal now beats a failure at the first weight sync. The trainer API and ``armor
+    convert`` take such a model."""
+    shape = moe_shape(hf) if hf is not None else None
+    if shape is not None and any(shape.sparse_layers):
+        yield (
+            f"{where}: model_type={hf.get('model_type')!r} is a mixture-of-experts model; the "
+            "trainer implements it, but a training run with it is not built yet (SGLang's "
+            "weight sync of expert weights, routing replay); train a dense model (qwen2, "
+            "qwen3, llama)"
+        )

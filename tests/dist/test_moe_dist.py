@@ -1,0 +1,164 @@
+"""Dist tier (gloo, 1-2 CPU processes): the mixture-of-experts policy (tiny Qwen3-MoE).
+
+``moe_worker.py`` runs a ``MegatronTrainer`` per rank; compared here:
+
+- logits equal transformers' within 1e-4 (fp32) at EP=1 (one process) and EP=2 (two
+  processes: each holds two of the four experts; tokens reach them through megatron-core's
+  all-to-all dispatcher over gloo); the export right after the import reproduces every HF
+  tensor exactly (router, every expert from both EP ranks, the dense layer);
+- two ARMOR updates at EP=2 equal the single-process ones (metrics, weights);
+- a third update with the load-balancing loss on logs ``train/moe_aux_loss``, and its gradient
+  is in the update: the gradient norms of EP=1 and EP=2, equal without the loss, now differ
+  (the Switch loss is taken per micro-batch, and the ranks split the batch differently) while
+  the policy-loss metrics of that update still agree;
+- the EP=2 checkpoint, loaded by fresh processes, restores the weights bit for bit and the
+  next update is bit-identical; ``armor convert --to-hf`` (one process) reshards it into the
+  HF tensors the trainer exported.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from test_trainer_dist import (  # noqa: E402
+    LOGITS_TOL,
+    LOGPROB_TOL,
+    LOSS_TOL,
+    TIMEOUT_S,
+    WEIGHT_TOL,
+    free_port,
+)
+from tiny_models import MOE_EXPERTS, make_moe_model, oracle_tokens  # noqa: E402
+
+from megatron_armor.trainer.ranks import run_rank_processes  # noqa: E402
+
+pytestmark = pytest.mark.dist
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "moe_worker.py")
+LAYOUT_DEPENDENT = ("train/padding_fraction",)
+
+
+def worker(mode: str, out: str, model_dir: str, ep: int, world: int, rank: int) -> list[str]:
+    return [sys.executable, WORKER, mode, str(rank), str(world), str(PORTS[out]), out,
+            model_dir, str(ep)]  # fmt: skip
+
+
+PORTS: dict[str, int] = {}
+
+
+def launch(runs: list[tuple[str, str, str, int, int]], extra: list[list[str]] = ()) -> None:
+    """Start every rank of every ``(mode, out, model_dir, ep, world)`` run, and the ``extra``
+    commands, at once (independent runs overlap their start-up), bounded."""
+    commands, logs = [], []
+    for mode, out, model_dir, ep, world in runs:
+        os.makedirs(out, exist_ok=True)
+        PORTS[out] = free_port()
+        for rank in range(world):
+            commands.append(worker(mode, out, model_dir, ep, world, rank))
+            logs.append(os.path.join(out, f"{mode}_log{rank}.txt"))
+    for i, command in enumerate(extra):
+        commands.append(command)
+        logs.append(os.path.join(runs[0][1], f"extra_log{i}.txt"))
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    run_rank_processes(commands, logs, env, TIMEOUT_S)
+
+
+def results(mode: str, out: str) -> list[dict]:
+    """What each rank of a run wrote, in rank order."""
+    return [torch.load(f, weights_only=False) for f in sorted(glob.glob(f"{out}/{mode}_rank*.pt"))]
+
+
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory) -> str:
+    return make_moe_model(str(tmp_path_factory.mktemp("moe_model")))
+
+
+@pytest.fixture(scope="module")
+def hf_logits(moe_model) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(moe_model, dtype=torch.float32)
+    with torch.no_grad():
+        return model(oracle_tokens()).logits
+
+
+def assert_matches_hf(result: dict, hf_logits: torch.Tensor, moe_model: str) -> None:
+    from safetensors.torch import load_file
+
+    torch.testing.assert_close(result["logits"], hf_logits, atol=LOGITS_TOL, rtol=0)
+    hf = load_file(os.path.join(moe_model, "model.safetensors"))
+    exported = result["export0"]
+    assert sorted(exported) == sorted(hf)
+    assert sum(".mlp.experts." in k for k in hf) == 2 * MOE_EXPERTS * 3  # 2 sparse layers
+    for key, tensor in hf.items():
+        assert torch.equal(exported[key], tensor), key
+
+
+def assert_same_metrics(got: dict, want: dict) -> None:
+    assert sorted(got) == sorted(want)
+    for k, v in want.items():
+        if k not in LAYOUT_DEPENDENT:
+            assert got[k] == pytest.approx(v, abs=LOSS_TOL, rel=LOSS_TOL), k
+
+
+def assert_aux_loss_update(result: dict) -> None:
+    """The third update (load-balancing loss on) logs the loss; the first two (off) do not."""
+    assert "train/moe_aux_loss" not in result["m2"]
+    aux = result["m3"]["train/moe_aux_loss"]
+    assert 0.5 < aux < MOE_EXPERTS  # Switch loss: 1 when balanced, E when one expert takes all
+
+
+def test_expert_parallel_matches_hf_single_process_and_resumes(hf_logits, moe_model, tmp_path):
+    ep1, ep2 = str(tmp_path / "ep1"), str(tmp_path / "ep2")
+    launch([("run", ep1, moe_model, 1, 1), ("run", ep2, moe_model, 2, 2)])
+    single, ranks = results("run", ep1)[0], results("run", ep2)
+    assert_matches_hf(single, hf_logits, moe_model)
+    assert_aux_loss_update(single)
+    for result in ranks:  # each EP rank computes the logits of the whole batch
+        torch.testing.assert_close(result["logits"], hf_logits, atol=LOGITS_TOL, rtol=0)
+    run = ranks[0]  # the export rank (DP rank 0) gathers the experts of both EP ranks
+    assert_matches_hf(run, hf_logits, moe_model)
+    assert ranks[1]["export0"] == {}
+    torch.testing.assert_close(run["lp0"], single["lp0"], atol=LOGPROB_TOL, rtol=0)
+    for step in ("m1", "m2"):
+        assert_same_metrics(run[step], single[step])
+    for step in ("w1", "w2"):
+        for k, v in single[step].items():
+            torch.testing.assert_close(run[step][k], v, atol=WEIGHT_TOL, rtol=0)
+    assert_aux_loss_update(run)
+    policy_metrics = {k: v for k, v in single["m3"].items() if k.startswith(("loss/", "kl/"))}
+    del policy_metrics["loss/grad_norm"]
+    for k, v in policy_metrics.items():
+        assert run["m3"][k] == pytest.approx(v, abs=LOSS_TOL, rel=LOSS_TOL), k
+    assert abs(run["m3"]["loss/grad_norm"] - single["m3"]["loss/grad_norm"]) > 10 * LOSS_TOL
+    assert_resume_and_convert(run, moe_model, ep2)
+
+
+def assert_resume_and_convert(run: dict, moe_model: str, ep2: str) -> None:
+    """Fresh EP=2 processes load the checkpoint written after the first update: the same
+    weights and a bit-identical second update; ``armor convert --to-hf`` (run beside them)
+    writes the same weights."""
+    from safetensors.torch import load_file
+
+    out = os.path.join(ep2, "hf")
+    convert = [sys.executable, "-m", "megatron_armor.cli", "convert", "--to-hf",
+               os.path.join(ep2, "ckpt"), "--model", moe_model, "--out", out,
+               "--precision", "fp32"]  # fmt: skip
+    launch([("resume", ep2, moe_model, 2, 2)], [convert])
+    resumed = results("resume", ep2)[0]
+    for step in ("w1", "w2"):
+        assert sorted(resumed[step]) == sorted(run[step])
+        for k, v in run[step].items():
+            assert torch.equal(resumed[step][k], v), (step, k)
+    assert resumed["m2"] == run["m2"]
+    converted = load_file(os.path.join(out, "model.safetensors"))
+    assert sorted(converted) == sorted(run["w1"])
+    for k, v in run["w1"].items():
+        assert torch.equal(converted[k], v), k
