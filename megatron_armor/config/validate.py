@@ -284,7 +284,8 @@ def check_reference_first(config: ArmorConfig) -> Problems:
 def check_sglang_reference(config: ArmorConfig) -> Problems:
     """The SGLang pools (``rollout.sglang.pools``) fit the rollout GPUs, and the weight
     transport reaches the servers: ``tensor`` shares CUDA memory, so the servers must sit on
-    the trainer's GPUs (docs/weight-sync.md). Every transport serves every reference strategy
+    the trainer's GPUs; ``distributed`` opens an NCCL group, which takes one rank per GPU, so
+    the servers must not (docs/weight-sync.md). Every transport serves every reference strategy
     (the trainer ranks push the reference into the reference pool, or swap it into the policy
     servers)."""
     from megatron_armor.rollout.sglang.pools import pool_problems
@@ -298,6 +299,13 @@ def check_sglang_reference(config: ArmorConfig) -> Problems:
             "rollout.sglang.weight_transport='tensor' with orchestration.layout='disaggregated': "
             "CUDA-IPC handles only reach servers on the trainer's own GPUs; set "
             "weight_transport=distributed (NCCL) or layout=colocated"
+        )
+    if r.sglang.weight_transport == "distributed" and config.orchestration.layout == "colocated":
+        yield (
+            "rollout.sglang.weight_transport='distributed' with orchestration.layout='colocated': "
+            "the NCCL group would hold a trainer rank and a server on the same GPU, which NCCL "
+            "refuses ('Duplicate GPU detected') at the first push; set weight_transport=tensor "
+            "(CUDA IPC on the shared GPU) or layout=disaggregated"
         )
 
 
