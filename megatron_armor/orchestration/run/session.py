@@ -243,7 +243,7 @@ class Session:
             self.rollout.release_memory()
         self.trainer.save_checkpoint(str(tmp / "trainer"), {"step": step})
         if offload:
-            self.trainer.offload_train_state()
+            self.trainer.hand_over_memory()
             if colocated:
                 self.resume_engines()
         self.state.save(tmp)
