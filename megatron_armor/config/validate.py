@@ -562,8 +562,15 @@ def _divisors(n: int) -> list[int]:
 
 
 def check_hardware(config: ArmorConfig) -> Problems:
-    """FP8 needs Transformer Engine (a clear error at start-up, not a crash later)."""
+    """FP8 needs Transformer Engine (a clear error at start-up, not a crash later); the GPU's
+    memory is a positive size."""
     t = config.trainer
+    gib = config.orchestration.gpu_memory_gib
+    if not gib > 0:
+        yield (
+            f"orchestration.gpu_memory_gib={gib:g}: must be the memory of one GPU in GiB, > 0 "
+            "(e.g. 80 for an H100, 141 for an H200)"
+        )
     if t.fp8.enabled and t.transformer_impl != "te":
         yield (
             f"trainer.fp8.enabled=true with trainer.transformer_impl={t.transformer_impl!r}: "
