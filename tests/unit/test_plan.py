@@ -239,7 +239,9 @@ def _model_dir(tmp_path: Path, preset: str) -> str:
 def test_colocated_rollout_phase_is_the_resident_state_beside_the_engines_share():
     """The hand-off counted: after the trainer returns its activation and logit blocks, the
     colocated rollout phase holds weights + grads + optimizer + the static share + runtimes."""
-    config = load_config(None, [*ONE_NODE, "trainer.tp=1", "rollout.sglang.mem_fraction_static=0.5"])
+    config = load_config(
+        None, [*ONE_NODE, "trainer.tp=1", "rollout.sglang.mem_fraction_static=0.5"]
+    )
     plan = make_plan(config, model="qwen3-8b", gpu_mem_gib=80)
     rollout, train = plan.phases["rollout"], plan.phases["train"]
     assert sorted(rollout) == ["grads", "optimizer", "runtime", "sglang_static", "weights"]
