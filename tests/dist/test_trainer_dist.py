@@ -282,6 +282,9 @@ def test_distributed_optimizer_resume_and_convert(single, models, tmp_path) -> N
     result = launch("run", str(tmp_path), models, 1, 1, 2, distopt=True, extras="ckpt,offload")
     assert_same_training(result, single, 2)
     assert_offloaded(result)
+    # the layout the resume check compares (orchestration/run/resume_check.py)
+    common = torch.load(tmp_path / "ckpt" / "dist" / "common.pt", weights_only=True)
+    assert common["parallel_layout"] == {"tp": 1, "pp": 1, "distributed_optimizer": True}
     resumed = launch("resume", str(tmp_path), models, 1, 1, 2, distopt=True)
     assert resumed["step"] == 1
     assert resumed["m2"] == result["m2"]
