@@ -21,9 +21,11 @@ from dataclasses import dataclass, field
 from megatron_armor.planner.flops import training_flops
 from megatron_armor.planner.model import ModelDims
 
-# Dense (non-sparse) peak tensor-core TFLOP/s per GPU, from the vendors' data sheets.
+# Dense (non-sparse) peak tensor-core TFLOP/s per GPU, from the vendors' data sheets (half the
+# "with sparsity" figures; fp32 = TF32).
 PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "H100 SXM": {"bf16": 989.4, "fp16": 989.4, "fp8": 1978.9, "fp32": 494.7},
+    "H100 NVL": {"bf16": 835.5, "fp16": 835.5, "fp8": 1670.5, "fp32": 417.5},
     "H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "fp8": 1513.0, "fp32": 378.0},
     "H200": {"bf16": 989.4, "fp16": 989.4, "fp8": 1978.9, "fp32": 494.7},
     "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 156.0},
@@ -34,7 +36,7 @@ def peak_tflops(device_name: str, precision: str = "bf16") -> float | None:
     """Peak TFLOP/s for a ``torch.cuda.get_device_name()`` string, or ``None`` when unknown."""
     name = device_name.upper()
     if "H100" in name:
-        key = "H100 PCIe" if "PCIE" in name else "H100 SXM"
+        key = "H100 PCIe" if "PCIE" in name else "H100 NVL" if "NVL" in name else "H100 SXM"
     elif "H200" in name or "GH200" in name:
         key = "H200"
     elif "A100" in name:
@@ -42,6 +44,13 @@ def peak_tflops(device_name: str, precision: str = "bf16") -> float | None:
     else:
         return None
     return PEAK_TFLOPS[key].get(precision)
+
+
+def compute_precision(precision: str, fp8: bool) -> str:
+    """The tensor-core precision the training GEMMs run in, whose peak MFU is measured
+    against: ``fp8`` when ``trainer.fp8.enabled`` (Transformer Engine), else
+    ``trainer.precision``."""
+    return "fp8" if fp8 else precision
 
 
 def mfu(model_flops: float, seconds: float, num_gpus: int, peak_tflops_per_gpu: float) -> float:

@@ -23,6 +23,7 @@ from megatron_armor.data.sampler import ResumableSampler, sampled_prompt_count
 from megatron_armor.observability.metrics import MetricsLogger, read_metrics, truncate_metrics
 from megatron_armor.observability.throughput import (
     ThroughputMeter,
+    compute_precision,
     gpu_memory_metrics,
     peak_tflops,
 )
@@ -113,7 +114,9 @@ def make_meter(config: ArmorConfig, plan: LayoutPlan, device_name: str) -> Throu
     except (OSError, ValueError, KeyError):
         dims = None  # not an HF config.json the planner knows: tokens/s only
     gpus = plan.trainer_ranks if plan.layout != "cpu" else 0
-    peak = peak_tflops(device_name, config.trainer.precision) if gpus else None
+    t = config.trainer
+    precision = compute_precision(t.precision, t.fp8.enabled)
+    peak = peak_tflops(device_name, precision) if gpus else None
     return ThroughputMeter(dims=dims, num_gpus=max(gpus, 1), peak_tflops_per_gpu=peak)
 
 
