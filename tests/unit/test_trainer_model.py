@@ -12,7 +12,13 @@ import torch
 from megatron_armor.config.schema import ArmorConfig, FP8Config, TrainerConfig
 from megatron_armor.config.validate import find_problems, validate_runtime
 from megatron_armor.trainer import cpu_compat
-from megatron_armor.trainer.model import fp8_settings, read_hf_spec, rope_inv_freq
+from megatron_armor.trainer.model import (
+    fp8_settings,
+    fusion_settings,
+    grad_accum_fusion_available,
+    read_hf_spec,
+    rope_inv_freq,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -148,3 +154,15 @@ def test_mxfp8_is_refused_on_a_gpu_older_than_blackwell(monkeypatch) -> None:
     config.trainer.fp8.recipe = "delayed"
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
     assert list(check_fp8_recipe_hardware(config)) == []
+
+
+def test_fusions_are_on_with_cuda_and_transformer_engine_and_off_on_cpu() -> None:
+    """``auto``: the CPU path (and the local spec) keeps the unfused kernels it is tested with;
+    a TE run on a GPU fuses RoPE (no per-sample host split of packed sequences), bias-SwiGLU,
+    dropout, softmax and norms; weight-gradient accumulation only with APEX's extension."""
+    off = fusion_settings("te", cuda=False)
+    assert set(off.values()) == {False}
+    assert set(fusion_settings("local", cuda=True).values()) == {False}
+    on = fusion_settings("te", cuda=True)
+    assert on["apply_rope_fusion"] and on["bias_activation_fusion"] and on["masked_softmax_fusion"]
+    assert on["gradient_accumulation_fusion"] == grad_accum_fusion_available()
