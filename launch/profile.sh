@@ -36,7 +36,8 @@ cmd=("${DRIVER[@]}" "$@" "logging.profile=$TOOL" "logging.profile_steps=[$STEPS]
 case "$TOOL" in
   nsys)
     dry_run_or_have nsys || die "nsys (Nsight Systems) is not on PATH; NGC containers ship it, or install the Nsight Systems CLI"
-    capture=(--capture-range=cudaProfilerApi --capture-range-end=stop)
+    # repeat: every chosen step is its own range and report (stop would keep only the first)
+    capture=(--capture-range=cudaProfilerApi --capture-range-end=repeat)
     if [ "$CAPTURE" = nvtx ]; then
       first=${STEPS%%,*}
       capture=(--capture-range=nvtx "--nvtx-capture=profile/step_${first}@armor" --capture-range-end=stop)

@@ -27,20 +27,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help=f"HF model dir / config.json or a preset ({', '.join(PRESETS)}); "
         "default: trainer.model_path",
     )
-    p.add_argument("--gpu-mem-gib", type=float, default=80.0, help="memory of one GPU (GiB)")
+    p.add_argument("--gpu-mem-gib", type=float, default=None,
+                   help="memory of one GPU (GiB); default: orchestration.gpu_memory_gib (80)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the terms as JSON")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        if not args.gpu_mem_gib > 0:
+        if args.gpu_mem_gib is not None and not args.gpu_mem_gib > 0:
             raise ValueError(
                 f"--gpu-mem-gib={args.gpu_mem_gib:g}: must be the memory of one GPU in GiB, > 0 "
                 "(e.g. 80 for an H100, 141 for an H200)"
             )
         config = load_config(args.file, args.overrides)
-        plan = make_plan(config, model=args.model, gpu_mem_gib=args.gpu_mem_gib)
+        gib = args.gpu_mem_gib or config.orchestration.gpu_memory_gib
+        plan = make_plan(config, model=args.model, gpu_mem_gib=gib)
     except (ConfigError, ValueError) as e:
         print(f"armor plan: {e}", file=sys.stderr)
         return 2

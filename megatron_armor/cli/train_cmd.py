@@ -75,6 +75,12 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"armor train: {e}", file=sys.stderr)
         return 2
+    from megatron_armor.planner.plan import colocated_memory_problem
+
+    problem = colocated_memory_problem(config)  # the memory plan, before Ray starts
+    if problem:
+        print(f"armor train: {args.config}: {problem}", file=sys.stderr)
+        return 2
     from megatron_armor.orchestration.actors.placement import ray_environment
 
     ray_environment(config)  # before Ray is imported (it reads some settings at import)

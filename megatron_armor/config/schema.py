@@ -423,6 +423,10 @@ class OrchestrationConfig:
     """Nodes in the Ray cluster."""
     gpus_per_node: int = 8
     """GPUs per node."""
+    gpu_memory_gib: float = 80.0
+    """Memory of one GPU (80 for an H100, 141 for an H200): ``armor train`` refuses a colocated
+    layout whose memory plan does not fit it, and ``armor plan`` plans for it by default
+    (docs/profiling.md, "Memory model")."""
     rollout_gpus: int = 0
     """GPUs for rollout engines in the disaggregated layout."""
     num_reward_workers: int = 1

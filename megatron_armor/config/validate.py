@@ -286,7 +286,8 @@ def check_reference_first(config: ArmorConfig) -> Problems:
 def check_sglang_reference(config: ArmorConfig) -> Problems:
     """The SGLang pools (``rollout.sglang.pools``) fit the rollout GPUs, and the weight
     transport reaches the servers: ``tensor`` shares CUDA memory, so the servers must sit on
-    the trainer's GPUs (docs/weight-sync.md). Every transport serves every reference strategy
+    the trainer's GPUs; ``distributed`` opens an NCCL group, which takes one rank per GPU, so
+    the servers must not (docs/weight-sync.md). Every transport serves every reference strategy
     (the trainer ranks push the reference into the reference pool, or swap it into the policy
     servers)."""
     from megatron_armor.rollout.sglang.pools import pool_problems
@@ -300,6 +301,13 @@ def check_sglang_reference(config: ArmorConfig) -> Problems:
             "rollout.sglang.weight_transport='tensor' with orchestration.layout='disaggregated': "
             "CUDA-IPC handles only reach servers on the trainer's own GPUs; set "
             "weight_transport=distributed (NCCL) or layout=colocated"
+        )
+    if r.sglang.weight_transport == "distributed" and config.orchestration.layout == "colocated":
+        yield (
+            "rollout.sglang.weight_transport='distributed' with orchestration.layout='colocated': "
+            "the NCCL group would hold a trainer rank and a server on the same GPU, which NCCL "
+            "refuses ('Duplicate GPU detected') at the first push; set weight_transport=tensor "
+            "(CUDA IPC on the shared GPU) or layout=disaggregated"
         )
 
 
@@ -542,8 +550,15 @@ def _divisors(n: int) -> list[int]:
 
 
 def check_hardware(config: ArmorConfig) -> Problems:
-    """FP8 needs Transformer Engine (a clear error at start-up, not a crash later)."""
+    """FP8 needs Transformer Engine (a clear error at start-up, not a crash later); the GPU's
+    memory is a positive size."""
     t = config.trainer
+    gib = config.orchestration.gpu_memory_gib
+    if not gib > 0:
+        yield (
+            f"orchestration.gpu_memory_gib={gib:g}: must be the memory of one GPU in GiB, > 0 "
+            "(e.g. 80 for an H100, 141 for an H200)"
+        )
     if t.fp8.enabled and t.transformer_impl != "te":
         yield (
             f"trainer.fp8.enabled=true with trainer.transformer_impl={t.transformer_impl!r}: "

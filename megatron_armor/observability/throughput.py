@@ -21,9 +21,11 @@ from dataclasses import dataclass, field
 from megatron_armor.planner.flops import training_flops
 from megatron_armor.planner.model import ModelDims
 
-# Dense (non-sparse) peak tensor-core TFLOP/s per GPU, from the vendors' data sheets.
+# Dense (non-sparse) peak tensor-core TFLOP/s per GPU, from the vendors' data sheets (half the
+# "with sparsity" figures; fp32 = TF32).
 PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "H100 SXM": {"bf16": 989.4, "fp16": 989.4, "fp8": 1978.9, "fp32": 494.7},
+    "H100 NVL": {"bf16": 835.5, "fp16": 835.5, "fp8": 1670.5, "fp32": 417.5},
     "H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "fp8": 1513.0, "fp32": 378.0},
     "H200": {"bf16": 989.4, "fp16": 989.4, "fp8": 1978.9, "fp32": 494.7},
     "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 156.0},
@@ -34,7 +36,7 @@ def peak_tflops(device_name: str, precision: str = "bf16") -> float | None:
     """Peak TFLOP/s for a ``torch.cuda.get_device_name()`` string, or ``None`` when unknown."""
     name = device_name.upper()
     if "H100" in name:
-        key = "H100 PCIe" if "PCIE" in name else "H100 SXM"
+        key = "H100 PCIe" if "PCIE" in name else "H100 NVL" if "NVL" in name else "H100 SXM"
     elif "H200" in name or "GH200" in name:
         key = "H200"
     elif "A100" in name:
@@ -42,6 +44,13 @@ def peak_tflops(device_name: str, precision: str = "bf16") -> float | None:
     else:
         return None
     return PEAK_TFLOPS[key].get(precision)
+
+
+def compute_precision(precision: str, fp8: bool) -> str:
+    """The tensor-core precision the training GEMMs run in, whose peak MFU is measured
+    against: ``fp8`` when ``trainer.fp8.enabled`` (Transformer Engine), else
+    ``trainer.precision``."""
+    return "fp8" if fp8 else precision
 
 
 def mfu(model_flops: float, seconds: float, num_gpus: int, peak_tflops_per_gpu: float) -> float:
@@ -53,29 +62,37 @@ def mfu(model_flops: float, seconds: float, num_gpus: int, peak_tflops_per_gpu: 
     return model_flops / (seconds * num_gpus * peak_tflops_per_gpu * 1e12)
 
 
-def peak_gpu_memory_gb(reset: bool = True) -> float | None:
-    """This process's ``torch.cuda.max_memory_allocated`` on its current device in GB, reset
-    for the next step (``None`` without CUDA). Call it in an actor, never in the driver."""
+def peak_gpu_memory_gb(reset: bool = True) -> tuple[float, float] | None:
+    """This process's ``(torch.cuda.max_memory_allocated, max_memory_reserved)`` on its current
+    device in GB, reset for the next step (``None`` without CUDA). Reserved memory is what
+    the caching allocator holds, tensors or not: what a colocated engine on the same GPU
+    cannot have. Call it in an actor, never in the driver."""
     import torch
 
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return None
     device = torch.cuda.current_device()
-    peak = torch.cuda.max_memory_allocated(device)
+    allocated = torch.cuda.max_memory_allocated(device)
+    reserved = torch.cuda.max_memory_reserved(device)
     if reset:
         torch.cuda.reset_peak_memory_stats(device)
-    return peak / 1e9
+    return allocated / 1e9, reserved / 1e9
 
 
-def gpu_memory_metrics(trainer_gb: float | None, rollout_gb: float | None) -> dict[str, float]:
-    """``perf/peak_gpu_mem_gb`` (max over every rank) and its trainer / rollout parts."""
-    out = {}
-    if trainer_gb is not None:
-        out["perf/peak_gpu_mem_trainer_gb"] = trainer_gb
-    if rollout_gb is not None:
-        out["perf/peak_gpu_mem_rollout_gb"] = rollout_gb
-    if out:
-        out["perf/peak_gpu_mem_gb"] = max(out.values())
+def gpu_memory_metrics(
+    trainer_gb: tuple[float, float] | None, rollout_gb: tuple[float, float] | None
+) -> dict[str, float]:
+    """``perf/peak_gpu_mem_gb`` (allocated) and ``perf/peak_gpu_reserved_gb`` (held by the
+    caching allocator), each the max over every rank, and their trainer / rollout parts;
+    ``trainer_gb`` / ``rollout_gb`` are :func:`peak_gpu_memory_gb` pairs."""
+    out: dict[str, float] = {}
+    for side, peaks in (("trainer", trainer_gb), ("rollout", rollout_gb)):
+        if peaks is not None:
+            out[f"perf/peak_gpu_mem_{side}_gb"], out[f"perf/peak_gpu_reserved_{side}_gb"] = peaks
+    for kind in ("mem", "reserved"):
+        parts = [v for k, v in out.items() if k.startswith(f"perf/peak_gpu_{kind}_")]
+        if parts:
+            out[f"perf/peak_gpu_{kind}_gb"] = max(parts)
     return out
 
 

@@ -10,6 +10,11 @@ phase (``planner.memory``): ``train`` (trainer state + activations + logits; a c
 has released its memory) and ``rollout`` (trainer state — only the weights with
 ``trainer.offload_train_state`` — + the SGLang static shares when colocated). The verdict
 compares the larger phase with ``usable_fraction`` of the GPU.
+
+Colocated, the rollout phase holds only the trainer's resident state because every rank hands
+its activation and logit blocks back to CUDA before the engines resume
+(``trainer.hand_over_memory``, docs/weight-sync.md); ``armor train`` refuses a colocated
+layout whose plan does not fit ``orchestration.gpu_memory_gib`` (:func:`colocated_memory_problem`).
 """
 
 from __future__ import annotations
@@ -99,11 +104,19 @@ class Plan:
         if not self.fits_memory:
             return (
                 f"DOES NOT FIT: {peak:.1f} GiB per GPU > {usable:.1f} GiB usable of "
-                f"{self.gpu_bytes / GiB:.0f} GiB ({where}). Fix: {ADVICE[name]}"
+                f"{self.gpu_bytes / GiB:.0f} GiB ({where}). Fix: {self.advice()}"
             )
         if errors:
             return f"INVALID LAYOUT: {errors} rule error(s) above; memory {peak:.1f} GiB ({where})"
         return f"FITS: {peak:.1f} GiB of {usable:.1f} GiB usable per GPU ({where})"
+
+    def advice(self) -> str:
+        """The fix for the peak phase: in the colocated rollout phase the trainer's resident
+        state sits beside the engines' static share, so whichever term is largest, the fix is
+        to offload the state or shrink the share; else the largest term's own fix."""
+        if self.peak_phase == "rollout":
+            return ADVICE["sglang_static"]
+        return ADVICE[self.largest_term[0]]
 
     def report(self) -> str:
         """Human-readable table of the terms per phase, findings, notes and the verdict."""
@@ -265,8 +278,37 @@ def make_plan(config: ArmorConfig, model: str | None = None, gpu_mem_gib: float 
         if "ref" in engines:
             phases["rollout"]["sglang_ref"] = engines["ref"].static_bytes()
         train["runtime"] = (1 + servers) * RUNTIME_BYTES
+        kept = "weights" if config.trainer.offload_train_state else "weights, grads, optimizer"
+        plan.notes.append(
+            f"colocated: the rollout phase counts the trainer's resident state ({kept}) beside "
+            "the SGLang static share; the activation and logit blocks are handed back to CUDA "
+            "before the engines resume (trainer.hand_over_memory)"
+        )
     plan.notes.append(
         f"train micro-batch {shape.micro_batch_tokens} tokens, {shape.num_micro_batches} micro-batch(es) "
         f"per update per DP rank, dp={shape.dp}, recompute={shape.recompute}"
     )
     return plan
+
+
+def colocated_memory_problem(config: ArmorConfig) -> str | None:
+    """Why a colocated SGLang layout does not fit ``orchestration.gpu_memory_gib`` (``None``:
+    it fits, or the layout is not colocated, or ``trainer.model_path`` has no readable
+    ``config.json`` yet, which the input checks report). ``armor train`` refuses such a
+    config at load (exit 2) with the plan's fix."""
+    if config.orchestration.layout != "colocated" or not backend_of(config).serves_over_http:
+        return None
+    try:
+        plan = make_plan(config, gpu_mem_gib=config.orchestration.gpu_memory_gib)
+    except (OSError, ValueError, KeyError):
+        return None
+    if plan.fits_memory:
+        return None
+    name, size = plan.largest_term
+    terms = ", ".join(f"{k} {v / GiB:.1f}" for k, v in plan.phases[plan.peak_phase].items())
+    return (
+        f"orchestration.layout='colocated' does not fit orchestration.gpu_memory_gib="
+        f"{config.orchestration.gpu_memory_gib:g}: the {plan.peak_phase} phase needs "
+        f"{plan.peak_bytes / GiB:.1f} GiB per GPU > {USABLE_FRACTION * plan.gpu_bytes / GiB:.1f} "
+        f"GiB usable ({terms} GiB; `armor plan` shows the terms); {plan.advice()}"
+    )

@@ -14,8 +14,14 @@ Layout of ``path`` (the caller writes it inside a temporary directory and rename
 Every file is read back with ``torch.load(weights_only=True)`` (megatron's ``common.pt``
 too, torch's default), so a checkpoint cannot run code when it is loaded.
 
-The reference weights are saved through the model's own sharded state dict (keys prefixed
-``reference.``), so they reshard like the model (a resume may change TP/PP).
+The model and the reference weights (saved through the model's own sharded state dict, keys
+prefixed ``reference.``) reshard over TP, PP and DP. The distributed optimizer's state is saved
+``dp_reshardable`` (every DP rank writes its own buffer slice in parallel, no gather): it
+reshards over DP only, so a resume of such a checkpoint with another ``trainer.tp`` /
+``trainer.pp`` (or with the distributed optimizer switched) is refused before anything starts
+(``orchestration/run/resume_check.optimizer_layout_problem``, which reads the layout the save
+records as ``parallel_layout``). The non-distributed optimizer saves per-parameter state,
+which reshards like the model.
 """
 
 from __future__ import annotations
@@ -77,6 +83,11 @@ def _sharded_state(
         "updates": trainer.updates,
         "optimizer_stepped": with_optimizer,
         "behavior_kept": with_behavior,
+        "parallel_layout": {
+            "tp": parallel.tp_size(),
+            "pp": parallel.pp_size(),
+            "distributed_optimizer": bool(trainer.config.trainer.use_distributed_optimizer),
+        },
     }
     if with_behavior:  # loading: the live tensors' shapes (the copy is made from the load)
         kept = trainer.store.has(BEHAVIOR)

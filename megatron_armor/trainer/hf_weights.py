@@ -12,8 +12,10 @@ vocab        rows ``[r*Vp/tp, (r+1)*Vp/tp)`` of the      ``embed_tokens`` / ``lm
              padded vocabulary (rows >= V are zero)
 column       rows ``[r*n/tp, (r+1)*n/tp)``                -
 row          columns ``[r*n/tp, (r+1)*n/tp)``             ``o_proj``, ``down_proj``
-qkv          for each of this shard's KV groups g:       ``q_proj``, ``k_proj``, ``v_proj``
-             ``[q heads of g; k_g; v_g]`` (GQA)          (weight and bias)
+qkv          rows ``[r*n/tp, (r+1)*n/tp)`` of the fused  ``q_proj``, ``k_proj``, ``v_proj``
+             ``[q heads of g; k_g; v_g]`` for each KV    (weight and bias)
+             group g (GQA; part of one group when
+             ``tp > num_key_value_heads``)
 gate_up      ``[gate rows of r; up rows of r]``           ``gate_proj``, ``up_proj``
 ===========  ==========================================  =====================================
 
@@ -163,20 +165,28 @@ def _read_vocab(src: SafetensorsDir, name: str, shape: torch.Size, r: int) -> to
 
 
 def _read_qkv(src: SafetensorsDir, names, spec: HFModelSpec, r: int, tp: int) -> torch.Tensor:
-    """``[groups_r * (q_per_group + 2) * d, ...]`` for this shard's KV groups."""
-    d, groups = spec.head_dim, spec.num_kv_heads // tp
-    q_per_group = spec.num_heads // spec.num_kv_heads
-    g0 = r * groups
-    q = src.slice(names[0])[g0 * q_per_group * d : (g0 + groups) * q_per_group * d]
-    k = src.slice(names[1])[g0 * d : (g0 + groups) * d]
-    v = src.slice(names[2])[g0 * d : (g0 + groups) * d]
-    tail = q.shape[1:]
+    """Rows ``[r*N/tp, (r+1)*N/tp)`` of the fused, group-interleaved QKV tensor
+    ``[kv groups, q_per_group + 2, d, ...]`` (``N`` rows in all), as megatron-core's
+    ``ColumnParallelLinear`` splits it. With ``tp <= num_kv_heads`` that is whole groups; with
+    ``tp > num_kv_heads`` (megatron-core replicates KV heads: each rank holds a part of one
+    group, all-gathers the group in the forward pass and keeps its own q heads,
+    ``transformer/attention.py: get_query_key_value_tensors``) a part of one group."""
+    d, q_per_group = spec.head_dim, spec.num_heads // spec.num_kv_heads
+    group_rows = (q_per_group + 2) * d
+    per_rank = spec.num_kv_heads * group_rows // tp
+    lo, hi = r * per_rank, (r + 1) * per_rank
+    g0, g1 = lo // group_rows, -(-hi // group_rows)  # the groups that hold rows [lo, hi)
+    q = src.slice(names[0])[g0 * q_per_group * d : g1 * q_per_group * d]
+    k = src.slice(names[1])[g0 * d : g1 * d]
+    v = src.slice(names[2])[g0 * d : g1 * d]
+    tail, groups = q.shape[1:], g1 - g0
     parts = [
         q.reshape(groups, q_per_group * d, *tail),
         k.reshape(groups, d, *tail),
         v.reshape(groups, d, *tail),
     ]
-    return torch.cat(parts, dim=1).reshape(-1, *tail)
+    fused = torch.cat(parts, dim=1).reshape(-1, *tail)
+    return fused[lo - g0 * group_rows : hi - g0 * group_rows]
 
 
 def read_shard(
@@ -267,6 +277,9 @@ def _gather_tp(tensor: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _split_qkv(parts: list[torch.Tensor], spec: HFModelSpec) -> list[torch.Tensor]:
+    """``q_proj``, ``k_proj``, ``v_proj`` from the TP shards: their concatenation is the fused
+    group-interleaved tensor for any ``tp`` (:func:`_read_qkv`, also when KV heads are
+    replicated)."""
     d, q_per_group = spec.head_dim, spec.num_heads // spec.num_kv_heads
     full = torch.cat(parts, dim=0)
     tail = full.shape[1:]

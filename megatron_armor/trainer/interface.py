@@ -33,6 +33,11 @@ class TrainerInterface(ABC):
         ``train_step``, which restores it."""
 
     @abstractmethod
+    def hand_over_memory(self) -> None:
+        """Before colocated engines take their GPU memory back: :meth:`offload_train_state`
+        when configured, then this rank's cached allocator blocks returned to the device."""
+
+    @abstractmethod
     def exact_kl(self, batch: TrainBatch) -> dict[str, float]:
         """Exact vocabulary-wide ``KL(policy || ref)`` and ``KL(ref || policy)`` at the tokens of
         ``batch`` with ``loss_mask`` set (``kl/exact_*`` means and maxima); every rank returns

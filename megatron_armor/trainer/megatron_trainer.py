@@ -36,7 +36,7 @@ from megatron_armor.trainer.hf_weights import (
 from megatron_armor.trainer.interface import TrainerInterface
 from megatron_armor.trainer.model import build_model, read_hf_spec
 from megatron_armor.trainer.moe import aux_loss_metrics, scale_aux_loss
-from megatron_armor.trainer.offload import TrainStateOffloader
+from megatron_armor.trainer.offload import TrainStateOffloader, return_cached_blocks
 from megatron_armor.trainer.optim import (
     advance_lr_schedule,
     build_optimizer,
@@ -318,6 +318,15 @@ class MegatronTrainer(TrainerInterface):
         (``trainer.offload_train_state``, colocated rollouts; ``offload.py``)."""
         enable_cpu_mode()  # per thread (no-op with CUDA)
         self.offloader.offload()
+
+    def hand_over_memory(self) -> None:
+        """Before colocated engines take their memory back: the update state out
+        (``trainer.offload_train_state``), then every cached block returned to CUDA
+        (``offload.return_cached_blocks``)."""
+        enable_cpu_mode()  # per thread (no-op with CUDA)
+        if self.config.trainer.offload_train_state:
+            self.offloader.offload()
+        return_cached_blocks()
 
     def train_step(self, batch, num_minibatches: int) -> dict[str, float]:
         enable_cpu_mode()  # per thread (no-op with CUDA)

@@ -128,6 +128,33 @@ def fp8_settings(fp8: FP8Config) -> dict:
     }
 
 
+def grad_accum_fusion_available() -> bool:
+    """Whether megatron-core's ``ColumnParallelLinear`` (the output layer, also under the TE
+    spec) can fuse the weight-gradient accumulation: it needs APEX's
+    ``fused_weight_gradient_mlp_cuda`` extension and raises at build time without it."""
+    import importlib.util
+
+    return importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
+
+
+def fusion_settings(transformer_impl: str, cuda: bool) -> dict:
+    """megatron-core's kernel fusions: on with CUDA and the Transformer Engine spec (fused
+    RoPE, also for ``thd`` packed sequences, where the unfused path splits every sample on
+    the host in every layer; bias-SwiGLU, bias-dropout, softmax, layer norm), the
+    gradient-accumulation fusion where its extension is present
+    (:func:`grad_accum_fusion_available`); all off on CPU and with the local spec, whose
+    numbers the CPU tests compare bit for bit."""
+    fused = cuda and transformer_impl == "te"
+    return {
+        "bias_activation_fusion": fused,
+        "bias_dropout_fusion": fused,
+        "masked_softmax_fusion": fused,
+        "apply_rope_fusion": fused,
+        "persist_layer_norm": fused,
+        "gradient_accumulation_fusion": fused and grad_accum_fusion_available(),
+    }
+
+
 def build_transformer_config(spec: HFModelSpec, trainer: TrainerConfig) -> TransformerConfig:
     """The megatron-core ``TransformerConfig`` for ``spec`` under ``trainer``'s layout/precision
     (a loaded, valid config: ``config/validate.py``)."""
@@ -166,12 +193,7 @@ def build_transformer_config(spec: HFModelSpec, trainer: TrainerConfig) -> Trans
         variable_seq_lengths=True,
         moe_token_dispatcher_type="alltoall",  # dense models; "allgather" rejects variable lengths
         use_cpu_initialization=cpu,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
+        **fusion_settings(trainer.transformer_impl, cuda=not cpu),
         **recompute,
         **fp8_settings(trainer.fp8),
         **(moe_config_fields(spec.moe, trainer) if spec.moe is not None else {}),

@@ -11,6 +11,9 @@ With fp32 training the optimizer's parameters *are* the model's (or views into i
 so only the optimizer state moves; moving ``param.data`` would detach the optimizer from the
 model. On CPU (no CUDA) the optimizer tensors stay where they are and only the gradient
 storage is released, which is what the tests check.
+
+Freed tensors stay in PyTorch's caching allocator (reserved, not allocated): another process on
+the GPU cannot have them until :func:`return_cached_blocks` gives them back to the driver.
 """
 
 from __future__ import annotations
@@ -72,3 +75,14 @@ class TrainStateOffloader:
             if buffer.grad_data is not None:
                 total += buffer.grad_data.untyped_storage().size()
         return total
+
+
+def return_cached_blocks() -> None:
+    """Wait for this rank's queued kernels and give the caching allocator's free blocks back to
+    CUDA, so that a colocated engine that resumes its memory next finds it free: after the
+    log-prob and training passes the allocator still holds their activation and logit peak.
+    Nothing to do without CUDA."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()

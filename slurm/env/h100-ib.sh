@@ -1,4 +1,4 @@
-# H100 nodes with InfiniBand (8 GPUs, 8 HCAs), the project's container (docker/Dockerfile: the
+# H100 nodes with native InfiniBand (8 GPUs, 8 HCAs), the project's container (docker/Dockerfile: the
 # pinned SGLang / torch / TE / megatron-core stack) through pyxis/enroot. Build it and import it
 # once as a squashfs (docs/gpu.md):
 #   docker build -f docker/Dockerfile -t megatron-armor:gpu . &&
@@ -16,10 +16,10 @@ export ARMOR_RAY_JOIN_TIMEOUT_S=${ARMOR_RAY_JOIN_TIMEOUT_S:-600}
 export ARMOR_NODE_IFACE=${ARMOR_NODE_IFACE:-}          # e.g. ib0 or the fast Ethernet NIC
 export RAY_AUTH_MODE=${RAY_AUTH_MODE:-token}
 export RAY_USAGE_STATS_ENABLED=0
-# NCCL over InfiniBand: HCAs by name prefix, GPUDirect RDMA, socket bootstrap on the fast NIC.
+# NCCL over native InfiniBand: HCAs by name prefix, socket bootstrap on the fast NIC; NCCL's
+# own defaults otherwise (its GPUDirect RDMA level follows the PCI topology; no GID index, which
+# only RoCE needs: slurm/env/h100-roce.sh).
 export NCCL_IB_HCA=${NCCL_IB_HCA:-mlx5}
-export NCCL_IB_GID_INDEX=${NCCL_IB_GID_INDEX:-3}       # RoCE; unset for native IB if needed
-export NCCL_NET_GDR_LEVEL=${NCCL_NET_GDR_LEVEL:-PIX}
 export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-^lo,docker}
 export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-${ARMOR_NODE_IFACE:-}}
 [ -n "$GLOO_SOCKET_IFNAME" ] || unset GLOO_SOCKET_IFNAME

@@ -58,10 +58,15 @@ check_job_gpus() {
 set_srun_words() {
   # SRUN=(srun one task on node $1, overlapping the job's other steps, inside the container).
   # Callers run "${SRUN[@]}" cmd ... as a simple command, so that $! is srun itself. With GPUs
-  # (ARMOR_RAY_NUM_GPUS > 0) the step asks for them: an srun step gets the GPUs it requests, not
-  # the job's, where the job's request did not reach its steps (e.g. --gres given at submit).
+  # (ARMOR_RAY_NUM_GPUS > 0) a Ray node's step ($2 = gpu) asks for them: an srun step gets the
+  # GPUs it requests, not the job's, where the job's request did not reach its steps (e.g.
+  # --gres given at submit). Every other step (driver, node wait, checks, profile gathering)
+  # needs no GPU and asks for none (--gres=none, srun(1)): where GRES is not shared, a step
+  # asking for the GPUs the Ray step holds would wait forever.
   SRUN=(srun --overlap --nodes=1 --ntasks=1 --nodelist="$1")
-  [ "${ARMOR_RAY_NUM_GPUS:-0}" -le 0 ] || SRUN+=(--gres="gpu:$ARMOR_RAY_NUM_GPUS")
+  if [ "${ARMOR_RAY_NUM_GPUS:-0}" -gt 0 ]; then
+    if [ "${2:-}" = gpu ]; then SRUN+=(--gres="gpu:$ARMOR_RAY_NUM_GPUS"); else SRUN+=(--gres=none); fi
+  fi
   if [ "${ARMOR_LAUNCHER:-none}" = pyxis ]; then
     [ -n "${ARMOR_CONTAINER_IMAGE:-}" ] || die "ARMOR_LAUNCHER=pyxis needs ARMOR_CONTAINER_IMAGE (a .sqsh file of docker/Dockerfile, see docs/gpu.md)"
     SRUN+=(--container-image="$ARMOR_CONTAINER_IMAGE" --container-workdir="$ARMOR_ROOT")

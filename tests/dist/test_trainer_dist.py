@@ -4,8 +4,9 @@ Each test launches ``trainer_worker.py`` once per rank (bounded by a timeout, fr
 compares what the ranks wrote with the single-process run and with HF transformers:
 
 - logits of tiny Qwen2 / Qwen3 (tied, head_dim != hidden/heads) / Llama 3 (rope scaling)
-  equal transformers' within 1e-4 (fp32) at TP=1, TP=2 and PP=2; export after import
-  reproduces every HF tensor exactly;
+  equal transformers' within 1e-4 (fp32) at TP=1, TP=2, PP=2 and TP=4 (4 processes: more
+  ranks than the 2 KV heads, which megatron-core replicates); export after import reproduces
+  every HF tensor exactly;
 - per-token log-probs, the loss/metrics and the weights after two ARMOR updates (mixed
   ratio, dual clip, token-mean, >= 2 micro-batches of unequal lengths) equal the single-process
   run at TP=2, PP=2, DP=2 and DP=2 with the distributed optimizer;
@@ -259,6 +260,12 @@ def test_model_parallel_matches_single(tp, pp, single, hf_logits, models, tmp_pa
     assert_reference_swaps(result)
 
 
+def test_tp_beyond_kv_heads_matches_hf(hf_logits, models, tmp_path) -> None:
+    """TP=4 with 2 KV heads: each rank holds half a KV group of the fused QKV weight."""
+    result = launch("oracle", str(tmp_path), models, 4, 1, 4)
+    assert_oracle(result, hf_logits, models)
+
+
 def assert_offloaded(result: dict) -> None:
     """``offload_train_state`` freed the gradient buffers; the next update did not notice."""
     assert result["grad_bytes"] > 0 and result["grad_bytes_offloaded"] == 0
@@ -275,6 +282,9 @@ def test_distributed_optimizer_resume_and_convert(single, models, tmp_path) -> N
     result = launch("run", str(tmp_path), models, 1, 1, 2, distopt=True, extras="ckpt,offload")
     assert_same_training(result, single, 2)
     assert_offloaded(result)
+    # the layout the resume check compares (orchestration/run/resume_check.py)
+    common = torch.load(tmp_path / "ckpt" / "dist" / "common.pt", weights_only=True)
+    assert common["parallel_layout"] == {"tp": 1, "pp": 1, "distributed_optimizer": True}
     resumed = launch("resume", str(tmp_path), models, 1, 1, 2, distopt=True)
     assert resumed["step"] == 1
     assert resumed["m2"] == result["m2"]

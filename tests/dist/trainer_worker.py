@@ -8,6 +8,7 @@
   before/after ``reset_reference``, exported weights; (2) when EXTRAS has ``oracle``, for each
   tiny model, logits on fixed tokens (TP-gathered) and the exported HF tensors.
 - ``resume``: a fresh trainer loads ``OUT/ckpt`` and takes the second update again.
+- ``oracle``: only (2), e.g. at ``TP > num_key_value_heads`` (KV heads replicated).
 
 Each rank writes ``OUT/MODE_rank{RANK}.pt``.
 """
@@ -154,6 +155,8 @@ if __name__ == "__main__":
         run(trainer, result, "ckpt" in extras, "offload" in extras)
         if "oracle" in extras:
             result.update(oracle(models))
+    elif mode == "oracle":
+        result.update(oracle(models))
     else:
         resume(trainer, result)
     torch.save(result, os.path.join(OUT, f"{mode}_rank{rank}.pt"))

@@ -10,7 +10,8 @@ disk, then gets ``b`` from the trainer through the transport; its log-probs must
 - ``tensor``: a CUDA-IPC bucket rebuilt in an independent process equals the source, and
   ``TensorRankSync`` into the server (``/update_weights_from_tensor``);
 - ``distributed``: ``DistributedRankSync`` over an NCCL group into the server;
-- ``disk``: ``DiskRankSync`` shards loaded by the server.
+- ``disk``: ``DiskRankSync`` shards loaded by the server;
+- a colocated step without an update: released weights come back by a push at the same version.
 """
 
 from __future__ import annotations
@@ -164,3 +165,28 @@ def test_disk_transport_into_sglang(trainer, served):
         served["engine"].update_weights_from_disk(out, version)
 
     serves_a_then_b(trainer, served, push, 41)
+
+
+def test_released_weights_come_back_by_a_push_at_the_same_version(trainer, served):
+    """A colocated step without an update (docs/weight-sync.md, "A step without an update"):
+    the server released its weights (no host copy) and takes memory back without contents;
+    the trainer hands its memory over and pushes the current weights again, at the version the
+    server had, before the KV cache returns: it serves them."""
+    from megatron_armor.trainer.weight_sync import ServerTarget, TensorRankSync
+
+    engine, check = served["engine"], trainer["server"].check_serves
+    sync = TensorRankSync(trainer["trainer"], bucket_mb=1)
+    target = [ServerTarget(engine.servers[0].url, 1, 0)]
+    push = in_session(served, lambda v: sync.push(v, "policy", "policy", target))
+    try:
+        push(51)
+        engine.set_weight_version(51)
+        check(served, trainer["b"], 51)
+        engine.release_memory()  # weights and KV cache, named (never the CUDA graphs)
+        trainer["trainer"].hand_over_memory()
+        engine.resume_memory(["weights"])
+        push(51)
+        engine.resume_memory(["kv_cache"])
+        check(served, trainer["b"], 51)
+    finally:
+        sync.close()

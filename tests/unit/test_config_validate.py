@@ -309,6 +309,10 @@ def test_sglang_reference_serving_rules():
     message = _error(*sglang, "orchestration.layout=disaggregated", "orchestration.rollout_gpus=1",
                      "rollout.sglang.weight_transport=tensor")  # fmt: skip
     assert "weight_transport=distributed (NCCL) or layout=colocated" in message
+    message = _error(*sglang, "orchestration.layout=colocated", "trainer.world_size=8",
+                     "rollout.sglang.weight_transport=distributed")  # fmt: skip
+    assert "weight_transport='distributed' with orchestration.layout='colocated'" in message
+    assert "Duplicate GPU detected" in message and "set weight_transport=tensor" in message
     anchor_free = [*sglang, "algo.anchor=none", "algo.ratio=standard"]
     config = load_config(None, [*anchor_free, "rollout.sglang.weight_transport=distributed"])
     assert config.rollout.sglang.weight_transport == "distributed"

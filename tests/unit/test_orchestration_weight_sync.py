@@ -120,7 +120,10 @@ class Rollout(Recorder):
 
 
 def config(transport="tensor", strategy="dedicated", *extra, output_dir="/tmp"):
-    return load_config(None, ["rollout.backend=sglang", "orchestration.layout=colocated",
+    # NCCL takes one rank per GPU: the distributed transport serves disaggregated servers
+    layout = (["orchestration.layout=disaggregated", "orchestration.rollout_gpus=2"]
+              if transport == "distributed" else ["orchestration.layout=colocated"])  # fmt: skip
+    return load_config(None, ["rollout.backend=sglang", *layout,
                               "trainer.world_size=2", f"rollout.sglang.weight_transport={transport}",
                               f"rollout.ref_strategy={strategy}", f"run.output_dir={output_dir}",
                               *extra])  # fmt: skip
@@ -300,7 +303,8 @@ def test_the_embedded_push_is_queued_behind_the_updates(extra, early):
 def test_a_step_without_an_applied_update_pushes_nothing(early):
     """Every update of the step skipped (non-finite): the queued export of the embedded
     engine is ``if_changed`` (empty, the engine loads nothing: ``RolloutWorker.update_weights``)
-    and is only waited for; no version is recorded; the SGLang transports send nothing."""
+    and is only waited for; no version is recorded; disaggregated SGLang servers (which kept
+    their weights) get nothing."""
     trainer, rollout = Trainer(), Rollout()
     trainer.object_store = True
     extra = [] if early else ["orchestration.layout=colocated"]
@@ -313,7 +317,7 @@ def test_a_step_without_an_applied_update_pushes_nothing(early):
     assert sync.versions["policy"] == 3
     assert sync.pop_metrics()["perf/weight_sync_inprocess_pushes"] == 1.0  # the push at 3 only
     servers_trainer, servers_rollout = Trainer(), Rollout()
-    served = make_weight_sync(config("disk"), servers_trainer, servers_rollout)
+    served = make_weight_sync(config("distributed"), servers_trainer, servers_rollout)
     served.queue_policy_push(4)
     assert served.skip_policy_push() == 0
     assert servers_trainer.calls == [] and servers_rollout.calls == []
@@ -355,3 +359,41 @@ def test_anchor_free_runs_keep_only_the_reference_version():
     assert sampler.state_dict() == {"ref_version": 20}
     with pytest.raises(RuntimeError, match="algo.anchor=none"):
         sampler.sample(["q"], [[1]], 1, None)
+
+
+@pytest.mark.parametrize("transport", ["tensor", "disk"])
+def test_colocated_servers_get_the_current_policy_again_after_a_step_without_an_update(
+    transport, tmp_path
+):
+    """The policy servers released their weights for the update (no host copy): a step whose
+    updates were all skipped pushes the current policy again, at the version they had."""
+    trainer, rollout = Trainer(), Rollout()
+    sync = make_weight_sync(config(transport, output_dir=str(tmp_path)), trainer, rollout)
+    sync.push_policy(4)
+    assert sync.skip_policy_push() == 10
+    assert [c[:4] for c in trainer.calls] == [("push", 4, "policy", "policy")] * 2
+    assert rollout.calls[-1] == ("version", 4, "policy")
+
+
+def test_disaggregated_servers_keep_their_weights_after_a_step_without_an_update():
+    trainer, rollout = Trainer(), Rollout()
+    sync = make_weight_sync(config("distributed"), trainer, rollout)
+    sync.push_policy(4)
+    assert sync.skip_policy_push() == 0
+    assert len(trainer.calls) == 1
+
+
+def test_a_failed_begin_still_closes_the_servers_sessions():
+    """A begin that reached only some servers: the end goes to all of them."""
+
+    class BeginFails(Rollout):
+        def begin_weight_update(self, pool, servers=None):
+            self.record("begin", pool, servers)
+            raise RuntimeError("server 1 refused /begin_weight_update")
+
+    trainer, rollout = Trainer(), BeginFails()
+    sync = make_weight_sync(config("tensor"), trainer, rollout)
+    with pytest.raises(RuntimeError, match="refused"):
+        sync.push_policy(3)
+    assert rollout.calls == [("begin", "policy", None), ("end", "policy", None)]
+    assert trainer.calls == []

@@ -223,3 +223,74 @@ def test_plan_and_config_show_reject_an_unsupported_layout_with_the_same_message
 def test_the_plan_never_advises_a_setting_load_rejects():
     advice = " ".join(ADVICE.values())
     assert "trainer.cp" not in advice and "trainer.vpp" not in advice
+
+
+def _model_dir(tmp_path: Path, preset: str) -> str:
+    """A directory with only the ``config.json`` of ``preset`` (what the plan reads)."""
+    d = PRESETS[preset]
+    cfg = {"model_type": "qwen2", "hidden_size": d.hidden, "num_hidden_layers": d.layers,
+           "num_attention_heads": d.heads, "num_key_value_heads": d.kv_heads,
+           "intermediate_size": d.ffn_hidden, "vocab_size": d.vocab,
+           "tie_word_embeddings": d.tied_embeddings}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return str(tmp_path)
+
+
+def test_colocated_rollout_phase_is_the_resident_state_beside_the_engines_share():
+    """The hand-off counted: after the trainer returns its activation and logit blocks, the
+    colocated rollout phase holds weights + grads + optimizer + the static share + runtimes."""
+    config = load_config(
+        None, [*ONE_NODE, "trainer.tp=1", "rollout.sglang.mem_fraction_static=0.5"]
+    )
+    plan = make_plan(config, model="qwen3-8b", gpu_mem_gib=80)
+    rollout, train = plan.phases["rollout"], plan.phases["train"]
+    assert sorted(rollout) == ["grads", "optimizer", "runtime", "sglang_static", "weights"]
+    for term in ("weights", "grads", "optimizer"):
+        assert rollout[term] == train[term]
+    assert rollout["sglang_static"] == pytest.approx(0.5 * 80 * GiB)
+    assert rollout["runtime"] == pytest.approx(2 * 1.5 * GiB)  # the trainer's + the server's
+    assert any("handed back to CUDA" in n for n in plan.notes)
+
+
+def test_load_refuses_a_colocated_layout_that_does_not_fit_and_names_the_fixes(tmp_path):
+    from megatron_armor.planner.plan import colocated_memory_problem
+
+    model = f"trainer.model_path={_model_dir(tmp_path, 'qwen2.5-math-7b')}"
+    base = [*ONE_NODE, model, "trainer.tp=2", "trainer.sequence_parallel=true",
+            "rollout.sglang.mem_fraction_static=0.45"]  # fmt: skip
+    fits = load_config(None, [*base, "trainer.micro_batch_tokens=10240"])
+    assert colocated_memory_problem(fits) is None
+    big_share = load_config(None, [*base, "rollout.sglang.mem_fraction_static=0.6"])
+    problem = colocated_memory_problem(big_share)
+    assert "orchestration.gpu_memory_gib=80: the rollout phase needs" in problem
+    assert "trainer.offload_train_state=true" in problem
+    assert "rollout.sglang.mem_fraction_static" in problem
+    offloaded = load_config(None, [*base, "rollout.sglang.mem_fraction_static=0.6",
+                                   "trainer.offload_train_state=true"])  # fmt: skip
+    assert colocated_memory_problem(offloaded) is None
+    long = load_config(None, [*base, "rollout.sampling.max_new_tokens=20480",
+                              "trainer.micro_batch_tokens=22528"])  # fmt: skip
+    problem = colocated_memory_problem(long)
+    assert "the train phase needs" in problem and "trainer.micro_batch_tokens" in problem
+    h200 = load_config(None, [*base, "rollout.sglang.mem_fraction_static=0.6",
+                              "orchestration.gpu_memory_gib=141"])  # fmt: skip
+    assert colocated_memory_problem(h200) is None
+    elsewhere = load_config(None, [model, "trainer.micro_batch_tokens=22528"])  # layout cpu
+    assert colocated_memory_problem(elsewhere) is None
+
+
+@pytest.mark.parametrize(
+    "name, preset",
+    [("qwen25_math_7b_armor", "qwen2.5-math-7b"), ("qwen25_math_7b_dapo", "qwen2.5-math-7b"),
+     ("qwen25_math_7b_quatro", "qwen2.5-math-7b"), ("qwen3_8b_base_armor", "qwen3-8b"),
+     ("qwen3_8b_base_dapo", "qwen3-8b")],
+)  # fmt: skip
+def test_the_paper_configs_fit_80gb_with_the_hand_off_counted(name, preset, tmp_path):
+    from megatron_armor.planner.plan import colocated_memory_problem
+
+    path = Path(__file__).parents[2] / "configs" / "paper" / f"{name}.yaml"
+    config = load_config(path, [f"trainer.model_path={_model_dir(tmp_path, preset)}"])
+    assert config.orchestration.layout == "colocated"
+    plan = make_plan(config)
+    assert plan.fits, plan.report()
+    assert colocated_memory_problem(config) is None

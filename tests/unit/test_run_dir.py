@@ -218,6 +218,39 @@ def test_a_checkpoint_of_another_model_size_is_refused_before_anything_starts(tm
     assert path == ckpt
 
 
+def test_distributed_optimizer_state_of_another_tp_pp_is_refused_before_anything_starts(tmp_path):
+    """dp_reshardable optimizer state loads under another data-parallel size only: a resume
+    with another tp / pp (or the optimizer kind switched) is refused, naming the saved layout;
+    the same tp / pp at another world size is accepted."""
+    import torch
+
+    run_dir, config = tmp_path / "run", ArmorConfig()
+    ckpt = write_checkpoint_of_model(run_dir / "checkpoints" / "step_000002", TINY, 2)
+    layout = {"tp": 2, "pp": 1, "distributed_optimizer": True}
+    common = {"optimizer_stepped": True, "parallel_layout": layout}
+    torch.save(common, ckpt / "trainer" / "dist" / "common.pt")
+    checkpoints.write_manifest(ckpt, 2)
+    t = config.trainer
+    t.model_path, t.use_distributed_optimizer, t.tp, t.world_size = (
+        _model(tmp_path / "m", TINY),
+        True,
+        1,
+        4,
+    )
+    with pytest.raises(checkpoints.CheckpointError) as err:
+        open_run_dir(config, run_dir, str(ckpt))
+    message = str(err.value)
+    assert "saved at trainer.tp=2, trainer.pp=1" in message and "not to tp=1, pp=1" in message
+    assert "resume with trainer.tp=2 trainer.pp=1" in message
+    t.tp, t.use_distributed_optimizer = 2, False
+    with pytest.raises(checkpoints.CheckpointError, match="use_distributed_optimizer=True"):
+        open_run_dir(config, run_dir, str(ckpt))
+    t.use_distributed_optimizer, t.world_size = True, 8  # DP 2 -> 4: reshards
+    lock, path = open_run_dir(config, run_dir, str(ckpt))
+    lock.release()
+    assert path == ckpt
+
+
 def test_crafted_trainer_metadata_is_refused_without_running_it(tmp_path):
     run_dir, config = tmp_path / "run", ArmorConfig()
     ckpt = write_checkpoint_of_model(run_dir / "checkpoints" / "step_000002", TINY, 2)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -125,6 +126,21 @@ def our_bodies() -> dict[str, tuple[str, dict]]:
         transport.BEGIN_ENDPOINT: ("BeginWeightUpdateReqInput", {}),
         transport.END_ENDPOINT: ("EndWeightUpdateReqInput", {}),
     }
+
+
+@pytest.mark.unit
+def test_memory_tags_are_sglangs_and_what_is_released_is_resumed(sglang_src):
+    """A colocated server releases and resumes the same named tags, SGLang's own, and never
+    ``cuda_graph`` (the loop has no step that resumes it)."""
+    constants = (sglang_src / "srt/constants.py").read_text()
+    sglang_tags = set(re.findall(r'GPU_MEMORY_TYPE_\w+ = "(\w+)"', constants))
+    assert sglang_tags == {"kv_cache", "weights", "cuda_graph"}
+    released = client.release_memory_occupation_payload()["tags"]
+    assert set(released) < sglang_tags and "cuda_graph" not in released
+    assert client.resume_memory_occupation_payload(None)["tags"] == released
+    assert client.resume_memory_occupation_payload(["weights"])["tags"] == ["weights"]
+    with pytest.raises(ValueError, match="cuda_graph"):
+        client.resume_memory_occupation_payload(["cuda_graph"])
 
 
 @pytest.mark.unit

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_armor.observability.throughput import ThroughputMeter, mfu, peak_tflops
+from megatron_armor.observability.throughput import (
+    ThroughputMeter,
+    compute_precision,
+    gpu_memory_metrics,
+    mfu,
+    peak_tflops,
+)
 from megatron_armor.planner.flops import forward_flops, matmul_params, training_flops
 from megatron_armor.planner.model import PRESETS, ModelDims
 
@@ -41,6 +47,23 @@ def test_mfu_hand_computed():
     assert peak_tflops("NVIDIA H100 80GB HBM3") == pytest.approx(989.4)
     assert peak_tflops("NVIDIA H100 PCIe", "fp8") == pytest.approx(1513.0)
     assert peak_tflops("Tesla T4") is None
+    assert peak_tflops("NVIDIA H100 NVL") == pytest.approx(835.5)  # not the SXM part's peak
+    assert peak_tflops("NVIDIA H100 NVL", compute_precision("bf16", fp8=True)) == 1670.5
+    assert compute_precision("bf16", fp8=False) == "bf16"
+
+
+def test_gpu_memory_metrics_report_allocated_and_reserved_peaks():
+    got = gpu_memory_metrics((30.0, 41.0), (2.0, 3.5))
+    assert got == {
+        "perf/peak_gpu_mem_trainer_gb": 30.0, "perf/peak_gpu_reserved_trainer_gb": 41.0,
+        "perf/peak_gpu_mem_rollout_gb": 2.0, "perf/peak_gpu_reserved_rollout_gb": 3.5,
+        "perf/peak_gpu_mem_gb": 30.0, "perf/peak_gpu_reserved_gb": 41.0,
+    }  # fmt: skip
+    assert gpu_memory_metrics(None, None) == {}
+    from megatron_armor.orchestration.actors.actor_handles import max_peak
+
+    assert max_peak([(1.0, 5.0), None, (2.0, 3.0)]) == (2.0, 5.0)
+    assert max_peak([None]) is None
 
 
 def test_meter_step_metrics_and_reset():

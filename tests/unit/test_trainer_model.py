@@ -12,7 +12,13 @@ import torch
 from megatron_armor.config.schema import ArmorConfig, FP8Config, TrainerConfig
 from megatron_armor.config.validate import find_problems, validate_runtime
 from megatron_armor.trainer import cpu_compat
-from megatron_armor.trainer.model import fp8_settings, read_hf_spec, rope_inv_freq
+from megatron_armor.trainer.model import (
+    fp8_settings,
+    fusion_settings,
+    grad_accum_fusion_available,
+    read_hf_spec,
+    rope_inv_freq,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -179,3 +185,15 @@ def test_reads_qwen3_moe_layers_and_routing(tmp_path) -> None:
     assert "model.layers.1.mlp.gate_proj.weight" not in shapes
     assert shapes["model.layers.3.mlp.gate_proj.weight"] == [96, 64]
     assert read_hf_spec(write_config(tmp_path)).moe is None
+
+
+def test_fusions_are_on_with_cuda_and_transformer_engine_and_off_on_cpu() -> None:
+    """``auto``: the CPU path (and the local spec) keeps the unfused kernels it is tested with;
+    a TE run on a GPU fuses RoPE (no per-sample host split of packed sequences), bias-SwiGLU,
+    dropout, softmax and norms; weight-gradient accumulation only with APEX's extension."""
+    off = fusion_settings("te", cuda=False)
+    assert set(off.values()) == {False}
+    assert set(fusion_settings("local", cuda=True).values()) == {False}
+    on = fusion_settings("te", cuda=True)
+    assert on["apply_rope_fusion"] and on["bias_activation_fusion"] and on["masked_softmax_fusion"]
+    assert on["gradient_accumulation_fusion"] == grad_accum_fusion_available()

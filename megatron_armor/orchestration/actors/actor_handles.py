@@ -166,10 +166,11 @@ def close_actors(handles: list) -> None:
             ray.kill(actor)
 
 
-def max_peak(peaks: list[float | None]) -> float | None:
-    """The largest of the actors' peaks (``None`` when none of them has a GPU)."""
+def max_peak(peaks: list[tuple[float, ...] | None]) -> tuple[float, ...] | None:
+    """The largest of the actors' peaks, entry by entry (allocated, reserved; ``None`` when
+    none of them has a GPU)."""
     known = [p for p in peaks if p is not None]
-    return max(known) if known else None
+    return tuple(max(entry) for entry in zip(*known, strict=True)) if known else None
 
 
 def _remote(cls, options: dict):
@@ -220,6 +221,12 @@ class TrainerActors:
     def offload_train_state(self) -> None:
         """Optimizer state to CPU, gradient buffers freed until the next update."""
         wait([a.offload_train_state.remote() for a in self.actors], "trainer offload")
+
+    def hand_over_memory(self) -> None:
+        """Every rank: the update state out when ``trainer.offload_train_state``, then its
+        cached blocks back to CUDA (``trainer/offload.py``); returns once all ranks did, so
+        colocated engines resume into free memory."""
+        wait([a.hand_over_memory.remote() for a in self.actors], "trainer memory hand-off")
 
     def submit_logprobs(
         self,
@@ -284,8 +291,9 @@ class TrainerActors:
         """Forget the weight-sync groups into ``pool`` (one of its servers restarted)."""
         wait([a.drop_sender.remote(pool) for a in self.actors], "weight-sync group reset")
 
-    def peak_gpu_memory_gb(self) -> float | None:
-        """The largest per-rank peak of GPU memory since the last call (``None`` on CPU)."""
+    def peak_gpu_memory_gb(self) -> tuple[float, ...] | None:
+        """The largest per-rank peaks of GPU memory (allocated, reserved) since the last call
+        (``None`` on CPU)."""
         return max_peak(wait([a.peak_gpu_memory_gb.remote() for a in self.actors], "GPU memory"))
 
     def save_checkpoint(self, path: str, run_state: dict) -> None:
@@ -600,8 +608,9 @@ class RolloutActors:
             "rollout reference version",
         )
 
-    def peak_gpu_memory_gb(self) -> float | None:
-        """The largest per-worker peak of GPU memory (embedded engines on GPUs; else ``None``)."""
+    def peak_gpu_memory_gb(self) -> tuple[float, ...] | None:
+        """The largest per-worker peaks of GPU memory, allocated and reserved (embedded engines
+        on GPUs; else ``None``)."""
         return max_peak(wait([a.peak_gpu_memory_gb.remote() for a in self.actors], "GPU memory"))
 
     def restart_dead_servers(self) -> list[dict[str, list[int]]]:

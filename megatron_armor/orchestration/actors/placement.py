@@ -287,14 +287,15 @@ NSYS_TRAINER_OPTIONS = {
     "t": "cuda,nvtx,osrt,cublas,cudnn",
     "sample": "none",
     "capture-range": "cudaProfilerApi",
-    "capture-range-end": "stop",
+    "capture-range-end": "repeat",  # every chosen step (each a cudaProfilerStart/Stop range)
 }
 
 
 def trainer_runtime_env(config: ArmorConfig, rank: int) -> dict:
     """``logging.profile=nsys`` on an existing Ray cluster (a Slurm job): trainer rank ``rank``
-    runs under Nsight Systems through Ray's ``nsight`` runtime env, capturing the chosen steps
-    (``cudaProfilerStart``/``Stop``). The report, ``trainer_rank<R>_<pid>.nsys-rep``, lands in
+    runs under Nsight Systems through Ray's ``nsight`` runtime env, capturing each chosen step
+    (``cudaProfilerStart``/``Stop``, ``capture-range-end=repeat``: one report per step; with
+    ``stop`` only the first). The reports, ``trainer_rank<R>_<pid>*.nsys-rep``, land in
     ``logs/nsight/`` of that node's Ray session directory (slurm/armor.sbatch gathers them).
     Without ``ray_address`` the whole driver runs under nsys (launch/profile.sh): ``{}``."""
     if config.logging.profile != "nsys" or not config.orchestration.ray_address:

@@ -250,6 +250,15 @@ class ServerSync(WeightSync):
         super().__init__(config, trainer, rollout)
         self._targets: dict[str, list[tuple[int, str, int, int]]] = {}
 
+    def skip_policy_push(self) -> int:
+        """A step without an applied update. Colocated policy servers released their weights
+        for the update (kept without a host copy) and took back memory without contents: they
+        get the current policy pushed again, at the version they had (docs/weight-sync.md,
+        "A step without an update"). Elsewhere they kept their weights: nothing is sent."""
+        if self.config.orchestration.layout != "colocated":
+            return 0
+        return self.push(self.versions["policy"], "policy", "policy")
+
     def targets(
         self, pool: str, servers: Servers | None = None
     ) -> list[tuple[int, str, int, int, str]]:
@@ -271,8 +280,8 @@ class SessionSync(ServerSync):
     finds no session left open."""
 
     def _send(self, version: int, weights: str, pool: str, servers: Servers | None) -> int:
-        self.rollout.begin_weight_update(pool, servers)
-        try:
+        try:  # a begin that reached only some servers leaves none of them in a session
+            self.rollout.begin_weight_update(pool, servers)
             return self._stream(version, weights, pool, servers)
         finally:
             self.rollout.end_weight_update(pool, servers)

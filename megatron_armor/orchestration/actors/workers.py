@@ -176,6 +176,9 @@ class TrainerWorker:
     def offload_train_state(self) -> None:
         self.trainer.offload_train_state()
 
+    def hand_over_memory(self) -> None:
+        self.trainer.hand_over_memory()
+
     def step_logprobs(self, batch, with_ref: bool, kl_mask=None, old_weights: str = "policy"):
         """Old (+ reference) log-probs and the exact-KL diagnostic of a step, one call.
 
@@ -260,8 +263,9 @@ class TrainerWorker:
         if self.sync is not None:
             self.sync.drop(pool)
 
-    def peak_gpu_memory_gb(self) -> float | None:
-        """This rank's peak allocated GPU memory since the last call (``None`` on CPU)."""
+    def peak_gpu_memory_gb(self) -> tuple[float, float] | None:
+        """This rank's peak allocated and reserved GPU memory since the last call (``None`` on
+        CPU)."""
         return peak_gpu_memory_gb()
 
     def save_checkpoint(self, path: str, run_state: dict) -> None:
@@ -559,8 +563,8 @@ class RolloutWorker:
             return [False] * len(items)
         return unsolved([it.query_id for it in items], [it.prompt_ids for it in items], n)
 
-    def peak_gpu_memory_gb(self) -> float | None:
-        """Peak GPU memory of the embedded engine in this process (``None`` without CUDA;
+    def peak_gpu_memory_gb(self) -> tuple[float, float] | None:
+        """Peak GPU memory (allocated, reserved) of the embedded engine in this process (``None`` without CUDA;
         SGLang servers are separate processes)."""
         return peak_gpu_memory_gb()
 

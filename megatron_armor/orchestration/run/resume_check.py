@@ -1,5 +1,5 @@
 """Before Ray starts: does the checkpoint a run resumes from hold a model of the configured
-shape?
+shape, and can its optimizer state be loaded in the configured parallel layout?
 
 A checkpoint's trainer state is megatron-core ``dist_checkpointing`` (``torch_dist``): its
 ``trainer/dist/.metadata`` lists every saved tensor with its global shape. Resuming a
@@ -13,6 +13,11 @@ The metadata is a pickle; it is read with an unpickler that builds only the chec
 metadata classes of ``torch.distributed.checkpoint`` and torch's sizes and dtypes, so a
 crafted file is refused here, never run (as ``torch.load(weights_only=True)`` refuses one for
 the other checkpoint files, docs/orchestration.md "Checkpoints and resume").
+
+The distributed optimizer saves its state ``dp_reshardable`` (``trainer/checkpoint.py``): it
+loads under another data-parallel size but not under another TP or PP size;
+:func:`optimizer_layout_problem` compares the layout the save recorded (``parallel_layout`` in
+``trainer/dist/common.pt``, read with ``torch.load(weights_only=True)``) with the config.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import pickle
 from pathlib import Path
 
 METADATA = Path("trainer") / "dist" / ".metadata"
+COMMON = Path("trainer") / "dist" / "common.pt"
 _DCP_MODULES = (
     "torch.distributed.checkpoint.metadata",
     "torch.distributed.checkpoint.planner",
@@ -104,3 +110,41 @@ def model_shape_problem(checkpoint: Path, model_path: str) -> str | None:
                                                   "intermediate_size", "num_attention_heads"))  # fmt: skip
     return (f"{checkpoint} holds a model of another shape than trainer.model_path={model_path!r} "
             f"({dims}): {'; '.join(wrong[:3])}")  # fmt: skip
+
+
+def saved_layout(checkpoint: Path) -> dict | None:
+    """``{"tp", "pp", "distributed_optimizer"}`` a trainer save recorded, when its optimizer
+    state was saved (``None``: no optimizer state, or a checkpoint that does not say)."""
+    import torch
+
+    if not (checkpoint / COMMON).is_file():
+        return None
+    common = torch.load(checkpoint / COMMON, weights_only=True, map_location="cpu")
+    if not isinstance(common, dict) or not common.get("optimizer_stepped", True):
+        return None
+    layout = common.get("parallel_layout")
+    return layout if isinstance(layout, dict) else None
+
+
+def optimizer_layout_problem(checkpoint: Path, trainer) -> str | None:
+    """Why the optimizer state of ``checkpoint`` cannot be loaded with ``trainer`` (the
+    config's ``TrainerConfig``; ``None``: it can, or the checkpoint does not record its
+    layout). The distributed optimizer's ``dp_reshardable`` state follows the flat buffers of
+    one TP x PP layout: another ``tp`` or ``pp`` would fail inside megatron-core after
+    start-up, so would switching ``use_distributed_optimizer``."""
+    saved = saved_layout(checkpoint)
+    if saved is None:
+        return None
+    was, now = saved.get("distributed_optimizer"), bool(trainer.use_distributed_optimizer)
+    if was != now:
+        return (f"{checkpoint} holds optimizer state of trainer.use_distributed_optimizer={was}, "
+                f"the config sets {now}: the two formats do not convert; resume with "
+                f"trainer.use_distributed_optimizer={was}")  # fmt: skip
+    if was and (saved.get("tp"), saved.get("pp")) != (trainer.tp, trainer.pp):
+        return (f"{checkpoint} holds distributed-optimizer state saved at trainer.tp="
+                f"{saved.get('tp')}, trainer.pp={saved.get('pp')}; it reshards over data "
+                f"parallelism only (dp_reshardable), not to tp={trainer.tp}, pp={trainer.pp}: "
+                f"resume with trainer.tp={saved.get('tp')} trainer.pp={saved.get('pp')} (any "
+                "world_size), or export the weights (`armor convert --to-hf`) and start a new "
+                "run in the new layout from them (a fresh optimizer)")  # fmt: skip
+    return None

@@ -30,7 +30,11 @@ from omegaconf import OmegaConf
 from megatron_armor.config.loader import save_config
 from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.orchestration.run import checkpoints
-from megatron_armor.orchestration.run.resume_check import METADATA, model_shape_problem
+from megatron_armor.orchestration.run.resume_check import (
+    METADATA,
+    model_shape_problem,
+    optimizer_layout_problem,
+)
 from megatron_armor.orchestration.run.run_lock import RunLock
 from megatron_armor.orchestration.run.run_state import RunState
 
@@ -89,7 +93,8 @@ def decide_resume(run_dir: Path, resume: str) -> Path | None:
 
 def require_same_model(config: ArmorConfig, run_dir: Path, path: Path, resume: str) -> None:
     """Refuse a resume whose checkpoint holds a model of another shape than
-    ``trainer.model_path`` (``resume_check.py``), before anything starts."""
+    ``trainer.model_path``, or distributed-optimizer state of another TP / PP layout
+    (``resume_check.py``), before anything starts."""
     try:
         problem = model_shape_problem(path, config.trainer.model_path)
     except pickle.UnpicklingError as e:
@@ -99,6 +104,9 @@ def require_same_model(config: ArmorConfig, run_dir: Path, path: Path, resume: s
             "with): resume from another checkpoint"
         ) from None
     if problem is None:
+        layout = optimizer_layout_problem(path, config.trainer)
+        if layout is not None:
+            raise checkpoints.CheckpointError(f"--resume {resume}: {layout}")
         return
     saved = run_dir / CONFIG_FILE
     started = OmegaConf.load(saved).trainer.model_path if saved.is_file() else None

@@ -29,6 +29,7 @@ from megatron_armor.observability.metrics import (
 )
 from megatron_armor.observability.throughput import (
     ThroughputMeter,
+    compute_precision,
     gpu_memory_metrics,
     peak_tflops,
 )
@@ -119,7 +120,9 @@ def make_meter(config: ArmorConfig, plan: LayoutPlan, device_name: str) -> Throu
     except (OSError, ValueError, KeyError):
         dims = None  # not an HF config.json the planner knows: tokens/s only
     gpus = plan.trainer_ranks if plan.layout != "cpu" else 0
-    peak = peak_tflops(device_name, config.trainer.precision) if gpus else None
+    t = config.trainer
+    precision = compute_precision(t.precision, t.fp8.enabled)
+    peak = peak_tflops(device_name, precision) if gpus else None
     return ThroughputMeter(dims=dims, num_gpus=max(gpus, 1), peak_tflops_per_gpu=peak)
 
 
@@ -252,7 +255,7 @@ class Session:
             self.rollout.release_memory()
         self.trainer.save_checkpoint(str(tmp / "trainer"), {"step": step})
         if offload:
-            self.trainer.offload_train_state()
+            self.trainer.hand_over_memory()
             if colocated:
                 self.resume_engines()
         self.state.save(tmp)

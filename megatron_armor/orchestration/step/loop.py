@@ -71,7 +71,7 @@ from megatron_armor.rollout.backends import backend_of
 def run_step(s: Session, rollout: AnchorRollout, step: int) -> dict[str, float]:
     """One step of Algorithm 1; returns its metrics (without timings). A step that accepted
     no query (a short batch under ``algo.min_batch_fraction: 0``) makes no update, and a step
-    without an applied update pushes no weights (the engines keep the version before)."""
+    without an applied update keeps the version before (``phases.sync_and_maybe_reset``)."""
     restarted = s.heal_rollout(step)  # dead SGLang servers come back with current weights
     s.progress.start(f"step {step} rollout", s.config.rollout.batch)
     with s.timers.phase("rollout"):

@@ -157,14 +157,16 @@ def heal_before_push(s: Session, step: int) -> int:
 
 def sync_and_maybe_reset(s: Session, step: int, updated: bool = True) -> dict[str, float]:
     """Weight sync (version = step); then a reference reset if the schedule says so. A step
-    whose every update was skipped (``updated`` false: non-finite, docs/trainer.md) pushes
-    nothing: the engines keep the weights and the version of the step before. Colocated
-    engines take their weights' memory back before the pushes and their KV cache after them,
-    so the cache is not on the GPUs beside the pushes' buckets."""
+    whose every update was skipped (``updated`` false: non-finite, docs/trainer.md) keeps the
+    version of the step before (``WeightSync.skip_policy_push``: colocated SGLang servers, which
+    released their weights, get them pushed again). Colocated: every trainer rank hands its
+    memory over (update state out when offloaded, cached blocks returned) before the engines
+    take their weights' memory back, and the engines take their KV cache after the pushes, so
+    the cache is not on the GPUs beside the pushes' buckets (docs/weight-sync.md)."""
     colocated = s.config.orchestration.layout == "colocated"
     with s.timers.phase("sync"):
-        if s.config.trainer.offload_train_state:  # before the engines take their memory back
-            s.trainer.offload_train_state()
+        if colocated or s.config.trainer.offload_train_state:
+            s.trainer.hand_over_memory()
         if colocated:
             s.rollout.resume_memory(["weights"])
         if updated:  # trainer ranks -> engines (actors/weight_sync.py); a dead worker is replaced

@@ -196,16 +196,29 @@ def pause_generation_payload() -> dict:
     return {"mode": "retract"}
 
 
+RELEASED_TAGS = ("weights", "kv_cache")
+"""The memory a colocated server hands the trainer and takes back, named: SGLang 0.5.23's tags
+(``srt/constants.py``) but ``cuda_graph``. A release without tags would pause the CUDA graphs'
+memory too, which the loop never resumes (a resume of a tag not released raises in the
+scheduler's ``offload_tags.remove``), so every release and every resume names these."""
+
+
 def release_memory_occupation_payload() -> dict:
-    """Body of ``/release_memory_occupation`` (``ReleaseMemoryOccupationReqInput``): no
-    ``tags`` releases weights and KV cache."""
-    return {}
+    """Body of ``/release_memory_occupation`` (``ReleaseMemoryOccupationReqInput``): the
+    weights and the KV cache (:data:`RELEASED_TAGS`)."""
+    return {"tags": list(RELEASED_TAGS)}
 
 
 def resume_memory_occupation_payload(tags: list[str] | None) -> dict:
     """Body of ``/resume_memory_occupation`` (``ResumeMemoryOccupationReqInput``); ``tags``
-    in ``weights``, ``kv_cache`` (``None``: all)."""
-    return {"tags": tags}
+    among :data:`RELEASED_TAGS` (``None``: all of them, never ``cuda_graph``)."""
+    chosen = list(RELEASED_TAGS) if tags is None else list(tags)
+    unknown = sorted(set(chosen) - set(RELEASED_TAGS))
+    if unknown:
+        raise ValueError(
+            f"resume of memory tags {unknown}: only {list(RELEASED_TAGS)} are released"
+        )
+    return {"tags": chosen}
 
 
 def parse_generate_response(body: dict[str, Any], fallback_version: int) -> GenerationOutput:

@@ -374,7 +374,8 @@ class SGLangEngine(RolloutEngine):
     def release_memory(self) -> None:
         """Pause generation (``/pause_generation``, ``retract``: a release while the scheduler
         is not idle trips an assertion that ends the server), then
-        ``/release_memory_occupation`` of weights and KV cache on every server (colocated)."""
+        ``/release_memory_occupation`` of weights and KV cache (``client.RELEASED_TAGS``, never
+        the CUDA graphs) on every server (colocated)."""
         self._post_all(self.servers, "/pause_generation", lambda s: pause_generation_payload())
         self._post_all(
             self.servers,
@@ -383,7 +384,7 @@ class SGLangEngine(RolloutEngine):
         )
 
     def resume_memory(self, tags: list[str] | None = None) -> None:
-        """``/resume_memory_occupation`` of ``tags`` (``weights``, ``kv_cache``; ``None``: all);
+        """``/resume_memory_occupation`` of ``tags`` (``weights``, ``kv_cache``; ``None``: both);
         generation continues (``/continue_generation``) once the KV cache is back. The loop
         takes the weights back before a push and the KV cache after it, so the cache is not
         on the GPU beside the push's buckets."""
