@@ -23,6 +23,7 @@ from megatron_armor.algo.ratios import resolve_alpha
 from megatron_armor.algo.reset import check_schedule
 from megatron_armor.config.fields import SECTION_CHECKS, bound
 from megatron_armor.config.schema import ArmorConfig, TrainerConfig
+from megatron_armor.config.world_size import world_size_problems
 
 Problems = Iterator[str]
 
@@ -670,10 +671,13 @@ def find_problems(config: ArmorConfig, inputs: bool = False) -> list[str]:
     files it names (model directory, tokenizer, data: ``config/inputs.py``)."""
     from megatron_armor.config.inputs import check_inputs
 
+    sized = list(world_size_problems(config))  # resolves ``auto``; every rule reads a number
+    if not isinstance(config.trainer.world_size, int):
+        return sized
     rules = RULES + [check_inputs] if inputs else RULES
     if inputs and config.orchestration.layout == "cpu":
         rules = rules + [check_runtime]
-    return [msg for rule in rules for msg in rule(config)]
+    return sized + [msg for rule in rules for msg in rule(config)]
 
 
 def validate(config: ArmorConfig, inputs: bool = False) -> None:

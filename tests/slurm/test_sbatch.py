@@ -36,12 +36,13 @@ NODE_LOSS_DEADLINE_S = 90  # from killing a node's processes to the job's end
 
 
 def run_overrides(ranks: int) -> list[str]:
-    """The reference run (also the preempted one): ``ranks`` trainer ranks (TP), a torch
-    profile of step 2 on each."""
+    """The reference run (also the preempted one): as many trainer ranks as the job has nodes
+    (``trainer.world_size: auto``, one rank per node on CPU; TP over them), a torch profile of
+    step 2 on each."""
     every = ",".join(str(r) for r in range(ranks))
     return [
-        f"run.steps={STEPS}", "run.ckpt_every=100", f"trainer.world_size={ranks}",
-        f"trainer.tp={ranks}", "logging.profile=torch", f"logging.profile_steps=[{PROFILED_STEP}]",
+        f"run.steps={STEPS}", "run.ckpt_every=100", f"trainer.tp={ranks}",
+        "logging.profile=torch", f"logging.profile_steps=[{PROFILED_STEP}]",
         f"logging.profile_ranks=[{every}]",
     ]  # fmt: skip
 
@@ -73,6 +74,9 @@ def test_the_tiny_config_runs_to_completion_with_traces_from_every_node(referenc
     driver = job.driver_log()
     assert f"step {STEPS}/{STEPS}" in driver, report
     assert "orchestration.ray_address=" in driver  # the driver used the job's own Ray head
+    assert f"orchestration.nodes={layout}" in driver  # the allocation, for world_size: auto
+    resolved = (job.run_dir / "config.yaml").read_text()
+    assert f"world_size: {layout}\n" in resolved, resolved
     nodes = job.nodes()
     assert len(nodes) == layout
     for node in nodes:

@@ -121,7 +121,8 @@ class Rollout(Recorder):
 
 def config(transport="tensor", strategy="dedicated", *extra, output_dir="/tmp"):
     return load_config(None, ["rollout.backend=sglang", "orchestration.layout=colocated",
-                              "trainer.world_size=2", f"rollout.sglang.weight_transport={transport}",
+                              "orchestration.gpus_per_node=2", "trainer.world_size=2",
+                              f"rollout.sglang.weight_transport={transport}",
                               f"rollout.ref_strategy={strategy}", f"run.output_dir={output_dir}",
                               *extra])  # fmt: skip
 
