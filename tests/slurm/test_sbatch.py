@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from slurm_jobs import REPO, SlurmJobs, make_workdir, wait_until
+from slurm_jobs import JOB_NAME, REPO, Job, SlurmJobs, make_workdir, wait_until
 
 from megatron_armor.observability.metrics import read_metrics, without_wall_clock
 
@@ -92,6 +92,38 @@ def test_the_tiny_config_runs_to_completion_with_traces_from_every_node(referenc
         assert any(n.endswith("Backward0") for n in names)  # and its backward pass
         hosts.add(trace["armor_host"])
     assert hosts == set(nodes)  # one trainer rank on each node
+
+
+def test_the_convert_and_eval_sbatch_files_export_and_evaluate_the_reference_run(
+    reference, jobs, tmp_path
+):
+    """slurm/convert.sbatch exports the reference run's last checkpoint (with the run's model
+    overrides in config.json) and slurm/eval.sbatch evaluates it with the run's config, after
+    it (a dependency): two short one-node jobs."""
+    job, state = reference
+    assert state == "COMPLETED", job.report()
+    out, report = tmp_path / "hf", tmp_path / "eval"
+    env = {**os.environ, "ARMOR_ENV": "cpu-ci", "ARMOR_ROOT": str(REPO),
+           "ARMOR_PYTHON": sys.executable}  # fmt: skip
+    common = ["sbatch", "--parsable", f"--job-name={JOB_NAME}", f"--chdir={tmp_path}", "--time=10"]
+    convert = [*common, f"--output={tmp_path}/convert.out", str(REPO / "slurm" / "convert.sbatch"),
+               "--to-hf", str(job.run_dir), "latest", "--out", str(out)]  # fmt: skip
+    first = subprocess.run(convert, capture_output=True, text=True, env=env, timeout=60, check=True)
+    convert_id = first.stdout.strip().split(";")[0]
+    evaluate = [*common, f"--dependency=afterok:{convert_id}", f"--output={tmp_path}/eval.out",
+                str(REPO / "slurm" / "eval.sbatch"), "--config", str(job.run_dir), "--model",
+                str(out), "--step", str(STEPS), "--k", "2", "--max-problems", "4", "--threads",
+                "1", "--out", str(report)]  # fmt: skip
+    second = subprocess.run(evaluate, capture_output=True, text=True, env=env, timeout=60,
+                            check=True)  # fmt: skip
+    eval_job = Job(second.stdout.strip().split(";")[0], tmp_path)
+    jobs.jobs += [Job(convert_id, tmp_path), eval_job]  # cancelled at teardown
+    logs = lambda: "".join(p.read_text()[-3000:] for p in tmp_path.glob("*.out"))  # noqa: E731
+    assert eval_job.wait_done(600) == "COMPLETED", logs()
+    exported = json.loads((out / "config.json").read_text())
+    assert exported["rope_parameters"]["rope_theta"] == 10000.0  # tiny_cpu's model_overrides
+    results = json.loads((report / "eval.json").read_text())["results"]
+    assert results["val"]["n"] == 4.0, results
 
 
 def preempted_with_sigusr1(jobs, workdir, overrides: list[str], nodes: int):
