@@ -98,30 +98,29 @@ def test_the_convert_and_eval_sbatch_files_export_and_evaluate_the_reference_run
     reference, jobs, tmp_path
 ):
     """slurm/convert.sbatch exports the reference run's last checkpoint (with the run's model
-    overrides in config.json) and slurm/eval.sbatch evaluates it with the run's config, after
-    it (a dependency): two short one-node jobs."""
+    overrides in config.json), then slurm/eval.sbatch evaluates it with the run's config: two
+    short one-node jobs, submitted from the run's working directory as the run was."""
     job, state = reference
     assert state == "COMPLETED", job.report()
     out, report = tmp_path / "hf", tmp_path / "eval"
     env = {**os.environ, "ARMOR_ENV": "cpu-ci", "ARMOR_ROOT": str(REPO),
            "ARMOR_PYTHON": sys.executable}  # fmt: skip
-    common = ["sbatch", "--parsable", f"--job-name={JOB_NAME}", f"--chdir={tmp_path}", "--time=10"]
-    convert = [*common, f"--output={tmp_path}/convert.out", str(REPO / "slurm" / "convert.sbatch"),
-               "--to-hf", str(job.run_dir), "latest", "--out", str(out)]  # fmt: skip
-    first = subprocess.run(convert, capture_output=True, text=True, env=env, timeout=60, check=True)
-    convert_id = first.stdout.strip().split(";")[0]
-    evaluate = [*common, f"--dependency=afterok:{convert_id}", f"--output={tmp_path}/eval.out",
-                str(REPO / "slurm" / "eval.sbatch"), "--config", str(job.run_dir), "--model",
-                str(out), "--step", str(STEPS), "--k", "2", "--max-problems", "4", "--threads",
-                "1", "--out", str(report)]  # fmt: skip
-    second = subprocess.run(evaluate, capture_output=True, text=True, env=env, timeout=60,
-                            check=True)  # fmt: skip
-    eval_job = Job(second.stdout.strip().split(";")[0], tmp_path)
-    jobs.jobs += [Job(convert_id, tmp_path), eval_job]  # cancelled at teardown
     logs = lambda: "".join(p.read_text()[-3000:] for p in tmp_path.glob("*.out"))  # noqa: E731
-    assert eval_job.wait_done(600) == "COMPLETED", logs()
+
+    def run_job(name: str, args: list[str]) -> None:
+        cmd = ["sbatch", "--parsable", f"--job-name={JOB_NAME}", f"--chdir={job.workdir}",
+               "--time=10", f"--output={tmp_path}/{name}.out",
+               str(REPO / "slurm" / f"{name}.sbatch"), *args]  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60, check=True)
+        submitted = Job(done.stdout.strip().split(";")[0], job.workdir)
+        jobs.jobs.append(submitted)  # cancelled at teardown
+        assert submitted.wait_done(300) == "COMPLETED", logs()
+
+    run_job("convert", ["--to-hf", str(job.run_dir), "latest", "--out", str(out)])
     exported = json.loads((out / "config.json").read_text())
     assert exported["rope_parameters"]["rope_theta"] == 10000.0  # tiny_cpu's model_overrides
+    run_job("eval", ["--config", str(job.run_dir), "--model", str(out), "--step", str(STEPS),
+                     "--k", "2", "--max-problems", "4", "--threads", "1", "--out", str(report)])  # fmt: skip
     results = json.loads((report / "eval.json").read_text())["results"]
     assert results["val"]["n"] == 4.0, results
 
