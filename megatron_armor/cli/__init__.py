@@ -51,7 +51,16 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_command(argv: list[str] | None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Everything after `--` goes to a subcommand that passes it on (`armor compare SPEC
+    # --slurm -- -N 2 ...`: its ``sbatch_args``), never to argparse.
+    passed_on = argv[argv.index("--") + 1 :] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
     args, extra = parser.parse_known_args(argv)
+    if passed_on and not hasattr(args, "sbatch_args"):
+        parser.error(f"unrecognized arguments: -- {' '.join(passed_on)}")
+    if passed_on:
+        args.sbatch_args = passed_on
     # Dotted overrides may follow options (`armor plan cfg --gpu-mem 80 a.b=1`).
     overrides = [a for a in extra if "=" in a and not a.startswith("-")]
     unknown = [a for a in extra if a not in overrides]

@@ -4,7 +4,8 @@ Without options: run every unfinished ``(variant, seed)`` locally, one after ano
 (finished runs are skipped, interrupted ones resume), then write the report. ``--report``:
 only the report, from whatever the runs logged. ``--status``: the runs and where they stand.
 ``--slurm``: submit the unfinished runs as one Slurm array job (``slurm/compare_array.sbatch``;
-extra ``sbatch`` options after ``--``; task ``I`` runs ``slurm_tasks/I.args`` under the run root).
+extra ``sbatch`` options after ``--``, ``--max-parallel N`` tasks at once; task ``I`` runs
+``slurm_tasks/I.args`` under the run root).
 See docs/compare.md.
 """
 
@@ -27,8 +28,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     mode.add_argument("--status", action="store_true", help="list the runs and their state")
     mode.add_argument("--slurm", action="store_true", help="submit unfinished runs as an array")
     p.add_argument("--out", default=None, help="report folder (default: <run root>/report)")
-    p.add_argument("sbatch_args", nargs="*", help="after --: extra sbatch options for --slurm")
-    p.set_defaults(run=run)
+    p.add_argument("--max-parallel", type=int, default=0, metavar="N",
+                   help="--slurm: at most N array tasks at once (sbatch --array=...%%N; 0 = no limit)")  # fmt: skip
+    # `armor compare SPEC --slurm -- -N 2 ...`: everything after `--` (cli/__init__.py)
+    p.set_defaults(run=run, sbatch_args=[])
 
 
 def _status(spec) -> int:
@@ -37,10 +40,10 @@ def _status(spec) -> int:
     return 0
 
 
-def _slurm(spec, sbatch_args: list[str]) -> int:
+def _slurm(spec, sbatch_args: list[str], max_parallel: int) -> int:
     from megatron_armor.compare.runner import slurm_command
 
-    cmd = slurm_command(spec, sbatch_args)
+    cmd = slurm_command(spec, sbatch_args, max_parallel)
     if cmd is None:
         print("armor compare: every run is done; nothing to submit")
         return 0
@@ -68,7 +71,11 @@ def run(args: argparse.Namespace) -> int:
     if args.status:
         return _status(spec)
     if args.slurm:
-        return _slurm(spec, args.sbatch_args)
+        if args.max_parallel < 0:
+            print(f"armor compare: --max-parallel={args.max_parallel}: must be >= 0 (0 = no "
+                  "limit)", file=sys.stderr)  # fmt: skip
+            return 2
+        return _slurm(spec, args.sbatch_args, args.max_parallel)
     if not args.report:
         from megatron_armor.compare.runner import run_local
 

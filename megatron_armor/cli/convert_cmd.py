@@ -6,7 +6,10 @@ directory; ``HF_DIR`` the HF model the run started from (architecture, tokenizer
 (``run.keep_best``), ``latest`` or a step; ``--model`` and ``--precision`` then default to the
 run's ``config.yaml``.
 With a checkpoint path, ``--precision`` defaults to the ``trainer.precision`` in the
-``config.yaml`` of the run above it; the written ``config.json`` names the tensors' dtype.
+``config.yaml`` of the run above it; the written ``config.json`` names the tensors' dtype and
+holds the run's ``trainer.model_overrides`` (RoPE as ``rope_parameters`` and the flat
+``rope_theta``, ``max_position_embeddings``), so transformers, SGLang and vLLM load the model
+the run trained.
 """
 
 from __future__ import annotations
@@ -37,13 +40,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
-def resolve_source(args: argparse.Namespace) -> tuple[str, str, str]:
-    """``(checkpoint, model_dir, precision)`` from the arguments (see module docstring)."""
+def resolve_source(args: argparse.Namespace) -> tuple[str, str, str, dict]:
+    """``(checkpoint, model_dir, precision, model_overrides)`` from the arguments (see module
+    docstring); the overrides are the run's ``trainer.model_overrides``."""
     if args.name is None:
         if args.model is None:
             raise ValueError("--model HF_DIR is needed with a checkpoint path (or give a run "
                              "directory and a name: --to-hf RUN_DIR best)")  # fmt: skip
-        return args.to_hf, args.model, args.precision or run_precision(args.to_hf)
+        trainer = run_trainer_settings(args.to_hf)
+        if trainer is None and args.precision is None:
+            raise ValueError(
+                f"--to-hf {args.to_hf}: no config.yaml of its run found above it; pass "
+                "--precision (the run's trainer.precision: bf16, fp16 or fp32)"
+            )
+        trainer = trainer or {}
+        precision = args.precision or str(trainer["precision"])
+        return args.to_hf, args.model, precision, overrides_of(trainer)
     from omegaconf import OmegaConf
 
     from megatron_armor.orchestration.run.checkpoints import named_checkpoint
@@ -54,31 +66,40 @@ def resolve_source(args: argparse.Namespace) -> tuple[str, str, str]:
     model = args.model or trainer.get("model_path")
     if not model:
         raise ValueError(f"{saved} missing: pass --model HF_DIR (the model the run started from)")
-    return str(checkpoint), model, args.precision or trainer.get("precision", "bf16")
+    precision = args.precision or trainer.get("precision", "bf16")
+    return str(checkpoint), model, precision, overrides_of(trainer)
 
 
-def run_precision(checkpoint: str) -> str:
-    """``trainer.precision`` from the ``config.yaml`` of the run that wrote ``checkpoint``."""
+def overrides_of(trainer) -> dict:
+    """``trainer.model_overrides`` of a saved config's trainer section, as a plain dict."""
+    from omegaconf import OmegaConf
+
+    found = trainer.get("model_overrides") if trainer else None
+    return OmegaConf.to_container(found) if OmegaConf.is_config(found) else dict(found or {})
+
+
+def run_trainer_settings(checkpoint: str):
+    """The ``trainer`` section of the ``config.yaml`` of the run that wrote ``checkpoint``
+    (``None`` when there is none above it)."""
     from omegaconf import OmegaConf
 
     path = Path(checkpoint).resolve()
     for run_dir in (path.parent.parent, path.parent.parent.parent):  # step_X/ or step_X/trainer/
         if (run_dir / "config.yaml").is_file():
-            return str(OmegaConf.load(run_dir / "config.yaml").trainer.precision)
-    raise ValueError(
-        f"--to-hf {checkpoint}: no config.yaml of its run found above it; pass --precision "
-        "(the run's trainer.precision: bf16, fp16 or fp32)"
-    )
+            return OmegaConf.load(run_dir / "config.yaml").trainer
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
     from megatron_armor.trainer.convert import convert_to_hf
 
     try:
-        checkpoint, model, precision = resolve_source(args)
-        n = convert_to_hf(checkpoint, model, args.out, args.weights, precision)
+        checkpoint, model, precision, overrides = resolve_source(args)
+        n = convert_to_hf(checkpoint, model, args.out, args.weights, precision, overrides)
     except (FileNotFoundError, ValueError) as e:
         print(f"armor convert: {e}", file=sys.stderr)
         return 2
     print(f"wrote {n} tensors from {checkpoint} to {args.out}")
+    if overrides:
+        print(f"config.json holds the run's trainer.model_overrides: {overrides}")
     return 0

@@ -1,9 +1,13 @@
 """``armor eval --model DIR --data FILE... --k 32``: avg@k / pass@k / maj@k per benchmark.
 
-Settings not given on the command line come from ``--config`` (its ``validation``,
-``rollout.sampling.max_new_tokens``, ``data`` and ``reward`` sections) or, without one,
-from the schema defaults. Each data file is one benchmark named after its file stem.
-Writes ``eval.md`` and ``eval.json`` into ``--out``.
+Settings not given on the command line come from ``--config`` (a YAML config, or a run
+directory: its resolved ``config.yaml``; its ``validation``, ``rollout.sampling.max_new_tokens``,
+``data`` and ``reward`` sections, and ``trainer.model_overrides``, which both engines apply as
+the run did) or, without one, from the schema defaults. Without ``--data`` the benchmarks are
+the config's ``data.val_files``. ``--step N`` samples with the seed of the run's validation at
+step ``N``: on that step's checkpoint (``armor convert --to-hf RUN_DIR N``) with the run's
+engine, the report gives the run's ``val/*`` numbers of that step. Each data file is one
+benchmark named after its file stem. Writes ``eval.md`` and ``eval.json`` into ``--out``.
 """
 
 from __future__ import annotations
@@ -19,10 +23,12 @@ from megatron_armor.config import ArmorConfig, ConfigError, load_config
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("eval", help="evaluate a model on benchmarks (avg@k, pass@k, maj@k)")
     p.add_argument("--model", required=True, help="HF model directory")
-    p.add_argument("--data", required=True, nargs="+", help="benchmark files (parquet/jsonl)")
+    p.add_argument("--data", nargs="+", default=None,
+                   help="benchmark files (parquet/jsonl); default: the config's data.val_files")  # fmt: skip
     p.add_argument("--k", type=int, default=None, help="samples per problem (validation.n_samples)")
     p.add_argument("--out", default="eval_results", help="output directory for eval.md/json")
-    p.add_argument("--config", default=None, help="YAML config supplying defaults")
+    p.add_argument("--config", default=None,
+                   help="YAML config or run directory supplying defaults and model overrides")  # fmt: skip
     p.add_argument("--backend", choices=("torch", "sglang"), default=None, help="rollout backend")
     p.add_argument("--sglang-url", nargs="*", default=None, help="use running SGLang servers")
     p.add_argument("--device", default=None, help="torch backend device (default: cuda if present)")
@@ -33,7 +39,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-prompt-len", type=int, default=None)
     p.add_argument("--max-problems", type=int, default=None, help="cap per benchmark (0 = all)")
     p.add_argument("--verifier", choices=("auto", "dapo", "math_verify"), default=None)
-    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default 0)")
+    p.add_argument("--step", type=int, default=None,
+                   help="sample with the seed of the run's validation at this step")  # fmt: skip
     p.add_argument("--batch", type=int, default=None, help="torch engine rows decoded together")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     p.set_defaults(run=run)
@@ -65,11 +73,39 @@ def eval_config(args: argparse.Namespace) -> ArmorConfig:
         for option, key in OPTION_SETTINGS.items()
         if getattr(args, option) is not None
     ]
-    config = load_config(args.config, overrides)
+    config = load_config(config_file(args.config), overrides)
+    if args.data is None:
+        if not config.data.val_files:
+            raise ConfigError("--data: no benchmark files given and the config has no "
+                              "data.val_files; pass --data FILE...")  # fmt: skip
+        args.data = list(config.data.val_files)
+    if args.step is not None and args.seed is not None:
+        raise ConfigError("--step and --seed both set the sampling seed; give one")
     problems = input_problems("--model", args.model, {"--data": args.data})
     if problems:
         raise ConfigError("; ".join(problems))
     return config
+
+
+def config_file(path: str | None) -> str | None:
+    """``--config``: a YAML file, or a run directory's resolved ``config.yaml``."""
+    if path is not None and Path(path).is_dir():
+        saved = Path(path) / "config.yaml"
+        if not saved.is_file():
+            raise ConfigError(f"--config {path}: a directory without config.yaml (not a run "
+                              "directory); pass the run directory or a YAML config")  # fmt: skip
+        return str(saved)
+    return path
+
+
+def sampling_seed(args: argparse.Namespace, config: ArmorConfig) -> int:
+    """``--seed``, or with ``--step N`` the seed of the run's validation at step ``N``
+    (``orchestration/step/phases.py: validate``), else 0."""
+    if args.step is None:
+        return 0 if args.seed is None else args.seed
+    from megatron_armor.orchestration.step.anchor_rollout import derive_seed
+
+    return derive_seed(config.run.seed, args.step, 0, "validation")
 
 
 def eval_settings(args: argparse.Namespace, config: ArmorConfig) -> dict:
@@ -86,7 +122,8 @@ def eval_settings(args: argparse.Namespace, config: ArmorConfig) -> dict:
         "max_prompt_len": config.data.max_prompt_len,
         "max_problems": v.max_problems,
         "verifier": config.reward.verifier,
-        "seed": args.seed,
+        "seed": sampling_seed(args, config),
+        "model_overrides": dict(config.trainer.model_overrides),
     }
 
 
@@ -110,7 +147,8 @@ def make_engine(settings: dict, args: argparse.Namespace, config: ArmorConfig):
     if settings["backend"] == "sglang":
         from megatron_armor.rollout.sglang.engine import SGLangEngine
 
-        engine = SGLangEngine(args.model, config.rollout.sglang, urls=args.sglang_url or None)
+        engine = SGLangEngine(args.model, config.rollout.sglang, urls=args.sglang_url or None,
+                              model_overrides=dict(config.trainer.model_overrides))  # fmt: skip
         if not args.sglang_url:
             Path(args.out).mkdir(parents=True, exist_ok=True)
             engine.launch(colocated=False, log_dir=args.out)
@@ -129,6 +167,7 @@ def make_engine(settings: dict, args: argparse.Namespace, config: ArmorConfig):
         device=device,
         dtype=dtype,
         max_batch=config.rollout.engine_batch_size,
+        model_overrides=dict(config.trainer.model_overrides),
     )
 
 

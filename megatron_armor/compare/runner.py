@@ -101,13 +101,17 @@ def write_task_args(spec: CompareSpec, indices: list[int]) -> Path:
     return out
 
 
-def slurm_command(spec: CompareSpec, sbatch_args: list[str]) -> list[str] | None:
-    """``sbatch --array=<unfinished indices> ... slurm/compare_array.sbatch ARGS_DIR`` with the
-    task arguments written; ``None`` when every run is done."""
+def slurm_command(
+    spec: CompareSpec, sbatch_args: list[str], max_parallel: int = 0
+) -> list[str] | None:
+    """``sbatch --array=<unfinished indices>[%max_parallel] ... slurm/compare_array.sbatch
+    ARGS_DIR`` with the task arguments written; ``None`` when every run is done.
+    ``max_parallel`` (> 0): Slurm runs at most that many tasks of the array at once."""
     indices = [i for i, _, _ in pending_runs(spec)]
     if not indices:
         return None
     args_dir = write_task_args(spec, indices).resolve()
     script = Path(os.environ.get("ARMOR_ROOT", ".")) / "slurm" / "compare_array.sbatch"
-    return ["sbatch", f"--array={','.join(map(str, indices))}", f"--job-name=cmp-{spec.name}",
+    array = ",".join(map(str, indices)) + (f"%{max_parallel}" if max_parallel > 0 else "")
+    return ["sbatch", f"--array={array}", f"--job-name=cmp-{spec.name}",
             *sbatch_args, str(script), str(args_dir)]  # fmt: skip

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Union
 
+from megatron_armor.config.world_size import resolve_world_size
+
 
 @dataclass
 class ResetConfig:
@@ -286,8 +288,14 @@ class TrainerConfig:
     """Mixture-of-experts settings."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism (needs tp > 1)."""
-    world_size: int = 1
-    """Trainer ranks in total (tp * pp * cp * dp)."""
+    world_size: Union[int, str] = "auto"  # noqa: UP007 (OmegaConf reads typing.Union)
+    """Trainer ranks in total (tp * pp * cp * dp). ``auto``: every GPU of the job
+    (``orchestration.nodes * gpus_per_node``) colocated, those besides
+    ``orchestration.rollout_gpus`` disaggregated, one rank per node in the ``cpu`` layout
+    (``config/world_size.py``)."""
+    allow_idle_gpus: bool = False
+    """Accept a ``world_size`` that leaves GPUs of the job idle (refused at load otherwise:
+    a size copied from a one-node config would train a multi-node job on one node)."""
     precision: str = "bf16"
     """``bf16`` | ``fp16`` | ``fp32``."""
     transformer_impl: str = "local"
@@ -420,9 +428,10 @@ class OrchestrationConfig:
     layout: str = "cpu"
     """``cpu`` | ``colocated`` | ``disaggregated``."""
     nodes: int = 1
-    """Nodes in the Ray cluster."""
+    """Nodes of the job (its Ray cluster); ``slurm/armor.sbatch`` passes the allocation's."""
     gpus_per_node: int = 8
-    """GPUs per node."""
+    """GPUs per node; ``slurm/armor.sbatch`` passes the job's (``ARMOR_RAY_NUM_GPUS`` or
+    ``SLURM_GPUS_ON_NODE``)."""
     gpu_memory_gib: float = 80.0
     """Memory of one GPU (80 for an H100, 141 for an H200): ``armor train`` refuses a colocated
     layout whose memory plan does not fit it, and ``armor plan`` plans for it by default
@@ -581,3 +590,9 @@ class ArmorConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     overopt: OveroptConfig = field(default_factory=OveroptConfig)
     watch: WatchConfig = field(default_factory=WatchConfig)
+
+    def __post_init__(self) -> None:
+        """``trainer.world_size: auto`` becomes its number as soon as the tree exists (a loaded
+        config or one built in code), so no reader ever sees ``auto``; where it has none the
+        loader's validation names the fix (``config/world_size.py``)."""
+        resolve_world_size(self)

@@ -24,6 +24,7 @@ from megatron_armor.config.fields import SECTION_CHECKS, bound
 from megatron_armor.config.model_overrides import read_hf_config
 from megatron_armor.config.moe import expert_layout_problems
 from megatron_armor.config.schema import ArmorConfig, TrainerConfig
+from megatron_armor.config.world_size import world_size_problems
 
 Problems = Iterator[str]
 
@@ -675,10 +676,13 @@ def find_problems(config: ArmorConfig, inputs: bool = False) -> list[str]:
     files it names (model directory, tokenizer, data: ``config/inputs.py``)."""
     from megatron_armor.config.inputs import check_inputs
 
+    sized = list(world_size_problems(config))  # resolves ``auto``; every rule reads a number
+    if not isinstance(config.trainer.world_size, int):
+        return sized
     rules = RULES + [check_inputs] if inputs else RULES
     if inputs and config.orchestration.layout == "cpu":
         rules = rules + [check_runtime]
-    return [msg for rule in rules for msg in rule(config)]
+    return sized + [msg for rule in rules for msg in rule(config)]
 
 
 def validate(config: ArmorConfig, inputs: bool = False) -> None:

@@ -10,7 +10,8 @@ whole process group inside stage 1 (after the step-2 checkpoint), between the st
 with the same command, and must log exactly the uninterrupted pipeline's metrics in both
 stages. Ray runs in its own session: the group kill reaches the driver, and every Ray process
 of the run stops with it. Every kill waits on a file or a log line.
-``armor convert --to-hf STAGE1 best`` reproduces the model stage 2 started from.
+``armor convert --to-hf STAGE1 best`` reproduces the model stage 2 started from, and ``armor
+eval`` of it gives the run's validation numbers of that step.
 """
 
 from __future__ import annotations
@@ -162,6 +163,20 @@ def test_convert_best_exports_the_stage2_start_model(uninterrupted, tmp_path):
     started = load_file(str(uninterrupted / "stage1_best_hf" / "model.safetensors"))
     assert exported.keys() == started.keys()
     assert all(exported[k].equal(started[k]) for k in exported)
+    # `armor eval` of the exported checkpoint with the run's config and the seed of the run's
+    # validation at that step gives the run's own val/* numbers of that step
+    stage1 = uninterrupted / "stage1"
+    step = json.loads((stage1 / "checkpoints" / "best.json").read_text())["step"]
+    subprocess.run([sys.executable, "-m", "megatron_armor.cli", "eval", "--config", str(stage1),
+                    "--model", str(out), "--step", str(step), "--out", str(tmp_path / "eval"),
+                    "--threads", "1"], check=True, timeout=300, cwd=REPO)  # fmt: skip
+    report = json.loads((tmp_path / "eval" / "eval.json").read_text())
+    k = report["k"]
+    logged = next(r for r in read_metrics(stage1) if r["step"] == step)
+    for bench, values in report["results"].items():
+        for metric in ("avg@k", "pass@k", "maj@k"):
+            key = f"val/{bench}/{metric.replace('@k', f'@{k}')}"
+            assert values[metric] == pytest.approx(logged[key], abs=1e-9), key
 
 
 def test_kill9_in_each_stage_and_between_resumes_exactly(uninterrupted, tiny_dir, out_dir):

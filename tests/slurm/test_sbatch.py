@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from slurm_jobs import REPO, SlurmJobs, make_workdir, wait_until
+from slurm_jobs import JOB_NAME, REPO, Job, SlurmJobs, make_workdir, wait_until
 
 from megatron_armor.observability.metrics import read_metrics, without_wall_clock
 
@@ -36,12 +36,13 @@ NODE_LOSS_DEADLINE_S = 90  # from killing a node's processes to the job's end
 
 
 def run_overrides(ranks: int) -> list[str]:
-    """The reference run (also the preempted one): ``ranks`` trainer ranks (TP), a torch
-    profile of step 2 on each."""
+    """The reference run (also the preempted one): as many trainer ranks as the job has nodes
+    (``trainer.world_size: auto``, one rank per node on CPU; TP over them), a torch profile of
+    step 2 on each."""
     every = ",".join(str(r) for r in range(ranks))
     return [
-        f"run.steps={STEPS}", "run.ckpt_every=100", f"trainer.world_size={ranks}",
-        f"trainer.tp={ranks}", "logging.profile=torch", f"logging.profile_steps=[{PROFILED_STEP}]",
+        f"run.steps={STEPS}", "run.ckpt_every=100", f"trainer.tp={ranks}",
+        "logging.profile=torch", f"logging.profile_steps=[{PROFILED_STEP}]",
         f"logging.profile_ranks=[{every}]",
     ]  # fmt: skip
 
@@ -73,6 +74,9 @@ def test_the_tiny_config_runs_to_completion_with_traces_from_every_node(referenc
     driver = job.driver_log()
     assert f"step {STEPS}/{STEPS}" in driver, report
     assert "orchestration.ray_address=" in driver  # the driver used the job's own Ray head
+    assert f"orchestration.nodes={layout}" in driver  # the allocation, for world_size: auto
+    resolved = (job.run_dir / "config.yaml").read_text()
+    assert f"world_size: {layout}\n" in resolved, resolved
     nodes = job.nodes()
     assert len(nodes) == layout
     for node in nodes:
@@ -88,6 +92,37 @@ def test_the_tiny_config_runs_to_completion_with_traces_from_every_node(referenc
         assert any(n.endswith("Backward0") for n in names)  # and its backward pass
         hosts.add(trace["armor_host"])
     assert hosts == set(nodes)  # one trainer rank on each node
+
+
+def test_the_convert_and_eval_sbatch_files_export_and_evaluate_the_reference_run(
+    reference, jobs, tmp_path
+):
+    """slurm/convert.sbatch exports the reference run's last checkpoint (with the run's model
+    overrides in config.json), then slurm/eval.sbatch evaluates it with the run's config: two
+    short one-node jobs, submitted from the run's working directory as the run was."""
+    job, state = reference
+    assert state == "COMPLETED", job.report()
+    out, report = tmp_path / "hf", tmp_path / "eval"
+    env = {**os.environ, "ARMOR_ENV": "cpu-ci", "ARMOR_ROOT": str(REPO),
+           "ARMOR_PYTHON": sys.executable}  # fmt: skip
+    logs = lambda: "".join(p.read_text()[-3000:] for p in tmp_path.glob("*.out"))  # noqa: E731
+
+    def run_job(name: str, args: list[str]) -> None:
+        cmd = ["sbatch", "--parsable", f"--job-name={JOB_NAME}", f"--chdir={job.workdir}",
+               "--time=10", f"--output={tmp_path}/{name}.out",
+               str(REPO / "slurm" / f"{name}.sbatch"), *args]  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60, check=True)
+        submitted = Job(done.stdout.strip().split(";")[0], job.workdir)
+        jobs.jobs.append(submitted)  # cancelled at teardown
+        assert submitted.wait_done(300) == "COMPLETED", logs()
+
+    run_job("convert", ["--to-hf", str(job.run_dir), "latest", "--out", str(out)])
+    exported = json.loads((out / "config.json").read_text())
+    assert exported["rope_parameters"]["rope_theta"] == 10000.0  # tiny_cpu's model_overrides
+    run_job("eval", ["--config", str(job.run_dir), "--model", str(out), "--step", str(STEPS),
+                     "--k", "2", "--max-problems", "4", "--threads", "1", "--out", str(report)])  # fmt: skip
+    results = json.loads((report / "eval.json").read_text())["results"]
+    assert results["val"]["n"] == 4.0, results
 
 
 def preempted_with_sigusr1(jobs, workdir, overrides: list[str], nodes: int):

@@ -60,7 +60,8 @@ def test_layouts_that_cannot_overlap_are_refused_with_why():
 def test_a_reference_swapped_into_the_policy_servers_is_refused():
     sglang = ["rollout.backend=sglang", "orchestration.layout=disaggregated",
               "rollout.sglang.weight_transport=distributed",
-              "orchestration.rollout_gpus=2", "trainer.world_size=2"]  # fmt: skip
+              "orchestration.rollout_gpus=2", "trainer.world_size=2",
+              "orchestration.gpus_per_node=4"]  # fmt: skip
     msg = _error("orchestration.async_rollout=one_step", *sglang, "rollout.ref_strategy=swap")
     assert "rollout.ref_strategy='swap'" in msg and "ref_strategy=dedicated" in msg
     problems = find_problems(load_config(None, [*sglang, "rollout.ref_strategy=dedicated"]))

@@ -137,6 +137,8 @@ CASES = [
     ("max_recoveries", train("run.max_recoveries=-1"), "run.max_recoveries=-1: must be >= 0"),
     ("base_cycle", train(config="{cycle}"), "`base:` cycle: cycle.yaml -> cycle_b.yaml -> cycle.yaml"),
     ("minibatch", train("rollout.batch=3", "trainer.ppo_mini_batch=2"), "must divide rollout.batch=3"),
+    ("idle_gpus", train("orchestration.layout=colocated", "orchestration.nodes=4", "trainer.world_size=8"),
+     "trainer.world_size=8 leaves 24 of the job's orchestration.nodes=4 x gpus_per_node=8 = 32 GPUs idle"),
     ("context_parallel", train("trainer.cp=2", "trainer.world_size=2"), "trainer.cp=2: context parallelism is not implemented"),
     ("distributed_colocated", train("rollout.backend=sglang", "orchestration.layout=colocated",
                                     "rollout.sglang.weight_transport=distributed"),

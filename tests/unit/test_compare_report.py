@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -180,3 +181,27 @@ def test_partial_comparisons_report_the_seeds_that_ran(synth, tmp_path):
     assert set(report["variants"]) == {"b"} and report["pairs"] == []
     out = write_report(synth, out_dir=tmp_path / "partial")  # renders without the variant
     assert "**Unfinished runs**" in (out / "report.md").read_text()
+
+
+def test_compare_slurm_passes_the_options_after_dashdash_to_sbatch_with_a_task_limit(
+    tmp_path, monkeypatch
+):
+    """The documented order, through the CLI parser, with a recording ``sbatch`` on PATH."""
+    from megatron_armor.cli import main as armor_main
+
+    bin_dir, calls = tmp_path / "bin", tmp_path / "sbatch.calls"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > {calls}\necho 123\n')
+    (bin_dir / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("ARMOR_ROOT", str(REPO))
+    spec = write_spec(tmp_path)
+    argv = ["compare", str(spec), "--slurm", "--max-parallel", "2", "--", "-N", "2",
+            "--gpus-per-node=8", "-t", "48:00:00"]  # fmt: skip
+    assert armor_main(argv) == 0
+    sent = calls.read_text().splitlines()
+    assert sent[:2] == ["--array=0,1,2,3,4,5%2", "--job-name=cmp-synth"]
+    assert sent[2:6] == ["-N", "2", "--gpus-per-node=8", "-t"] and sent[6] == "48:00:00"
+    assert sent[-2] == str(REPO / "slurm" / "compare_array.sbatch")
+    with pytest.raises(SystemExit):  # `--` where nothing takes the rest
+        armor_main(["plan", str(spec), "--", "-N", "2"])

@@ -121,8 +121,10 @@ class Rollout(Recorder):
 
 def config(transport="tensor", strategy="dedicated", *extra, output_dir="/tmp"):
     # NCCL takes one rank per GPU: the distributed transport serves disaggregated servers
-    layout = (["orchestration.layout=disaggregated", "orchestration.rollout_gpus=2"]
-              if transport == "distributed" else ["orchestration.layout=colocated"])  # fmt: skip
+    layout = (["orchestration.layout=disaggregated", "orchestration.rollout_gpus=2",
+               "orchestration.gpus_per_node=4"]
+              if transport == "distributed"
+              else ["orchestration.layout=colocated", "orchestration.gpus_per_node=2"])  # fmt: skip
     return load_config(None, ["rollout.backend=sglang", *layout,
                               "trainer.world_size=2", f"rollout.sglang.weight_transport={transport}",
                               f"rollout.ref_strategy={strategy}", f"run.output_dir={output_dir}",

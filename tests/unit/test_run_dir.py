@@ -278,20 +278,32 @@ def test_second_writer_is_refused_and_a_stale_lock_taken_over(tmp_path, capsys):
     assert not (tmp_path / LOCK_FILE).exists()
 
 
-def test_convert_reads_the_run_precision_and_writes_a_matching_config(tmp_path):
-    from megatron_armor.cli.convert_cmd import run_precision
+def test_convert_reads_the_run_precision_and_overrides_and_writes_a_matching_config(tmp_path):
+    from argparse import Namespace
+
+    from megatron_armor.cli.convert_cmd import resolve_source
     from megatron_armor.config import save_config
     from megatron_armor.trainer.convert import write_hf_config
 
     config = ArmorConfig()
     config.trainer.precision = "fp32"
+    config.trainer.model_overrides = {"rope_theta": 40000, "max_position_embeddings": 512}
     save_config(config, tmp_path / "run")
     step = tmp_path / "run" / "checkpoints" / "step_000001"
     (step / "trainer").mkdir(parents=True)
-    assert run_precision(str(step)) == run_precision(str(step / "trainer")) == "fp32"
+    for path in (step, step / "trainer"):
+        args = Namespace(to_hf=str(path), name=None, model="m", precision=None)
+        assert resolve_source(args) == (str(path), "m", "fp32", config.trainer.model_overrides)
+    elsewhere = Namespace(to_hf=str(tmp_path / "elsewhere" / "a" / "b"), name=None, model="m",
+                          precision=None)  # fmt: skip
     with pytest.raises(ValueError, match="pass --precision"):
-        run_precision(str(tmp_path / "elsewhere" / "a" / "b"))
+        resolve_source(elsewhere)
     (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16"}))
-    write_hf_config(str(tmp_path / "model"), str(tmp_path), "float32")
-    assert json.loads((tmp_path / "config.json").read_text())["torch_dtype"] == "float32"
+    (tmp_path / "model" / "config.json").write_text(
+        json.dumps({"torch_dtype": "bfloat16", "rope_theta": 10000.0, "rope_scaling": None})
+    )
+    write_hf_config(str(tmp_path / "model"), str(tmp_path), "float32", {"rope_theta": 40000})
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert written["torch_dtype"] == "float32"
+    assert written["rope_parameters"] == {"rope_type": "default", "rope_theta": 40000.0}
+    assert written["rope_theta"] == 40000.0 and written["rope_scaling"] is None

@@ -16,7 +16,10 @@ Each server gets the physical GPU id of its first bundle (:func:`rollout_hosts`)
 bundles are the trainer's (and, disaggregated, a reservation of the rollout GPUs after them).
 
 Bundles are re-ordered by (node IP, GPU id) with one probe actor per bundle, so trainer rank
-order follows the hardware (ranks of a TP group share a node).
+order follows the hardware (ranks of a TP group share a node). With ``trainer.world_size: auto``
+(``config/world_size.py``) the group holds every GPU of the job, so the ranks fill every node;
+``PACK`` only matters for a deliberately smaller group (``trainer.allow_idle_gpus``), which it
+keeps on as few nodes as it can.
 
 Threads: every trainer rank, rollout worker and reward worker runs
 :func:`threads_per_actor` torch threads — the node's cores divided by the actors placed on

@@ -1,20 +1,34 @@
-"""One writer per run directory: ``run_dir/.lock`` holds the writer's pid, host and start time.
+"""One writer per run directory: ``run_dir/.lock`` names the writer (host, pid, the process's
+start time, the Slurm job and its restart) so that a lock left by a dead writer is recognized.
 
 The lock file is created with ``O_CREAT | O_EXCL`` (atomic, also on NFS v3+). A second run on
-the same directory is refused with :class:`RunDirLocked`; a lock whose process is gone (same
-host, pid not alive — e.g. after ``kill -9``) is stale and taken over. A lock from another
-host cannot be checked from here: the error says how to remove it once that run is gone.
+the same directory is refused with :class:`RunDirLocked`, naming the holder and the command
+that clears the lock. A lock is taken over, with a line saying why, when its writer is gone:
+
+- an earlier start of this Slurm job (same job id, another ``SLURM_RESTART_COUNT``: a
+  requeued job runs one start at a time), or a Slurm job that is no longer running
+  (``squeue``; where Slurm's commands are absent or do not answer, this is unknown);
+- on this host: its pid is not alive, or is a process started at another time (the pid was
+  reused: ``/proc/PID/stat`` field 22).
+
+A lock from another host whose job cannot be checked is never taken over.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
+import subprocess
 import time
 from pathlib import Path
 
 LOCK_FILE = ".lock"
+RUNNING_STATES = {"RUNNING", "COMPLETING", "CONFIGURING", "SUSPENDED", "STOPPED", "SIGNALING",
+                  "RESIZING", "STAGE_OUT"}  # fmt: skip
+"""``squeue`` states in which a job's processes may still write (a PENDING or REQUEUED job,
+and one no longer listed, has none)."""
 
 
 class RunDirLocked(RuntimeError):
@@ -31,6 +45,42 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def process_start_ticks(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot, ``/proc/PID/stat`` field 22);
+    ``None`` where it cannot be read (no such process, no ``/proc``)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[-1].split()  # after "pid (comm)": field 3 onwards
+    return int(fields[19]) if len(fields) > 19 else None
+
+
+def slurm_job_running(job_id: str) -> bool | None:
+    """Whether Slurm job ``job_id`` is running (:data:`RUNNING_STATES`); ``None`` when it
+    cannot be told (no ``squeue`` here, or Slurm does not answer)."""
+    if shutil.which("squeue") is None:
+        return None
+    try:
+        done = subprocess.run(["squeue", "-h", "-j", str(job_id), "-o", "%T"],
+                              capture_output=True, text=True, timeout=30)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if done.returncode != 0:
+        return False if "Invalid job id" in done.stderr else None  # purged: long finished
+    return any(state in RUNNING_STATES for state in done.stdout.split())
+
+
+def this_writer() -> dict:
+    """The lock record of this process."""
+    return {
+        "pid": os.getpid(), "host": socket.gethostname(), "since": time.time(),
+        "start_ticks": process_start_ticks(os.getpid()),
+        "slurm_job": os.environ.get("SLURM_JOB_ID"),
+        "slurm_restart": os.environ.get("SLURM_RESTART_COUNT", "0"),
+    }  # fmt: skip
+
+
 def _read(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
@@ -38,11 +88,28 @@ def _read(path: Path) -> dict:
         return {}  # half-written by a writer killed mid-create: treated as stale
 
 
-def _is_stale(holder: dict) -> bool:
+def stale_reason(holder: dict) -> str | None:
+    """Why the writer of lock record ``holder`` is gone, or ``None`` while it may be alive."""
+    if not holder:
+        return "an unreadable lock (its writer died while creating it)"
+    job, mine = holder.get("slurm_job"), os.environ.get("SLURM_JOB_ID")
+    if (
+        job
+        and job == mine
+        and holder.get("slurm_restart") != os.environ.get("SLURM_RESTART_COUNT", "0")
+    ):
+        return f"an earlier start (restart {holder.get('slurm_restart')}) of this Slurm job {job}"
+    if job and job != mine and slurm_job_running(job) is False:
+        return f"Slurm job {job} is no longer running"
     if holder.get("host") != socket.gethostname():
-        return False
+        return None
     pid = holder.get("pid")
-    return not isinstance(pid, int) or not _pid_alive(pid)
+    if not isinstance(pid, int) or not _pid_alive(pid):
+        return f"pid {pid} is no longer running"
+    ticks = holder.get("start_ticks")
+    if ticks is not None and process_start_ticks(pid) not in (None, ticks):
+        return f"pid {pid} is now another process (started at another time)"
+    return None
 
 
 class RunLock:
@@ -57,34 +124,36 @@ class RunLock:
             fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
             return False
-        me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
         with os.fdopen(fd, "w") as f:
-            json.dump(me, f)
+            json.dump(this_writer(), f)
         return True
 
     def acquire(self) -> RunLock:
-        """Take the lock, replacing a stale one; raise :class:`RunDirLocked` when a live run
-        holds it."""
+        """Take the lock, replacing a stale one (:func:`stale_reason`); raise
+        :class:`RunDirLocked` when a live run holds it."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         for _ in range(3):  # a stale lock removed by two starters at once: retry the create
             if self._create():
                 self.held = True
                 return self
             holder = _read(self.path)
-            if not _is_stale(holder):
+            reason = stale_reason(holder)
+            if reason is None:
                 raise RunDirLocked(self._refusal(holder))
-            print(f"{self.path}: taking over the stale lock of pid {holder.get('pid')} "
-                  f"on {holder.get('host')} (no longer running)", flush=True)  # fmt: skip
+            print(f"{self.path}: taking over the stale lock of {describe(holder)}: {reason}",
+                  flush=True)  # fmt: skip
             self.path.unlink(missing_ok=True)
         raise RunDirLocked(f"{self.path}: could not take the lock; another run is starting here")
 
     def _refusal(self, holder: dict) -> str:
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("since", 0)))
+        job = holder.get("slurm_job")
+        stop = f"`scancel {job}`" if job else f"`kill {holder.get('pid')}` on {holder.get('host')}"
         return (
-            f"{self.path.parent} is in use by another run (pid {holder.get('pid')} on "
-            f"{holder.get('host')}, since {since}); two runs must not write one run directory: "
-            "wait for it, stop it, or pick another run.name / run.output_dir. If that run is "
-            f"gone (e.g. its node died), delete {self.path}"
+            f"{self.path.parent} is in use by another run ({describe(holder)}, since {since}); "
+            "two runs must not write one run directory: wait for it, stop it "
+            f"({stop}), or pick another run.name / run.output_dir. If that run is gone (e.g. "
+            f"its node died), clear the lock: rm {self.path}"
         )
 
     def release(self) -> None:
@@ -92,3 +161,9 @@ class RunLock:
         if self.held and _read(self.path).get("pid") == os.getpid():
             self.path.unlink(missing_ok=True)
         self.held = False
+
+
+def describe(holder: dict) -> str:
+    """``pid P on HOST (Slurm job J)`` of a lock record."""
+    job = f" (Slurm job {holder['slurm_job']})" if holder.get("slurm_job") else ""
+    return f"pid {holder.get('pid')} on {holder.get('host')}{job}"

@@ -27,6 +27,7 @@ from megatron_armor.config.validate import (
 )
 from megatron_armor.data.sampler import SamplerExhausted
 from megatron_armor.observability.metrics import metrics_record
+from megatron_armor.observability.signal_lead import SignalLeadWatch
 from megatron_armor.observability.status import StepClock
 from megatron_armor.observability.summary import step_line
 from megatron_armor.observability.timers import PhaseTimers
@@ -176,6 +177,7 @@ def run_loop(s: Session, start: int, stop: StopSignal) -> int:
                                 s.progress.rollout_update, s.timers)  # fmt: skip
     rollout.observe(s.state.metrics_line)  # resumed: the checkpointed step's line
     clock = StepClock()  # the step line's ETA
+    lead = SignalLeadWatch.from_environment()  # does a checkpoint fit in the signal's lead?
     for step in range(start + 1, cfg.run.steps + 1):
         if stop.received:
             print(stop_message(s, stop, saved=False), flush=True)
@@ -203,6 +205,10 @@ def run_loop(s: Session, start: int, stop: StopSignal) -> int:
         clean = s.logger.write(line)
         clock.observe(metrics["timing/step_s"])
         print(step_line(step, cfg.run.steps, clean, clock.eta(step, cfg.run.steps)), flush=True)
+        saving_s = metrics.get("timing/checkpoint_s") if saved else None
+        lead_warning = lead.observe(metrics["timing/step_s"] - (saving_s or 0.0), saving_s)
+        if lead_warning:
+            print(lead_warning, flush=True)
         if diverged:
             raise diverged_error(cfg, step, metrics, str(written))
         if stop.received and step < cfg.run.steps:
