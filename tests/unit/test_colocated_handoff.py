@@ -61,7 +61,8 @@ def verbs(calls: Calls) -> list[tuple]:
     return [c[:3] for c in calls if c[1] in keep]  # a push: its version
 
 
-COLOCATED = ["orchestration.layout=colocated", "rollout.sglang.weight_transport=tensor"]
+COLOCATED = ["orchestration.layout=colocated", "orchestration.gpus_per_node=2",
+             "rollout.sglang.weight_transport=tensor"]  # fmt: skip
 
 
 def test_the_trainer_hands_over_its_memory_before_the_engines_resume_their_weights():
@@ -104,7 +105,7 @@ def test_a_reset_pushes_the_reference_before_the_kv_cache_returns():
 
 def test_disaggregated_engines_keep_their_memory_and_weights():
     s, calls = session("orchestration.layout=disaggregated", "orchestration.rollout_gpus=2",
-                       "rollout.sglang.weight_transport=distributed")  # fmt: skip
+                       "orchestration.gpus_per_node=4", "rollout.sglang.weight_transport=distributed")  # fmt: skip
     sync_and_maybe_reset(s, 4, updated=False)
     assert verbs(calls) == []
     sync_and_maybe_reset(s, 5, updated=True)

@@ -18,12 +18,14 @@ def bash(script: str, **env: str) -> subprocess.CompletedProcess:
                           env={"PATH": "/usr/bin:/bin", **env})  # fmt: skip
 
 
-def test_a_gpu_step_asks_for_the_nodes_gpus():
-    out = bash('set_srun_words n1; printf "%s\\n" "${SRUN[@]}"', ARMOR_RAY_NUM_GPUS="8")
+def test_a_gpu_step_asks_for_the_nodes_gpus_and_every_other_step_for_none():
+    words = ["srun", "--overlap", "--nodes=1", "--ntasks=1", "--nodelist=n1"]
+    out = bash('set_srun_words n1 gpu; printf "%s\\n" "${SRUN[@]}"', ARMOR_RAY_NUM_GPUS="8")
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["srun", "--overlap", "--nodes=1", "--ntasks=1",
-                                  "--nodelist=n1", "--gres=gpu:8"]  # fmt: skip
-    cpu = bash('set_srun_words n1; printf "%s\\n" "${SRUN[@]}"', ARMOR_RAY_NUM_GPUS="0")
+    assert out.stdout.split() == [*words, "--gres=gpu:8"]
+    driver = bash('set_srun_words n1; printf "%s\\n" "${SRUN[@]}"', ARMOR_RAY_NUM_GPUS="8")
+    assert driver.stdout.split() == [*words, "--gres=none"]
+    cpu = bash('set_srun_words n1 gpu; printf "%s\\n" "${SRUN[@]}"', ARMOR_RAY_NUM_GPUS="0")
     assert "--gres" not in cpu.stdout
 
 
