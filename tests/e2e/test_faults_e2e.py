@@ -2,11 +2,13 @@
 ``orchestration/actors/recovery.py``), each ending with every step's metrics equal to the
 uninterrupted reference run's (timings excepted):
 
-1. ``kill -9`` of the rollout worker when step 1's metrics line is written (its death shows
-   in step 2's rollout: drawn again), of its replacement when step 2's anchor file is
-   written (while the trainer works: the weight push is sent again), and of the reward
-   worker when step 3's anchor file is written (its death shows in step 4's rollout): each is
-   replaced in the run, which ends normally; ``recoveries.jsonl`` names the three.
+1. SIGSTOP of the rollout worker when step 1's metrics line is written (alive, never answering:
+   step 2's rollout call passes its learned deadline, the worker is named and killed within
+   a minute and the rollout drawn again), ``kill -9`` of its replacement when step 2's anchor
+   file is written (while the trainer works: the weight push is sent again), and SIGSTOP of
+   the reward worker when step 3's anchor file is written (stuck in step 4's rollout): each
+   is replaced in the run, which ends normally with no stopped process left;
+   ``recoveries.jsonl`` names the three with their reason.
 2. ``kill -9`` of the trainer rank when step 3's anchor file is written: the run stops with
    exit 75 naming the newest complete checkpoint (step 2) and ``--resume auto``; no Ray process
    is left; the same command resumes from step 2 and completes the run.
@@ -46,12 +48,26 @@ def anchor_file(run_dir: Path, step: int) -> Path:
     return run_dir / "anchors" / f"step_{step:06d}.jsonl"
 
 
-def kill_actor(run: Run, cls: str, ready) -> int:
-    """``kill -9`` of the run's live ``cls`` actor once ``ready()``; returns its pid."""
+def kill_actor(run: Run, cls: str, ready, sig: int = signal.SIGKILL) -> int:
+    """``sig`` (``kill -9``; SIGSTOP: stuck) to the run's live ``cls`` actor once ``ready()``;
+    returns its pid."""
     run.wait_for(lambda: ready() and len(actor_pids(run.ray_tmp, cls)) == 1)
     (pid,) = actor_pids(run.ray_tmp, cls)
-    os.kill(pid, signal.SIGKILL)
+    os.kill(pid, sig)
     return pid
+
+
+def stuck_line(run: Run, pid: int) -> bool:
+    """Whether the run log names ``pid`` as stuck and killed."""
+    text = Path(run.log.name).read_text()
+    return f"pid {pid} on " in text and "stuck call: " in text
+
+
+def gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in "ZX"
+    except OSError:
+        return True
 
 
 def assert_metrics_equal(run_dir: Path, reference_run: Path) -> None:
@@ -65,19 +81,25 @@ def assert_metrics_equal(run_dir: Path, reference_run: Path) -> None:
 @pytest.mark.timeout(1200)
 def test_dead_rollout_and_reward_workers_are_replaced_in_the_run(reference_run, tiny_dir, out_dir):
     run = Run(out_dir, "workers_killed", tiny_dir, *CACHED)
-    first = kill_actor(run, "RolloutWorker", lambda: 1 in run.steps_logged())
+    first = kill_actor(run, "RolloutWorker", lambda: 1 in run.steps_logged(), signal.SIGSTOP)
+    run.wait_for(lambda: stuck_line(run, first), timeout=60)  # noticed within a minute
     second = kill_actor(run, "RolloutWorker", anchor_file(run.run_dir, 2).is_file)
-    kill_actor(run, "RewardWorker", anchor_file(run.run_dir, 3).is_file)
+    scorer = kill_actor(run, "RewardWorker", anchor_file(run.run_dir, 3).is_file, signal.SIGSTOP)
+    run.wait_for(lambda: stuck_line(run, scorer), timeout=60)
     assert run.wait() == 0, run.output()
-    assert first != second
+    assert first != second and gone(first) and gone(scorer)
     lines = (run.run_dir / "recoveries.jsonl").read_text().splitlines()
-    events = [(e["step"], e["phase"], e["actor"]) for e in map(json.loads, lines)]
-    assert events == [(2, "rollout", "RolloutWorker 0"), (2, "sync", "RolloutWorker 0"),
-                      (4, "rollout", "RewardWorker 0")], events  # fmt: skip
+    events = [(e["step"], e["phase"], e["actor"], e["reason"]) for e in map(json.loads, lines)]
+    assert events == [(2, "rollout", "RolloutWorker 0", "stuck"),
+                      (2, "sync", "RolloutWorker 0", "died"),
+                      (4, "rollout", "RewardWorker 0", "stuck")], events  # fmt: skip
     text = Path(run.log.name).read_text()
     assert text.count("recovery: ") == 3 and "Traceback" not in text, text[-4000:]
+    assert "call deadlines: 10 x p90" in text and "call deadline: generate " in text
     assert_metrics_equal(run.run_dir, reference_run)
-    last = read_metrics(run.run_dir)[-1]  # the replacements' memory is measured, not the dead's
+    rows = {r["step"]: r for r in read_metrics(run.run_dir)}
+    assert rows[2]["faults/stuck_rollout"] == 1 and rows[4]["faults/stuck_reward"] == 1
+    last = rows[4]  # the replacements' memory is measured, not the dead's
     assert last["mem/rollout0_gb"] > 0 and last["mem/reward0_gb"] > 0, last
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -240,14 +241,21 @@ def init_ray(config: ArmorConfig, plan: LayoutPlan, log_dir: Path) -> None:
     ray.init(address=_local_head.address, log_to_driver=True, _node_ip_address=LOOPBACK)
 
 
-def shutdown_ray() -> None:
-    """Disconnect from Ray and stop the head :func:`init_ray` started, if any."""
+def shutdown_ray(timeout_s: float = 30.0) -> None:
+    """Disconnect from Ray and stop the head :func:`init_ray` started, if any; each step
+    bounded by ``timeout_s`` (a disconnect from a lost or stuck Ray is left to the daemon
+    thread; the head's processes are killed after ``timeout_s``)."""
     global _local_head
     import ray
 
-    ray.shutdown()
+    disconnect = threading.Thread(target=ray.shutdown, daemon=True, name="ray-shutdown")
+    disconnect.start()
+    disconnect.join(timeout_s)
+    if disconnect.is_alive():
+        print(f"warning: ray.shutdown() did not return within {timeout_s:g}s; going on",
+              flush=True)  # fmt: skip
     if _local_head is not None:
-        _local_head.stop()
+        _local_head.stop(timeout_s)
         _local_head = None
 
 

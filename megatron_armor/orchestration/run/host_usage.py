@@ -22,6 +22,7 @@ from pathlib import Path
 
 from megatron_armor.observability.host_memory import node_memory
 from megatron_armor.orchestration.actors.actor_handles import wait
+from megatron_armor.orchestration.actors.call_watch import WATCH
 from megatron_armor.orchestration.run import checkpoints
 
 GB = 1e9
@@ -42,6 +43,8 @@ def actor_processes(groups: dict[str, object]) -> list[RunProcess]:
     :class:`RunProcess` per actor, named ``<prefix><index>``, from one ``node_info`` call each."""
     named = [(f"{prefix}{i}", a) for prefix, h in groups.items() for i, a in enumerate(h.actors)]
     infos = wait([a.node_info.remote() for _, a in named], "actor node info")
+    for (_, actor), info in zip(named, infos, strict=True):
+        WATCH.locate_actor(actor, info)  # a stuck one is named and killed by its pid
     return [
         RunProcess(n, info["node_id"], info["pid"], True)
         for (n, _), info in zip(named, infos, strict=True)
@@ -74,6 +77,7 @@ class HostMemory:
         the run (``orchestration/actors/recovery.py``) is measured from then on, under the dead
         one's name."""
         (info,) = wait([actor.node_info.remote()], "actor node info")
+        WATCH.locate_actor(actor, info)
         new = RunProcess(name, info["node_id"], info["pid"], True)
         self.processes = [new if p.name == name else p for p in self.processes]
         if new.node not in self.nodes:

@@ -344,15 +344,17 @@ class Session:
               flush=True)  # fmt: skip
 
     def close(self, shutdown_ray: bool = True) -> None:
-        """Stop the actors and Ray (best effort: a failing close must not hide the real error)."""
+        """Stop the actors and Ray (best effort: a failing close must not hide the real error),
+        each within ``orchestration.shutdown_timeout_s``; what does not answer is killed."""
         self.progress.close()
         try:
             self.logger.close()  # flushes TensorBoard: fails on a full disk
         except OSError as err:
             print(f"warning: closing the metrics sinks failed: {err}", flush=True)
-        close_actors([self.trainer, self.rollout, self.reward])
+        close_actors([self.trainer, self.rollout, self.reward],
+                     self.config.orchestration.shutdown_timeout_s)  # fmt: skip
         if shutdown_ray:
-            placement.shutdown_ray()
+            placement.shutdown_ray(self.config.orchestration.shutdown_timeout_s)
         if self.lock is not None:
             self.lock.release()
         gc.unfreeze()  # what this session held can be collected again (a pipeline's next stage)

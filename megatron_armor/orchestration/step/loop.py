@@ -29,6 +29,7 @@ from megatron_armor.data.sampler import SamplerExhausted
 from megatron_armor.observability.metrics import metrics_record
 from megatron_armor.observability.summary import step_line
 from megatron_armor.observability.timers import PhaseTimers
+from megatron_armor.orchestration.actors.call_watch import WATCH
 from megatron_armor.orchestration.actors.faults import RequeueError, locate, requeue_error
 from megatron_armor.orchestration.actors.placement import shutdown_ray
 from megatron_armor.orchestration.actors.recovery import WHY_TRAINER, handles
@@ -184,6 +185,7 @@ def run_loop(s: Session, start: int, stop: StopSignal) -> int:
         s.trainer.profile_end(step)
         metrics.update(s.meter.pop_metrics())
         metrics.update(s.weight_sync.pop_metrics())
+        metrics.update(WATCH.pop_metrics())  # faults/stuck_*: actors killed past a deadline
         metrics.update(s.gpu_memory_metrics())
         metrics.update(s.host_metrics(checkpoint_due(cfg, step)))
         metrics.update(s.watch.observe(step, metrics))
@@ -248,6 +250,7 @@ def train(config: ArmorConfig, resume: str = "auto") -> int:
     torch.manual_seed(config.run.seed)
     session = None
     with StopSignal() as stop:
+        WATCH.configure(config.orchestration, stop, run_dir_of(config))
         try:
             with stop.guarded():
                 session = Session.start(
@@ -256,6 +259,7 @@ def train(config: ArmorConfig, resume: str = "auto") -> int:
             if stop.received:
                 print(stop_message(session, stop, saved=False), flush=True)
                 return EXIT_REQUEUE
+            WATCH.announce()
             return run_with_faults(session, stop)
         except (AcceptanceError, SamplerExhausted) as err:  # a requeue would meet them again
             newest = checkpoints.list_checkpoints(session.run_dir) if session else []
@@ -265,4 +269,4 @@ def train(config: ArmorConfig, resume: str = "auto") -> int:
             if session is not None:
                 session.close()
             else:
-                shutdown_ray()
+                shutdown_ray(config.orchestration.shutdown_timeout_s)
