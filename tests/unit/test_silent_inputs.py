@@ -32,3 +32,28 @@ def test_micro_batch_tokens_below_one_sequence_is_said():
     assert "= 1536" in line and ">= 1536" in line
     config.trainer.micro_batch_tokens = 1536
     assert not [w for w in range_warnings(config) if "micro_batch_tokens" in w]
+
+
+def test_a_full_disk_outside_a_checkpoint_names_the_file_and_fits_the_state(tmp_path):
+    import errno
+
+    from megatron_armor.orchestration.run.disk_space import check_free_space, full_disk_error
+
+    run_dir = tmp_path / "run"
+    (run_dir / "anchors").mkdir(parents=True)
+    path = run_dir / "anchors" / "step_000003.jsonl"
+    err = OSError(errno.ENOSPC, "No space left on device", str(path))
+    full = full_disk_error(run_dir, err)
+    text = str(full)
+    assert text.startswith(f"no space left on the device while writing {path} (OSError: ")
+    assert f" free under {run_dir / 'anchors'}; no checkpoint of the run exists yet" in text
+    assert "keep_last" not in text
+    from megatron_armor.orchestration.run.checkpoints import write_manifest
+
+    (run_dir / "checkpoints" / "step_000002").mkdir(parents=True)
+    (run_dir / "checkpoints" / "step_000002" / "orchestrator.pt").write_bytes(b"x")
+    write_manifest(run_dir / "checkpoints" / "step_000002", 2)
+    assert "the newest checkpoint" in str(full_disk_error(run_dir, err))
+    assert full_disk_error(run_dir, OSError(errno.EACCES, "denied", str(path))) is None
+    with pytest.raises(Exception, match=r"\(no checkpoint of the run exists yet\)"):
+        check_free_space(tmp_path / "fresh", 1, estimate=1 << 60)

@@ -34,6 +34,7 @@ from megatron_armor.orchestration.actors.faults import RequeueError, locate, req
 from megatron_armor.orchestration.actors.placement import shutdown_ray
 from megatron_armor.orchestration.actors.recovery import WHY_TRAINER, handles
 from megatron_armor.orchestration.run import checkpoints
+from megatron_armor.orchestration.run.disk_space import DiskFullError, full_disk_error
 from megatron_armor.orchestration.run.run_state import EXIT_REQUEUE, StopSignal
 from megatron_armor.orchestration.run.session import Session, run_dir_of
 from megatron_armor.orchestration.step.acceptance import (
@@ -225,6 +226,9 @@ def run_with_faults(s: Session, stop: StopSignal) -> int:
     except RequeueError as err:
         print(f"armor train: {err}", file=sys.stderr, flush=True)
     except Exception as err:
+        full = full_disk_error(s.run_dir, err)  # an anchor file, metrics, TensorBoard
+        if full is not None and not isinstance(err, DiskFullError):
+            raise full from err
         fault = locate(err, handles(s))
         if fault is None:
             raise
