@@ -9,9 +9,13 @@ uninterrupted reference run's (timings excepted):
    the reward worker when step 3's anchor file is written (stuck in step 4's rollout): each
    is replaced in the run, which ends normally with no stopped process left;
    ``recoveries.jsonl`` names the three with their reason.
-2. ``kill -9`` of the trainer rank when step 3's anchor file is written: the run stops with
-   exit 75 naming the newest complete checkpoint (step 2) and ``--resume auto``; no Ray process
-   is left; the same command resumes from step 2 and completes the run.
+2. SIGSTOP of the trainer rank when step 3's anchor file is written: past its deadline it is
+   named and killed, and the run stops with exit 75 naming the newest complete checkpoint
+   (step 2) and ``--resume auto``; no process of the run is left (Ray's, the actors', the
+   checkpoint writer's helpers); the same command resumes from step 2 and completes the run.
+
+The stuck runs lower ``orchestration.call_deadline_floor_s`` to 15 s (default 30 s) to keep
+the tier short; everything else is the default.
 3. The disk fills up during a save (another writer takes the free space of the run's file
    system, a 64 MiB tmpfs, once the save's temporary directory appears): exit 74, the error
    names the checkpoint's path and the bytes needed and free, the temporary directory is gone
@@ -30,6 +34,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -39,9 +44,19 @@ from megatron_armor.observability.metrics import read_metrics, without_wall_cloc
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from e2e_runs import CACHED, Run  # noqa: E402
-from process_group import actor_pids  # noqa: E402
+from process_group import actor_pids, run_pids  # noqa: E402
 
 pytestmark = pytest.mark.e2e
+SHORT_FLOOR = "orchestration.call_deadline_floor_s=15"
+
+
+def wait_until_no_process_left(ray_tmp: str, timeout: float, output) -> None:
+    """Until no process of the run is left: none has ``RAY_TMPDIR=ray_tmp`` in its environment
+    (every process a run starts inherits it, the ones megatron-core spawns too)."""
+    deadline = time.monotonic() + timeout
+    while left := run_pids(ray_tmp):
+        assert time.monotonic() < deadline, f"{left} outlived the run:\n{output()}"
+        time.sleep(0.2)
 
 
 def anchor_file(run_dir: Path, step: int) -> Path:
@@ -80,7 +95,7 @@ def assert_metrics_equal(run_dir: Path, reference_run: Path) -> None:
 
 @pytest.mark.timeout(1200)
 def test_dead_rollout_and_reward_workers_are_replaced_in_the_run(reference_run, tiny_dir, out_dir):
-    run = Run(out_dir, "workers_killed", tiny_dir, *CACHED)
+    run = Run(out_dir, "workers_killed", tiny_dir, *CACHED, SHORT_FLOOR)
     first = kill_actor(run, "RolloutWorker", lambda: 1 in run.steps_logged(), signal.SIGSTOP)
     run.wait_for(lambda: stuck_line(run, first), timeout=60)  # noticed within a minute
     second = kill_actor(run, "RolloutWorker", anchor_file(run.run_dir, 2).is_file)
@@ -95,7 +110,7 @@ def test_dead_rollout_and_reward_workers_are_replaced_in_the_run(reference_run, 
                       (4, "rollout", "RewardWorker 0", "stuck")], events  # fmt: skip
     text = Path(run.log.name).read_text()
     assert text.count("recovery: ") == 3 and "Traceback" not in text, text[-4000:]
-    assert "call deadlines: 10 x p90" in text and "call deadline: generate " in text
+    assert "call deadlines: 10 x p90" in text and "call deadline: generate 15s" in text
     assert_metrics_equal(run.run_dir, reference_run)
     rows = {r["step"]: r for r in read_metrics(run.run_dir)}
     assert rows[2]["faults/stuck_rollout"] == 1 and rows[4]["faults/stuck_reward"] == 1
@@ -104,18 +119,21 @@ def test_dead_rollout_and_reward_workers_are_replaced_in_the_run(reference_run, 
 
 
 @pytest.mark.timeout(1200)
-def test_a_dead_trainer_rank_stops_the_run_for_a_requeue_and_it_resumes(
+def test_a_stuck_trainer_rank_stops_the_run_for_a_requeue_and_it_resumes(
     reference_run, tiny_dir, out_dir
 ):
-    run = Run(out_dir, "trainer_killed", tiny_dir, *CACHED)
-    kill_actor(run, "TrainerWorker", anchor_file(run.run_dir, 3).is_file)
-    assert run.proc.wait(timeout=600) == 75, run.output()
-    run.wait_for_exit_of_ray(timeout=120)
+    run = Run(out_dir, "trainer_killed", tiny_dir, *CACHED, SHORT_FLOOR)
+    rank = kill_actor(run, "TrainerWorker", anchor_file(run.run_dir, 3).is_file, signal.SIGSTOP)
+    assert run.proc.wait(timeout=90) == 75, run.output()
+    # the actors and what they started (the checkpoint writer's helpers too)
+    wait_until_no_process_left(run.ray_tmp, 60, run.output)
+    run.wait_for_exit_of_ray(timeout=60)
     run.cleanup()
     text = Path(run.log.name).read_text()  # all of it: Ray's lines about the death follow
     newest = run.run_dir / "checkpoints" / "step_000002"
     said = [line for line in text.splitlines() if line.startswith("armor train:")]
-    assert any("fault at step 3: TrainerWorker 0 failed (ActorDiedError" in x for x in said), said
+    stuck = f"fault at step 3: TrainerWorker 0 failed (StuckCallError: TrainerWorker 0 (pid {rank} "
+    assert any(stuck in x for x in said), said
     assert f"Newest complete checkpoint: step 2 ({newest})" in text and "--resume auto" in text
     resumed = Run(out_dir, "trainer_killed", tiny_dir, *CACHED)
     assert resumed.wait() == 0, resumed.output()

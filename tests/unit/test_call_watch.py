@@ -162,7 +162,7 @@ def test_a_slow_call_that_moves_is_waited_for_and_a_stopped_actor_is_named_and_k
     engine = start_actor(SleepyEngine, {"num_cpus": 0})
     pid = watch.get(engine.pid.remote(), "engine pid")
     watch.locate_actor(engine, {"node_id": local_ray.get_runtime_context().get_node_id(),
-                                "ip": "127.0.0.1", "pid": pid})  # fmt: skip
+                                "ip": "127.0.0.1", "pid": pid}, 0)  # fmt: skip
     # 3 s of tokens 0.1 s apart: six deadlines of 0.5 s pass, each with progress in it
     assert watch.get(engine.generate.remote(30, 0.1), "rollout generate") == 30
     assert watch.pop_metrics() == {}
@@ -172,7 +172,7 @@ def test_a_slow_call_that_moves_is_waited_for_and_a_stopped_actor_is_named_and_k
     with pytest.raises(StuckCallError) as err:
         watch.get(engine.generate.remote(1, 0.0), "rollout generate")
     assert time.monotonic() - started < 10
-    assert f"SleepyEngine, pid {pid} on 127.0.0.1 is stuck: rollout generate" in str(err.value)
+    assert f"SleepyEngine 0 (pid {pid} on 127.0.0.1) is stuck: rollout generate" in str(err.value)
     assert err.value.actor_id == engine._actor_id.hex()
     deadline = time.monotonic() + 10
     while not gone(pid):

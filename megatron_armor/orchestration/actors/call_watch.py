@@ -115,13 +115,16 @@ class ActorEntry:
 
     handle: object
     cls: str
+    index: int = -1
     node_id: str = ""
     ip: str = ""
     pid: int = 0
 
     def name(self) -> str:
-        where = f", pid {self.pid} on {self.ip or self.node_id}" if self.pid else ""
-        return f"{self.cls}{where}"
+        """``RolloutWorker 0 (pid 1234 on 10.0.0.2)``."""
+        index = f" {self.index}" if self.index >= 0 else ""
+        where = f" (pid {self.pid} on {self.ip or self.node_id})" if self.pid else ""
+        return f"{self.cls}{index}{where}"
 
 
 class CallWatch:
@@ -159,11 +162,13 @@ class CallWatch:
     def register(self, handle, cls: str) -> None:
         self.actors[handle._actor_id.hex()] = ActorEntry(handle, cls)
 
-    def locate_actor(self, handle, info: dict) -> None:
-        """Where ``handle``'s process runs (its ``node_info``)."""
+    def locate_actor(self, handle, info: dict, index: int = -1) -> None:
+        """Where ``handle``'s process runs (its ``node_info``); ``index``: its place among
+        the workers of its class."""
         entry = self.actors.get(handle._actor_id.hex())
         if entry is not None:
             entry.node_id, entry.ip, entry.pid = info["node_id"], info["ip"], info["pid"]
+            entry.index = index
 
     def entries_on(self, node_id: str) -> list[ActorEntry]:
         return [e for e in self.actors.values() if e.pid and e.node_id == node_id]
