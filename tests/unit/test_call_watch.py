@@ -160,7 +160,7 @@ def test_a_slow_call_that_moves_is_waited_for_and_a_stopped_actor_is_named_and_k
     monkeypatch.setattr(cw, "WATCH", watch)
     monkeypatch.setattr(cw, "HEARTBEAT_ANSWER_S", 2.0)
     engine = start_actor(SleepyEngine, {"num_cpus": 0})
-    pid = watch.get(engine.pid.remote(), "engine pid")
+    pid = watch.get(engine.pid.remote(), "engine pid", timeout=120)  # its start-up
     watch.locate_actor(engine, {"node_id": local_ray.get_runtime_context().get_node_id(),
                                 "ip": "127.0.0.1", "pid": pid}, 0)  # fmt: skip
     # 3 s of tokens 0.1 s apart: six deadlines of 0.5 s pass, each with progress in it
