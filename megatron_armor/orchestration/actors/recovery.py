@@ -1,4 +1,5 @@
-"""In-run recovery of a dead rollout or reward worker (docs/orchestration.md, "Faults").
+"""In-run recovery of a dead rollout or reward worker (docs/orchestration.md, "Faults"); a
+stuck one is killed past its call deadline (``call_watch.py``) and recovered the same way.
 
 The loop runs the parts of a step that call the rollout and reward workers through
 :meth:`Recovery.guard`. When a call fails with a fault (``faults.py``) of one of those workers,
