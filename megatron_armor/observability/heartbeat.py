@@ -13,6 +13,7 @@ import time
 
 _last_beat = time.monotonic()
 _beats = 0
+_busy = 0  # calls under way in this process
 
 
 def beat() -> None:
@@ -25,6 +26,25 @@ def beat() -> None:
 def seconds_since_beat() -> float:
     """Seconds since this process last called :func:`beat` (or since it imported this module)."""
     return time.monotonic() - _last_beat
+
+
+def call_started() -> None:
+    """A call begins (a beat too)."""
+    global _busy
+    _busy += 1
+    beat()
+
+
+def call_ended() -> None:
+    global _busy
+    _busy -= 1
+    beat()
+
+
+def busy() -> bool:
+    """Whether a call is under way in this process (an idle actor whose next call waits for
+    its arguments is not stuck itself)."""
+    return _busy > 0
 
 
 def beats() -> int:

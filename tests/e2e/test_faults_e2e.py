@@ -105,9 +105,12 @@ def test_dead_rollout_and_reward_workers_are_replaced_in_the_run(reference_run, 
     assert first != second and gone(first) and gone(scorer)
     lines = (run.run_dir / "recoveries.jsonl").read_text().splitlines()
     events = [(e["step"], e["phase"], e["actor"], e["reason"]) for e in map(json.loads, lines)]
-    assert events == [(2, "rollout", "RolloutWorker 0", "stuck"),
-                      (2, "sync", "RolloutWorker 0", "died"),
-                      (4, "rollout", "RewardWorker 0", "stuck")], events  # fmt: skip
+    # the kill -9 lands after step 2's anchor file, in whatever the driver does then on a
+    # loaded machine: the weight push, validation, or step 3's rollout
+    assert len(events) == 3 and events[1][2:] == ("RolloutWorker 0", "died"), events
+    assert events[1][:2] in ((2, "sync"), (2, "validation"), (3, "rollout")), events
+    assert events[0] == (2, "rollout", "RolloutWorker 0", "stuck"), events
+    assert events[2] == (4, "rollout", "RewardWorker 0", "stuck"), events
     text = Path(run.log.name).read_text()
     assert text.count("recovery: ") == 3 and "Traceback" not in text, text[-4000:]
     assert "call deadlines: 10 x p90" in text and "call deadline: generate 15s" in text
@@ -132,8 +135,8 @@ def test_a_stuck_trainer_rank_stops_the_run_for_a_requeue_and_it_resumes(
     text = Path(run.log.name).read_text()  # all of it: Ray's lines about the death follow
     newest = run.run_dir / "checkpoints" / "step_000002"
     said = [line for line in text.splitlines() if line.startswith("armor train:")]
-    stuck = f"fault at step 3: TrainerWorker 0 failed (StuckCallError: TrainerWorker 0 (pid {rank} "
-    assert any(stuck in x for x in said), said
+    stuck = f"TrainerWorker 0 failed (StuckCallError: TrainerWorker 0 (pid {rank} on "
+    assert any(stuck in x for x in said), "\n".join(said)
     assert f"Newest complete checkpoint: step 2 ({newest})" in text and "--resume auto" in text
     resumed = Run(out_dir, "trainer_killed", tiny_dir, *CACHED)
     assert resumed.wait() == 0, resumed.output()

@@ -136,6 +136,9 @@ class SleepyEngine(Watched):
     def pid(self) -> int:
         return os.getpid()
 
+    def echo(self, value):
+        return value
+
 
 class Stopped:
     received, received_at, name = signal.SIGTERM, 0.0, "SIGTERM"
@@ -145,7 +148,7 @@ class Stopped:
 def local_ray():
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
 
@@ -191,3 +194,27 @@ def test_a_stop_signal_ends_a_wait_after_stop_wait_s(local_ray, tmp_path):
         pytest.raises(StopDuringCallError, watch.get, engine.generate.remote(100, 0.1), "x").value
     )
     local_ray.kill(engine)
+
+
+def test_an_idle_actor_waiting_for_arguments_is_not_blamed_the_stuck_one_upstream_is(
+    local_ray, monkeypatch
+):
+    import megatron_armor.orchestration.actors.call_watch as cw
+
+    watch = CallWatch()
+    watch.configure(OrchestrationConfig(call_deadline_floor_s=0.5, call_deadline_cap_s=0.5))
+    monkeypatch.setattr(cw, "WATCH", watch)
+    monkeypatch.setattr(cw, "HEARTBEAT_ANSWER_S", 2.0)
+    upstream, downstream = (start_actor(SleepyEngine, {"num_cpus": 0}) for _ in range(2))
+    node = local_ray.get_runtime_context().get_node_id()
+    for i, actor in enumerate((upstream, downstream)):
+        pid = watch.get(actor.pid.remote(), "pid", timeout=120)
+        watch.locate_actor(actor, {"node_id": node, "ip": "127.0.0.1", "pid": pid}, i)
+    stopped = watch.get(upstream.pid.remote(), "pid", timeout=120)
+    os.kill(stopped, signal.SIGSTOP)
+    # a weight push's shape: the downstream call waits for the upstream's result
+    with pytest.raises(StuckCallError) as err:
+        watch.get(downstream.echo.remote(upstream.generate.remote(1, 0.0)), "weight sync")
+    assert f"SleepyEngine 0 (pid {stopped} on 127.0.0.1) is stuck: weight sync" in str(err.value)
+    assert err.value.actor_id == upstream._actor_id.hex()
+    assert watch.get(downstream.echo.remote(7), "echo", timeout=60) == 7  # left alone

@@ -177,6 +177,7 @@ def close_actors(handles: list, budget_s: float = 30.0) -> None:
                 ray.kill(actor)
             except Exception:  # noqa: BLE001 - gone with its node already
                 pass
+            WATCH.forget(actor)
 
 
 def kill_run_processes(actors: list) -> None:

@@ -30,7 +30,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_armor.observability.heartbeat import beat, seconds_since_beat
+from megatron_armor.observability.heartbeat import (
+    busy,
+    call_ended,
+    call_started,
+    seconds_since_beat,
+)
 from megatron_armor.orchestration.actors.faults import RequeueError, newest_checkpoint_text
 from megatron_armor.orchestration.run.run_state import EXIT_REQUEUE
 
@@ -39,6 +44,7 @@ CONCURRENCY_GROUPS = {WATCH_GROUP: 1}
 HISTORY = 20  # durations kept per kind
 POLL_S = 1.0  # how often a wait looks at the stop signal
 HEARTBEAT_ANSWER_S = 5.0  # how long an actor gets to answer its heartbeat call
+PROBE_TIMEOUT_S = 60.0  # the task that asks them (its worker may have to start)
 CHANGE_LOGGED = 1.25  # a kind's deadline is logged again when it moves by this factor
 KIND_WORDS = (  # (words in a wait's description, kind): first match wins
     ("generate_raw", "validation"), ("generate", "generate"), ("sample_reference", "generate"),
@@ -191,9 +197,9 @@ class CallWatch:
             left = max(deadline - time.monotonic(), 0.0)
             _, pending = ray.wait(pending, num_returns=len(pending), timeout=min(POLL_S, left))
             if pending and time.monotonic() >= deadline:
-                silent = self.silent(pending, limit)
-                if silent or not self.actors_of(pending):
-                    raise self.stuck_error(silent, what, kind, time.monotonic() - start, limit)
+                stuck = self.culprits(pending, limit)
+                if stuck or not self.actors_of(pending):
+                    raise self.stuck_error(stuck, what, kind, time.monotonic() - start, limit)
                 deadline = time.monotonic() + limit  # slow but moving: another deadline
         values = ray.get(refs)
         if timeout is None:
@@ -229,25 +235,43 @@ class CallWatch:
         ids = [ref.task_id().actor_id().hex() for ref in refs]
         return [i for i in dict.fromkeys(ids) if i in self.actors]
 
-    def silent(self, refs: list, limit: float) -> list[str]:
-        """The actors of ``refs`` that did not beat within ``limit`` seconds (or at all)."""
+    def culprits(self, refs: list, limit: float) -> list[str]:
+        """The stuck actors behind ``refs`` past their deadline: those of ``refs`` that do not
+        answer or are in a call without progress for ``limit`` seconds; when every one of them
+        is idle (its call waits for arguments another actor is computing, e.g. a weight push
+        from the trainer), any other actor of the run that is stuck so. Empty: all moving."""
+        ids = self.actors_of(refs)
+        states = self.heartbeats(ids)
+        stuck = [i for i in ids if is_stuck(states[i], limit)]
+        if stuck or any(states[i] is not None and states[i][0] for i in ids):
+            return stuck
+        others = [i for i in self.actors if i not in ids]
+        states = self.heartbeats(others)
+        return [i for i in others if is_stuck(states[i], limit)]
+
+    def heartbeats(self, ids: list[str]) -> dict[str, tuple[bool, float] | None]:
+        """``(busy, seconds since progress)`` of each actor, ``None`` for one that did not
+        answer within :data:`HEARTBEAT_ANSWER_S`. Asked by a task of its own: Ray runs one
+        caller's calls to an actor in the order sent, so the driver's own heartbeat call would
+        wait behind its call that waits for its arguments. A probe that does not come back
+        (Ray itself overloaded) blames no one: every actor counts as moving."""
         import ray
 
-        ids = self.actors_of(refs)
-        asks = {i: self.actors[i].handle.heartbeat.remote() for i in ids}
-        ready, _ = ray.wait(list(asks.values()), num_returns=len(asks), timeout=HEARTBEAT_ANSWER_S)
-        answered = {r.hex() for r in ready}
-        out = []
-        for actor_id, ask in asks.items():
-            quiet = None
-            if ask.hex() in answered:
-                try:
-                    quiet = ray.get(ask)
-                except Exception:  # noqa: BLE001 - a dead actor: its call fails on its own
-                    quiet = None
-            if quiet is None or quiet > limit:
-                out.append(actor_id)
-        return out
+        if not ids:
+            return {}
+        probe = ray.remote(num_cpus=0)(probe_heartbeats)
+        ref = probe.remote([self.actors[i].handle for i in ids], HEARTBEAT_ANSWER_S)
+        try:
+            answers = ray.get(ref, timeout=PROBE_TIMEOUT_S)
+        except Exception as err:  # noqa: BLE001 - no verdict without answers
+            print(f"warning: the heartbeat probe failed ({type(err).__name__}); waiting on",
+                  flush=True)  # fmt: skip
+            return {i: (True, 0.0) for i in ids}
+        return dict(zip(ids, answers, strict=True))
+
+    def forget(self, handle) -> None:
+        """``handle``'s actor is gone (replaced, killed, closed): never asked again."""
+        self.actors.pop(handle._actor_id.hex(), None)
 
     def stuck_error(self, silent: list[str], what: str, kind: str, waited: float,
                     limit: float) -> StuckCallError:  # fmt: skip
@@ -276,6 +300,7 @@ class CallWatch:
             ray.kill(entry.handle, no_restart=True)
         except Exception:  # noqa: BLE001 - dead already
             pass
+        self.forget(entry.handle)
 
     def pop_metrics(self) -> dict[str, float]:
         """``faults/stuck_<trainer|rollout|reward|unknown>`` since the last call (only those
@@ -285,6 +310,27 @@ class CallWatch:
 
 
 WATCH = CallWatch()
+
+
+def probe_heartbeats(handles: list, timeout_s: float) -> list[tuple[bool, float] | None]:
+    """In a Ray task: each actor's ``heartbeat()`` (``None``: no answer in ``timeout_s``)."""
+    import ray
+
+    asks = [h.heartbeat.remote() for h in handles]
+    ready, _ = ray.wait(asks, num_returns=len(asks), timeout=timeout_s)
+    answered = {r.hex() for r in ready}
+    out: list[tuple[bool, float] | None] = []
+    for ask in asks:
+        try:
+            out.append(tuple(ray.get(ask)) if ask.hex() in answered else None)
+        except Exception:  # noqa: BLE001 - a dead actor: its own call fails
+            out.append(None)
+    return out
+
+
+def is_stuck(state: tuple[bool, float] | None, limit: float) -> bool:
+    """A heartbeat that did not come, or a call under way without progress for ``limit``."""
+    return state is None or (state[0] and state[1] > limit)
 
 
 def start_actor(cls, options: dict, *args):
@@ -300,9 +346,10 @@ def start_actor(cls, options: dict, *args):
 class Watched:
     """The heartbeat of a worker class (:class:`CallWatch` asks it past a deadline)."""
 
-    def heartbeat(self) -> float:
-        """Seconds since this process last made progress."""
-        return seconds_since_beat()
+    def heartbeat(self) -> tuple[bool, float]:
+        """Whether a call is under way here, and the seconds since this process last made
+        progress."""
+        return busy(), seconds_since_beat()
 
     # what ray.method(concurrency_group=...) sets, without importing Ray here
     heartbeat.__ray_concurrency_group__ = WATCH_GROUP
@@ -317,11 +364,11 @@ def beating(cls):
     def wrap(method):
         @functools.wraps(method)
         def call(*args, **kwargs):
-            beat()
+            call_started()
             try:
                 return method(*args, **kwargs)
             finally:
-                beat()
+                call_ended()
 
         return call
 

@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from megatron_armor.orchestration.actors.actor_handles import kill_run_processes, wait
-from megatron_armor.orchestration.actors.call_watch import StuckCallError, start_actor
+from megatron_armor.orchestration.actors.call_watch import WATCH, StuckCallError, start_actor
 from megatron_armor.orchestration.actors.faults import Fault, RecoveryBudget, locate, requeue_error
 from megatron_armor.rollout.backends import backend_of
 
@@ -219,6 +219,7 @@ def replace_actor(s: Session, fault: Fault) -> int | None:
         ray.kill(old, no_restart=True)
     except Exception:  # noqa: BLE001 - it is dead already
         pass
+    WATCH.forget(old)
     options, args = handle.specs[fault.index]
     new = start_actor(cls, options, *args)
     ready = new.health.remote() if fault.kind == "rollout" else new.__ray_ready__.remote()
