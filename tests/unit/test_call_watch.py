@@ -218,3 +218,18 @@ def test_an_idle_actor_waiting_for_arguments_is_not_blamed_the_stuck_one_upstrea
     assert f"SleepyEngine 0 (pid {stopped} on 127.0.0.1) is stuck: weight sync" in str(err.value)
     assert err.value.actor_id == upstream._actor_id.hex()
     assert watch.get(downstream.echo.remote(7), "echo", timeout=60) == 7  # left alone
+
+
+def test_the_trainer_does_not_wait_forever_on_a_rollout_thread_that_gives_no_batch(monkeypatch):
+    import threading
+
+    from megatron_armor.orchestration.step.async_rollout import Collector
+
+    monkeypatch.setenv("ARMOR_CALL_TIMEOUT_S", "0.5")  # the cap the watchdog uses
+    collector = Collector(None, None, None)
+    release = threading.Event()
+    collector._thread = threading.Thread(target=release.wait, name="rollout-step-7", daemon=True)
+    collector._thread.start()
+    with pytest.raises(TimeoutError, match=r"the rollout thread \(rollout-step-7\) gave no batch"):
+        collector.join()
+    release.set()
