@@ -344,7 +344,9 @@ def start_actor(cls, options: dict, *args):
 
 
 class Watched:
-    """The heartbeat of a worker class (:class:`CallWatch` asks it past a deadline)."""
+    """The heartbeat of a worker class (:class:`CallWatch` asks it past a deadline). Its
+    actors are made with :func:`start_actor`: Ray refuses an actor class whose method names a
+    concurrency group the actor was not given."""
 
     def heartbeat(self) -> tuple[bool, float]:
         """Whether a call is under way here, and the seconds since this process last made
