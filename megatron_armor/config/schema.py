@@ -428,8 +428,8 @@ class OrchestrationConfig:
     without it (exit 75 on the newest complete checkpoint); keep it under Slurm's signal
     lead (``slurm/armor.sbatch``: 120 s) less ``shutdown_timeout_s``."""
     shutdown_timeout_s: float = 30.0
-    """Seconds the actors get to close at the end of a run before every process of the run
-    still alive is killed."""
+    """Seconds the end of a run takes at most: the actors close and Ray stops within them,
+    then every process of the run still alive is killed."""
     threads_per_actor: int = 0
     """Torch CPU threads of each trainer rank, rollout worker and reward worker; 0 = the
     node's cores divided by the actors placed on it (never more threads than cores,
