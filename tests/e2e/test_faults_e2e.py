@@ -12,7 +12,9 @@ uninterrupted reference run's (timings excepted):
 2. SIGSTOP of the trainer rank when step 3's anchor file is written: past its deadline it is
    named and killed, and the run stops with exit 75 naming the newest complete checkpoint
    (step 2) and ``--resume auto``; no process of the run is left (Ray's, the actors', the
-   checkpoint writer's helpers); the same command resumes from step 2 and completes the run.
+   checkpoint writer's helpers). The resumed run gets the same stop and a SIGTERM right
+   after: exit 75 within the signal lead without the stuck call (``orchestration.stop_wait_s``
+   lowered to 5 s), nothing left behind; the next resume completes the run.
 
 The stuck runs lower ``orchestration.call_deadline_floor_s`` to 15 s (default 30 s) to keep
 the tier short; everything else is the default.
@@ -138,10 +140,31 @@ def test_a_stuck_trainer_rank_stops_the_run_for_a_requeue_and_it_resumes(
     stuck = f"TrainerWorker 0 failed (StuckCallError: TrainerWorker 0 (pid {rank} on "
     assert any(stuck in x for x in said), "\n".join(said)
     assert f"Newest complete checkpoint: step 2 ({newest})" in text and "--resume auto" in text
+    stopped_during_a_stuck_call(out_dir, tiny_dir, run.run_dir, newest)
     resumed = Run(out_dir, "trainer_killed", tiny_dir, *CACHED)
     assert resumed.wait() == 0, resumed.output()
     assert f"resumed from {newest} at step 2" in Path(resumed.log.name).read_text()
     assert_metrics_equal(run.run_dir, reference_run)
+
+
+def stopped_during_a_stuck_call(out_dir: Path, tiny_dir: Path, run_dir: Path, newest: Path):
+    """The resumed run: its trainer rank stopped and a SIGTERM sent once step 3's anchor file
+    is written (the rest of step 3 needs the rank): exit 75 within the signal lead, without
+    the stuck call, on the newest checkpoint; no process of the run left."""
+    anchor_file(run_dir, 3).unlink()  # the first run's, of a step no checkpoint holds
+    run = Run(out_dir, "trainer_killed", tiny_dir, *CACHED, SHORT_FLOOR,
+              "orchestration.stop_wait_s=5")  # fmt: skip
+    kill_actor(run, "TrainerWorker", anchor_file(run_dir, 3).is_file, signal.SIGSTOP)
+    run.signal_group(signal.SIGTERM)
+    signalled = time.monotonic()
+    assert run.proc.wait(timeout=120) == 75, run.output()
+    assert time.monotonic() - signalled < 60, "not within Slurm's signal lead"
+    wait_until_no_process_left(run.ray_tmp, 60, run.output)
+    run.cleanup()
+    text = Path(run.log.name).read_text()
+    assert "armor train: SIGTERM arrived and " in text, text[-3000:]
+    assert "did not finish within orchestration.stop_wait_s=5s: exiting 75 without it" in text
+    assert f"Newest complete checkpoint: step 2 ({newest})" in text
 
 
 @pytest.fixture
