@@ -176,9 +176,6 @@ class CallWatch:
             entry.node_id, entry.ip, entry.pid = info["node_id"], info["ip"], info["pid"]
             entry.index = index
 
-    def entries_on(self, node_id: str) -> list[ActorEntry]:
-        return [e for e in self.actors.values() if e.pid and e.node_id == node_id]
-
     # ------------------------------------------------------------------ waits
     def get(self, refs, what: str, timeout: float | None = None, work: float = 1.0):
         """``ray.get(refs)`` within the deadline of ``what``'s kind (``timeout``: a fixed one);
@@ -196,10 +193,15 @@ class CallWatch:
             self.check_stop(what, start)
             left = max(deadline - time.monotonic(), 0.0)
             _, pending = ray.wait(pending, num_returns=len(pending), timeout=min(POLL_S, left))
-            if pending and time.monotonic() >= deadline:
-                stuck = self.culprits(pending, limit)
-                if stuck or not self.actors_of(pending):
-                    raise self.stuck_error(stuck, what, kind, time.monotonic() - start, limit)
+            now = time.monotonic()
+            if pending and now >= deadline:
+                if self.actors_of(pending):
+                    stuck = self.culprits(pending, limit)
+                    if stuck:
+                        raise self.stuck_error(stuck, what, kind, now - start, limit)
+                elif timeout is not None or now - start >= self.cap():
+                    # tasks (no heartbeat to ask): the fixed bound or the cap only
+                    raise self.stuck_error([], what, kind, now - start, limit)
                 deadline = time.monotonic() + limit  # slow but moving: another deadline
         values = ray.get(refs)
         if timeout is None:
