@@ -7,14 +7,17 @@ accepted too few queries (``AcceptanceError``, below ``algo.min_batch_fraction``
 ``rollout.batch`` or any short step with ``algo.on_short_batch=error``): change a setting the
 message names and resume, a requeue would meet the same queries; 75 (``EX_TEMPFAIL``) requeue
 me: a SIGTERM/SIGINT/SIGUSR1 arrived, the current step finished and a checkpoint was written
-(or, during start-up, nothing was written), or a fault the run cannot recover from in place (a
-trainer rank died; ``orchestration/actors/faults.py``) — the job resumes from the newest complete
-checkpoint (``--resume auto`` is the default); 65 (``EX_DATAERR``) training diverged:
+(or, during start-up, nothing was written; a call that did not finish within
+``orchestration.stop_wait_s`` of the signal is left behind), or a fault the run cannot recover
+from in place (a trainer rank died or was stuck past its call deadline;
+``orchestration/actors/faults.py``, ``call_watch.py``) — the job resumes from the newest
+complete checkpoint (``--resume auto`` is the default); 65 (``EX_DATAERR``) training diverged:
 ``trainer.max_skipped_updates`` updates in a row had a non-finite loss or gradient norm, a
 checkpoint of the last applied weights was written and the error names the settings to change
 (never requeued: the same settings would diverge again); 69 (``EX_UNAVAILABLE``) workers kept
 dying: more than ``run.max_recoveries`` replaced within ``run.recovery_window`` steps (never
-requeued); 74 (``EX_IOERR``) the checkpoints' disk is full (never requeued: free space first);
+requeued); 74 (``EX_IOERR``) the run's disk is full (a checkpoint, an anchor file, the metrics;
+never requeued: free space first);
 anything else is a failure."""
 
 from __future__ import annotations

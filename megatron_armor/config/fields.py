@@ -194,6 +194,21 @@ def check_orchestration(config: ArmorConfig) -> Problems:
         o.threads_per_actor, o.threads_per_actor >= 0, "orchestration.threads_per_actor",
         "must be >= 0 (0 = auto)",
     )  # fmt: skip
+    yield from call_deadline_bounds(o)
+
+
+def call_deadline_bounds(o) -> Problems:
+    """The learned call deadlines' settings (``orchestration/actors/call_watch.py``)."""
+    yield from bound(o.call_deadline_multiple, o.call_deadline_multiple >= 1,
+                     "orchestration.call_deadline_multiple", "must be >= 1 (10 = default)")  # fmt: skip
+    yield from bound(o.call_deadline_quantile, 0 < o.call_deadline_quantile <= 1,
+                     "orchestration.call_deadline_quantile", "must be in (0, 1] (0.9 = default)")  # fmt: skip
+    yield from bound(o.call_deadline_floor_s, 0 < o.call_deadline_floor_s <= o.call_deadline_cap_s,
+                     "orchestration.call_deadline_floor_s",
+                     f"must be > 0 and <= orchestration.call_deadline_cap_s={o.call_deadline_cap_s}")  # fmt: skip
+    for key in ("stop_wait_s", "shutdown_timeout_s"):
+        value = getattr(o, key)
+        yield from bound(value, value > 0, f"orchestration.{key}", "must be > 0 (seconds)")
 
 
 def check_run(config: ArmorConfig) -> Problems:

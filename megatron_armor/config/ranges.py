@@ -42,6 +42,14 @@ def range_warnings(config: ArmorConfig) -> Iterator[str]:
             f"draws up to {a.max_gen_batches} x rollout.gen_batch={r.gen_batch} queries before "
             "it fails"
         )
+    longest = config.data.max_prompt_len + r.sampling.max_new_tokens
+    if 1 <= config.trainer.micro_batch_tokens < longest:
+        yield (
+            f"trainer.micro_batch_tokens={config.trainer.micro_batch_tokens} is below the "
+            f"longest sequence (data.max_prompt_len + rollout.sampling.max_new_tokens = "
+            f"{longest}): a longer sequence is a micro-batch of its own, over the bound the "
+            f"setting means for memory; raise it to >= {longest} or shorten the sequences"
+        )
     if r.batch >= 1 and r.gen_batch > MAX_GEN_BATCH_RATIO * r.batch:
         yield (
             f"rollout.gen_batch={r.gen_batch} is {r.gen_batch / r.batch:.0f}x rollout.batch="

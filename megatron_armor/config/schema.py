@@ -444,6 +444,24 @@ class OrchestrationConfig:
     """Existing Ray cluster address ("" = start a local one)."""
     ray_init_timeout_s: float = 120.0
     """Seconds to wait for Ray and the actors to come up."""
+    call_deadline_multiple: float = 10.0
+    """A call's deadline is this many times the ``call_deadline_quantile`` of its kind's recent
+    durations per unit of work, times the work it was given (docs/orchestration.md, "Stuck
+    calls"); a call whose actor shows progress (a heartbeat) is never cut off."""
+    call_deadline_quantile: float = 0.9
+    """The quantile of a call kind's recent durations the deadline multiplies."""
+    call_deadline_floor_s: float = 30.0
+    """No learned deadline is shorter (a loaded machine's jitter on sub-second calls)."""
+    call_deadline_cap_s: float = 3600.0
+    """No deadline is longer, and a kind's first call waits this long (the environment's
+    ``ARMOR_CALL_TIMEOUT_S``, when set, caps it too)."""
+    stop_wait_s: float = 60.0
+    """After SIGTERM/SIGINT/SIGUSR1, seconds a call may still take before the run stops
+    without it (exit 75 on the newest complete checkpoint); keep it under Slurm's signal
+    lead (``slurm/armor.sbatch``: 120 s) less ``shutdown_timeout_s``."""
+    shutdown_timeout_s: float = 30.0
+    """Seconds the end of a run takes at most: the actors close and Ray stops within them,
+    then every process of the run still alive is killed."""
     threads_per_actor: int = 0
     """Torch CPU threads of each trainer rank, rollout worker and reward worker; 0 = the
     node's cores divided by the actors placed on it (never more threads than cores,

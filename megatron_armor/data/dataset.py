@@ -135,7 +135,10 @@ def read_table(source: str) -> Any:
         try:
             return datasets.load_dataset(fmt, data_files=str(path), split="train")
         except Exception as e:  # arrow/json errors come in many types; name the file
-            raise ValueError(f"{source}: cannot be read as {fmt} ({type(e).__name__}: {e})") from e
+            where = bad_json_line(path) if path.suffix.lower() == ".jsonl" else ""
+            raise ValueError(
+                f"{source}: cannot be read as {fmt}{where} ({type(e).__name__}: {e})"
+            ) from e
     if not HUB_NAME.fullmatch(source) or path.suffix.lower() in FILE_FORMATS:
         raise FileNotFoundError(f"{source}: data file not found")
     name, _, split = source.partition(":")
@@ -146,6 +149,25 @@ def read_table(source: str) -> Any:
             f"{source}: not a local file, and loading it as a hub dataset failed ({e}); "
             "pass a local parquet/jsonl path, or `owner/name[:split]` where a network exists"
         ) from e
+
+
+def bad_json_line(path: Path) -> str:
+    """``" (line N: <what>)"`` of the first line of a jsonl file that is not a JSON object
+    (1-based, as an editor counts; blank lines are skipped as ``datasets`` skips them), or
+    ``""`` when every line is one."""
+    import json
+
+    with path.open(encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                return f" (line {number}: {e.msg})"
+            if not isinstance(row, dict):
+                return f" (line {number}: a JSON {type(row).__name__}, not an object)"
+    return ""
 
 
 def _parquet_rows(path: Path) -> int:

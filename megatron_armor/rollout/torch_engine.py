@@ -35,6 +35,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PreTrai
 from transformers.cache_utils import DynamicLayer
 
 from megatron_armor.config.model_overrides import resolve_model_overrides
+from megatron_armor.observability.heartbeat import beat
 from megatron_armor.rollout.decode_step import DecodeStep, decode_step_for
 from megatron_armor.rollout.protocol import GenerationOutput, RolloutEngine, SamplingParams
 from megatron_armor.rollout.sampling import sample_next_tokens, scaled_log_probs
@@ -433,6 +434,7 @@ class TorchEngine(RolloutEngine):
         lengths = torch.zeros(num_rows, dtype=torch.long, device=self.device)
         stops = torch.tensor(sorted(self.stop_ids.union(params.stop_token_ids)), device=self.device)
         for t in range(params.max_new_tokens):
+            beat()  # a token decoded: progress the driver's call deadline sees
             next_tokens, next_logps = sample_next_tokens(logits, params, generator)
             tokens[chunk.rows, t], logps[chunk.rows, t] = next_tokens, next_logps
             lengths[chunk.rows] = t + 1

@@ -18,6 +18,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_armor.algo.losses import LossSettings, compute_policy_loss, count_units
+from megatron_armor.observability.heartbeat import beat
 from megatron_armor.trainer import parallel
 from megatron_armor.trainer.batching import MicroBatch, padding_counts
 from megatron_armor.trainer.logprobs import vocab_parallel_exact_kl, vocab_parallel_logprobs
@@ -198,13 +199,21 @@ def exact_kl_builder(lp: LogprobSettings, captured: list):
     return partial(_exact_kl, lp=lp, captured=iter(captured))
 
 
+def beat_each(items: list):
+    """``items`` one by one, a heartbeat at each (``observability/heartbeat.py``: a micro-batch
+    started is progress the driver's call deadline sees)."""
+    for item in items:
+        beat()
+        yield item
+
+
 def run_schedule(model, micro_batches: list[MicroBatch], loss_builder, forward_only: bool) -> list:
     """Run megatron-core's forward(-backward) schedule over ``micro_batches``; returns the
     ``loss_func`` outputs (last pipeline stage; empty elsewhere)."""
     forward_backward = get_forward_backward_func()
     return forward_backward(
         forward_step_func=make_forward_step(loss_builder),
-        data_iterator=iter(micro_batches),
+        data_iterator=beat_each(micro_batches),
         model=[model],
         num_microbatches=len(micro_batches),
         seq_length=max(mb.seq_len for mb in micro_batches),

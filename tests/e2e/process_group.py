@@ -63,6 +63,23 @@ def actor_pids(ray_tmp: str, cls: str, env: str = "RAY_TMPDIR") -> list[int]:
     return found
 
 
+def run_pids(ray_tmp: str) -> list[int]:
+    """Live processes (zombies left out) whose environment holds ``RAY_TMPDIR=ray_tmp``: every
+    process of the run whose Ray temp dir is ``ray_tmp``, whatever its title."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if f"RAY_TMPDIR={ray_tmp}".encode() in environ and state not in ("Z", "X"):
+            found.append(int(entry.name))
+    return found
+
+
 def server_pids(port: int) -> list[int]:
     """Processes started with the arguments ``--port PORT`` (a server's, as the SGLang backend
     launches it: ``/proc/PID/cmdline`` separates arguments with NUL bytes)."""

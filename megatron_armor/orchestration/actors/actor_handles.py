@@ -3,16 +3,16 @@
 :class:`TrainerActors` fans a call out to every trainer rank and combines the answers
 (per-token tensors are summed over reporting ranks, see ``trainer/interface.py``);
 :class:`RolloutActors` shards prompts over the engines; :class:`RewardActors` shards samples
-over the scoring workers. Every wait is bounded (``ARMOR_CALL_TIMEOUT_S``, default 3600 s;
-start-up by ``orchestration.ray_init_timeout_s``), so a dead or hung actor fails the run
-with a message instead of hanging it.
+over the scoring workers. Every wait is bounded by a deadline learned from the run's own
+calls (``call_watch.py``; start-up by ``orchestration.ray_init_timeout_s``), so a dead or
+stuck actor is named and handled instead of hanging the run.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import os
+import time
 from collections.abc import Iterable
 from contextlib import nullcontext
 from typing import Any
@@ -21,6 +21,7 @@ import torch
 
 from megatron_armor.algo.registry import get_anchor_mode
 from megatron_armor.config.schema import ArmorConfig
+from megatron_armor.orchestration.actors.call_watch import WATCH, kill_on_node, start_actor
 from megatron_armor.orchestration.actors.placement import (
     LayoutPlan,
     RolloutHost,
@@ -43,20 +44,15 @@ from megatron_armor.types import Sample, TrainBatch
 
 
 def call_timeout() -> float:
-    return float(os.environ.get("ARMOR_CALL_TIMEOUT_S", "3600"))
+    """The longest any call waits (``ARMOR_CALL_TIMEOUT_S``, else ``call_deadline_cap_s``)."""
+    return WATCH.cap()
 
 
-def wait(refs, what: str, timeout: float | None = None):
-    """``ray.get`` with a bound; the error says which call timed out."""
-    import ray
-
-    timeout = call_timeout() if timeout is None else timeout
-    try:
-        return ray.get(refs, timeout=timeout)
-    except ray.exceptions.GetTimeoutError:
-        raise TimeoutError(
-            f"{what} did not finish within {timeout:.0f}s; set ARMOR_CALL_TIMEOUT_S to wait longer"
-        ) from None
+def wait(refs, what: str, timeout: float | None = None, work: float = 1.0):
+    """``ray.get`` within the deadline of ``what``'s call kind for ``work`` units (``timeout``:
+    a fixed bound instead); a stuck actor is named and killed and the error names it
+    (:class:`~megatron_armor.orchestration.actors.call_watch.StuckCallError`)."""
+    return WATCH.get(refs, what, timeout, work)
 
 
 def query_worker(query_id: str, workers: int) -> int:
@@ -82,7 +78,7 @@ def _scatter(actors: list, parts: list[list[int]], items: list, call, what: str)
             refs.append(call(i, actor, [items[j] for j in part]))
             served.append(part)
     out: list = [None] * len(items)
-    for part, rows in zip(served, wait(refs, what), strict=True):
+    for part, rows in zip(served, wait(refs, what, work=len(items)), strict=True):
         for j, row in zip(part, rows, strict=True):
             out[j] = row
     return out
@@ -118,7 +114,7 @@ class ScoredRows:
         """``[item][sample]`` in the items' order."""
         if self._rows is None:
             out: list = [None] * self.size
-            parts = wait(self.row_refs, self.what)
+            parts = wait(self.row_refs, self.what, work=self.size)
             for part, rows in zip(self.served, parts, strict=True):
                 for j, row in zip(part, rows, strict=True):
                     out[j] = row
@@ -130,7 +126,8 @@ class ScoredRows:
         its items' and samples' order, the scoring workers' parts one after another); the
         ``reward/*`` stats."""
         self.rows()
-        results = wait(self.score_refs, "reward scoring")  # [(scores per rollout worker, stats)]
+        # [(scores per rollout worker, stats)]
+        results = wait(self.score_refs, "reward scoring", work=self.size)
         samples, scores = [], []
         for w, rows in enumerate(self._parts):
             samples += [s for row in rows for s in row if not s.scored]
@@ -151,19 +148,42 @@ def merge_reward_stats(a: dict[str, float], b: dict[str, float]) -> dict[str, fl
     return out
 
 
-def close_actors(handles: list) -> None:
-    """Close each handle's actors (trainer, rollout: its SGLang servers, reward), then kill
-    them; best effort, so a failing close never hides the error that ended the run."""
+def close_actors(handles: list, budget_s: float = 30.0) -> None:
+    """Close each handle's actors (trainer, rollout: its SGLang servers, reward) within
+    ``budget_s`` in all, then kill them with every process they started (a stuck actor, the
+    checkpoint writer's helpers: nothing of the run outlives it); best effort, so a failing
+    close never hides the error that ended the run."""
     import ray
 
+    end = time.monotonic() + budget_s
     for handle in handles:
+        left = end - time.monotonic()
         try:
-            handle.close()
+            if left <= 0:
+                raise TimeoutError(f"no time left of orchestration.shutdown_timeout_s={budget_s:g}")
+            handle.close(left)
         except Exception as err:  # noqa: BLE001 - report and keep shutting down
             print(f"warning: closing {type(handle).__name__} failed: {err}", flush=True)
+    kill_run_processes([a for handle in handles for a in handle.actors])
     for handle in handles:
         for actor in handle.actors:
-            ray.kill(actor)
+            try:
+                ray.kill(actor)
+            except Exception:  # noqa: BLE001 - gone with its node already
+                pass
+            WATCH.forget(actor)
+
+
+def kill_run_processes(actors: list) -> None:
+    """SIGKILL the processes of ``actors`` (those whose pid is known) and their descendants,
+    per node (``call_watch.kill_on_node``)."""
+    per_node: dict[str, list[int]] = {}
+    for actor in actors:
+        entry = WATCH.actors.get(actor._actor_id.hex())
+        if entry is not None and entry.pid:
+            per_node.setdefault(entry.node_id, []).append(entry.pid)
+    for node_id, pids in per_node.items():
+        kill_on_node(node_id, pids)
 
 
 def max_peak(peaks: list[tuple[float, ...] | None]) -> tuple[float, ...] | None:
@@ -171,12 +191,6 @@ def max_peak(peaks: list[tuple[float, ...] | None]) -> tuple[float, ...] | None:
     none of them has a GPU)."""
     known = [p for p in peaks if p is not None]
     return tuple(max(entry) for entry in zip(*known, strict=True)) if known else None
-
-
-def _remote(cls, options: dict):
-    import ray
-
-    return ray.remote(cls).options(**options)
 
 
 class TrainerActors:
@@ -191,7 +205,7 @@ class TrainerActors:
             opts = actor_options(plan, pg, order or [], bundle, plan.trainer_gpus)
             opts.update(trainer_runtime_env(config, rank))
             args = (config, rank, plan.trainer_ranks, plan.threads, profile_dir)
-            self.actors.append(_remote(TrainerWorker, opts).remote(*args))
+            self.actors.append(start_actor(TrainerWorker, opts, *args))
         self.init_timeout = config.orchestration.ray_init_timeout_s
         self.profiling = config.logging.profile != "none"
         self.info: dict = {}
@@ -307,8 +321,8 @@ class TrainerActors:
             [a.load_checkpoint.remote(path) for a in self.actors], "trainer checkpoint load"
         )[0]
 
-    def close(self) -> None:
-        wait([a.close.remote() for a in self.actors], "trainer close", 120.0)
+    def close(self, timeout: float = 120.0) -> None:
+        wait([a.close.remote() for a in self.actors], "trainer close", min(timeout, 120.0))
 
 
 def worker_roles(hosts: list[RolloutHost], has_ref_pool: bool) -> tuple[list[int], list[int]]:
@@ -358,7 +372,7 @@ class RolloutActors:
             for i, host in enumerate(hosts):
                 opts = server_owner_options(actor_options(plan, pg, order or [], host.bundle, 0.0))
                 args = (config, i, plan.threads, host.servers)
-                self.actors.append(_remote(RolloutWorker, opts).remote(*args))
+                self.actors.append(start_actor(RolloutWorker, opts, *args))
             policy, reference = worker_roles(hosts, self.has_ref_pool)
             self.policy_actors = [self.actors[i] for i in policy]
             self.reference_actors = [self.actors[i] for i in reference]
@@ -367,7 +381,7 @@ class RolloutActors:
                 bundle = plan.rollout_bundles[i] if plan.rollout_bundles else None
                 opts = actor_options(plan, pg, order or [], bundle, plan.rollout_gpus)
                 self.specs.append((opts, (config, i, plan.threads)))  # a replacement's recipe
-                self.actors.append(_remote(RolloutWorker, opts).remote(*self.specs[-1][1]))
+                self.actors.append(start_actor(RolloutWorker, opts, *self.specs[-1][1]))
             self.policy_actors = self.reference_actors = list(self.actors)
         startup = config.orchestration.ray_init_timeout_s
         if backend_of(config).serves_over_http:  # the worker waits for every server's health
@@ -687,9 +701,9 @@ class RolloutActors:
         self._settle()
         return wait([a.state_dict.remote() for a in self.reference_actors], "rollout state")
 
-    def close(self) -> None:
+    def close(self, timeout: float = 300.0) -> None:
         """Stop what the workers launched (SGLang servers and routers)."""
-        wait([a.close.remote() for a in self.actors], "rollout close", 300.0)
+        wait([a.close.remote() for a in self.actors], "rollout close", min(timeout, 300.0))
 
     def load_state_dicts(self, states: list[dict]) -> None:
         actors = self.reference_actors
@@ -711,7 +725,7 @@ class RewardActors:
         opts = actor_options(plan, None, [], None, 0.0)
         self.verifier = config.reward.verifier
         self.specs = [(opts, (config, plan.threads))] * max(plan.reward_workers, 1)
-        self.actors = [_remote(RewardWorker, o).remote(*args) for o, args in self.specs]
+        self.actors = [start_actor(RewardWorker, o, *args) for o, args in self.specs]
         self.startup_timeout = config.orchestration.ray_init_timeout_s
 
     def score(self, samples: list[Sample]) -> dict[str, float]:
@@ -730,8 +744,8 @@ class RewardActors:
         return [a.score_parts.remote(*(parts[k] for parts in answer_refs))
                 for k, a in enumerate(self.actors)]  # fmt: skip
 
-    def close(self) -> None:
-        wait([a.close.remote() for a in self.actors], "reward close", 60.0)
+    def close(self, timeout: float = 60.0) -> None:
+        wait([a.close.remote() for a in self.actors], "reward close", min(timeout, 60.0))
 
 
 class RemoteEngine(RolloutEngine):

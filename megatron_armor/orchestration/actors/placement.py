@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import os
 import secrets
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -243,14 +245,22 @@ def init_ray(config: ArmorConfig, plan: LayoutPlan, log_dir: Path) -> None:
     ray.init(address=_local_head.address, log_to_driver=True, _node_ip_address=LOOPBACK)
 
 
-def shutdown_ray() -> None:
-    """Disconnect from Ray and stop the head :func:`init_ray` started, if any."""
+def shutdown_ray(timeout_s: float = 30.0) -> None:
+    """Disconnect from Ray and stop the head :func:`init_ray` started, if any, within about
+    ``timeout_s``: half for the disconnect (one from a lost or stuck Ray is left to its daemon
+    thread), the rest for the head, whose processes are killed after it."""
     global _local_head
     import ray
 
-    ray.shutdown()
+    end = time.monotonic() + timeout_s
+    disconnect = threading.Thread(target=ray.shutdown, daemon=True, name="ray-shutdown")
+    disconnect.start()
+    disconnect.join(timeout_s / 2)
+    if disconnect.is_alive():
+        print(f"warning: ray.shutdown() did not return within {timeout_s:g}s; going on",
+              flush=True)  # fmt: skip
     if _local_head is not None:
-        _local_head.stop()
+        _local_head.stop(max(end - time.monotonic(), 1.0))
         _local_head = None
 
 

@@ -169,13 +169,13 @@ class LocalRayHead:
             log.seek(self._log_start)
             return log.read().decode(errors="replace")
 
-    def stop(self) -> None:
-        """:data:`STOP`, then SIGKILL of its session if it has not exited in time."""
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """:data:`STOP`, then SIGKILL of its session if it has not exited within ``timeout_s``."""
         if self.process.poll() is not None:
             return
         self.process.send_signal(STOP)
         try:
-            self.process.wait(timeout=STOP_TIMEOUT_S)
+            self.process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait(timeout=STOP_TIMEOUT_S)

@@ -1,4 +1,5 @@
-"""In-run recovery of a dead rollout or reward worker (docs/orchestration.md, "Faults").
+"""In-run recovery of a dead rollout or reward worker (docs/orchestration.md, "Faults"); a
+stuck one is killed past its call deadline (``call_watch.py``) and recovered the same way.
 
 The loop runs the parts of a step that call the rollout and reward workers through
 :meth:`Recovery.guard`. When a call fails with a fault (``faults.py``) of one of those workers,
@@ -49,7 +50,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from megatron_armor.orchestration.actors.actor_handles import wait
+from megatron_armor.orchestration.actors.actor_handles import kill_run_processes, wait
+from megatron_armor.orchestration.actors.call_watch import WATCH, StuckCallError, start_actor
 from megatron_armor.orchestration.actors.faults import Fault, RecoveryBudget, locate, requeue_error
 from megatron_armor.rollout.backends import backend_of
 
@@ -240,12 +242,14 @@ def replace_actor(s: RunParts, fault: Fault) -> int | None:
     handle = s.rollout if fault.kind == "rollout" else s.reward
     cls = RolloutWorker if fault.kind == "rollout" else RewardWorker
     old = handle.actors[fault.index]
+    kill_run_processes([old])  # a stopped process outlives ray.kill; so would its children
     try:
         ray.kill(old, no_restart=True)
     except Exception:  # noqa: BLE001 - it is dead already
         pass
+    WATCH.forget(old)
     options, args = handle.specs[fault.index]
-    new = ray.remote(cls).options(**options).remote(*args)
+    new = start_actor(cls, options, *args)
     ready = new.health.remote() if fault.kind == "rollout" else new.__ray_ready__.remote()
     wait(ready, f"{fault.actor}'s replacement start-up", handle.startup_timeout)
     for group in {id(g): g for g in member_lists(handle)}.values():
@@ -280,10 +284,17 @@ def record(s: RunParts, step: int, phase: str, fault: Fault, count: int, budget)
     """The recovery on the console and in ``RUN_DIR/recoveries.jsonl``."""
     redo = "rollout drawn again" if phase == "rollout" else f"{phase} done again"
     pushed = "the current weights pushed, " if fault.kind == "rollout" else ""
-    print(f"recovery: {fault.actor} died during step {step} ({phase}; {fault.summary()}); "
+    reason = fault_reason(fault)
+    print(f"recovery: {fault.actor} {reason} during step {step} ({phase}; {fault.summary()}); "
           f"replaced, {pushed}{redo} ({count} of run.max_recoveries={budget.limit} within "
           f"run.recovery_window={budget.window} steps)", flush=True)  # fmt: skip
     line = {"step": step, "phase": phase, "actor": fault.actor, "kind": fault.kind,
-            "error": fault.summary(), "time": time.time()}  # fmt: skip
+            "reason": reason, "error": fault.summary(), "time": time.time()}  # fmt: skip
     with (s.run_dir / RECOVERIES_FILE).open("a") as f:
         f.write(json.dumps(line) + "\n")
+
+
+def fault_reason(fault: Fault) -> str:
+    """``stuck`` (past its call deadline without progress, killed: ``call_watch.py``) or
+    ``died``."""
+    return "stuck" if isinstance(fault.error, StuckCallError) else "died"

@@ -27,6 +27,7 @@ from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.net import free_port, node_ip
 from megatron_armor.observability.nvtx import enable_nvtx, nvtx_range
 from megatron_armor.observability.throughput import peak_gpu_memory_gb
+from megatron_armor.orchestration.actors.call_watch import Watched, beating
 from megatron_armor.orchestration.actors.ray_node import ignore_stop_signals
 from megatron_armor.rollout.backends import backend_of
 from megatron_armor.rollout.protocol import GenerationOutput, SamplingParams
@@ -117,7 +118,8 @@ def node_info() -> dict[str, Any]:
     }
 
 
-class TrainerWorker:
+@beating
+class TrainerWorker(Watched):
     """One trainer rank: a thin picklable wrapper over ``MegatronTrainer``."""
 
     def __init__(
@@ -345,7 +347,8 @@ def set_remembered_scores(rows: list[list[Sample]], scores: list[list | None]) -
                 sample.score, sample.acc, sample.scored = score, acc, True
 
 
-class RolloutWorker:
+@beating
+class RolloutWorker(Watched):
     """One rollout engine and its reference sampler (docs/algorithm.md, anchor rollout step 2).
 
     For ``rollout.ref_strategy: swap`` the worker keeps CPU copies of the last pushed policy
@@ -661,7 +664,8 @@ def reference_strategy(config: ArmorConfig) -> ReferencePlan:
     return strategy_of(config.rollout.ref_strategy, config.algo.anchor_source)
 
 
-class RewardWorker:
+@beating
+class RewardWorker(Watched):
     """One scoring pool (docs/data_reward.md)."""
 
     def __init__(self, config: ArmorConfig, num_threads: int = 0):

@@ -80,10 +80,12 @@ def check_free_space(run_dir: str | Path, step: int, estimate: int = 0) -> int:
     root.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(root).free
     if free < need:
+        kept = ("or lower run.keep_last (the existing checkpoints are intact)"
+                if latest_checkpoint(run_dir) else "(no checkpoint of the run exists yet)")  # fmt: skip
         raise DiskFullError(
             f"not enough free space for the checkpoint of step {step}: about "
             f"{format_bytes(need)} needed ({why}), {format_bytes(free)} free under {root}; free "
-            "space there or lower run.keep_last (the existing checkpoints are intact)"
+            f"space there {kept}"
         )
     return need
 
@@ -122,9 +124,43 @@ def no_space_error(
     previous = latest_checkpoint(run_dir)
     kept = (f"the previous checkpoint {previous} is intact; `--resume auto` continues from it"
             if previous else "there is no earlier checkpoint; a new start begins at step 0")  # fmt: skip
+    fix = "free space there or lower run.keep_last" if previous else "free space there"
     return DiskFullError(
         f"no space left while writing the checkpoint of step {step} to "
         f"{root / step_dir_name(step)} ({innermost(err)}): about "
         f"{format_bytes(need)} needed, {format_bytes(free)} free under {root}; the partial "
-        f"checkpoint was removed and {kept}; free space there or lower run.keep_last"
+        f"checkpoint was removed and {kept}; {fix}"
     )
+
+
+def full_disk_error(run_dir: str | Path, err: BaseException) -> DiskFullError | None:
+    """A write of the run outside a checkpoint (the anchor files, ``metrics.jsonl``,
+    TensorBoard) that met a full disk, as a :class:`DiskFullError` naming the file, the free
+    bytes and what a resume keeps; ``None`` when ``err`` is no full disk."""
+    if not _ran_out(err):
+        return None
+    path = next((getattr(e, "filename", None) for e in _chain(err) if getattr(e, "filename", None)),
+                None) or run_dir  # fmt: skip
+    where = Path(path).parent
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    previous = latest_checkpoint(run_dir)
+    kept = (f"the newest checkpoint {previous} is intact; free space there, then "
+            "`--resume auto` continues from it (the steps after it are trained again)"
+            if previous else "no checkpoint of the run exists yet: free space there and start "
+            "again (set run.ckpt_every lower to keep trained steps)")  # fmt: skip
+    return DiskFullError(
+        f"no space left on the device while writing {path} ({innermost(err)}): "
+        f"{format_bytes(free)} free under {where}; {kept}"
+    )
+
+
+def _chain(err: BaseException):
+    """``err`` and what caused it (also in a Ray actor)."""
+    seen: BaseException | None = err
+    for _ in range(16):
+        if seen is None:
+            return
+        yield seen
+        seen = getattr(seen, "cause", None) or seen.__cause__ or seen.__context__

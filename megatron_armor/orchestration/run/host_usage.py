@@ -16,12 +16,14 @@ once, at start-up (their ``node_info``).
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_armor.observability.host_memory import node_memory
 from megatron_armor.orchestration.actors.actor_handles import wait
+from megatron_armor.orchestration.actors.call_watch import WATCH
 from megatron_armor.orchestration.run import checkpoints
 
 GB = 1e9
@@ -40,8 +42,11 @@ class RunProcess:
 def actor_processes(groups: dict[str, object]) -> list[RunProcess]:
     """``{prefix: handle}`` (``TrainerActors``, ``RolloutActors``, ``RewardActors``) -> a
     :class:`RunProcess` per actor, named ``<prefix><index>``, from one ``node_info`` call each."""
-    named = [(f"{prefix}{i}", a) for prefix, h in groups.items() for i, a in enumerate(h.actors)]
+    numbered = [(prefix, i, a) for prefix, h in groups.items() for i, a in enumerate(h.actors)]
+    named = [(f"{prefix}{i}", a) for prefix, i, a in numbered]
     infos = wait([a.node_info.remote() for _, a in named], "actor node info")
+    for (_, i, actor), info in zip(numbered, infos, strict=True):
+        WATCH.locate_actor(actor, info, i)  # a stuck one is named and killed by its pid
     return [
         RunProcess(n, info["node_id"], info["pid"], True)
         for (n, _), info in zip(named, infos, strict=True)
@@ -74,6 +79,7 @@ class HostMemory:
         the run (``orchestration/actors/recovery.py``) is measured from then on, under the dead
         one's name."""
         (info,) = wait([actor.node_info.remote()], "actor node info")
+        WATCH.locate_actor(actor, info, int(re.search(r"\d+$", name).group()))
         new = RunProcess(name, info["node_id"], info["pid"], True)
         self.processes = [new if p.name == name else p for p in self.processes]
         if new.node not in self.nodes:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import pickle
 import random
 import signal
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -102,6 +103,7 @@ class StopSignal:
 
     def __init__(self) -> None:
         self.received: int | None = None
+        self.received_at = 0.0  # time.monotonic() of the first signal
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> StopSignal:
@@ -144,6 +146,8 @@ class StopSignal:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, self.SIGNALS)
 
     def _handle(self, signum, frame) -> None:
+        if self.received is None:
+            self.received_at = time.monotonic()
         self.received = signum
 
     @property

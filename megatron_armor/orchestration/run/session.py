@@ -11,6 +11,7 @@ renamed into place only when complete.
 from __future__ import annotations
 
 import gc
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,6 +67,8 @@ from megatron_armor.orchestration.step.progress import PhaseProgress
 from megatron_armor.orchestration.step.step_metrics import compress_anchor_files
 from megatron_armor.planner.model import load_model_dims
 from megatron_armor.rollout.backends import backend_of
+
+MIN_RAY_SHUTDOWN_S = 5.0
 
 
 def run_dir_of(config: ArmorConfig) -> Path:
@@ -356,15 +359,18 @@ class Session:
               flush=True)  # fmt: skip
 
     def close(self, shutdown_ray: bool = True) -> None:
-        """Stop the actors and Ray (best effort: a failing close must not hide the real error)."""
+        """Stop the actors and Ray (best effort: a failing close must not hide the real error),
+        each within ``orchestration.shutdown_timeout_s``; what does not answer is killed."""
         self.progress.close()
         try:
             self.logger.close()  # flushes TensorBoard: fails on a full disk
         except OSError as err:
             print(f"warning: closing the metrics sinks failed: {err}", flush=True)
-        close_actors([self.trainer, self.rollout, self.reward])
-        if shutdown_ray:
-            placement.shutdown_ray()
+        budget = self.config.orchestration.shutdown_timeout_s
+        end = time.monotonic() + budget
+        close_actors([self.trainer, self.rollout, self.reward], budget)
+        if shutdown_ray:  # what is left of the budget (a few seconds at least)
+            placement.shutdown_ray(max(end - time.monotonic(), MIN_RAY_SHUTDOWN_S))
         if self.lock is not None:
             self.lock.release()
         gc.unfreeze()  # what this session held can be collected again (a pipeline's next stage)

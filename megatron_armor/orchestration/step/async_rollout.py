@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from megatron_armor.algo.anchors import AcceptanceStats
 from megatron_armor.observability.timers import PhaseTimers
 from megatron_armor.orchestration.actors.actor_handles import wait
+from megatron_armor.orchestration.actors.call_watch import POLL_S, WATCH
 from megatron_armor.orchestration.step import phases
 from megatron_armor.orchestration.step.anchor_rollout import AnchorRollout, RolloutResult
 from megatron_armor.orchestration.step.step_metrics import (
@@ -160,8 +161,20 @@ class Collector:
         self._thread.start()
 
     def join(self) -> Collected:
-        """Wait for :meth:`launch`'s rollout; its failure is raised here, in the loop's thread."""
-        self._thread.join()
+        """Wait for :meth:`launch`'s rollout; its failure is raised here, in the loop's thread.
+        A watchdog bounds the wait for a batch that never comes: every call of the thread has
+        its deadline (``orchestration/actors/call_watch.py``), the thread itself gets the cap
+        (a ``TimeoutError``: exit 75) and a stop signal ends the wait after ``stop_wait_s``."""
+        start, thread = time.monotonic(), self._thread
+        while thread.is_alive():
+            WATCH.check_stop(f"the rollout thread ({thread.name})", start)
+            waited = time.monotonic() - start
+            if waited > WATCH.cap():
+                raise TimeoutError(
+                    f"the rollout thread ({thread.name}) gave no batch within {waited:.0f}s "
+                    "(the call deadlines' cap)"
+                )
+            thread.join(POLL_S)
         self._thread = None
         collected, err = self._outcome
         self._outcome = None

@@ -31,10 +31,12 @@ from megatron_armor.observability.signal_lead import SignalLeadWatch
 from megatron_armor.observability.status import StepClock
 from megatron_armor.observability.summary import step_line
 from megatron_armor.observability.timers import PhaseTimers
+from megatron_armor.orchestration.actors.call_watch import WATCH
 from megatron_armor.orchestration.actors.faults import RequeueError, locate, requeue_error
 from megatron_armor.orchestration.actors.placement import shutdown_ray
 from megatron_armor.orchestration.actors.recovery import WHY_TRAINER, handles
 from megatron_armor.orchestration.run import checkpoints
+from megatron_armor.orchestration.run.disk_space import DiskFullError, full_disk_error
 from megatron_armor.orchestration.run.run_state import EXIT_REQUEUE, StopSignal
 from megatron_armor.orchestration.run.session import Session, run_dir_of
 from megatron_armor.orchestration.step.acceptance import (
@@ -188,6 +190,7 @@ def run_loop(s: Session, start: int, stop: StopSignal) -> int:
         s.trainer.profile_end(step)
         metrics.update(s.meter.pop_metrics())
         metrics.update(s.weight_sync.pop_metrics())
+        metrics.update(WATCH.pop_metrics())  # faults/stuck_*: actors killed past a deadline
         metrics.update(s.gpu_memory_metrics())
         metrics.update(s.host_metrics(checkpoint_due(cfg, step)))
         metrics.update(s.watch.observe(step, metrics))
@@ -232,6 +235,9 @@ def run_with_faults(s: Session, stop: StopSignal) -> int:
     except RequeueError as err:
         print(f"armor train: {err}", file=sys.stderr, flush=True)
     except Exception as err:
+        full = full_disk_error(s.run_dir, err)  # an anchor file, metrics, TensorBoard
+        if full is not None and not isinstance(err, DiskFullError):
+            raise full from err
         fault = locate(err, handles(s))
         if fault is None:
             raise
@@ -257,6 +263,7 @@ def train(config: ArmorConfig, resume: str = "auto") -> int:
     torch.manual_seed(config.run.seed)
     session = None
     with StopSignal() as stop:
+        WATCH.configure(config.orchestration, stop, run_dir_of(config))
         try:
             with stop.guarded():
                 session = Session.start(
@@ -265,6 +272,7 @@ def train(config: ArmorConfig, resume: str = "auto") -> int:
             if stop.received:
                 print(stop_message(session, stop, saved=False), flush=True)
                 return EXIT_REQUEUE
+            WATCH.announce()
             return run_with_faults(session, stop)
         except (AcceptanceError, SamplerExhausted) as err:  # a requeue would meet them again
             newest = checkpoints.list_checkpoints(session.run_dir) if session else []
@@ -274,4 +282,4 @@ def train(config: ArmorConfig, resume: str = "auto") -> int:
             if session is not None:
                 session.close()
             else:
-                shutdown_ray()
+                shutdown_ray(config.orchestration.shutdown_timeout_s)

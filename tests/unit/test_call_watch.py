@@ -1,0 +1,235 @@
+"""The deadlines the run learns for its actor calls (``orchestration/actors/call_watch.py``):
+the rule, the bounded shutdown's process-tree kill, and, on a small local Ray, a slow call
+that keeps beating is waited for while a stopped actor is named and killed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from megatron_armor.config.fields import call_deadline_bounds
+from megatron_armor.config.schema import OrchestrationConfig
+from megatron_armor.orchestration.actors.call_watch import (
+    CallWatch,
+    DeadlineRule,
+    StopDuringCallError,
+    StuckCallError,
+    Watched,
+    beating,
+    kill_trees,
+    kind_of,
+    process_trees,
+    quantile,
+    start_actor,
+)
+
+pytestmark = pytest.mark.unit
+
+
+def test_quantile_interpolates_between_ranks():
+    assert quantile([3.0, 1.0, 2.0], 0.5) == 2.0
+    assert quantile([1.0, 2.0, 3.0, 4.0, 5.0], 0.9) == pytest.approx(4.6)
+    assert quantile([7.0], 0.9) == 7.0
+    with pytest.raises(ValueError):
+        quantile([], 0.5)
+
+
+def test_a_kind_waits_for_the_cap_until_it_has_run_then_its_learned_deadline():
+    rule = DeadlineRule(multiple=10.0, q=0.5, floor_s=1.0, cap_s=100.0)
+    assert rule.deadline("generate", 8) == 100.0
+    rule.observe("generate", 0.8, work=8)  # 0.1 s per prompt
+    assert rule.deadline("generate", 8) == pytest.approx(8.0)  # 10 x 0.1 x 8
+    assert rule.deadline("generate", 32) == pytest.approx(32.0)  # scaled by the work
+    assert rule.deadline("generate", 0.5) == 1.0  # the floor
+    assert rule.deadline("generate", 1000) == 100.0  # the cap
+    assert rule.deadline("score", 8) == 100.0  # every kind learns on its own
+
+
+def test_the_deadline_follows_the_recent_durations_only():
+    rule = DeadlineRule(multiple=2.0, q=1.0, floor_s=0.1, cap_s=1e9)
+    rule.observe("updates", 50.0)
+    for _ in range(20):  # the history keeps the last 20: the slow first call is forgotten
+        rule.observe("updates", 1.0)
+    assert rule.deadline("updates") == pytest.approx(2.0)
+
+
+def test_call_kinds_from_the_waits_descriptions():
+    assert kind_of("rollout generate") == "generate"
+    assert kind_of("rollout sample_reference") == "generate"
+    assert kind_of("rollout generate_raw") == "validation"
+    assert kind_of("reward scoring") == "score"
+    assert kind_of("step log-probs") == "logprobs"
+    assert kind_of("train step") == "updates"
+    assert kind_of("weight sync (policy into the policy servers)") == "weight_push"
+    assert kind_of("trainer reference reset") == "reset"
+    assert kind_of("rollout state (kept for a recovery)") == "checkpoint"
+    assert kind_of("compute intervals") == "compute intervals"
+
+
+def test_the_settings_are_checked():
+    o = OrchestrationConfig(call_deadline_multiple=0.5, call_deadline_quantile=0.0,
+                            call_deadline_floor_s=10.0, call_deadline_cap_s=5.0, stop_wait_s=0)  # fmt: skip
+    problems = list(call_deadline_bounds(o))
+    assert len(problems) == 4, problems
+    assert problems[0].startswith("orchestration.call_deadline_multiple=0.5: must be >= 1")
+    assert "orchestration.call_deadline_cap_s=5.0" in problems[2]
+    assert list(call_deadline_bounds(OrchestrationConfig())) == []
+
+
+def test_the_environment_caps_every_deadline(monkeypatch):
+    watch = CallWatch()
+    assert watch.cap() == 3600.0
+    monkeypatch.setenv("ARMOR_CALL_TIMEOUT_S", "30")
+    assert watch.cap() == 30.0
+
+
+IGNORES_TERM = textwrap.dedent("""
+    import os, signal, subprocess, sys, time
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    child = subprocess.Popen([sys.executable, "-c",
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"])
+    print(child.pid, flush=True)
+    time.sleep(600)
+""")
+
+
+def gone(pid: int) -> bool:
+    try:
+        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return True
+    return state in ("Z", "X")
+
+
+def test_a_process_that_ignores_sigterm_is_killed_with_its_children():
+    parent = subprocess.Popen([sys.executable, "-c", IGNORES_TERM], stdout=subprocess.PIPE,
+                              text=True)  # fmt: skip
+    child = int(parent.stdout.readline())
+    parent.send_signal(signal.SIGTERM)  # ignored by both
+    assert process_trees([parent.pid]) == [parent.pid, child]
+    assert sorted(kill_trees([parent.pid])) == sorted([parent.pid, child])
+    assert parent.wait(timeout=10) == -signal.SIGKILL
+    deadline = time.monotonic() + 10
+    while not gone(child):  # re-parented to init, which reaps it
+        assert time.monotonic() < deadline, f"child {child} still alive"
+        time.sleep(0.05)
+
+
+@beating
+class SleepyEngine(Watched):
+    """A test engine: ``tokens`` tokens, ``pause`` seconds apart, each a heartbeat."""
+
+    def generate(self, tokens: int, pause: float) -> int:
+        from megatron_armor.observability.heartbeat import beat
+
+        for _ in range(tokens):
+            time.sleep(pause)
+            beat()
+        return tokens
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def echo(self, value):
+        return value
+
+
+class Stopped:
+    received, received_at, name = signal.SIGTERM, 0.0, "SIGTERM"
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    import ray
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def test_a_slow_call_that_moves_is_waited_for_and_a_stopped_actor_is_named_and_killed(
+    local_ray, monkeypatch, tmp_path
+):
+    import megatron_armor.orchestration.actors.call_watch as cw
+
+    watch = CallWatch()
+    watch.configure(OrchestrationConfig(call_deadline_floor_s=0.5, call_deadline_cap_s=0.5))
+    monkeypatch.setattr(cw, "WATCH", watch)
+    monkeypatch.setattr(cw, "HEARTBEAT_ANSWER_S", 2.0)
+    engine = start_actor(SleepyEngine, {"num_cpus": 0})
+    pid = watch.get(engine.pid.remote(), "engine pid", timeout=120)  # its start-up
+    watch.locate_actor(engine, {"node_id": local_ray.get_runtime_context().get_node_id(),
+                                "ip": "127.0.0.1", "pid": pid}, 0)  # fmt: skip
+    # 3 s of tokens 0.1 s apart: six deadlines of 0.5 s pass, each with progress in it
+    assert watch.get(engine.generate.remote(30, 0.1), "rollout generate") == 30
+    assert watch.pop_metrics() == {}
+
+    os.kill(pid, signal.SIGSTOP)  # alive, never answers again
+    started = time.monotonic()
+    with pytest.raises(StuckCallError) as err:
+        watch.get(engine.generate.remote(1, 0.0), "rollout generate")
+    assert time.monotonic() - started < 10
+    assert f"SleepyEngine 0 (pid {pid} on 127.0.0.1) is stuck: rollout generate" in str(err.value)
+    assert err.value.actor_id == engine._actor_id.hex()
+    deadline = time.monotonic() + 10
+    while not gone(pid):
+        assert time.monotonic() < deadline, "the stopped actor was not killed"
+        time.sleep(0.05)
+    assert watch.pop_metrics() == {"faults/stuck_unknown": 1.0}
+
+
+def test_a_stop_signal_ends_a_wait_after_stop_wait_s(local_ray, tmp_path):
+    watch = CallWatch()
+    watch.configure(OrchestrationConfig(stop_wait_s=0.5), Stopped(), tmp_path)
+    engine = start_actor(SleepyEngine, {"num_cpus": 0})
+    with pytest.raises(StopDuringCallError, match="SIGTERM arrived and rollout generate did not"):
+        watch.get(engine.generate.remote(100, 0.1), "rollout generate")
+    assert "none yet (a requeue starts the run over)" in str(
+        pytest.raises(StopDuringCallError, watch.get, engine.generate.remote(100, 0.1), "x").value
+    )
+    local_ray.kill(engine)
+
+
+def test_an_idle_actor_waiting_for_arguments_is_not_blamed_the_stuck_one_upstream_is(
+    local_ray, monkeypatch
+):
+    import megatron_armor.orchestration.actors.call_watch as cw
+
+    watch = CallWatch()
+    watch.configure(OrchestrationConfig(call_deadline_floor_s=0.5, call_deadline_cap_s=0.5))
+    monkeypatch.setattr(cw, "WATCH", watch)
+    monkeypatch.setattr(cw, "HEARTBEAT_ANSWER_S", 2.0)
+    upstream, downstream = (start_actor(SleepyEngine, {"num_cpus": 0}) for _ in range(2))
+    node = local_ray.get_runtime_context().get_node_id()
+    for i, actor in enumerate((upstream, downstream)):
+        pid = watch.get(actor.pid.remote(), "pid", timeout=120)
+        watch.locate_actor(actor, {"node_id": node, "ip": "127.0.0.1", "pid": pid}, i)
+    stopped = watch.get(upstream.pid.remote(), "pid", timeout=120)
+    os.kill(stopped, signal.SIGSTOP)
+    # a weight push's shape: the downstream call waits for the upstream's result
+    with pytest.raises(StuckCallError) as err:
+        watch.get(downstream.echo.remote(upstream.generate.remote(1, 0.0)), "weight sync")
+    assert f"SleepyEngine 0 (pid {stopped} on 127.0.0.1) is stuck: weight sync" in str(err.value)
+    assert err.value.actor_id == upstream._actor_id.hex()
+    assert watch.get(downstream.echo.remote(7), "echo", timeout=60) == 7  # left alone
+
+
+def test_the_trainer_does_not_wait_forever_on_a_rollout_thread_that_gives_no_batch(monkeypatch):
+    import threading
+
+    from megatron_armor.orchestration.step.async_rollout import Collector
+
+    monkeypatch.setenv("ARMOR_CALL_TIMEOUT_S", "0.5")  # the cap the watchdog uses
+    collector = Collector(None, None, None)
+    release = threading.Event()
+    collector._thread = threading.Thread(target=release.wait, name="rollout-step-7", daemon=True)
+    collector._thread.start()
+    with pytest.raises(TimeoutError, match=r"the rollout thread \(rollout-step-7\) gave no batch"):
+        collector.join()
+    release.set()
