@@ -35,7 +35,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PreTrai
 from transformers.cache_utils import DynamicLayer
 
 from megatron_armor.config.model_overrides import resolve_model_overrides
-from megatron_armor.observability.heartbeat import beat
+from megatron_armor.heartbeat import beat
 from megatron_armor.rollout.decode_step import DecodeStep, decode_step_for
 from megatron_armor.rollout.protocol import GenerationOutput, RolloutEngine, SamplingParams
 from megatron_armor.rollout.sampling import sample_next_tokens, scaled_log_probs

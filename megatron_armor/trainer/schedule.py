@@ -18,7 +18,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_armor.algo.losses import LossSettings, compute_policy_loss, count_units
-from megatron_armor.observability.heartbeat import beat
+from megatron_armor.heartbeat import beat
 from megatron_armor.trainer import parallel
 from megatron_armor.trainer.batching import MicroBatch, padding_counts
 from megatron_armor.trainer.logprobs import vocab_parallel_exact_kl, vocab_parallel_logprobs
@@ -200,7 +200,7 @@ def exact_kl_builder(lp: LogprobSettings, captured: list):
 
 
 def beat_each(items: list):
-    """``items`` one by one, a heartbeat at each (``observability/heartbeat.py``: a micro-batch
+    """``items`` one by one, a heartbeat at each (``heartbeat.py``: a micro-batch
     started is progress the driver's call deadline sees)."""
     for item in items:
         beat()

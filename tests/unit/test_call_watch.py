@@ -126,7 +126,7 @@ class SleepyEngine(Watched):
     """A test engine: ``tokens`` tokens, ``pause`` seconds apart, each a heartbeat."""
 
     def generate(self, tokens: int, pause: float) -> int:
-        from megatron_armor.observability.heartbeat import beat
+        from megatron_armor.heartbeat import beat
 
         for _ in range(tokens):
             time.sleep(pause)

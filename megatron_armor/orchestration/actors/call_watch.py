@@ -8,7 +8,7 @@ call is its own kind) has a deadline from its own recent durations (:class:`Dead
 durations per unit of work, x the work of this call, within ``call_deadline_floor_s`` and
 ``call_deadline_cap_s`` (and ``ARMOR_CALL_TIMEOUT_S`` when set); a kind's first call waits
 for the cap. At the deadline the driver asks each actor that has not answered for its
-heartbeat (``observability/heartbeat.py``, answered from a thread of its own: the actors run
+heartbeat (``heartbeat.py``, answered from a thread of its own: the actors run
 a concurrency group :data:`WATCH_GROUP`); one that made progress within the deadline gets
 the deadline again. One that did not is *stuck*: it is named (class, node, pid, the call,
 how long it waited), its process and the processes it started are killed, and
@@ -30,7 +30,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_armor.observability.heartbeat import (
+from megatron_armor.heartbeat import (
     busy,
     call_ended,
     call_started,
