@@ -130,7 +130,7 @@ def test_scoring_workers_get_answers_only(scorer, monkeypatch):
                 sent.append(pickle.loads(pickle.dumps(answers)))
                 return worker.score(sent[-1])
 
-    monkeypatch.setattr(actor_handles, "wait", lambda refs, what, timeout=None: refs)
+    monkeypatch.setattr(actor_handles, "wait", lambda refs, what, timeout=None, work=1.0: refs)
     actors = object.__new__(RewardActors)
     actors.actors, actors.verifier = [Handle(), Handle()], scorer.verifier
 

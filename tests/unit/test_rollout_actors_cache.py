@@ -69,7 +69,7 @@ def rollout_group() -> RolloutActors:
 
 @pytest.fixture
 def actors(monkeypatch):
-    monkeypatch.setattr(actor_handles, "wait", lambda refs, what, timeout=None: refs)
+    monkeypatch.setattr(actor_handles, "wait", lambda refs, what, timeout=None, work=1.0: refs)
     return rollout_group()
 
 
@@ -115,7 +115,7 @@ def test_remembered_scores_are_waited_for_once_a_step(actors, monkeypatch):
     order); the step's ``reference_metrics`` (and a checkpoint's ``state_dicts``) wait for the
     calls sent since, so a failure there still stops the step."""
     waited = []
-    monkeypatch.setattr(actor_handles, "wait", lambda refs, what, timeout=None: waited.append(
+    monkeypatch.setattr(actor_handles, "wait", lambda refs, what, timeout=None, work=1.0: waited.append(
         (what, list(refs) if isinstance(refs, list) else refs)) or refs)  # fmt: skip
     for w in actors.workers:
         w.counted = {}

@@ -87,7 +87,7 @@ def trainer(monkeypatch):
     import ray
 
     monkeypatch.setattr(ray, "put", lambda value: value)  # no cluster: the shim copies
-    monkeypatch.setattr(actor_handles, "wait", lambda refs, what, timeout=None: refs)
+    monkeypatch.setattr(actor_handles, "wait", lambda refs, what, timeout=None, work=1.0: refs)
     group = object.__new__(TrainerActors)
     group.workers = [rank(0), rank(1)]
     group.actors = [Remote(w) for w in group.workers]
