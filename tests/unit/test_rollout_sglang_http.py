@@ -29,6 +29,7 @@ import pytest
 import torch
 from aiohttp import web
 
+from megatron_armor import heartbeat
 from megatron_armor.config.schema import ArmorConfig, SGLangConfig
 from megatron_armor.rollout.protocol import SamplingParams
 from megatron_armor.rollout.sglang import launch
@@ -36,6 +37,7 @@ from megatron_armor.rollout.sglang import weights as transport
 from megatron_armor.rollout.sglang.client import (
     ClientSettings,
     EventLoopThread,
+    ServerDeadlineError,
     SGLangClient,
     SGLangError,
     generate_payload,
@@ -112,6 +114,7 @@ class StandIn:
         self.abort_all_event: asyncio.Event | None = None
         self.weights: dict[str, torch.Tensor] = {}
         self.group = None
+        self.hang_control = False  # a control call that never answers (a wedged scheduler)
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -179,6 +182,8 @@ class StandIn:
     async def control(self, request: web.Request) -> web.Response:
         body = await request.json()
         endpoint = request.path
+        while self.hang_control:
+            await asyncio.sleep(0.05)
         self.calls.append((endpoint, body))
         bad = set(body) - ENDPOINT_FIELDS[endpoint]
         if bad:
@@ -395,7 +400,9 @@ def test_engine_generates_n_samples_per_prompt_with_distinct_seeds(standin):
     engine = engine_for([standin.url])
     try:
         params = SamplingParams(max_new_tokens=4, seed=5, stop_token_ids=(1000,))
+        beats = heartbeat.beats()
         out = engine.generate([[1, 2, 3], [4, 5]], 3, params)
+        assert heartbeat.beats() - beats == 6  # each sample's answer is progress
         assert [len(g) for g in out] == [3, 3]
         assert all(len(s.token_ids) == 4 and s.finish_reason == "length" for g in out for s in g)
         assert len({tuple(s.token_ids) for s in out[0]}) == 3  # per-sample sampling_seed
@@ -440,6 +447,28 @@ def test_timeout_aborts_the_request_then_retries(standin):
     assert standin.attempts["slow-rid"] == 2
     aborts = [b for e, b in standin.calls if e == "/abort_request"]
     assert aborts == [{"rid": "slow-rid", "abort_all": False}]
+
+
+def test_a_control_call_without_an_answer_names_the_server_and_the_call(standin):
+    """A weight-update session that does not close (the server never answers its end): past
+    the control deadline, a ``TimeoutError`` that names the server and the endpoint."""
+    loop = EventLoopThread()
+    settings = ClientSettings(control_timeout_s=0.3)
+    standin.hang_control = True
+
+    async def run():
+        async with SGLangClient(settings) as client:
+            return await client.post(standin.url, "/end_weight_update")
+
+    try:
+        with pytest.raises(ServerDeadlineError) as caught:
+            loop.run(run(), timeout_s=30)
+    finally:
+        standin.hang_control = False
+        loop.close()
+    message = str(caught.value)
+    assert isinstance(caught.value, TimeoutError)
+    assert standin.url in message and "/end_weight_update" in message and "within 0.3s" in message
 
 
 def test_client_errors_are_not_retried(standin):

@@ -18,7 +18,8 @@ SGLang wheel (``sglang.srt.managers.io_struct``), where unknown keys are silentl
 Reliability: at most ``max_concurrency`` requests in flight; connection errors, timeouts and
 HTTP 5xx are retried ``max_retries`` times with exponential backoff (a timed-out generation
 is aborted by ``rid`` first so the server does not keep decoding it); HTTP 4xx is an error
-at once, with the server's message.
+at once, with the server's message; a control call without an answer within
+``control_timeout_s`` is a :class:`ServerDeadlineError` naming the server and the call.
 """
 
 from __future__ import annotations
@@ -38,6 +39,13 @@ from megatron_armor.types import RoutedExperts
 
 class SGLangError(RuntimeError):
     """An SGLang endpoint answered with an error (after retries where they apply)."""
+
+
+class ServerDeadlineError(TimeoutError):
+    """A control call (a weight-update session, weights, memory) got no answer from its server
+    within ``ClientSettings.control_timeout_s``: the message names the server and the call. A
+    ``TimeoutError``, so the run treats it as a fault of the worker that owns the server
+    (``orchestration/actors/faults.py``), as it did the bare timeout before."""
 
 
 class ServerError(Exception):
@@ -315,7 +323,14 @@ class SGLangClient:
 
     async def post(self, url: str, endpoint: str, payload: dict[str, Any] | None = None) -> dict:
         """A control call (weights, memory): raises :class:`SGLangError` unless it succeeded."""
-        body = await self._post_once(url, endpoint, payload or {}, self.settings.control_timeout_s)
+        limit = self.settings.control_timeout_s
+        try:
+            body = await self._post_once(url, endpoint, payload or {}, limit)
+        except TimeoutError as err:
+            raise ServerDeadlineError(
+                f"SGLang server {url}: {endpoint} got no answer within {limit:g}s (the "
+                "control-call deadline): the server is stuck"
+            ) from err
         if isinstance(body, dict) and body.get("success") is False:
             raise SGLangError(f"{url}{endpoint} failed: {body.get('message')}")
         return body

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_armor.config.schema import ArmorConfig, SGLangConfig
+from megatron_armor.heartbeat import beat
 from megatron_armor.rollout.hf_dir import save_hf_dir
 from megatron_armor.rollout.protocol import GenerationOutput, RolloutEngine, SamplingParams
 from megatron_armor.rollout.sglang import launch
@@ -249,13 +250,18 @@ class SGLangEngine(RolloutEngine):
         ]
         bodies = await asyncio.gather(
             *(
-                self._client.generate(
-                    self._pick_url(), generate_payload(prompt, params, new_rid(), s)
-                )
+                self._generate_one(self._pick_url(), generate_payload(prompt, params, new_rid(), s))
                 for s in seeds
             )
         )
         return [parse_generate_response(b, self._version) for b in bodies]
+
+    async def _generate_one(self, url: str, payload: dict) -> dict:
+        """One ``/generate``; its answer is progress the driver's call deadline sees (a beat:
+        a long generation whose samples keep finishing is slow, not stuck)."""
+        body = await self._client.generate(url, payload)
+        beat()
+        return body
 
     def _pick_url(self) -> str:
         if self.router_url is not None:
