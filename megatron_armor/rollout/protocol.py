@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from megatron_armor.types import RoutedExperts
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -30,12 +32,16 @@ class SamplingParams:
 
 @dataclass
 class GenerationOutput:
-    """One generated response: token ids in, token ids + per-token log-probs out."""
+    """One generated response: token ids in, token ids + per-token log-probs out (and, from an
+    engine asked for them, the experts a mixture-of-experts model routed each position to)."""
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" | "length" | "abort"
     weight_version: int
+    routed_experts: RoutedExperts | None = None
+    """``[len(prompt) + len(token_ids) - 1, layers, k]`` (``types.RoutedExperts``); ``None``
+    unless the engine was built to return routes."""
 
 
 class RolloutEngine(ABC):
