@@ -135,3 +135,20 @@ def route_shape(model_path: str) -> tuple[int, int] | None:
     if shape is None or not any(shape.sparse_layers):
         return None
     return len(shape.sparse_layers), shape.topk
+
+
+def engine_route_problems(config) -> Iterator[str]:
+    """Routes asked of SGLang servers on CPU (``orchestration.layout: cpu``): SGLang 0.5.23
+    registers the host buffer of ``--enable-return-routed-experts`` with CUDA
+    (``cudaHostRegister``), so such a server exits at start-up without a GPU; refused at load
+    instead (docs/rollout.md, "Routed experts")."""
+    if config.rollout.backend != "sglang" or config.orchestration.layout != "cpu":
+        return
+    if wants_engine_routes(config):
+        yield (
+            f"trainer.moe.routing_replay={config.trainer.moe.routing_replay} with "
+            "rollout.backend=sglang on orchestration.layout=cpu: SGLang returns the routed "
+            "experts only on a GPU (--enable-return-routed-experts registers its host buffer "
+            "with CUDA); use rollout.backend=torch on CPU, routing_replay r2 or off, or a GPU "
+            "layout"
+        )

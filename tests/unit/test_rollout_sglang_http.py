@@ -751,3 +751,27 @@ def test_routes_are_asked_for_only_when_the_run_replays_them(tmp_path):
         assert not wants_engine_routes(config)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
     assert route_shape(str(tmp_path)) is None and not wants_engine_routes(config)
+
+
+def test_routes_from_sglang_on_cpu_are_refused_at_load(tmp_path):
+    """SGLang 0.5.23 returns routes only on a GPU: a run that would ask CPU servers for them
+    is refused with the choices that work; the embedded engine and GPU layouts are not."""
+    import json
+
+    from megatron_armor.config.moe import engine_route_problems
+
+    moe = {"model_type": "qwen3_moe", "num_hidden_layers": 2, "num_local_experts": 4,
+           "num_experts_per_tok": 2, "moe_intermediate_size": 8}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(moe))
+    config = ArmorConfig()
+    config.trainer.model_path = str(tmp_path)
+    config.rollout.backend, config.orchestration.layout = "sglang", "cpu"
+    config.trainer.moe.routing_replay = "r3"
+    (problem,) = engine_route_problems(config)
+    assert "routing_replay=r3" in problem and "rollout.backend=torch" in problem
+    config.orchestration.layout = "colocated"
+    assert list(engine_route_problems(config)) == []
+    config.rollout.backend, config.orchestration.layout = "torch", "cpu"
+    assert list(engine_route_problems(config)) == []
+    config.rollout.backend, config.trainer.moe.routing_replay = "sglang", "r2"
+    assert list(engine_route_problems(config)) == []
