@@ -32,16 +32,15 @@ class SamplingParams:
 
 @dataclass
 class GenerationOutput:
-    """One generated response: token ids in, token ids + per-token log-probs out (and, from an
-    engine asked for them, the experts a mixture-of-experts model routed each position to)."""
+    """One generated response: token ids in, token ids + per-token log-probs out."""
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" | "length" | "abort"
     weight_version: int
     routed_experts: RoutedExperts | None = None
-    """``[len(prompt) + len(token_ids) - 1, layers, k]`` (``types.RoutedExperts``); ``None``
-    unless the engine was built to return routes."""
+    """A mixture-of-experts engine asked for routes: the experts of every position of
+    prompt + response but the last (``types.RoutedExperts``); ``None`` otherwise."""
 
 
 class RolloutEngine(ABC):

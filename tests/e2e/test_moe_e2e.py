@@ -11,7 +11,9 @@ need three cores; its batch in flight keeps the samples' routes through the chec
 (``tests/unit/test_async_rollout.py``).
 
 1. The uninterrupted run: 4 steps; the engine's log-probs of the samples equal the trainer's
-   ``old`` pass (the experts' weights reach the engine after every step and at the reset).
+   ``old`` pass (the experts' weights reach the engine after every step and at the reset);
+   with ``trainer.moe.routing_replay: r3`` (the config's) the engine's routes reach the
+   trainer (its routing agreement with them is logged every step).
 2. ``kill -9`` of the run's process group once step 2's checkpoint is committed (its
    ``meta.json``: a file, not a clock); ``--resume auto`` gives every non-timing metric of
    the uninterrupted run.
@@ -26,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_armor.config.moe import wants_engine_routes
 from megatron_armor.observability.metrics import read_metrics, without_wall_clock
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -75,6 +78,8 @@ def test_moe_run_with_expert_parallelism_then_kill_9_and_exact_resume(
         assert lines[step]["rollout/anchor_logprob_absdiff_max"] <= 1e-3, step
     config = load_config(str(moe_uninterrupted / "config.yaml"), [])
     assert (config.trainer.ep, config.trainer.world_size) == (2, 2)
+    if wants_engine_routes(config):  # the engine's routes reached the trainer's old pass
+        assert all("moe/route_agree_policy" in lines[s] for s in (1, 2, 3, 4))
     assert [r["reset/performed"] for r in map(lines.get, (1, 2, 3, 4))] == [0.0, 1.0, 0.0, 1.0]
 
     first = moe_run(out_dir, "moe_killed", tiny_moe_dir)
