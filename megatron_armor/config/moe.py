@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from megatron_armor.config.model_overrides import read_hf_config
+from megatron_armor.config.rollout_traits import BACKEND_TRAITS
 
 MOE_ARCHITECTURES = ("qwen3_moe",)
 """HF ``model_type`` values with mixture-of-experts layers that the trainer implements."""
@@ -142,8 +143,9 @@ def engine_route_problems(config) -> Iterator[str]:
     registers the host buffer of ``--enable-return-routed-experts`` with CUDA
     (``cudaHostRegister``), so such a server exits at start-up without a GPU; refused at load
     instead (docs/rollout.md, "Routed experts")."""
-    if config.rollout.backend != "sglang" or config.orchestration.layout != "cpu":
-        return
+    backend = BACKEND_TRAITS.get(config.rollout.backend)
+    if backend is None or not backend.serves_over_http or config.orchestration.layout != "cpu":
+        return  # an unknown backend is named by the names check
     if wants_engine_routes(config):
         yield (
             f"trainer.moe.routing_replay={config.trainer.moe.routing_replay} with "

@@ -23,7 +23,14 @@ from megatron_armor.config.benchmarks import check_benchmark_names, check_watche
 from megatron_armor.config.fields import SECTION_CHECKS, bound
 from megatron_armor.config.model_overrides import read_hf_config
 from megatron_armor.config.moe import engine_route_problems, expert_layout_problems
+from megatron_armor.config.rollout_traits import (
+    BACKEND_TRAITS,
+    REFERENCE_TRAITS,
+    STRATEGIES,
+    reference_strategy,
+)
 from megatron_armor.config.schema import ArmorConfig, TrainerConfig
+from megatron_armor.config.sglang_pools import pool_problems
 from megatron_armor.config.world_size import world_size_problems
 
 Problems = Iterator[str]
@@ -49,21 +56,15 @@ CHOICES: dict[str, tuple[str, ...]] = {
 
 
 def rollout_choices() -> dict[str, tuple[str, ...]]:
-    """``rollout.backend`` and ``rollout.ref_strategy`` names, read from their registries
-    (``rollout/backends.py``, ``rollout/reference.py``; imported here, as rollout imports
-    config)."""
-    from megatron_armor.rollout.backends import BACKENDS
-    from megatron_armor.rollout.reference import STRATEGIES
-
-    return {"rollout.backend": tuple(BACKENDS), "rollout.ref_strategy": STRATEGIES}
+    """``rollout.backend`` and ``rollout.ref_strategy`` names, read from their trait tables
+    (``config/rollout_traits.py``; rollout maps the same names to builders)."""
+    return {"rollout.backend": tuple(BACKEND_TRAITS), "rollout.ref_strategy": STRATEGIES}
 
 
 def serves_over_http(config: ArmorConfig) -> bool:
     """Whether ``rollout.backend`` runs server pools (``rollout.sglang.*``); ``False`` for an
     unknown name (named by :func:`check_names`)."""
-    from megatron_armor.rollout.backends import BACKENDS
-
-    backend = BACKENDS.get(config.rollout.backend)
+    backend = BACKEND_TRAITS.get(config.rollout.backend)
     return backend is not None and backend.serves_over_http
 
 
@@ -223,10 +224,8 @@ def _divisor_hint(n: int, near: int) -> int:
 
 def check_reference_serving(config: ArmorConfig) -> Problems:
     """``anchor_source`` and ``ref_strategy`` agree (docs/algorithm.md, anchor rollout)."""
-    from megatron_armor.rollout.reference import REFERENCE_STRATEGIES
-
     a, r = config.algo, config.rollout
-    served = REFERENCE_STRATEGIES.get(r.ref_strategy)
+    served = REFERENCE_TRAITS.get(r.ref_strategy)
     source = registry.ANCHOR_SOURCES.get(a.anchor_source)
     if a.anchor not in registry.ANCHOR_MODES or served is None or source is None:
         return  # named by check_names
@@ -285,14 +284,12 @@ def check_reference_first(config: ArmorConfig) -> Problems:
 
 
 def check_sglang_reference(config: ArmorConfig) -> Problems:
-    """The SGLang pools (``rollout.sglang.pools``) fit the rollout GPUs, and the weight
+    """The SGLang pools (``config.sglang_pools``) fit the rollout GPUs, and the weight
     transport reaches the servers: ``tensor`` shares CUDA memory, so the servers must sit on
     the trainer's GPUs; ``distributed`` opens an NCCL group, which takes one rank per GPU, so
     the servers must not (docs/weight-sync.md). Every transport serves every reference strategy
     (the trainer ranks push the reference into the reference pool, or swap it into the policy
     servers)."""
-    from megatron_armor.rollout.sglang.pools import pool_problems
-
     r = config.rollout
     if not serves_over_http(config):
         return
@@ -359,8 +356,6 @@ def swaps_reference_into_policy_servers(config: ArmorConfig) -> bool:
     """Whether reference samples come from the SGLang policy servers with the reference pushed
     into them around each reference call (``ref_strategy: swap`` without a reference pool;
     ``orchestration/actors/weight_sync.py``). ``False`` for an unknown name (:func:`check_names`)."""
-    from megatron_armor.rollout.reference import reference_strategy
-
     if not serves_over_http(config):
         return False
     try:

@@ -23,6 +23,7 @@ import math
 from dataclasses import dataclass, field
 
 from megatron_armor.config.schema import ArmorConfig
+from megatron_armor.config.sglang_pools import PoolSpec, pool_specs
 from megatron_armor.planner.memory import (
     RUNTIME_BYTES,
     EngineShape,
@@ -35,7 +36,6 @@ from megatron_armor.planner.memory import (
 from megatron_armor.planner.model import ModelDims, load_model_dims, with_padded_vocab
 from megatron_armor.planner.rules import Finding, LayoutSpec, check_layout
 from megatron_armor.rollout.backends import backend_of
-from megatron_armor.rollout.sglang.pools import PoolSpec, pool_specs
 
 USABLE_FRACTION = 0.95
 """Share of GPU memory a plan may use (allocator fragmentation, stray buffers)."""

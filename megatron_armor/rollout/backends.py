@@ -1,8 +1,10 @@
-"""``rollout.backend``: the one map from backend names to engine builders and their traits.
+"""``rollout.backend``: the one map from backend names to engine builders.
 
 Adding a backend is an engine class implementing :class:`~megatron_armor.rollout.protocol.RolloutEngine`,
-a builder function here and one :data:`BACKENDS` line (docs/architecture.md, where to add X).
-The traits answer what the rest of the code asks of a backend, so no call site tests its name.
+a builder function here, one :data:`BACKENDS` line and its traits in
+``config/rollout_traits.py`` (docs/architecture.md, where to add X). The traits answer what the
+rest of the code asks of a backend, so no call site tests its name; config validation reads
+them without importing rollout.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from megatron_armor.algo.registry import lookup
+from megatron_armor.config.rollout_traits import BACKEND_TRAITS, BackendTraits
 from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.rollout.protocol import RolloutEngine
 
@@ -21,19 +24,21 @@ ServerSlots = list[tuple[int, int]]
 
 @dataclass(frozen=True)
 class RolloutBackend:
-    """One ``rollout.backend``: how a rollout worker builds its engine, and what it runs.
+    """One ``rollout.backend``: how a rollout worker builds its engine (``build``), and what it
+    runs (``traits``, :class:`~megatron_armor.config.rollout_traits.BackendTraits`)."""
 
-    ``serves_over_http``: the engine is a pool of server processes on their own GPUs, reached
-    over HTTP (``rollout.sglang.*``): the placement reserves GPU bundles for the servers, the
-    trainer ranks push weights to them (``rollout.sglang.weight_transport``), dead servers are
-    restarted (``health_check_every``), a reference pool may be started, and start-up waits
-    for every server's health. ``False``: the engine lives in the worker's process and takes
-    weights through it.
-    """
-
-    name: str
+    traits: BackendTraits
     build: Callable[[ArmorConfig, str, str, ServerSlots | None], RolloutEngine]
-    serves_over_http: bool
+
+    @property
+    def name(self) -> str:
+        return self.traits.name
+
+    @property
+    def serves_over_http(self) -> bool:
+        """Whether the engine is a pool of server processes reached over HTTP
+        (:class:`~megatron_armor.config.rollout_traits.BackendTraits`)."""
+        return self.traits.serves_over_http
 
 
 def _torch_engine(
@@ -93,10 +98,10 @@ def _sglang_engine(
 
 
 BACKENDS: dict[str, RolloutBackend] = {
-    "torch": RolloutBackend("torch", _torch_engine, serves_over_http=False),
-    "sglang": RolloutBackend("sglang", _sglang_engine, serves_over_http=True),
+    "torch": RolloutBackend(BACKEND_TRAITS["torch"], _torch_engine),
+    "sglang": RolloutBackend(BACKEND_TRAITS["sglang"], _sglang_engine),
 }
-"""``rollout.backend`` (docs/rollout.md)."""
+"""``rollout.backend`` (docs/rollout.md): the names of ``BACKEND_TRAITS``, each with its builder."""
 
 
 def get_backend(name: str) -> RolloutBackend:

@@ -26,11 +26,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
-from typing import NamedTuple
 
 import torch
 
-from megatron_armor.algo.registry import get_anchor_source, lookup
+from megatron_armor.config.rollout_traits import REFERENCE_TRAITS, STRATEGIES, ReferenceTraits
 from megatron_armor.rollout.protocol import GenerationOutput, RolloutEngine, SamplingParams
 from megatron_armor.types import RoutedExperts
 
@@ -300,50 +299,16 @@ class CachedReferenceSampler(ReferenceSampler):
 
 @dataclass(frozen=True)
 class ReferenceStrategy:
-    """One ``rollout.ref_strategy`` (or ``none``, no anchors): how its sampler is built and
-    what it asks of the weights.
+    """One ``rollout.ref_strategy`` (or ``none``, no anchors): how its sampler is built
+    (``build``) and what it asks of the weights (``traits``,
+    :class:`~megatron_armor.config.rollout_traits.ReferenceTraits`: ``fill``,
+    ``caches_anchors``, ``swaps_into_policy``).
 
-    ``build(engine, weights_fn, ref_engine, cache_fill, ref_version)`` makes the sampler;
-    ``fill``: the strategy that draws fresh reference samples (itself, or the anchor cache's
-    inner sampler); ``caches_anchors``: samples are reused until the next reset;
-    ``swaps_into_policy``: the reference is loaded into the policy engine around each call
-    (two weight loads per step, no second weight set).
+    ``build(engine, weights_fn, ref_engine, cache_fill, ref_version)`` makes the sampler.
     """
 
-    name: str
+    traits: ReferenceTraits
     build: Callable[..., ReferenceSampler]
-    fill: str
-    caches_anchors: bool = False
-    swaps_into_policy: bool = False
-
-
-class ReferencePlan(NamedTuple):
-    """``rollout.ref_strategy`` with ``algo.anchor_source`` resolved: the sampler to build
-    (``strategy``) and the one drawing its fresh samples (``cache_fill``)."""
-
-    strategy: str
-    cache_fill: str
-
-    @property
-    def caches_anchors(self) -> bool:
-        """Whether anchors are drawn once per reference period and reused (the anchor cache)."""
-        return REFERENCE_STRATEGIES[self.strategy].caches_anchors
-
-    @property
-    def swaps_into_policy(self) -> bool:
-        """Whether fresh reference samples come from the policy engine with the reference
-        swapped in (``swap``), rather than from a weight set of their own (``dedicated``)."""
-        return REFERENCE_STRATEGIES[self.cache_fill].swaps_into_policy
-
-
-def reference_strategy(ref_strategy: str, anchor_source: str) -> ReferencePlan:
-    """The :class:`ReferencePlan` of the two settings: ``algo.anchor_source: cache`` wraps
-    ``rollout.ref_strategy`` (``swap`` | ``dedicated``) in the anchor cache; ``ref_strategy:
-    cache`` fills misses with ``dedicated`` (docs/algorithm.md, anchor rollout)."""
-    served = lookup(REFERENCE_STRATEGIES, ref_strategy, "rollout.ref_strategy")
-    if get_anchor_source(anchor_source).reuses_anchors or served.caches_anchors:
-        return ReferencePlan("cache", served.fill)
-    return ReferencePlan(ref_strategy, served.fill)
 
 
 def _no_reference(engine, weights_fn, ref_engine, cache_fill, ref_version) -> ReferenceSampler:
@@ -366,7 +331,7 @@ def _dedicated(engine, weights_fn, ref_engine, cache_fill, ref_version) -> Refer
 
 
 def _cache(engine, weights_fn, ref_engine, cache_fill, ref_version) -> ReferenceSampler:
-    filled_by = REFERENCE_STRATEGIES.get(cache_fill)
+    filled_by = REFERENCE_TRAITS.get(cache_fill)
     if filled_by is not None and filled_by.caches_anchors:
         raise ValueError(f"reference cache_fill must be 'swap' or 'dedicated', not {cache_fill!r}")
     inner = make_reference_sampler(
@@ -376,16 +341,13 @@ def _cache(engine, weights_fn, ref_engine, cache_fill, ref_version) -> Reference
 
 
 REFERENCE_STRATEGIES: dict[str, ReferenceStrategy] = {
-    "none": ReferenceStrategy("none", _no_reference, fill="none"),
-    "swap": ReferenceStrategy("swap", _swap, fill="swap", swaps_into_policy=True),
-    "dedicated": ReferenceStrategy("dedicated", _dedicated, fill="dedicated"),
-    "cache": ReferenceStrategy("cache", _cache, fill="dedicated", caches_anchors=True),
+    "none": ReferenceStrategy(REFERENCE_TRAITS["none"], _no_reference),
+    "swap": ReferenceStrategy(REFERENCE_TRAITS["swap"], _swap),
+    "dedicated": ReferenceStrategy(REFERENCE_TRAITS["dedicated"], _dedicated),
+    "cache": ReferenceStrategy(REFERENCE_TRAITS["cache"], _cache),
 }
-"""Every sampler :func:`make_reference_sampler` builds; all but ``none`` are
-``rollout.ref_strategy`` names (:data:`STRATEGIES`)."""
-
-STRATEGIES = tuple(name for name in REFERENCE_STRATEGIES if name != "none")
-"""The ``rollout.ref_strategy`` names (``none``: no anchors, versions only)."""
+"""Every sampler :func:`make_reference_sampler` builds: the names of ``REFERENCE_TRAITS``, each
+with its builder; all but ``none`` are ``rollout.ref_strategy`` names (``STRATEGIES``)."""
 
 
 def make_reference_sampler(

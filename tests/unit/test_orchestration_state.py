@@ -17,6 +17,7 @@ import torch
 from megatron_armor.algo.losses import needs_reference_logprobs
 from megatron_armor.config import load_config
 from megatron_armor.config.schema import ArmorConfig
+from megatron_armor.config.sglang_pools import pool_problems
 from megatron_armor.config.validate import (
     find_problems,
     groups_per_update,
@@ -38,7 +39,6 @@ from megatron_armor.orchestration.run.run_state import EXIT_REQUEUE, RunState, S
 from megatron_armor.orchestration.run.session import Session
 from megatron_armor.orchestration.step.phases import minibatch_sample_ids
 from megatron_armor.orchestration.step.step_metrics import reduce_update_metrics
-from megatron_armor.rollout.sglang.pools import pool_problems
 from megatron_armor.types import Group, Sample
 
 pytestmark = pytest.mark.unit

@@ -8,14 +8,13 @@ import io
 import pytest
 import torch
 
+from megatron_armor.config.rollout_traits import STRATEGIES, reference_strategy
 from megatron_armor.rollout.protocol import GenerationOutput, SamplingParams
 from megatron_armor.rollout.reference import (
-    STRATEGIES,
     CachedReferenceSampler,
     ReferenceSampler,
     SwapReferenceSampler,
     make_reference_sampler,
-    reference_strategy,
 )
 from megatron_armor.rollout.torch_engine import TorchEngine
 

@@ -20,7 +20,9 @@ from typing import Any
 import torch
 
 from megatron_armor.algo.registry import get_anchor_mode
+from megatron_armor.config.rollout_traits import reference_strategy
 from megatron_armor.config.schema import ArmorConfig
+from megatron_armor.config.sglang_pools import uses_ref_pool
 from megatron_armor.orchestration.actors.call_watch import WATCH, kill_on_node, start_actor
 from megatron_armor.orchestration.actors.placement import (
     LayoutPlan,
@@ -38,8 +40,6 @@ from megatron_armor.orchestration.actors.workers import (
 from megatron_armor.reward.scorer import answers_of
 from megatron_armor.rollout.backends import backend_of
 from megatron_armor.rollout.protocol import GenerationOutput, RolloutEngine, SamplingParams
-from megatron_armor.rollout.reference import reference_strategy
-from megatron_armor.rollout.sglang.pools import uses_ref_pool
 from megatron_armor.types import Sample, TrainBatch
 
 

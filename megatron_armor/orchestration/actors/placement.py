@@ -7,7 +7,7 @@
 - ``disaggregated``: ``trainer.world_size`` bundles for the trainer plus
   ``orchestration.rollout_gpus`` bundles for the engines.
 
-With ``rollout.backend: sglang`` the SGLang servers (``rollout.sglang.pools``: the policy
+With ``rollout.backend: sglang`` the SGLang servers (``config.sglang_pools``: the policy
 servers and, for a dedicated reference, the reference servers) are launched as subprocesses by
 one rollout worker per node that holds any of them (a CPU actor placed in the bundle of that
 node's first server, :func:`server_owner_options`, so that Ray leaves ``CUDA_VISIBLE_DEVICES``
@@ -101,7 +101,7 @@ def plan_layout(config: ArmorConfig) -> LayoutPlan:
     plan = _plan_bundles(config)
     plan.nodes = config.orchestration.nodes
     if backend_of(config).serves_over_http and plan.layout != "cpu":
-        from megatron_armor.rollout.sglang.pools import pool_specs
+        from megatron_armor.config.sglang_pools import pool_specs
 
         first = plan.trainer_ranks if plan.layout == "disaggregated" else 0
         specs = pool_specs(config)

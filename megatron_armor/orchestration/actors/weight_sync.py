@@ -30,9 +30,9 @@ import time
 from collections.abc import Iterator
 
 from megatron_armor.algo.registry import get_anchor_mode
+from megatron_armor.config.rollout_traits import reference_strategy
 from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.rollout.backends import backend_of
-from megatron_armor.rollout.reference import reference_strategy
 
 Servers = dict[int, list[int]]
 """``{rollout worker: [server index]}``: a subset of a pool's servers (a heal)."""
@@ -296,7 +296,7 @@ class TensorSync(SessionSync):
     transport = "tensor"
 
     def _stream(self, version: int, weights: str, pool: str, servers: Servers | None) -> int:
-        from megatron_armor.rollout.sglang.pools import pool_specs
+        from megatron_armor.config.sglang_pools import pool_specs
         from megatron_armor.trainer.weight_sync import ServerTarget
 
         spec = pool_specs(self.config)[pool]

@@ -34,8 +34,8 @@ from megatron_armor.rollout.protocol import GenerationOutput, SamplingParams
 from megatron_armor.types import NamedTensorList, Sample, SampleSource
 
 if TYPE_CHECKING:
+    from megatron_armor.config.rollout_traits import ReferencePlan
     from megatron_armor.reward.scorer import Answer
-    from megatron_armor.rollout.reference import ReferencePlan
 
 NamedTensors = list[tuple[str, torch.Tensor]]
 
@@ -354,7 +354,7 @@ class RolloutWorker(Watched):
 
     For ``rollout.ref_strategy: swap`` the worker keeps CPU copies of the last pushed policy
     and reference tensors, which the swap sampler loads around each reference generation.
-    With SGLang and a dedicated reference (``rollout.sglang.pools``) the worker also owns the
+    With SGLang and a dedicated reference (``config.sglang_pools``) the worker also owns the
     reference pool (``ref_engine``), launched once the policy servers are healthy.
     """
 
@@ -372,7 +372,7 @@ class RolloutWorker(Watched):
         enable_worker_nvtx(config)
         import ray
 
-        from megatron_armor.rollout.sglang.pools import uses_ref_pool
+        from megatron_armor.config.sglang_pools import uses_ref_pool
 
         device = "cuda" if ray.get_gpu_ids() and torch.cuda.is_available() else "cpu"
         wanted_ref = uses_ref_pool(config)  # an SGLang reference pool
@@ -390,7 +390,8 @@ class RolloutWorker(Watched):
         freeze_heap()
 
     def _start(self, config, device: str, pools: list[str], servers, wanted_ref: bool) -> None:
-        from megatron_armor.rollout.reference import ReferencePlan, make_reference_sampler
+        from megatron_armor.config.rollout_traits import ReferencePlan
+        from megatron_armor.rollout.reference import make_reference_sampler
 
         backend = backend_of(config)
         for pool in pools:
@@ -659,8 +660,8 @@ class RolloutWorker(Watched):
 
 def reference_strategy(config: ArmorConfig) -> ReferencePlan:
     """``(strategy, cache_fill)`` of ``rollout.ref_strategy`` and ``algo.anchor_source``
-    (``rollout.reference.reference_strategy``)."""
-    from megatron_armor.rollout.reference import reference_strategy as strategy_of
+    (``config.rollout_traits.reference_strategy``)."""
+    from megatron_armor.config.rollout_traits import reference_strategy as strategy_of
 
     return strategy_of(config.rollout.ref_strategy, config.algo.anchor_source)
 

@@ -131,9 +131,9 @@ def driver_swaps(config) -> bool:
     """Whether the driver swaps the reference weights into the SGLang policy servers around
     each reference call (``ref_strategy: swap`` without a reference pool,
     ``orchestration/actors/weight_sync.py``)."""
+    from megatron_armor.config.rollout_traits import reference_strategy
+    from megatron_armor.config.sglang_pools import uses_ref_pool
     from megatron_armor.rollout.backends import backend_of
-    from megatron_armor.rollout.reference import reference_strategy
-    from megatron_armor.rollout.sglang.pools import uses_ref_pool
 
     served = reference_strategy(config.rollout.ref_strategy, config.algo.anchor_source)
     swaps = backend_of(config).serves_over_http and served.swaps_into_policy
@@ -166,7 +166,7 @@ def prefetches_reference(config) -> bool:
 def caches_anchors(config) -> bool:
     """Whether reference samples come through the anchor cache (``algo.anchor_source: cache``
     or ``rollout.ref_strategy: cache``) in a run that draws them."""
-    from megatron_armor.rollout.reference import reference_strategy
+    from megatron_armor.config.rollout_traits import reference_strategy
 
     strategy, _ = reference_strategy(config.rollout.ref_strategy, config.algo.anchor_source)
     return strategy == "cache" and get_anchor_mode(config.algo.anchor).draws_reference

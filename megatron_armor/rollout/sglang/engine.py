@@ -5,7 +5,7 @@ and rejoins once the trainer re-synced its weights (``orchestration/actors/weigh
 An SGLang server holds one weight set (``policy``). The reference is served by
 ``ref_strategy: swap`` (reload the same servers) or ``dedicated`` (a second
 ``SGLangEngine`` pool, ``from_config(config, pool="ref")``, whose ``policy`` set holds
-``theta_ref``), see ``rollout.reference`` and ``rollout.sglang.pools``.
+``theta_ref``), see ``rollout.reference`` and ``config.sglang_pools``.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 
 from megatron_armor.config.moe import route_shape, wants_engine_routes
 from megatron_armor.config.schema import ArmorConfig, SGLangConfig
+from megatron_armor.config.sglang_pools import PoolSpec, policy_pool, pool_specs
 from megatron_armor.heartbeat import beat
 from megatron_armor.rollout.hf_dir import save_hf_dir
 from megatron_armor.rollout.protocol import GenerationOutput, RolloutEngine, SamplingParams
@@ -41,7 +42,6 @@ from megatron_armor.rollout.sglang.client import (
     sample_seed,
     update_weights_from_disk_payload,
 )
-from megatron_armor.rollout.sglang.pools import PoolSpec, policy_pool, pool_specs
 from megatron_armor.rollout.sglang.router import RouterAdmin
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
@@ -146,7 +146,7 @@ class SGLangEngine(RolloutEngine):
         start: bool = True,
         indices: list[int] | None = None,
     ) -> SGLangEngine:
-        """The ``pool`` (``policy`` | ``ref``) of ``rollout.sglang.pools.pool_specs(config)``
+        """The ``pool`` (``policy`` | ``ref``) of ``config.sglang_pools.pool_specs(config)``
         (its servers ``indices`` on GPUs ``gpu_ids`` of this node, ``host`` its address),
         launched unless ``start`` is false (``orchestration.layout: colocated`` turns on SGLang's
         memory saver so ``release_memory`` works); disk updates go under the run dir, one

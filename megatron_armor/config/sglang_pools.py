@@ -18,7 +18,8 @@ shared GPUs their flag is ``share / (1 - policy_fraction)`` to claim ``share`` o
 Servers may sit on several nodes (one rollout worker per node launches that node's servers,
 ``orchestration/actors/placement.py``); a server's ``tp`` GPUs are on one node.
 
-Pure config arithmetic: no SGLang, no Ray, so the validator and the planner use it too.
+Pure config arithmetic: no SGLang, no Ray, so the validator, the planner, the placement and
+the SGLang engine (``rollout/sglang/engine.py``) all read the pools from here.
 """
 
 from __future__ import annotations
@@ -26,9 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_armor.algo.registry import get_anchor_mode
+from megatron_armor.config.rollout_traits import backend_traits, reference_strategy
 from megatron_armor.config.schema import ArmorConfig, SGLangConfig
-from megatron_armor.rollout.backends import backend_of
-from megatron_armor.rollout.reference import reference_strategy
 
 POOLS = ("policy", "ref")
 COLOCATED_REF_SHARE = 0.2
@@ -66,7 +66,8 @@ def uses_ref_pool(config: ArmorConfig) -> bool:
     """Whether the run starts SGLang reference servers (``dedicated``, directly or as the
     anchor cache's fill, with anchors on)."""
     r, a = config.rollout, config.algo
-    if not backend_of(config).serves_over_http or not get_anchor_mode(a.anchor).draws_reference:
+    over_http = backend_traits(r.backend).serves_over_http
+    if not over_http or not get_anchor_mode(a.anchor).draws_reference:
         return False
     # ``dedicated`` itself, or the cache filled by it
     return not reference_strategy(r.ref_strategy, a.anchor_source).swaps_into_policy
@@ -128,7 +129,8 @@ def pool_specs(config: ArmorConfig) -> dict[str, PoolSpec]:
 
 def pool_problems(config: ArmorConfig) -> list[str]:
     """What makes the pools impossible, each naming the settings and the fix."""
-    if not backend_of(config).serves_over_http or config.orchestration.layout == "cpu":
+    over_http = backend_traits(config.rollout.backend).serves_over_http
+    if not over_http or config.orchestration.layout == "cpu":
         return []
     sg, o = config.rollout.sglang, config.orchestration
     specs = pool_specs(config)
