@@ -86,6 +86,24 @@ def test_flops_count_the_active_experts_only():
     assert matmul_params(big) < big.active_params() < big.total_params() / 9
 
 
+def test_mfu_of_a_moe_run_is_measured_by_its_active_experts(tmp_path):
+    """The run's meter reads the model's config.json: a Qwen3-MoE's MFU counts the router
+    and k of the E experts per token (``matmul_params``, checked by hand above)."""
+    import json
+
+    from megatron_armor.observability.throughput import ThroughputMeter
+    from megatron_armor.planner.model import load_model_dims
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    dims = load_model_dims(str(tmp_path))
+    meter = ThroughputMeter(dims=dims, num_gpus=1, peak_tflops_per_gpu=1e-9)
+    meter.add_train(seq_lens=[5, 5], seconds=1.0)
+    mfu = meter.pop_metrics()["perf/mfu"]
+    per_token = 2 * matmul_params(dims)  # forward, then x3 for forward + backward
+    attention = 2 * 2 * 2 * 4 * 5 * 6
+    assert mfu == pytest.approx(3 * 2 * (5 * per_token + attention) / 1e3)
+
+
 @pytest.mark.parametrize(
     "ep, etp, dp, expert_dp",
     [(1, 1, 4, 4), (2, 1, 4, 2), (2, 2, 4, 1), (4, 1, 4, 1)],
