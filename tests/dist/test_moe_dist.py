@@ -16,11 +16,11 @@
   HF tensors the trainer exported;
 - expert tensor parallelism apart from TP: TP=1, EP=2, ETP=2 on four ranks (each expert's MLP
   split over two ranks that are data parallel for attention; run beside the resume): logits
-  equal transformers', the export is exact and the two updates equal the single-process ones;
-  TP=2, EP=2, ETP=1 on two ranks (every expert whole on its EP rank; forward passes only:
-  megatron-core trains MoE layers under TP only with sequence parallelism, which needs Apex
-  on CPU; run beside EP=2): logits equal transformers', the export is exact, the log-probs
-  equal the single process's.
+  equal transformers', the export is exact, the two updates equal the single-process ones and
+  ``armor convert --to-hf`` reshards its checkpoint exactly; TP=2, EP=2, ETP=1 on two ranks
+  (every expert whole on its EP rank; forward passes only: megatron-core trains MoE layers
+  under TP only with sequence parallelism, which needs Apex on CPU; run beside EP=2): logits
+  equal transformers', the export is exact, the log-probs equal the single process's.
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ def test_expert_parallel_matches_hf_single_process_and_resumes(hf_logits, moe_mo
     assert abs(run["m3"]["loss/grad_norm"] - single["m3"]["loss/grad_norm"]) > 10 * LOSS_TOL
     assert_forward_matches(results("forward", tp2), single, hf_logits, moe_model)
     assert_resume_and_convert(run, moe_model, ep2, etp2)
-    assert_etp2_trains(results("run", etp2), single, hf_logits, moe_model)
+    assert_etp2_trains(etp2, single, hf_logits, moe_model)
 
 
 def assert_forward_matches(ranks: list[dict], single: dict, hf_logits, moe_model) -> None:
@@ -168,9 +168,11 @@ def assert_forward_matches(ranks: list[dict], single: dict, hf_logits, moe_model
     torch.testing.assert_close(ranks[0]["lp0"], single["lp0"], atol=LOGPROB_TOL, rtol=0)
 
 
-def assert_etp2_trains(ranks: list[dict], single: dict, hf_logits, moe_model) -> None:
+def assert_etp2_trains(etp2: str, single: dict, hf_logits, moe_model) -> None:
     """TP=1, EP=2, ETP=2: each expert's MLP split over two (attention data-parallel) ranks;
-    the logits, the export and two updates match the single process."""
+    the logits, the export and two updates match the single process; its checkpoint
+    converts to the HF tensors it exported."""
+    ranks = results("run", etp2)
     assert_forward_matches(ranks, single, hf_logits, moe_model)
     for step in ("m1", "m2"):
         assert_same_metrics(ranks[0][step], single[step])
@@ -178,6 +180,27 @@ def assert_etp2_trains(ranks: list[dict], single: dict, hf_logits, moe_model) ->
         for k, v in single[step].items():
             torch.testing.assert_close(ranks[0][step][k], v, atol=WEIGHT_TOL, rtol=0)
     assert_aux_loss_update(ranks[0])
+    assert_converts(etp2, moe_model, ranks[0]["w1"])
+
+
+def convert_command(run_dir: str, moe_model: str) -> list[str]:
+    """``armor convert --to-hf`` of ``run_dir/ckpt`` in one process (fp32, into ``hf``)."""
+    return [sys.executable, "-m", "megatron_armor.cli", "convert", "--to-hf",
+            os.path.join(run_dir, "ckpt"), "--model", moe_model,
+            "--out", os.path.join(run_dir, "hf"), "--precision", "fp32"]  # fmt: skip
+
+
+def assert_converts(run_dir: str, moe_model: str, weights: dict) -> None:
+    """One process reshards the checkpoint of ``run_dir`` into exactly ``weights``."""
+    from safetensors.torch import load_file
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    log = os.path.join(run_dir, "convert_log.txt")
+    run_rank_processes([convert_command(run_dir, moe_model)], [log], env, TIMEOUT_S)
+    converted = load_file(os.path.join(run_dir, "hf", "model.safetensors"))
+    assert sorted(converted) == sorted(weights)
+    for k, v in weights.items():
+        assert torch.equal(converted[k], v), k
 
 
 def assert_resume_and_convert(run: dict, moe_model: str, ep2: str, etp2: str) -> None:
@@ -187,9 +210,7 @@ def assert_resume_and_convert(run: dict, moe_model: str, ep2: str, etp2: str) ->
     from safetensors.torch import load_file
 
     out = os.path.join(ep2, "hf")
-    convert = [sys.executable, "-m", "megatron_armor.cli", "convert", "--to-hf",
-               os.path.join(ep2, "ckpt"), "--model", moe_model, "--out", out,
-               "--precision", "fp32"]  # fmt: skip
+    convert = convert_command(ep2, moe_model)
     launch([("resume", ep2, moe_model, EP2, 2), ("run", etp2, moe_model, ETP2, 4)], [convert])
     resumed = results("resume", ep2)[0]
     for step in ("w1", "w2"):
