@@ -155,6 +155,19 @@ def test_the_example_config_fits_4x8_h100_with_the_experts_over_ep8():
     assert "3.35 B active" in report and "16 of 128 per EP rank" in report
 
 
+def test_plan_json_gives_total_and_active_parameters(capsys):
+    import json
+
+    from megatron_armor.cli import main as armor_main
+
+    assert armor_main(["plan", str(EXAMPLE), "--model", "qwen3-30b-a3b", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    padded = 152064 - 151936  # vocabulary padded to 128 * tp: rows of the embedding and LM head
+    assert out["parameters"] == 30_532_110_336 + 2 * padded * 2048
+    assert out["active_parameters"] == 3_353_020_416 + 2 * padded * 2048
+    assert out["phases_gib"]["train"]["moe_dispatch"] > 0 and out["fits"]
+
+
 @pytest.mark.parametrize(
     "overrides, setting, words",
     [
