@@ -283,7 +283,14 @@ class TrainerConfig:
     """Virtual pipeline stages per rank (1 = off)."""
     ep: int = 1
     """Expert-parallel size: the experts of each MoE layer are split over ``ep`` ranks
-    (``num_experts % ep == 0``, ``world_size % (tp * ep * pp) == 0``); 1 for a dense model."""
+    (``num_experts % ep == 0``, ``world_size % (etp * ep * pp) == 0``); 1 for a dense model."""
+    etp: Union[int, str] = "auto"  # noqa: UP007 (OmegaConf reads typing.Union)
+    """Expert tensor-parallel size: each expert's weights are split over ``etp`` ranks
+    (``moe_intermediate_size % etp == 0``), apart from ``tp`` (megatron-core's
+    ``expert_tensor_parallel_size``). ``auto``: 1 with ``ep > 1``, as the Qwen3-MoE recipes
+    run (an expert is small, 768 wide in Qwen3-30B-A3B: splitting it only adds collectives),
+    ``tp`` with ``ep = 1`` (megatron-core reduces the experts' gradients right at ``ep = 1``
+    only when ``etp = tp``; ``config/moe.py``)."""
     moe: MoEConfig = field(default_factory=MoEConfig)
     """Mixture-of-experts settings."""
     sequence_parallel: bool = False

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_armor.algo.losses import LossSettings, finalize_metrics
+from megatron_armor.config.moe import expert_tp_size
 from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.config.validate import updates_per_step, validate_runtime
 from megatron_armor.trainer import checkpoint, parallel
@@ -83,7 +84,9 @@ class MegatronTrainer(TrainerInterface):
     ):
         t = config.trainer
         validate_runtime(config)  # the rest of the config was checked at load
-        layout = parallel.ParallelLayout(tp=t.tp, pp=t.pp, cp=t.cp, vpp=t.vpp, ep=t.ep)
+        layout = parallel.ParallelLayout(
+            tp=t.tp, pp=t.pp, cp=t.cp, vpp=t.vpp, ep=t.ep, etp=expert_tp_size(t)
+        )
         parallel.init_parallel(layout, rank, world_size, master_addr, master_port, config.run.seed)
         self.config = config
         self.spec = read_hf_spec(t.model_path, dict(t.model_overrides))

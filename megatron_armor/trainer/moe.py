@@ -69,6 +69,7 @@ def moe_config_fields(moe: MoEShape, trainer: TrainerConfig) -> dict:
         "moe_layer_freq": moe.layer_pattern,
         "moe_grouped_gemm": trainer.transformer_impl == "te",
         "expert_model_parallel_size": parallel.ep_size(),
+        "expert_tensor_parallel_size": parallel.expert_tp_size(),
     }
 
 
