@@ -8,6 +8,9 @@
   loss's coefficient at 0 (the Switch loss is taken per micro-batch, so with it on the
   gradients depend on how the ranks split the batch) and a checkpoint after the first, the
   exported weights after each, then a third update with the loss on.
+  Then routing replay against the embedded engine (:func:`replay`): the routers are set to
+  near-ties, the engine takes the trainer's weights and draws samples with their routes, and
+  the ``old`` pass runs with ``trainer.moe.routing_replay`` ``off`` and ``r3``.
 - ``resume``: a fresh trainer loads ``OUT/ckpt``: its exported weights, then the second update
   again.
 
@@ -28,6 +31,58 @@ from tiny_models import VOCAB, make_batch, perturb  # noqa: E402
 from trainer_worker import full, keep_logits, make_config, oracle_micro_batch  # noqa: E402
 
 AUX_LOSS_COEFF = 0.1
+TIE_EPS = 1e-6
+"""Spread of the near-tied router rows (:func:`near_tie_routers`)."""
+
+
+def near_tie_routers(trainer) -> None:
+    """Every router's rows set to one row plus ``TIE_EPS`` noise (the same on every rank): the
+    experts' scores of a token differ by about the rounding of the router's input, so two
+    implementations (transformers' and megatron-core's layers) route some token-layers
+    differently, as engines and trainers do at scale. The reference copy follows."""
+    from megatron_armor.trainer.hf_weights import unwrap
+
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, param in unwrap(trainer.model).named_parameters():
+            if name.endswith("mlp.router.weight"):
+                noise = TIE_EPS * torch.randn(param.shape, generator=gen)
+                param.copy_(param[:1].expand_as(param) + noise.to(param.dtype))
+    trainer.store.live_changed()
+    trainer.reset_reference()
+
+
+def engine_batch(trainer, model_dir: str):
+    """Two groups of four samples (the last an anchor) drawn by the embedded engine with the
+    trainer's weights, with their routes and log-probs."""
+    from megatron_armor.rollout.protocol import SamplingParams
+    from megatron_armor.rollout.torch_engine import TorchEngine
+    from megatron_armor.types import Group, Sample, SampleSource, pack_groups
+
+    engine = TorchEngine(model_dir, max_batch=8, return_routed_experts=True)
+    engine.update_weights(trainer.export_weights(every_rank=True), 1)
+    params = SamplingParams(temperature=0.9, max_new_tokens=10, seed=3)
+    prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13]]
+    groups = []
+    for g, outs in enumerate(engine.generate(prompts, 4, params)):
+        samples = [
+            Sample(f"q{g}", prompts[g], o.token_ids, o.logprobs, routed_experts=o.routed_experts,
+                   source=SampleSource.REFERENCE if i == 3 else SampleSource.POLICY)
+            for i, o in enumerate(outs)
+        ]  # fmt: skip
+        groups.append(Group(f"q{g}", samples, anchor_index=3, advantages=[1.0, -0.5, -1.5, 1.0]))
+    return pack_groups(groups)
+
+
+def replay(trainer, out: dict, model_dir: str) -> None:
+    """The ``old`` pass on engine samples with routing replay ``off`` and ``r3``."""
+    near_tie_routers(trainer)
+    batch = engine_batch(trainer, model_dir)
+    out["engine_lp"], out["loss_mask"] = batch.engine_logprobs, batch.loss_mask
+    for mode in ("off", "r3"):
+        trainer.config.trainer.moe.routing_replay = mode
+        old, _, metrics = trainer.step_logprobs(batch, with_ref=True, shared=True)
+        out[f"replay_{mode}"] = {"old": old, "metrics": metrics}
 
 
 def moe_config(model_dir: str, ep: int, world: int):
@@ -64,6 +119,7 @@ def run(trainer, out: dict, out_dir: str) -> None:
     out["w2"] = dict(trainer.export_weights())
     trainer.config.trainer.moe.aux_loss_coeff = AUX_LOSS_COEFF
     out["m3"] = trainer.train_step(batch, 1)
+    replay(trainer, out, trainer.config.trainer.model_path)
 
 
 def resume(trainer, out: dict, out_dir: str) -> None:

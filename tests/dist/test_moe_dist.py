@@ -11,6 +11,10 @@
   is in the update: the gradient norms of EP=1 and EP=2, equal without the loss, now differ
   (the Switch loss is taken per micro-batch, and the ranks split the batch differently) while
   the policy-loss metrics of that update still agree;
+- routing replay against the embedded engine (routers at near-ties, the engine holding the
+  trainer's weights): with ``r3`` the ``old`` log-probs equal the engine's within the dense
+  tolerance, with ``off`` some token-layers route differently and the log-probs differ by
+  far more, at EP=1 and EP=2;
 - the EP=2 checkpoint, loaded by fresh processes, restores the weights bit for bit and the
   next update is bit-identical; ``armor convert --to-hf`` (one process) reshards it into the
   HF tensors the trainer exported.
@@ -138,7 +142,22 @@ def test_expert_parallel_matches_hf_single_process_and_resumes(hf_logits, moe_mo
     for k, v in policy_metrics.items():
         assert run["m3"][k] == pytest.approx(v, abs=LOSS_TOL, rel=LOSS_TOL), k
     assert abs(run["m3"]["loss/grad_norm"] - single["m3"]["loss/grad_norm"]) > 10 * LOSS_TOL
+    for result in (single, run):
+        assert_replay(result)
     assert_resume_and_convert(run, moe_model, ep2)
+
+
+def assert_replay(result: dict) -> None:
+    """``r3`` reproduces the engine's log-probs (policy samples and anchors: the reference is
+    the policy here, so the anchors replay the reference engine's routes); ``off`` does not,
+    and its routing agreement shows why."""
+    mask = result["loss_mask"] > 0
+    engine = result["engine_lp"][mask]
+    r3, off = result["replay_r3"], result["replay_off"]
+    torch.testing.assert_close(r3["old"][mask], engine, atol=LOGPROB_TOL, rtol=0)
+    assert (off["old"][mask] - engine).abs().max() > 100 * LOGPROB_TOL
+    assert 0.5 < off["metrics"]["moe/route_agree_policy"] < 1.0
+    assert off["metrics"]["moe/expert_load_max_mean"] >= 1.0
 
 
 def assert_resume_and_convert(run: dict, moe_model: str, ep2: str) -> None:
