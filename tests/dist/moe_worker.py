@@ -52,14 +52,12 @@ def near_tie_routers(trainer) -> None:
     trainer.reset_reference()
 
 
-def engine_batch(trainer, model_dir: str):
+def engine_batch(trainer, engine):
     """Two groups of four samples (the last an anchor) drawn by the embedded engine with the
     trainer's weights, with their routes and log-probs."""
     from megatron_armor.rollout.protocol import SamplingParams
-    from megatron_armor.rollout.torch_engine import TorchEngine
     from megatron_armor.types import Group, Sample, SampleSource, pack_groups
 
-    engine = TorchEngine(model_dir, max_batch=8, return_routed_experts=True)
     engine.update_weights(trainer.export_weights(every_rank=True), 1)
     params = SamplingParams(temperature=0.9, max_new_tokens=10, seed=3)
     prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13]]
@@ -74,10 +72,10 @@ def engine_batch(trainer, model_dir: str):
     return pack_groups(groups)
 
 
-def replay(trainer, out: dict, model_dir: str) -> None:
+def replay(trainer, out: dict, engine) -> None:
     """The ``old`` pass on engine samples with routing replay ``off`` and ``r3``."""
     near_tie_routers(trainer)
-    batch = engine_batch(trainer, model_dir)
+    batch = engine_batch(trainer, engine)
     out["engine_lp"], out["loss_mask"] = batch.engine_logprobs, batch.loss_mask
     for mode in ("off", "r3"):
         trainer.config.trainer.moe.routing_replay = mode
@@ -102,7 +100,7 @@ def logits(trainer) -> torch.Tensor:
     return outputs[0]["logits"][..., :VOCAB]
 
 
-def run(trainer, out: dict, out_dir: str) -> None:
+def run(trainer, out: dict, out_dir: str, engine) -> None:
     out["logits"] = logits(trainer)
     out["export0"] = dict(trainer.export_weights())
     batch = make_batch()
@@ -119,10 +117,10 @@ def run(trainer, out: dict, out_dir: str) -> None:
     out["w2"] = dict(trainer.export_weights())
     trainer.config.trainer.moe.aux_loss_coeff = AUX_LOSS_COEFF
     out["m3"] = trainer.train_step(batch, 1)
-    replay(trainer, out, trainer.config.trainer.model_path)
+    replay(trainer, out, engine)
 
 
-def resume(trainer, out: dict, out_dir: str) -> None:
+def resume(trainer, out: dict, out_dir: str, engine=None) -> None:
     state = trainer.load_checkpoint(os.path.join(out_dir, "ckpt"))
     out["w1"] = dict(trainer.export_weights())
     batch = make_batch()
@@ -135,10 +133,16 @@ def resume(trainer, out: dict, out_dir: str) -> None:
 if __name__ == "__main__":
     mode, rank, world, port, out_dir, model_dir, ep = sys.argv[1:8]
     rank, world, ep = int(rank), int(world), int(ep)
+    from megatron_armor.rollout.torch_engine import TorchEngine
     from megatron_armor.trainer.megatron_trainer import MegatronTrainer
 
+    # the engine before the trainer: the trainer's CPU mode stands in for torch.cuda names
+    # transformers reads when it loads a model
+    engine = (
+        TorchEngine(model_dir, max_batch=8, return_routed_experts=True) if mode == "run" else None
+    )
     trainer = MegatronTrainer(moe_config(model_dir, ep, world), rank, world, "127.0.0.1", int(port))
     result: dict = {"ep_rank": dist.get_rank()}
-    (run if mode == "run" else resume)(trainer, result, out_dir)
+    (run if mode == "run" else resume)(trainer, result, out_dir, engine)
     torch.save(result, os.path.join(out_dir, f"{mode}_rank{rank}.pt"))
     trainer.close()
