@@ -15,9 +15,12 @@ runs the same seeded steps in a fresh process (one CPU rank, gloo):
 
 Per configuration, averaged over the steps: the mismatch ``k3`` between the engine's and the
 trainer's log-probs (policy samples against ``lp_old``, anchors against ``lp_ref``: the
-``rollout/*_mismatch_k3`` metrics), the clip fraction (low + high) and the anchors' mean ratio
-of the updates, the routing agreement (``moe/route_agree_*``), and the median trainer time
-per step (``step_logprobs`` + ``train_step``).
+``rollout/*_mismatch_k3`` metrics); on anchors, the ``k3`` between ``lp_old`` as the
+configuration scores them and ``lp_old`` under the policy's own routing (an extra, untimed
+pass: how far the anchors' routes take the policy's scores from the function the policy
+runs); the clip fraction (low + high) and the anchors' mean ratio of the updates; the routing
+agreement (``moe/route_agree_*``); the median trainer time per step (``step_logprobs`` +
+``train_step``).
 
     python benchmarks/bench_moe_replay.py [--steps 4] [--prompts 4] [--group 4]
         [--engine-dtype bf16] [--new-tokens 24]
@@ -43,20 +46,27 @@ VOCAB = 256
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=4, help="RL steps per configuration")
+    p.add_argument("--steps", type=int, default=6, help="RL steps per configuration")
     p.add_argument("--prompts", type=int, default=4, help="queries per step")
     p.add_argument("--group", type=int, default=4, help="samples per query (the last an anchor)")
     p.add_argument("--new-tokens", type=int, default=24, help="max response length")
     p.add_argument("--minibatches", type=int, default=2, help="updates per step")
     p.add_argument("--engine-dtype", default="bf16", choices=("bf16", "fp32"))
+    p.add_argument("--lr", type=float, default=1e-2, help="trainer learning rate")
+    p.add_argument(
+        "--tie-eps", type=float, default=0.0,
+        help="> 0: every router's rows set to one row plus this much noise (near-ties: with an "
+        "fp32 engine the only engine/trainer difference left is which experts they pick)",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--model", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
-def make_model(root: str, seed: int) -> str:
-    """A tiny Qwen3-MoE (4 layers, 3 sparse; 8 experts, top-2) with transformers' init."""
+def make_model(root: str, seed: int, tie_eps: float = 0.0) -> str:
+    """A tiny Qwen3-MoE (4 layers, 3 sparse; 8 experts, top-2) with transformers' init (the
+    routers at near-ties with ``tie_eps``)."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     cfg = Qwen3MoeConfig(
@@ -66,18 +76,24 @@ def make_model(root: str, seed: int) -> str:
         max_position_embeddings=256, tie_word_embeddings=False,
     )  # fmt: skip
     torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(cfg)
+    if tie_eps > 0:
+        with torch.no_grad():
+            for name, w in model.named_parameters():
+                if name.endswith("mlp.gate.weight"):
+                    w.copy_(w[:1].expand_as(w) + tie_eps * torch.randn_like(w))
     path = os.path.join(root, "qwen3_moe")
-    Qwen3MoeForCausalLM(cfg).save_pretrained(path)
+    model.save_pretrained(path)
     return path
 
 
-def trainer_config(model: str, mode: str, anchors: str):
+def trainer_config(model: str, mode: str, anchors: str, lr: float):
     from megatron_armor.config.schema import ArmorConfig
 
     cfg = ArmorConfig()
     t = cfg.trainer
     t.model_path, t.world_size, t.precision = model, 1, "fp32"
-    t.lr, t.warmup_steps, t.grad_clip, t.lr_unit = 1e-3, 0, 1.0, "updates"
+    t.lr, t.warmup_steps, t.grad_clip, t.lr_unit = lr, 0, 1.0, "updates"
     t.micro_batch_tokens, t.logprob_chunk = 256, 64
     t.moe.routing_replay, t.moe.anchor_routes = mode, anchors
     cfg.algo.ratio, cfg.algo.group_size, cfg.algo.loss_agg = "mixed", 4, "token-mean"
@@ -116,13 +132,25 @@ def k3(lp_trainer: torch.Tensor, lp_engine: torch.Tensor) -> float:
     return float((log_rho.exp() - 1 - log_rho).mean()) if len(log_rho) else float("nan")
 
 
+def own_routing_logprobs(trainer, batch) -> torch.Tensor:
+    """``lp_old`` with every router's own top-k (``routing_replay: off``): how far the pass's
+    routes move the policy's log-probs of the anchors from its own routing's."""
+    moe = trainer.config.trainer.moe
+    mode, moe.routing_replay = moe.routing_replay, "off"
+    try:
+        own, _, _ = trainer.step_logprobs(batch, with_ref=False, shared=True)
+    finally:
+        moe.routing_replay = mode
+    return own
+
+
 def run_child(args) -> dict:
     """One configuration in this process (module docstring)."""
     from megatron_armor.rollout.torch_engine import TorchEngine
     from megatron_armor.trainer.megatron_trainer import MegatronTrainer
 
     mode, anchors = args.child.split(":")
-    cfg = trainer_config(args.model, mode, anchors)
+    cfg = trainer_config(args.model, mode, anchors, args.lr)
     dtype = torch.bfloat16 if args.engine_dtype == "bf16" else torch.float32
     # the engine first: the trainer's CPU mode stands in for torch.cuda names transformers
     # reads when it loads a model
@@ -138,14 +166,18 @@ def run_child(args) -> dict:
         start = time.perf_counter()
         old, ref, extra = trainer.step_logprobs(batch, with_ref=True, shared=True)
         batch.old_logprobs, batch.ref_logprobs = old, ref
-        metrics = trainer.train_step(batch, args.minibatches)
         elapsed = time.perf_counter() - start
+        own = own_routing_logprobs(trainer, batch)  # untimed: the measurement's own pass
+        start = time.perf_counter()
+        metrics = trainer.train_step(batch, args.minibatches)
+        elapsed += time.perf_counter() - start
         engine.update_weights(trainer.export_weights(), step + 1)
         mask, anchor = batch.loss_mask > 0, batch.is_anchor
         policy = mask & ~anchor
         values = {
             "policy_k3": k3(old[policy], batch.engine_logprobs[policy]),
             "anchor_k3": k3(ref[anchor], batch.engine_logprobs[anchor]),
+            "anchor_old_bias_k3": k3(old[anchor], own[anchor]),
             "clipfrac": metrics["loss/clipfrac_low"] + metrics["loss/clipfrac_high"],
             "anchor_ratio": metrics.get("loss/anchor_ratio_mean", float("nan")),
             "step_s": elapsed,
@@ -162,6 +194,7 @@ def run_child(args) -> dict:
 COLUMNS = [
     ("policy_k3", "policy k3", "{:.2e}"),
     ("anchor_k3", "anchor k3", "{:.2e}"),
+    ("anchor_old_bias_k3", "anchor old vs own routes k3", "{:.2e}"),
     ("clipfrac", "clip frac", "{:.4f}"),
     ("anchor_ratio", "anchor ratio", "{:.4f}"),
     ("moe/route_agree_policy", "agree policy", "{:.3f}"),
@@ -178,7 +211,7 @@ def main(argv=None) -> None:
         return
     results = {}
     with tempfile.TemporaryDirectory() as root:
-        model = make_model(root, args.seed)
+        model = make_model(root, args.seed, args.tie_eps)
         for mode, anchors in CONFIGS:
             cmd = [sys.executable, __file__, "--child", f"{mode}:{anchors}", "--model", model,
                    *(argv if argv is not None else sys.argv[1:])]  # fmt: skip

@@ -268,7 +268,7 @@ class MoEConfig:
     replay those. Off by default as in verl and slime; ignored for a dense model."""
     anchor_routes: str = "own"
     """Routes of the policy passes on an anchor (drawn by the reference engine) under
-    ``r2`` / ``r3`` (docs/algorithm.md, "Routing of a mixture-of-experts policy"): ``own``
+    ``r2`` / ``r3`` (docs/algorithm.md, "Mixture-of-experts policies"): ``own``
     (the ``old`` pass routes with its weights, the updates replay it; the reference pass
     replays the reference engine's routes), ``reference`` (every pass replays the reference
     engine's routes), ``free`` (no replay on anchors)."""

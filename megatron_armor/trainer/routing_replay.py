@@ -1,5 +1,5 @@
 """Routing replay of a mixture-of-experts policy (``trainer.moe.routing_replay``, docs/trainer.md
-"Routing replay", docs/algorithm.md "Routing of a mixture-of-experts policy").
+"Routing replay", docs/algorithm.md "Mixture-of-experts policies").
 
 Each MoE router of the model gets a :class:`RouteReplay`: megatron-core's ``RouterReplay``
 (``transformer/moe/router_replay.py``, switched on by ``TransformerConfig.moe_enable_routing_replay``;
