@@ -15,7 +15,8 @@ runs the same seeded steps in a fresh process (one CPU rank, gloo):
 
 Per configuration, averaged over the steps: the mismatch ``k3`` between the engine's and the
 trainer's log-probs (policy samples against ``lp_old``, anchors against ``lp_ref``: the
-``rollout/*_mismatch_k3`` metrics); on anchors, the ``k3`` between ``lp_old`` as the
+``rollout/*_mismatch_k3`` metrics; the first step's policy ``k3`` and clip fraction apart: the
+configurations share its weights and samples, later steps follow their own updates); on anchors, the ``k3`` between ``lp_old`` as the
 configuration scores them and ``lp_old`` under the policy's own routing (an extra, untimed
 pass: how far the anchors' routes take the policy's scores from the function the policy
 runs); the clip fraction (low + high) and the anchors' mean ratio of the updates; the routing
@@ -187,11 +188,14 @@ def run_child(args) -> dict:
             rows.setdefault(k, []).append(v)
     trainer.close()
     out = {k: statistics.fmean(v) for k, v in rows.items()}
+    out["policy_k3_first"], out["clipfrac_first"] = rows["policy_k3"][0], rows["clipfrac"][0]
     out["step_s"] = statistics.median(rows["step_s"])
     return out
 
 
 COLUMNS = [
+    ("policy_k3_first", "policy k3, step 1", "{:.2e}"),
+    ("clipfrac_first", "clip frac, step 1", "{:.4f}"),
     ("policy_k3", "policy k3", "{:.2e}"),
     ("anchor_k3", "anchor k3", "{:.2e}"),
     ("anchor_old_bias_k3", "anchor old vs own routes k3", "{:.2e}"),
