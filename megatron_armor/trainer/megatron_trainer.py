@@ -59,7 +59,7 @@ from megatron_armor.trainer.schedule import (
     run_schedule,
 )
 from megatron_armor.trainer.weight_store import BEHAVIOR, WeightStore
-from megatron_armor.types import OLD_ROUTES_KEY
+from megatron_armor.types import OLD_ROUTES_KEY, ROUTES_KEY
 
 AGREE_NAMES = ("moe/route_agree_policy", "moe/route_agree_anchor")
 """The routing agreement of a step's log-prob passes, per source (docs/metrics.md)."""
@@ -315,7 +315,9 @@ class MegatronTrainer(TrainerInterface):
         if old_routing.record:
             batch.token_data[OLD_ROUTES_KEY] = plan.recorded(old_routing)
         passes = [p for p in (old_routing, ref_routing) if p is not None]
-        return plan.metrics(passes, old_routing, AGREE_NAMES)
+        engine = batch.token_data.get(ROUTES_KEY)
+        share = float((engine[:, 0, 0] >= 0).float().mean()) if engine is not None else 0.0
+        return {**plan.metrics(passes, old_routing, AGREE_NAMES), "moe/routes_share": share}
 
     def _concurrent_passes(
         self, mbs, policy, passes, kl_mask, captured, old_weights="policy", routing=(None, None)
