@@ -215,7 +215,10 @@ class TrainBatch(PerTokenData):
       advantage on its response tokens), ``old_logprobs`` / ``ref_logprobs`` float (0 where
       unused / not yet computed), ``is_anchor`` bool (response tokens of anchor samples),
       ``engine_logprobs`` float (the engine's log-prob of each response token, NaN for a sample
-      that came without them, 0 off the responses)
+      that came without them, 0 off the responses); for a mixture-of-experts policy also
+      ``routed_experts`` (:data:`ROUTES_KEY`) and, after the trainer's ``old`` pass under
+      routing replay, ``old_routes`` (:data:`OLD_ROUTES_KEY`): ``[total, layers, k]`` routes,
+      not loss inputs (:data:`ROUTE_KEYS`)
     """
 
     tokens: torch.Tensor

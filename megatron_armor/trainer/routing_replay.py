@@ -122,7 +122,9 @@ def router_positions(mb, sp_rank: int = 0, sp_size: int = 1) -> torch.Tensor:
 @dataclass
 class PassRouting:
     """The routing of one pass over a batch (module docstring); batch tensors are
-    ``[total, layers, k]`` int (``-1``: none)."""
+    ``[total, layers, k]`` int (``-1``: none). What the routers count and record stays on their
+    device (no host synchronisation per router call) until :meth:`counts` / the recording
+    are read after the pass."""
 
     num_layers: int
     num_experts: int
@@ -139,17 +141,27 @@ class PassRouting:
     sp: tuple[int, int] = (0, 1)
     """(rank, size) of the sequence-parallel split of the routers' rows."""
     recorded: torch.Tensor | None = None
+    """``[total, layers, k]`` int32 on the routers' device: the experts used (``record``)."""
     load: torch.Tensor | None = None
-    """``[layers, experts]`` tokens routed to each expert."""
-    agree: torch.Tensor = field(default_factory=lambda: torch.zeros(4, dtype=torch.float64))
-    """``(policy agreeing, policy compared, anchor agreeing, anchor compared)`` token-layers."""
+    """``[layers, experts]`` int64 tokens routed to each expert."""
+    agree: torch.Tensor | None = None
+    """``[4]`` int64 ``(policy agreeing, policy compared, anchor agreeing, anchor compared)``
+    token-layers."""
     _pos: torch.Tensor | None = None
     _mb_target: torch.Tensor | None = None
+    _mb_replays: list[bool] = field(default_factory=list)
+    _on_device: dict = field(default_factory=dict)
 
     def begin(self, mb) -> None:
         """Before micro-batch ``mb``'s forward: its rows' targets, the routers on this pass."""
         self._pos = router_positions(mb, *self.sp)
-        self._mb_target = None if self.targets is None else self._rows(self.targets)
+        self._on_device = {k: v for k, v in self._on_device.items() if k[0] == "batch"}
+        self._mb_target = None
+        if self.targets is not None:
+            rows = self.targets[self._pos.clamp(min=0)].long()
+            rows[self._pos < 0] = -1
+            self._mb_target = rows
+            self._mb_replays = (rows[:, :, 0] >= 0).any(0).tolist()
         for r in self.routers:
             r.routing = self
             r.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
@@ -160,44 +172,60 @@ class PassRouting:
         for r in self.routers:
             r.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
 
-    def _rows(self, batch_tensor: torch.Tensor) -> torch.Tensor:
-        rows = batch_tensor[self._pos.clamp(min=0)].long()
-        rows[self._pos < 0] = -1
-        return rows
+    def _on(self, name: str, device) -> torch.Tensor:
+        """``name`` (``pos`` / ``target``: this micro-batch's, ``compare`` / ``source``: the
+        batch's) on ``device``, moved once."""
+        scope = "batch" if name in ("compare", "source") else "mb"
+        key = (scope, name, str(device))
+        if key not in self._on_device:
+            tensor = {"pos": self._pos, "target": self._mb_target}.get(name)
+            if scope == "batch":
+                tensor = self.compare if name == "compare" else self.source
+            self._on_device[key] = tensor.to(device)
+        return self._on_device[key]
 
     def micro_batch_target(self, layer: int, device) -> torch.Tensor | None:
         """``[rows, k]`` experts to replay at ``layer`` (``-1`` rows: own top-k), ``None``
-        when nothing is replayed in this pass."""
-        if self._mb_target is None:
+        when nothing is replayed there."""
+        if self._mb_target is None or not self._mb_replays[layer]:
             return None
-        target = self._mb_target[:, layer]
-        return target.to(device) if bool((target >= 0).any()) else None
+        return self._on("target", device)[:, layer]
 
     def observe(self, layer: int, free: torch.Tensor, chosen: torch.Tensor) -> None:
         """Count the load, the agreement and keep the route of one router call."""
-        pos = self._pos
+        dev = chosen.device
+        pos = self._on("pos", dev)
         real = pos >= 0
-        chosen, free = chosen.cpu(), free.cpu()
         if self.load is None:
-            self.load = torch.zeros(self.num_layers, self.num_experts, dtype=torch.float64)
+            self.load = torch.zeros(self.num_layers, self.num_experts, dtype=torch.long, device=dev)
+            self.agree = torch.zeros(4, dtype=torch.long, device=dev)
         self.load[layer] += torch.bincount(chosen[real].reshape(-1), minlength=self.num_experts)
         if self.compare is not None:
-            self._count_agreement(layer, free, real)
+            self._count_agreement(layer, free, pos, real)
         if self.record:
             if self.recorded is None:
                 shape = (self.total, self.num_layers, chosen.shape[1])
-                self.recorded = torch.full(shape, -1, dtype=torch.int32)
+                self.recorded = torch.full(shape, -1, dtype=torch.int32, device=dev)
             self.recorded[pos[real], layer] = chosen[real].int()
 
-    def _count_agreement(self, layer: int, free: torch.Tensor, real: torch.Tensor) -> None:
-        pos = self._pos.clamp(min=0)
-        want = self.compare[pos, layer].long()
-        src = self.source[pos].long() * real * (want[:, 0] >= 0)
+    def _count_agreement(self, layer: int, free, pos, real) -> None:
+        dev = free.device
+        at = pos.clamp(min=0)
+        want = self._on("compare", dev)[at, layer].long()
+        src = self._on("source", dev)[at].long() * real * (want[:, 0] >= 0)
         same = (free.sort(1).values == want.sort(1).values).all(1)
         for i, kind in enumerate((POLICY, ANCHOR)):
             mask = src == kind
-            self.agree[2 * i] += float((same & mask).sum())
-            self.agree[2 * i + 1] += float(mask.sum())
+            self.agree[2 * i] += (same & mask).sum()
+            self.agree[2 * i + 1] += mask.sum()
+
+    def counts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(agree [4], load [layers, experts])`` float64 on the host (zeros when no router
+        of this rank ran)."""
+        if self.load is None:
+            zeros = torch.zeros(self.num_layers, self.num_experts, dtype=torch.float64)
+            return torch.zeros(4, dtype=torch.float64), zeros
+        return self.agree.double().cpu(), self.load.double().cpu()
 
     def end(self) -> None:
         """After the pass: the routers back to their own top-k, their lists emptied."""
@@ -213,10 +241,9 @@ def reduce_recorded(recorded: torch.Tensor | None, total: int, shape: tuple) -> 
     on ranks that see the same token-layer agree)."""
     out = recorded if recorded is not None else torch.full((total, *shape), -1, dtype=torch.int32)
     if dist.is_initialized() and dist.get_world_size() > 1:
-        buf = out.to(parallel.collective_device())
-        dist.all_reduce(buf, op=dist.ReduceOp.MAX)
-        out = buf.cpu()
-    return out.to(torch.int16)
+        out = out.to(parallel.collective_device())
+        dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    return out.to("cpu", torch.int16)
 
 
 def agreement_metrics(agree: torch.Tensor, names: tuple[str | None, str | None]) -> dict:
@@ -320,10 +347,10 @@ class ReplayPlan:
         and the expert load of ``load_pass``, reduced over the world (collective)."""
         agree = torch.zeros(4, dtype=torch.float64)
         for p in passes:
-            agree += p.agree
+            agree += p.counts()[0]
         load = torch.zeros(self.num_layers, self.num_experts, dtype=torch.float64)
-        if load_pass is not None and load_pass.load is not None:
-            load += load_pass.load
+        if load_pass is not None:
+            load += load_pass.counts()[1]
         flat = torch.cat([agree, load.reshape(-1)])
         if dist.is_initialized() and dist.get_world_size() > 1:
             buf = flat.to(parallel.collective_device())
