@@ -42,13 +42,6 @@ from megatron.core.transformer.moe.router_replay import RouterReplay, RouterRepl
 from megatron_armor.trainer import parallel
 from megatron_armor.types import OLD_ROUTES_KEY, ROUTES_KEY
 
-MODES = ("off", "r2", "r3")
-ANCHOR_RULES = ("own", "reference", "free")
-"""Routes of the policy passes on an anchor (docs/algorithm.md): ``own`` (``old`` routes
-freely and is recorded, the current pass replays it, the reference pass replays the
-reference engine's routes), ``reference`` (every pass replays the reference engine's
-routes), ``free`` (no replay on anchors)."""
-
 POLICY, ANCHOR = 1, 2
 """Sample sources of :attr:`PassRouting.source` (0: not counted)."""
 
@@ -97,6 +90,9 @@ def install(model: torch.nn.Module) -> None:
         if isinstance(module, TopKRouter):
             if module.layer_number is None:
                 raise RuntimeError("a MoE router without its layer number: cannot replay routes")
+            built = module.router_replay
+            if built in RouterReplay.global_router_replay_instances:  # megatron-core's own
+                RouterReplay.global_router_replay_instances.remove(built)
             module.router_replay = RouteReplay(module.layer_number - 1)
 
 
@@ -283,7 +279,12 @@ class ReplayPlan:
     replay"): built once per trainer."""
 
     mode: str
+    """``trainer.moe.routing_replay``: ``off`` | ``r2`` | ``r3``."""
     anchors: str
+    """``trainer.moe.anchor_routes`` (docs/algorithm.md): ``own`` (the ``old`` pass routes
+    with its weights and is recorded, the updates replay it, the reference pass replays the
+    reference engine's routes), ``reference`` (every pass replays the reference engine's
+    routes), ``free`` (no replay on anchors)."""
     num_layers: int
     num_experts: int
     topk: int
