@@ -158,3 +158,19 @@ def test_routing_metrics_per_source_and_load():
     p.load = torch.tensor([[4.0, 2.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
     got = plan.metrics([p], p, ("policy", "anchor"))
     assert got == {"policy": 0.75, "moe/expert_load_max_mean": 2.0}
+
+
+def test_the_settings_load_and_bad_names_are_refused(tmp_path):
+    """``trainer.moe.routing_replay`` / ``anchor_routes`` load (a bare YAML ``off`` too) and
+    an unknown name is refused naming the setting and the choices."""
+    from megatron_armor.config.loader import ConfigError, load_config
+
+    path = tmp_path / "c.yaml"
+    path.write_text("trainer:\n  moe:\n    routing_replay: off\n    anchor_routes: free\n")
+    cfg = load_config(path)
+    assert (cfg.trainer.moe.routing_replay, cfg.trainer.moe.anchor_routes) == ("off", "free")
+    assert load_config(None, ["trainer.moe.routing_replay=r3"]).trainer.moe.routing_replay == "r3"
+    with pytest.raises(ConfigError, match=r"trainer.moe.routing_replay='r4'.*'off', 'r2', 'r3'"):
+        load_config(None, ["trainer.moe.routing_replay=r4"])
+    with pytest.raises(ConfigError, match="trainer.moe.anchor_routes='policy'"):
+        load_config(None, ["trainer.moe.anchor_routes=policy"])
