@@ -11,6 +11,8 @@
   Then routing replay against the embedded engine (:func:`replay`): the routers are set to
   near-ties, the engine takes the trainer's weights and draws samples with their routes, and
   the ``old`` pass runs with ``trainer.moe.routing_replay`` ``off`` and ``r3``.
+- ``pp_replay``: the routing-replay part alone with two pipeline stages (``EP`` = 1; a
+  4-layer model: each stage replays its own layers' routes).
 - ``resume``: a fresh trainer loads ``OUT/ckpt``: its exported weights, then the second update
   again.
 
@@ -58,7 +60,10 @@ def engine_batch(trainer, engine):
     from megatron_armor.rollout.protocol import SamplingParams
     from megatron_armor.types import Group, Sample, SampleSource, pack_groups
 
-    engine.update_weights(trainer.export_weights(every_rank=True), 1)
+    stage = dict(trainer.export_weights(every_rank=True))  # this pipeline stage's tensors
+    stages = [None] * dist.get_world_size()
+    dist.all_gather_object(stages, stage)
+    engine.update_weights([kv for part in stages for kv in part.items()], 1)
     params = SamplingParams(temperature=0.9, max_new_tokens=10, seed=3)
     prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13]]
     groups = []
@@ -120,6 +125,10 @@ def run(trainer, out: dict, out_dir: str, engine) -> None:
     replay(trainer, out, engine)
 
 
+def pp_replay(trainer, out: dict, out_dir: str, engine) -> None:
+    replay(trainer, out, engine)
+
+
 def resume(trainer, out: dict, out_dir: str, engine=None) -> None:
     state = trainer.load_checkpoint(os.path.join(out_dir, "ckpt"))
     out["w1"] = dict(trainer.export_weights())
@@ -138,11 +147,11 @@ if __name__ == "__main__":
 
     # the engine before the trainer: the trainer's CPU mode stands in for torch.cuda names
     # transformers reads when it loads a model
-    engine = (
-        TorchEngine(model_dir, max_batch=8, return_routed_experts=True) if mode == "run" else None
-    )
-    trainer = MegatronTrainer(moe_config(model_dir, ep, world), rank, world, "127.0.0.1", int(port))
+    engine = None if mode == "resume" else TorchEngine(model_dir, return_routed_experts=True)
+    cfg = moe_config(model_dir, ep, world)
+    cfg.trainer.pp = 2 if mode == "pp_replay" else 1
+    trainer = MegatronTrainer(cfg, rank, world, "127.0.0.1", int(port))
     result: dict = {"ep_rank": dist.get_rank()}
-    (run if mode == "run" else resume)(trainer, result, out_dir, engine)
+    {"run": run, "resume": resume, "pp_replay": pp_replay}[mode](trainer, result, out_dir, engine)
     torch.save(result, os.path.join(out_dir, f"{mode}_rank{rank}.pt"))
     trainer.close()

@@ -14,7 +14,7 @@
 - routing replay against the embedded engine (routers at near-ties, the engine holding the
   trainer's weights): with ``r3`` the ``old`` log-probs equal the engine's within the dense
   tolerance, with ``off`` some token-layers route differently and the log-probs differ by
-  far more, at EP=1 and EP=2;
+  far more, at EP=1, EP=2 and with two pipeline stages (a 4-layer model);
 - the EP=2 checkpoint, loaded by fresh processes, restores the weights bit for bit and the
   next update is bit-identical; ``armor convert --to-hf`` (one process) reshards it into the
   HF tensors the trainer exported.
@@ -85,6 +85,11 @@ def moe_model(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
+def moe_model_4(tmp_path_factory) -> str:
+    return make_moe_model(str(tmp_path_factory.mktemp("moe_model_4")), num_layers=4)
+
+
+@pytest.fixture(scope="module")
 def hf_logits(moe_model) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
@@ -119,10 +124,14 @@ def assert_aux_loss_update(result: dict) -> None:
     assert 0.5 < aux < MOE_EXPERTS  # Switch loss: 1 when balanced, E when one expert takes all
 
 
-def test_expert_parallel_matches_hf_single_process_and_resumes(hf_logits, moe_model, tmp_path):
-    ep1, ep2 = str(tmp_path / "ep1"), str(tmp_path / "ep2")
-    launch([("run", ep1, moe_model, 1, 1), ("run", ep2, moe_model, 2, 2)])
+def test_expert_parallel_matches_hf_single_process_and_resumes(
+    hf_logits, moe_model, moe_model_4, tmp_path
+):
+    ep1, ep2, pp2 = str(tmp_path / "ep1"), str(tmp_path / "ep2"), str(tmp_path / "pp2")
+    launch([("run", ep1, moe_model, 1, 1), ("run", ep2, moe_model, 2, 2),
+            ("pp_replay", pp2, moe_model_4, 1, 2)])  # fmt: skip
     single, ranks = results("run", ep1)[0], results("run", ep2)
+    assert_replay(results("pp_replay", pp2)[0])
     assert_matches_hf(single, hf_logits, moe_model)
     assert_aux_loss_update(single)
     for result in ranks:  # each EP rank computes the logits of the whole batch
