@@ -260,6 +260,18 @@ class MoEConfig:
     """Weight of the load-balancing (Switch) loss added to the policy loss, logged apart as
     ``train/moe_aux_loss``; 0 = off, as the Qwen3-MoE RL recipes run (slime's
     ``--moe-aux-loss-coeff 0``; pre-training uses about 1e-3)."""
+    routing_replay: str = "off"
+    """``off`` | ``r2`` | ``r3``: which experts the trainer's passes use (docs/trainer.md,
+    "Routing replay"). ``off``: each pass routes with its own weights; ``r2``: the updates
+    replay the routes of the step's ``old`` pass; ``r3``: the ``old`` pass replays the routes
+    of the engine that drew each sample (the rollout asks engines for them) and the updates
+    replay those. Off by default as in verl and slime; ignored for a dense model."""
+    anchor_routes: str = "own"
+    """Routes of the policy passes on an anchor (drawn by the reference engine) under
+    ``r2`` / ``r3`` (docs/algorithm.md, "Mixture-of-experts policies"): ``own``
+    (the ``old`` pass routes with its weights, the updates replay it; the reference pass
+    replays the reference engine's routes), ``reference`` (every pass replays the reference
+    engine's routes), ``free`` (no replay on anchors)."""
 
 
 @dataclass

@@ -50,6 +50,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "reward.verifier": ("auto", "dapo", "math_verify"),
     "orchestration.layout": ("cpu", "colocated", "disaggregated"),
     "orchestration.async_rollout": ("off", "one_step"),
+    "trainer.moe.routing_replay": ("off", "r2", "r3"),
+    "trainer.moe.anchor_routes": ("own", "reference", "free"),
     "logging.profile": ("none", "nsys", "torch", "dlprof"),
     "logging.wandb_mode": ("online", "offline"),
 }

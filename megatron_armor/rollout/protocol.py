@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from megatron_armor.types import RoutedExperts
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -36,6 +38,9 @@ class GenerationOutput:
     logprobs: list[float]
     finish_reason: str  # "stop" | "length" | "abort"
     weight_version: int
+    routed_experts: RoutedExperts | None = None
+    """A mixture-of-experts engine asked for routes: the experts of every position of
+    prompt + response but the last (``types.RoutedExperts``); ``None`` otherwise."""
 
 
 class RolloutEngine(ABC):

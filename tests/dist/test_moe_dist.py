@@ -11,6 +11,10 @@
   is in the update: the gradient norms of EP=1 and EP=2, equal without the loss, now differ
   (the Switch loss is taken per micro-batch, and the ranks split the batch differently) while
   the policy-loss metrics of that update still agree;
+- routing replay against the embedded engine (routers at near-ties, the engine holding the
+  trainer's weights): with ``r3`` the ``old`` log-probs equal the engine's within the dense
+  tolerance, with ``off`` some token-layers route differently and the log-probs differ by
+  far more, at EP=1, EP=2 and with two pipeline stages (a 4-layer model);
 - the EP=2 checkpoint, loaded by fresh processes, restores the weights bit for bit and the
   next update is bit-identical; ``armor convert --to-hf`` (one process) reshards it into the
   HF tensors the trainer exported;
@@ -94,6 +98,11 @@ def moe_model(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
+def moe_model_4(tmp_path_factory) -> str:
+    return make_moe_model(str(tmp_path_factory.mktemp("moe_model_4")), num_layers=4)
+
+
+@pytest.fixture(scope="module")
 def hf_logits(moe_model) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
@@ -128,12 +137,15 @@ def assert_aux_loss_update(result: dict) -> None:
     assert 0.5 < aux < MOE_EXPERTS  # Switch loss: 1 when balanced, E when one expert takes all
 
 
-def test_expert_parallel_matches_hf_single_process_and_resumes(hf_logits, moe_model, tmp_path):
-    ep1, ep2 = str(tmp_path / "ep1"), str(tmp_path / "ep2")
+def test_expert_parallel_matches_hf_single_process_and_resumes(
+    hf_logits, moe_model, moe_model_4, tmp_path
+):
+    ep1, ep2, pp2 = str(tmp_path / "ep1"), str(tmp_path / "ep2"), str(tmp_path / "pp2")
     tp2, etp2 = str(tmp_path / "tp2"), str(tmp_path / "etp2")
     launch([("run", ep1, moe_model, EP1, 1), ("run", ep2, moe_model, EP2, 2),
-            ("forward", tp2, moe_model, TP2, 2)])  # fmt: skip
+            ("forward", tp2, moe_model, TP2, 2), ("pp_replay", pp2, moe_model_4, EP1, 2)])  # fmt: skip
     single, ranks = results("run", ep1)[0], results("run", ep2)
+    assert_replay(results("pp_replay", pp2)[0])
     assert_matches_hf(single, hf_logits, moe_model)
     assert_aux_loss_update(single)
     for result in ranks:  # each EP rank computes the logits of the whole batch
@@ -153,9 +165,24 @@ def test_expert_parallel_matches_hf_single_process_and_resumes(hf_logits, moe_mo
     for k, v in policy_metrics.items():
         assert run["m3"][k] == pytest.approx(v, abs=LOSS_TOL, rel=LOSS_TOL), k
     assert abs(run["m3"]["loss/grad_norm"] - single["m3"]["loss/grad_norm"]) > 10 * LOSS_TOL
+    for result in (single, run):
+        assert_replay(result)
     assert_forward_matches(results("forward", tp2), single, hf_logits, moe_model)
     assert_resume_and_convert(run, moe_model, ep2, etp2)
     assert_etp2_trains(etp2, single, hf_logits, moe_model)
+
+
+def assert_replay(result: dict) -> None:
+    """``r3`` reproduces the engine's log-probs (policy samples and anchors: the reference is
+    the policy here, so the anchors replay the reference engine's routes); ``off`` does not,
+    and its routing agreement shows why."""
+    mask = result["loss_mask"] > 0
+    engine = result["engine_lp"][mask]
+    r3, off = result["replay_r3"], result["replay_off"]
+    torch.testing.assert_close(r3["old"][mask], engine, atol=LOGPROB_TOL, rtol=0)
+    assert (off["old"][mask] - engine).abs().max() > 100 * LOGPROB_TOL
+    assert 0.5 < off["metrics"]["moe/route_agree_policy"] < 1.0
+    assert off["metrics"]["moe/expert_load_max_mean"] >= 1.0
 
 
 def assert_forward_matches(ranks: list[dict], single: dict, hf_logits, moe_model) -> None:
