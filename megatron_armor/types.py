@@ -215,7 +215,10 @@ class TrainBatch(PerTokenData):
       advantage on its response tokens), ``old_logprobs`` / ``ref_logprobs`` float (0 where
       unused / not yet computed), ``is_anchor`` bool (response tokens of anchor samples),
       ``engine_logprobs`` float (the engine's log-prob of each response token, NaN for a sample
-      that came without them, 0 off the responses)
+      that came without them, 0 off the responses); for a mixture-of-experts policy also
+      ``routed_experts`` (:data:`ROUTES_KEY`) and, after the trainer's ``old`` pass under
+      routing replay, ``old_routes`` (:data:`OLD_ROUTES_KEY`): ``[total, layers, k]`` routes,
+      not loss inputs (:data:`ROUTE_KEYS`)
     """
 
     tokens: torch.Tensor
@@ -282,13 +285,45 @@ def engine_logprobs(samples: list[Sample], spans: torch.Tensor) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32)
 
 
+ROUTES_KEY = "routed_experts"
+"""``token_data`` entry (when a sample came with routes): ``[total, layers, k]`` int16, the
+experts the engine that drew each sample routed each token through (``-1`` where none: the
+last token of a sample, a sample without routes); docs/trainer.md, "Routing replay"."""
+OLD_ROUTES_KEY = "old_routes"
+"""``token_data`` entry the trainer's ``old`` pass adds under routing replay: the experts that
+pass used, replayed by the updates of the step (same layout as :data:`ROUTES_KEY`)."""
+ROUTE_KEYS = (ROUTES_KEY, OLD_ROUTES_KEY)
+"""The ``token_data`` entries that are routes, not loss inputs."""
+
+
+def routed_experts(samples: list[Sample], spans: torch.Tensor) -> torch.Tensor | None:
+    """``[total, layers, k]`` int16 routes of the packed ``samples`` (:data:`ROUTES_KEY`), or
+    ``None`` when no sample has routes. A sample's routes cover its positions but the last
+    (``Sample.routed_experts``); a sample without routes, or whose routes do not cover
+    prompt + response - 1 positions of the first routed sample's ``[layers, k]``, gets -1."""
+    shape = next((s.routed_experts.shape[1:] for s in samples if s.routed_experts), None)
+    if shape is None:
+        return None
+    total = int(spans.sum())
+    out = torch.full((total, *shape), -1, dtype=torch.int16)
+    start = 0
+    for sample, length in zip(samples, spans.sum(1).tolist(), strict=True):
+        routes = sample.routed_experts
+        if routes is not None and list(routes.shape) == [length - 1, *shape]:
+            ids = torch.from_numpy(routes.array().astype(np.int16))
+            out[start : start + length - 1] = ids
+        start += length
+    return out
+
+
 def pack_groups(groups: list[Group]) -> TrainBatch:
     """Pack every sample of ``groups`` into one :class:`TrainBatch` (advantages must be set).
 
     Per token: the sample's prompt then response ids, positions from 0 in each sample,
     ``loss_mask`` 1 on response tokens, the sample's advantage times the mask, ``is_anchor``
     on the anchor's response tokens, the engine's log-probs (:func:`engine_logprobs`), zeros
-    for the log-probs the trainer fills in."""
+    for the log-probs the trainer fills in; the engines' routes when samples have them
+    (:func:`routed_experts`)."""
     samples, advantages, anchors, lengths = [], [], [], []
     for group in groups:
         if len(group.advantages) != len(group.samples):
@@ -323,6 +358,9 @@ def pack_groups(groups: list[Group]) -> TrainBatch:
         "is_anchor": torch.tensor(anchors, dtype=torch.bool)[sample_index] & (loss_mask > 0),
         "engine_logprobs": engine_logprobs(samples, spans),
     }
+    routes = routed_experts(samples, spans)
+    if routes is not None:
+        token_data[ROUTES_KEY] = routes
     return TrainBatch(
         tokens=tokens,
         position_ids=position_ids,

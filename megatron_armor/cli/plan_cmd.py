@@ -1,8 +1,9 @@
 """``armor plan CONFIG [key=value ...] [--model NAME|DIR] [--gpu-mem-gib 80]``: preflight check.
 
-Prints per-GPU memory per phase (weights, grads, optimizer, activations, logits, SGLang share),
-the size of one checkpoint and the disk peak during a save, the layout-rule findings and a
-verdict naming the largest term. Exit code 0 when the plan
+Prints per-GPU memory per phase (weights, grads, optimizer, activations, logits, SGLang share;
+a mixture-of-experts model adds its all-to-all buffers and its active parameters), the size of
+one checkpoint and the disk peak during a save, the layout-rule findings and a verdict naming
+the largest term. Exit code 0 when the plan
 fits, 1 when it does not (or a rule fails), 2 on a config/model error: run it before sbatch.
 """
 
@@ -57,6 +58,8 @@ def _as_dict(plan) -> dict:
     name, size = plan.largest_term
     return {
         "model": plan.model.name,
+        "parameters": plan.model.total_params(),
+        "active_parameters": plan.model.active_params(),
         "phases_gib": {p: {k: v / 2**30 for k, v in t.items()} for p, t in plan.phases.items()},
         "peak_phase": plan.peak_phase,
         "largest_term": name,

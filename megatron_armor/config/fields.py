@@ -85,6 +85,11 @@ def check_trainer(config: ArmorConfig) -> Problems:
     """Parallel sizes (and the ones the trainer does not implement), LR, budgets."""
     t = config.trainer
     yield from at_least(t, "trainer", ("tp", "pp", "cp", "vpp", "world_size", "ep"), 1)
+    if isinstance(t.etp, str):
+        if t.etp != "auto":
+            yield f"trainer.etp={t.etp!r}: a number of ranks >= 1 or auto (docs/trainer.md)"
+    else:
+        yield from at_least(t, "trainer", ("etp",), 1)
     yield from bound(
         t.moe.aux_loss_coeff, t.moe.aux_loss_coeff >= 0, "trainer.moe.aux_loss_coeff",
         "must be >= 0 (0 = no load-balancing loss), e.g. 1e-3",

@@ -69,33 +69,57 @@ def moe_shape(cfg: dict) -> MoEShape | None:
     )
 
 
+def expert_tp_size(trainer) -> int:
+    """``trainer.etp`` as a number: ``auto`` is 1 with expert parallelism (``ep > 1``, the
+    Qwen3-MoE recipes' layout) and ``tp`` without (the one expert TP size megatron-core
+    0.16.1 reduces right at ``ep = 1``: :func:`expert_layout_problems`)."""
+    if trainer.etp == "auto":
+        return 1 if trainer.ep > 1 else trainer.tp
+    return trainer.etp if isinstance(trainer.etp, int) else 1  # another word: named at load
+
+
 def expert_layout_problems(trainer, hf: dict | None, where: str) -> Iterator[str]:
-    """``trainer.ep`` against the model (``hf``: its ``config.json``, ``None`` = unknown) and
-    the world: megatron-core splits the experts of each layer evenly over the EP ranks
-    (``num_experts % ep == 0``) and factors the world as ``tp * ep * pp * expert-dp`` for the
-    expert layers (``parallel_state.initialize_model_parallel``), beside ``tp * pp * cp * dp``
-    for the rest; expert and tensor parallelism together need sequence parallelism."""
+    """``trainer.ep`` / ``trainer.etp`` against the model (``hf``: its ``config.json``,
+    ``None`` = unknown) and the world, as megatron-core 0.16.1 builds them:
+
+    - ``parallel_state.initialize_model_parallel`` factors the world twice, ``tp * cp * dp *
+      pp`` for attention and ``etp * ep * expert-dp * pp`` for the expert layers
+      (``world_size % (etp * ep * pp)``, RuntimeError otherwise);
+    - ``MoELayer`` splits the experts evenly over the EP ranks (``num_experts % ep``) and each
+      expert's MLP over the ETP ranks (``moe_intermediate_size % etp``);
+    - ``MoELayer.forward`` refuses to train with ``tp > 1`` without sequence parallelism;
+    - expert weights are marked expert-parallel (gradients reduced over the expert
+      data-parallel group) only when ``ep > 1``; at ``ep = 1`` they are reduced over the dense
+      data-parallel group, which holds other shards of the same expert when ``etp > tp`` and
+      misses copies when ``etp < tp``: ``etp != tp`` needs ``ep > 1``.
+    """
     t = trainer
-    if t.ep < 1:
+    if (isinstance(t.etp, str) and t.etp != "auto") or min(t.ep, expert_tp_size(t)) < 1:
         return  # named by the trainer section's check
+    etp = expert_tp_size(t)
     shape = moe_shape(hf) if hf is not None else None
-    if hf is not None and t.ep > 1 and (shape is None or not any(shape.sparse_layers)):
-        yield (
-            f"trainer.ep={t.ep}: {where} is a dense model (model_type="
-            f"{hf.get('model_type')!r}) with no experts to split; set trainer.ep=1"
-        )
+    sparse = shape is not None and any(shape.sparse_layers)
+    if hf is not None and not sparse:
+        yield from _dense_model_problems(t, hf, where)
         return
-    expert_parallel = t.tp * t.ep * t.pp
+    expert_parallel = etp * t.ep * t.pp
     if t.world_size % expert_parallel:
         yield (
-            f"trainer.world_size={t.world_size}: must be divisible by tp*ep*pp="
-            f"{t.tp}*{t.ep}*{t.pp}={expert_parallel} (the expert layers' model-parallel "
-            "size); change world_size, trainer.ep or the parallel sizes"
+            f"trainer.world_size={t.world_size}: must be divisible by etp*ep*pp="
+            f"{etp}*{t.ep}*{t.pp}={expert_parallel} (the expert layers' model-parallel "
+            "size); change world_size, trainer.ep, trainer.etp or trainer.pp"
         )
-    if t.ep > 1 and t.tp > 1 and not t.sequence_parallel:
+    if t.ep == 1 and etp != t.tp:
         yield (
-            f"trainer.ep={t.ep} with trainer.tp={t.tp}: megatron-core needs sequence "
-            "parallelism when expert and tensor parallelism are combined; set "
+            f"trainer.etp={etp} with trainer.ep=1 and trainer.tp={t.tp}: megatron-core "
+            "0.16.1 reduces expert gradients over the expert data-parallel group only when "
+            "ep > 1; at ep=1 they are reduced like the dense weights, which is right only for "
+            f"etp = tp; set trainer.etp={t.tp} or trainer.ep > 1"
+        )
+    if t.tp > 1 and not t.sequence_parallel and (sparse or t.ep > 1):
+        yield (
+            f"trainer.tp={t.tp} with a mixture-of-experts model: megatron-core trains its "
+            "expert layers under tensor parallelism only with sequence parallelism; set "
             "trainer.sequence_parallel=true"
         )
     if shape is None:
@@ -106,11 +130,21 @@ def expert_layout_problems(trainer, hf: dict | None, where: str) -> Iterator[str
             f"trainer.ep={t.ep}: must divide num_experts={shape.num_experts} of {where} "
             f"(each EP rank holds num_experts / ep experts); use ep in {fits}"
         )
-    if shape.expert_ffn % t.tp:
+    if shape.expert_ffn % etp:
         yield (
-            f"trainer.tp={t.tp}: must divide moe_intermediate_size={shape.expert_ffn} of "
-            f"{where} (the experts are split over tp too); pick another tp"
+            f"trainer.etp={etp}: must divide moe_intermediate_size={shape.expert_ffn} of "
+            f"{where} (each expert's MLP is split over etp ranks); use etp=1 (and ep > 1)"
         )
+
+
+def _dense_model_problems(t, hf: dict, where: str) -> Iterator[str]:
+    """``ep`` / ``etp`` above 1 name experts a dense model does not have."""
+    for key in ("ep", "etp"):
+        if getattr(t, key) != "auto" and getattr(t, key) > 1:
+            yield (
+                f"trainer.{key}={getattr(t, key)}: {where} is a dense model (model_type="
+                f"{hf.get('model_type')!r}) with no experts to split; set trainer.{key}=1"
+            )
 
 
 ENGINE_ROUTES_REPLAY = ("r3",)
@@ -122,9 +156,8 @@ def wants_engine_routes(config) -> bool:
     """Whether the rollout engines are asked for each token's experts: the policy has experts
     and ``trainer.moe.routing_replay`` replays the engine's routes. Asking costs the engines a
     copy of ``[tokens, layers, k]`` ids per sample (SGLang: ``--enable-return-routed-experts``),
-    so a run that does not replay them does not ask; a schema without the setting: never."""
-    replay = getattr(config.trainer.moe, "routing_replay", None)
-    if replay not in ENGINE_ROUTES_REPLAY:
+    so a run that does not replay them does not ask."""
+    if config.trainer.moe.routing_replay not in ENGINE_ROUTES_REPLAY:
         return False
     return route_shape(config.trainer.model_path) is not None
 

@@ -260,6 +260,18 @@ class MoEConfig:
     """Weight of the load-balancing (Switch) loss added to the policy loss, logged apart as
     ``train/moe_aux_loss``; 0 = off, as the Qwen3-MoE RL recipes run (slime's
     ``--moe-aux-loss-coeff 0``; pre-training uses about 1e-3)."""
+    routing_replay: str = "off"
+    """``off`` | ``r2`` | ``r3``: which experts the trainer's passes use (docs/trainer.md,
+    "Routing replay"). ``off``: each pass routes with its own weights; ``r2``: the updates
+    replay the routes of the step's ``old`` pass; ``r3``: the ``old`` pass replays the routes
+    of the engine that drew each sample (the rollout asks engines for them) and the updates
+    replay those. Off by default as in verl and slime; ignored for a dense model."""
+    anchor_routes: str = "own"
+    """Routes of the policy passes on an anchor (drawn by the reference engine) under
+    ``r2`` / ``r3`` (docs/algorithm.md, "Mixture-of-experts policies"): ``own``
+    (the ``old`` pass routes with its weights, the updates replay it; the reference pass
+    replays the reference engine's routes), ``reference`` (every pass replays the reference
+    engine's routes), ``free`` (no replay on anchors)."""
 
 
 @dataclass
@@ -283,7 +295,14 @@ class TrainerConfig:
     """Virtual pipeline stages per rank (1 = off)."""
     ep: int = 1
     """Expert-parallel size: the experts of each MoE layer are split over ``ep`` ranks
-    (``num_experts % ep == 0``, ``world_size % (tp * ep * pp) == 0``); 1 for a dense model."""
+    (``num_experts % ep == 0``, ``world_size % (etp * ep * pp) == 0``); 1 for a dense model."""
+    etp: Union[int, str] = "auto"  # noqa: UP007 (OmegaConf reads typing.Union)
+    """Expert tensor-parallel size: each expert's weights are split over ``etp`` ranks
+    (``moe_intermediate_size % etp == 0``), apart from ``tp`` (megatron-core's
+    ``expert_tensor_parallel_size``). ``auto``: 1 with ``ep > 1``, as the Qwen3-MoE recipes
+    run (an expert is small, 768 wide in Qwen3-30B-A3B: splitting it only adds collectives),
+    ``tp`` with ``ep = 1`` (megatron-core reduces the experts' gradients right at ``ep = 1``
+    only when ``etp = tp``; ``config/moe.py``)."""
     moe: MoEConfig = field(default_factory=MoEConfig)
     """Mixture-of-experts settings."""
     sequence_parallel: bool = False

@@ -22,7 +22,11 @@ from megatron_armor.algo.reset import check_schedule
 from megatron_armor.config.benchmarks import check_benchmark_names, check_watched_metrics
 from megatron_armor.config.fields import SECTION_CHECKS, bound
 from megatron_armor.config.model_overrides import read_hf_config
-from megatron_armor.config.moe import engine_route_problems, expert_layout_problems
+from megatron_armor.config.moe import (
+    engine_route_problems,
+    expert_layout_problems,
+    expert_tp_size,
+)
 from megatron_armor.config.rollout_traits import (
     BACKEND_TRAITS,
     REFERENCE_TRAITS,
@@ -50,6 +54,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "reward.verifier": ("auto", "dapo", "math_verify"),
     "orchestration.layout": ("cpu", "colocated", "disaggregated"),
     "orchestration.async_rollout": ("off", "one_step"),
+    "trainer.moe.routing_replay": ("off", "r2", "r3"),
+    "trainer.moe.anchor_routes": ("own", "reference", "free"),
     "logging.profile": ("none", "nsys", "torch", "dlprof"),
     "logging.wandb_mode": ("online", "offline"),
 }
@@ -425,10 +431,10 @@ def check_concurrent_reference(config: ArmorConfig) -> Problems:
             f"{config.orchestration.layout!r}: the concurrent reference pass is for CPU ranks "
             "(a GPU runs one pass at a time); set trainer.concurrent_reference=auto or false"
         )
-    if max(t.tp, t.pp, t.cp, t.vpp, t.ep) > 1:
+    if max(t.tp, t.pp, t.cp, t.vpp, t.ep, expert_tp_size(t)) > 1:
         yield (
             f"trainer.concurrent_reference=true with tp={t.tp}, pp={t.pp}, cp={t.cp}, "
-            f"vpp={t.vpp}, ep={t.ep}: two passes at once would interleave their collectives differently "
+            f"vpp={t.vpp}, ep={t.ep}, etp={expert_tp_size(t)}: two passes at once would interleave their collectives differently "
             "on different ranks; set the parallel sizes to 1 or "
             "trainer.concurrent_reference=false"
         )
@@ -459,7 +465,7 @@ def check_parallel(config: ArmorConfig) -> Problems:
         yield "trainer.sequence_parallel=true: needs trainer.tp > 1; set sequence_parallel=false"
     yield from check_model_shape(config)
     hf, where = read_hf_config(t.model_path), f"{t.model_path}/config.json"
-    yield from expert_layout_problems(t, hf, where)  # trainer.ep (config/moe.py)
+    yield from expert_layout_problems(t, hf, where)  # trainer.ep / etp (config/moe.py)
 
 
 def check_model_shape(config: ArmorConfig) -> Problems:

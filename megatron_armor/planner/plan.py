@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from megatron_armor.config.moe import expert_tp_size
 from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.config.sglang_pools import PoolSpec, pool_specs
 from megatron_armor.planner.memory import (
@@ -30,6 +31,8 @@ from megatron_armor.planner.memory import (
     GiB,
     TrainerShape,
     param_bytes,
+    stage_expert_params,
+    stage_params,
     state_terms,
     trainer_train_terms,
 )
@@ -45,8 +48,10 @@ ADVICE = {
     "trainer.sequence_parallel=true), or lower trainer.micro_batch_tokens",
     "logits": "raise trainer.tp (the vocabulary is split over it) or lower trainer.logprob_chunk",
     "optimizer": "set trainer.use_distributed_optimizer=true and/or raise the data-parallel size",
-    "grads": "raise trainer.tp or trainer.pp",
-    "weights": "raise trainer.tp or trainer.pp",
+    "grads": "raise trainer.tp or trainer.pp (a mixture-of-experts model: trainer.ep)",
+    "weights": "raise trainer.tp or trainer.pp (a mixture-of-experts model: trainer.ep)",
+    "moe_dispatch": "lower trainer.micro_batch_tokens or raise trainer.tp (with "
+    "trainer.sequence_parallel=true)",
     "sglang_static": "set trainer.offload_train_state=true, lower "
     "rollout.sglang.mem_fraction_static, or use the disaggregated layout",
     "sglang_ref": "lower rollout.sglang.ref_pool.mem_fraction, serve the reference with "
@@ -120,9 +125,13 @@ class Plan:
 
     def report(self) -> str:
         """Human-readable table of the terms per phase, findings, notes and the verdict."""
-        params = self.model.total_params()
-        size = f"{params / 1e9:.2f} B" if params >= 1e8 else f"{params / 1e6:.2f} M"
-        lines = [f"model {self.model.name}: {size} parameters"]
+        lines = [f"model {self.model.name}: {_count(self.model.total_params())} parameters"]
+        if self.model.is_moe:
+            m = self.model
+            lines[0] += (
+                f", {_count(m.active_params())} active ({m.num_experts} experts of width "
+                f"{m.expert_ffn}, top-{m.topk}, in {m.moe_layers} of {m.layers} layers)"
+            )
         unit = "trainer process" if self.layout == "cpu" else "GPU"
         for phase, terms in self.phases.items():
             total = sum(terms.values()) / GiB
@@ -136,6 +145,10 @@ class Plan:
         lines += [str(f) for f in self.findings] + [f"note: {n}" for n in self.notes]
         lines.append(self.verdict())
         return "\n".join(lines)
+
+
+def _count(params: int) -> str:
+    return f"{params / 1e9:.2f} B" if params >= 1e8 else f"{params / 1e6:.2f} M"
 
 
 def _dp(config: ArmorConfig) -> int:
@@ -162,6 +175,8 @@ def trainer_shape(config: ArmorConfig, dims: ModelDims) -> TrainerShape:
         micro_batch_tokens=t.micro_batch_tokens,
         num_micro_batches=math.ceil(per_rank_tokens / t.micro_batch_tokens),
         logprob_chunk=t.logprob_chunk,
+        ep=t.ep,
+        etp=expert_tp_size(t),
     )
 
 
@@ -186,6 +201,8 @@ def layout_spec(config: ArmorConfig, dims: ModelDims) -> LayoutSpec:
         micro_batch_tokens=t.micro_batch_tokens,
         seq_len=config.data.max_prompt_len + r.sampling.max_new_tokens,
         ref_engine_gpus=ref_gpus,
+        ep=t.ep,
+        etp=t.etp,
     )
 
 
@@ -288,7 +305,21 @@ def make_plan(config: ArmorConfig, model: str | None = None, gpu_mem_gib: float 
         f"train micro-batch {shape.micro_batch_tokens} tokens, {shape.num_micro_batches} micro-batch(es) "
         f"per update per DP rank, dp={shape.dp}, recompute={shape.recompute}"
     )
+    if dims.is_moe:
+        plan.notes.append(_expert_note(shape))
     return plan
+
+
+def _expert_note(shape: TrainerShape) -> str:
+    """Where a MoE model's experts live: per rank, and their share of the trainer state."""
+    d = shape.dims
+    local = d.num_experts // max(shape.ep, 1)
+    experts = stage_expert_params(shape)
+    return (
+        f"experts: {local} of {d.num_experts} per EP rank (ep={shape.ep}, etp={shape.etp}, "
+        f"expert data-parallel {shape.expert_dp}); {_count(int(experts))} expert parameters "
+        f"per rank beside {_count(int(stage_params(shape, 0) - experts))} dense ones"
+    )
 
 
 def colocated_memory_problem(config: ArmorConfig) -> str | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_armor.config.moe import expert_layout_problems
 from megatron_armor.config.schema import TrainerConfig
 from megatron_armor.config.validate import model_shape_problems
 from megatron_armor.planner.model import ModelDims
@@ -53,18 +54,25 @@ class LayoutSpec:
     seq_len: int
     ref_engine_gpus: int = 0
     """GPUs of the dedicated reference pool on their own (disaggregated) GPUs."""
+    ep: int = 1
+    etp: int | str = "auto"
 
 
 def _model_rules(s: LayoutSpec) -> list[Finding]:
     d = s.dims
-    trainer = TrainerConfig(tp=s.tp, pp=s.pp, vpp=s.vpp)
+    trainer = TrainerConfig(
+        tp=s.tp, pp=s.pp, vpp=s.vpp, ep=s.ep, etp=s.etp, world_size=s.world_size,
+        sequence_parallel=s.sequence_parallel,
+    )  # fmt: skip
     shape = {
         "heads": d.heads,
         "kv_heads": d.kv_heads,
         "layers": d.layers,
         "ffn_hidden": d.ffn_hidden,
     }
-    out = [Finding.error(p) for p in model_shape_problems(trainer, shape, f"model {d.name}")]
+    where = f"model {d.name}"
+    out = [Finding.error(p) for p in model_shape_problems(trainer, shape, where)]
+    out += [Finding.error(p) for p in expert_layout_problems(trainer, _moe_fields(d), where)]
     if s.tp > 1 and not s.sequence_parallel:
         out.append(
             Finding(
@@ -74,6 +82,18 @@ def _model_rules(s: LayoutSpec) -> list[Finding]:
             )
         )
     return out
+
+
+def _moe_fields(d: ModelDims) -> dict:
+    """The ``config.json`` fields ``config/moe.py`` reads, for the planner's model (a preset
+    has none): its experts, or a dense model type."""
+    if not d.is_moe:
+        return {"model_type": "dense decoder"}
+    return {
+        "model_type": "qwen3_moe", "num_hidden_layers": d.layers, "num_experts": d.num_experts,
+        "num_experts_per_tok": d.topk, "moe_intermediate_size": d.expert_ffn,
+        "mlp_only_layers": list(range(d.layers - d.moe_layers)),
+    }  # fmt: skip
 
 
 def _parallel_rules(s: LayoutSpec) -> list[Finding]:

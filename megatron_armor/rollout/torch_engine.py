@@ -39,6 +39,7 @@ from megatron_armor.heartbeat import beat
 from megatron_armor.rollout.decode_step import DecodeStep, decode_step_for
 from megatron_armor.rollout.protocol import GenerationOutput, RolloutEngine, SamplingParams
 from megatron_armor.rollout.sampling import sample_next_tokens, scaled_log_probs
+from megatron_armor.types import RoutedExperts
 
 WEIGHT_SETS = ("policy", "ref")
 
@@ -213,8 +214,12 @@ class TorchEngine(RolloutEngine):
         kv_block: int = 256,
         fast_decode: bool = True,
         model_overrides: dict | None = None,
+        return_routed_experts: bool = False,
     ) -> None:
         """``model_overrides``: ``trainer.model_overrides`` (:func:`load_hf_model`).
+        ``return_routed_experts``: a mixture-of-experts model's outputs carry the experts
+        every position was routed to (``GenerationOutput.routed_experts``,
+        :class:`RouteCapture`); nothing for a dense model.
         ``kv_block``: tokens of KV-cache room added at a time (:class:`BufferedKVLayer`);
         0 keeps transformers' ``DynamicCache``, which concatenates per decode step.
         ``fast_decode``: decode steps through :class:`~megatron_armor.rollout.decode_step.DecodeStep`
@@ -229,6 +234,7 @@ class TorchEngine(RolloutEngine):
         self.max_batch = max_batch
         self.kv_block = kv_block
         self.fast_decode = fast_decode
+        self.return_routed_experts = return_routed_experts
         self._decode_steps: dict[str, DecodeStep | None] = {}
         self._models: dict[str, PreTrainedModel] = {
             "policy": load_hf_model(model_dir, device, dtype, model_overrides)
@@ -326,17 +332,25 @@ class TorchEngine(RolloutEngine):
             raise RuntimeError("rollout: engine memory is released; call resume_memory() first")
         model = self._model(weights)
         version = self._versions[weights]
-        step = self._decode_step(weights)
+        capture = RouteCapture.of(model) if self.return_routed_experts else None
+        step = self._decode_step(weights) if capture is None else None  # hooks need HF forwards
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
         rows = [(i, j) for i in range(len(prompts)) for j in range(n)]
         results: list[list[GenerationOutput]] = [[] for _ in prompts]
-        for start in range(0, len(rows), self.max_batch):
-            chunk_prompts = [i for i, _ in rows[start : start + self.max_batch]]
-            outs = self._generate_chunk(model, step, prompts, chunk_prompts, params, generator)
-            for prompt_index, (tokens, logps) in zip(chunk_prompts, outs, strict=True):
-                results[prompt_index].append(self._output(tokens, logps, params, version))
+        try:
+            for start in range(0, len(rows), self.max_batch):
+                chunk_prompts = [i for i, _ in rows[start : start + self.max_batch]]
+                outs = self._generate_chunk(
+                    model, step, prompts, chunk_prompts, params, generator, capture
+                )
+                for prompt_index, (tokens, logps, routes) in zip(chunk_prompts, outs, strict=True):
+                    out = self._output(tokens, logps, params, version, routes)
+                    results[prompt_index].append(out)
+        finally:
+            if capture is not None:
+                capture.close()
         return results
 
     def teacher_forced_logprobs(
@@ -368,10 +382,13 @@ class TorchEngine(RolloutEngine):
             self._decode_steps[weights] = decode_step_for(self._models[weights])
         return self._decode_steps[weights]
 
-    def _output(self, tokens, logps, params: SamplingParams, version: int) -> GenerationOutput:
+    def _output(
+        self, tokens, logps, params: SamplingParams, version: int, routes=None
+    ) -> GenerationOutput:
         stops = self.stop_ids.union(params.stop_token_ids)
         reason = "stop" if tokens and tokens[-1] in stops else "length"
-        return GenerationOutput(tokens, logps, reason, version)
+        experts = None if routes is None else RoutedExperts.from_array(routes.numpy())
+        return GenerationOutput(tokens, logps, reason, version, experts)
 
     def _new_cache(self, model, limit: int) -> DynamicCache:
         """A ``DynamicCache`` whose full-attention layers are :class:`BufferedKVLayer` (other
@@ -397,8 +414,9 @@ class TorchEngine(RolloutEngine):
         return out.logits[:, -1, :]
 
     @torch.inference_mode()
-    def _generate_chunk(self, model, step, prompts, chunk_prompts, params, generator):
-        """Decode one chunk; returns per row ``(token_ids, logprobs)`` lists."""
+    def _generate_chunk(self, model, step, prompts, chunk_prompts, params, generator, capture):
+        """Decode one chunk; returns per row ``(token_ids, logprobs, routes)``: ``routes``
+        ``[prompt + response - 1, layers, k]`` with a :class:`RouteCapture`, else ``None``."""
         distinct = sorted(set(chunk_prompts))
         ids, mask, positions = left_pad([prompts[i] for i in distinct], self.pad_id, self.device)
         width = ids.shape[1]
@@ -410,6 +428,7 @@ class TorchEngine(RolloutEngine):
             cache=self._new_cache(model, width + params.max_new_tokens),
         )
         logits = self._forward(model, ids, chunk, positions)
+        prefill = None if capture is None else capture.take(*ids.shape)
         # Share each prompt's prefill between its rows.
         expand = torch.tensor([distinct.index(i) for i in chunk_prompts], device=self.device)
         chunk.cache.reorder_cache(expand)
@@ -419,12 +438,24 @@ class TorchEngine(RolloutEngine):
             logits[expand],
         )
         chunk.rows = torch.arange(len(chunk_prompts), device=self.device)
-        return self._decode(model, step, chunk, logits, params, generator)
+        decoded = self._decode(model, step, chunk, logits, params, generator, capture)
+        if capture is None:
+            return [(t, lp, None) for t, lp, _ in decoded]
+        out = []
+        for i, (tokens, logps, fed) in zip(chunk_prompts, decoded, strict=True):
+            prompt = prefill[distinct.index(i), width - len(prompts[i]) :]
+            out.append((tokens, logps, torch.cat([prompt, fed[: max(len(tokens) - 1, 0)]])))
+        return out
 
-    def _decode(self, model, step, chunk: _Chunk, logits, params: SamplingParams, generator):
+    def _decode(
+        self, model, step, chunk: _Chunk, logits, params: SamplingParams, generator, capture=None
+    ):
         """Sample up to ``max_new_tokens`` per row from the prefill's ``logits``; each further
-        token goes through ``step`` (a :class:`DecodeStep`) or, when ``None``, the HF forward."""
+        token goes through ``step`` (a :class:`DecodeStep`) or, when ``None``, the HF forward.
+        Per row ``(tokens, logprobs, routes of the fed tokens)`` (``None`` without
+        ``capture``)."""
         num_rows = chunk.rows.numel()
+        fed = None if capture is None else capture.empty(num_rows, params.max_new_tokens)
         tokens = torch.zeros(
             (num_rows, params.max_new_tokens), dtype=torch.long, device=self.device
         )
@@ -456,11 +487,60 @@ class TorchEngine(RolloutEngine):
                 logits = self._forward(model, ids, chunk, positions)
             else:
                 logits = step(ids, chunk.mask[:, : chunk.width], positions, chunk.cache)
+            if capture is not None:
+                fed[chunk.rows.cpu(), t] = capture.take(len(ids), 1)[:, 0]
             chunk.positions = chunk.positions + 1
         lengths_list, tokens_list, logps_list = lengths.tolist(), tokens.tolist(), logps.tolist()
+        rows = zip(tokens_list, logps_list, lengths_list, strict=True)
         return [
-            (t[:n], lp[:n]) for t, lp, n in zip(tokens_list, logps_list, lengths_list, strict=True)
+            (t[:n], lp[:n], None if fed is None else fed[i]) for i, (t, lp, n) in enumerate(rows)
         ]
+
+
+class RouteCapture:
+    """The experts a mixture-of-experts model's routers choose, read by forward hooks on each
+    sparse layer's router (transformers 5's ``Qwen3MoeTopKRouter``: softmax of the router
+    logits, then top-k — the trainer's selection rule; it returns ``(logits, scores,
+    indices)``). :meth:`take` after a forward: ``[batch, seq, layers, k]`` int16, zeros at
+    dense layers (as SGLang reports them)."""
+
+    def __init__(self, model: PreTrainedModel, gates: list[tuple[int, torch.nn.Module]]):
+        self.num_layers = len(model.model.layers)
+        self.topk = int(model.config.num_experts_per_tok)
+        self._last: dict[int, torch.Tensor] = {}
+        self._hooks = [gate.register_forward_hook(self._hook(i)) for i, gate in gates]
+
+    @staticmethod
+    def of(model: PreTrainedModel) -> RouteCapture | None:
+        """The capture of ``model``'s routers, ``None`` for a dense model."""
+        layers = getattr(getattr(model, "model", None), "layers", None) or []
+        gates = [
+            (i, layer.mlp.gate)
+            for i, layer in enumerate(layers)
+            if hasattr(getattr(layer, "mlp", None), "gate") and hasattr(layer.mlp.gate, "top_k")
+        ]
+        return RouteCapture(model, gates) if gates else None
+
+    def _hook(self, layer: int):
+        def keep(module, args, output):
+            self._last[layer] = output[2]
+
+        return keep
+
+    def empty(self, rows: int, seq: int) -> torch.Tensor:
+        return torch.zeros(rows, seq, self.num_layers, self.topk, dtype=torch.int16)
+
+    def take(self, rows: int, seq: int) -> torch.Tensor:
+        """The routes of the last forward over ``[rows, seq]`` tokens."""
+        out = self.empty(rows, seq)
+        for layer, ids in self._last.items():
+            out[:, :, layer] = ids.reshape(rows, seq, self.topk).to("cpu", torch.int16)
+        self._last.clear()
+        return out
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
 
 
 _EXPERT_WEIGHT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")

@@ -17,9 +17,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_armor.algo.losses import LossSettings, finalize_metrics
+from megatron_armor.config.moe import expert_tp_size
 from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.config.validate import updates_per_step, validate_runtime
-from megatron_armor.trainer import checkpoint, parallel
+from megatron_armor.trainer import checkpoint, parallel, routing_replay
 from megatron_armor.trainer.batching import (
     plan_micro_batches,
     split_minibatches,
@@ -59,6 +60,11 @@ from megatron_armor.trainer.schedule import (
     run_schedule,
 )
 from megatron_armor.trainer.weight_store import BEHAVIOR, WeightStore
+from megatron_armor.types import OLD_ROUTES_KEY, ROUTES_KEY
+
+AGREE_NAMES = ("moe/route_agree_policy", "moe/route_agree_anchor")
+"""The routing agreement of a step's log-prob passes, per source (docs/metrics.md)."""
+UPDATE_AGREE_NAMES = ("moe/route_agree_update", "moe/route_agree_update_anchor")
 
 
 def exact_kl_means(sums: dict[str, float]) -> dict[str, float]:
@@ -83,7 +89,9 @@ class MegatronTrainer(TrainerInterface):
     ):
         t = config.trainer
         validate_runtime(config)  # the rest of the config was checked at load
-        layout = parallel.ParallelLayout(tp=t.tp, pp=t.pp, cp=t.cp, vpp=t.vpp, ep=t.ep)
+        layout = parallel.ParallelLayout(
+            tp=t.tp, pp=t.pp, cp=t.cp, vpp=t.vpp, ep=t.ep, etp=expert_tp_size(t)
+        )
         parallel.init_parallel(layout, rank, world_size, master_addr, master_port, config.run.seed)
         self.config = config
         self.spec = read_hf_spec(t.model_path, dict(t.model_overrides))
@@ -95,6 +103,7 @@ class MegatronTrainer(TrainerInterface):
         self.store = WeightStore(self.model)
         self.store.snapshot("ref")
         self.reference = concurrent_reference(config, self.spec, self.model)
+        self._routers = routing_replay.routers(self.model)  # [] for a dense model
         self.loss_settings = LossSettings.from_algo_config(config.algo)
         self.lp = LogprobSettings(
             vocab_size=self.spec.vocab_size,
@@ -151,9 +160,11 @@ class MegatronTrainer(TrainerInterface):
         t = self.config.trainer
         advance_lr_schedule(self.scheduler, self.updates, self.updates_per_step, t.lr_unit)
         builder = policy_loss_builder(self.lp, self.loss_settings, normalizer)
+        plan = self._replay_plan()
+        routing = None if plan is None else plan.update_pass(minibatch, self._routers)
         if self.spec.moe is not None:  # the load-balancing loss's share of this update
             scale_aux_loss(unwrap(self.model), t.moe.aux_loss_coeff, mbs)
-        outputs = run_schedule(self.model, mbs, builder, forward_only=False)
+        outputs = run_schedule(self.model, mbs, builder, forward_only=False, routing=routing)
         finite = all(bool(torch.isfinite(o["loss/objective"])) for o in outputs)
         applied, grad_norm = guarded_step(self.optimizer, finite)
         if applied:
@@ -169,6 +180,7 @@ class MegatronTrainer(TrainerInterface):
         metrics["train/padding_fraction"] = padding_fraction(mbs)
         if self.spec.moe is not None:
             metrics.update(aux_loss_metrics(unwrap(self.model), self.spec.moe, len(mbs)))
+            metrics.update(plan.metrics([routing], None, UPDATE_AGREE_NAMES))
         return metrics
 
     # --- TrainerInterface ------------------------------------------------------------------
@@ -235,14 +247,17 @@ class MegatronTrainer(TrainerInterface):
         captured: list[torch.Tensor] = []
         policy = logprob_kl_builder(self.lp, kl_mask, captured, None)
         live_old = old_weights == "policy" or self.store.matches_live(old_weights)
+        # no reference pass, or one that would repeat this one
+        single = (not with_ref and kl_mask is None) or (live_old and self.store.matches_live("ref"))
+        routing = self._step_routing(batch, single)
         with torch.no_grad():
-            if (not with_ref and kl_mask is None) or (live_old and self.store.matches_live("ref")):
-                # no reference pass, or one that would repeat this one
+            if single:
                 with self._under(old_weights):
-                    outputs = run_schedule(self.model, mbs, policy, True)
+                    outputs = run_schedule(self.model, mbs, policy, True, routing[0])
                 old = self._gather_logprobs(outputs, batch, shared)
                 ref = old.clone() if with_ref and old is not None else None
-                return old, ref, self._self_kl(kl_mask, captured)
+                extra = self._finish_routing(batch, *routing)
+                return old, ref, {**self._self_kl(kl_mask, captured), **extra}
             passes = (
                 list(enumerate(mbs))
                 if with_ref
@@ -250,23 +265,66 @@ class MegatronTrainer(TrainerInterface):
             )
             if self.reference is not None:
                 outputs, ref_outputs = self._concurrent_passes(
-                    mbs, policy, passes, kl_mask, captured, old_weights
+                    mbs, policy, passes, kl_mask, captured, old_weights, routing
                 )
             else:
                 with self._under(old_weights):  # never nested: one swap buffer
-                    outputs = run_schedule(self.model, mbs, policy, True)
+                    outputs = run_schedule(self.model, mbs, policy, True, routing[0])
                 compare = [captured[i] for i, _ in passes] if captured else []
                 builder = logprob_kl_builder(self.lp, kl_mask, [], compare)
                 with self.store.swapped("ref"):
-                    ref_outputs = run_schedule(self.model, [mb for _, mb in passes], builder, True)
+                    ref_outputs = run_schedule(
+                        self.model, [mb for _, mb in passes], builder, True, routing[1]
+                    )
             old = self._gather_logprobs(outputs, batch, shared)
         ref = self._gather_logprobs(ref_outputs, batch, shared) if with_ref else None
+        extra = self._finish_routing(batch, *routing)
         if kl_mask is None:
-            return old, ref, {}
+            return old, ref, extra
         kl_outputs = [{k: v for k, v in o.items() if k.startswith("kl/")} for o in ref_outputs]
-        return old, ref, exact_kl_means(reduce_metric_sums(kl_outputs))
+        return old, ref, {**exact_kl_means(reduce_metric_sums(kl_outputs)), **extra}
 
-    def _concurrent_passes(self, mbs, policy, passes, kl_mask, captured, old_weights="policy"):
+    def _replay_plan(self) -> routing_replay.ReplayPlan | None:
+        """The routing of this call's passes (``trainer.moe``, read per call); ``None`` for a
+        dense model."""
+        moe = self.spec.moe
+        if moe is None:
+            return None
+        t = self.config.trainer
+        sp = (parallel.tp_rank(), parallel.tp_size()) if t.sequence_parallel else (0, 1)
+        sparse = tuple(i for i, s in enumerate(moe.sparse_layers) if s)
+        return routing_replay.ReplayPlan(t.moe.routing_replay, t.moe.anchor_routes,
+                                         self.spec.num_layers, moe.num_experts, moe.topk,
+                                         sparse, sp)  # fmt: skip
+
+    def _step_routing(self, batch, single: bool) -> tuple:
+        """``(old pass, reference pass)`` routings of :meth:`step_logprobs` (``None`` s for
+        a dense model; the reference one ``None`` when ``single``: no reference pass)."""
+        plan = self._replay_plan()
+        if plan is None:
+            return None, None
+        old = plan.old_pass(batch, self._routers, single)
+        if single:
+            return old, None
+        ref_model = self.reference.model if self.reference is not None else self.model
+        return old, plan.ref_pass(batch, routing_replay.routers(ref_model))
+
+    def _finish_routing(self, batch, old_routing, ref_routing) -> dict[str, float]:
+        """After the passes of a step: the ``old`` pass's routes into ``batch`` (the updates
+        replay them, ``OLD_ROUTES_KEY``) and the ``moe/*`` routing metrics (collective)."""
+        if old_routing is None:
+            return {}
+        plan = self._replay_plan()
+        if old_routing.record:
+            batch.token_data[OLD_ROUTES_KEY] = plan.recorded(old_routing)
+        passes = [p for p in (old_routing, ref_routing) if p is not None]
+        engine = batch.token_data.get(ROUTES_KEY)
+        share = float((engine[:, 0, 0] >= 0).float().mean()) if engine is not None else 0.0
+        return {**plan.metrics(passes, old_routing, AGREE_NAMES), "moe/routes_share": share}
+
+    def _concurrent_passes(
+        self, mbs, policy, passes, kl_mask, captured, old_weights="policy", routing=(None, None)
+    ):
         """The policy pass over ``mbs`` here and the reference pass over ``passes`` on the
         reference model's thread, at once (``trainer.concurrent_reference``,
         ``reference_model.py``); the reference outputs then get the exact-KL sums the
@@ -274,10 +332,12 @@ class MegatronTrainer(TrainerInterface):
         ``(policy outputs, reference outputs)``."""
         ref_rows: list[torch.Tensor] = []
         builder = logprob_kl_builder(self.lp, kl_mask, ref_rows, None)
-        pending = self.reference.submit(self.store.get("ref"), [mb for _, mb in passes], builder)
+        pending = self.reference.submit(
+            self.store.get("ref"), [mb for _, mb in passes], builder, routing[1]
+        )
         try:
             with self._under(old_weights):
-                outputs = run_schedule(self.model, mbs, policy, True)
+                outputs = run_schedule(self.model, mbs, policy, True, routing[0])
         except BaseException:
             futures.wait([pending])  # never leave the pass running behind the error
             raise

@@ -28,7 +28,7 @@ from megatron_armor.config.inputs import SUPPORTED_ARCHITECTURES
 from megatron_armor.config.model_overrides import merged_hf_config
 from megatron_armor.config.moe import MoEShape, moe_shape
 from megatron_armor.config.schema import FP8Config, TrainerConfig
-from megatron_armor.trainer import parallel
+from megatron_armor.trainer import parallel, routing_replay
 from megatron_armor.trainer.moe import moe_block_spec, moe_config_fields
 
 VOCAB_PAD_MULTIPLE = 128
@@ -247,6 +247,8 @@ def build_model(spec: HFModelSpec, trainer: TrainerConfig) -> GPTModel:
         rotary_base=int(spec.rope_theta),
     )
     model.rotary_pos_emb.inv_freq = rope_inv_freq(spec).to(model.rotary_pos_emb.inv_freq.device)
+    if spec.moe is not None:
+        routing_replay.install(model)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model

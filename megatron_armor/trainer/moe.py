@@ -69,6 +69,10 @@ def moe_config_fields(moe: MoEShape, trainer: TrainerConfig) -> dict:
         "moe_layer_freq": moe.layer_pattern,
         "moe_grouped_gemm": trainer.transformer_impl == "te",
         "expert_model_parallel_size": parallel.ep_size(),
+        "expert_tensor_parallel_size": parallel.expert_tp_size(),
+        # every router takes its top-k through a RouteReplay (routing_replay.py): replay,
+        # recording and the routing metrics; without a pass's routing it is the router's own
+        "moe_enable_routing_replay": True,
     }
 
 

@@ -12,8 +12,8 @@ megatron parameter (layer ``i`` of the stage)                HF tensors (layer `
 
 Local expert ``j`` of expert-parallel rank ``r`` is global expert ``e = r * E / ep + j``
 (megatron-core's ``MoELayer.local_expert_indices``). Expert weights are split over the
-expert-tensor-parallel group (``expert_tensor_parallel_size``, = ``tp`` here) like a dense MLP:
-``gate_up`` by rows of each half, ``row`` by columns.
+expert-tensor-parallel group (``trainer.etp``, megatron-core's ``expert_tensor_parallel_size``,
+apart from ``tp``) like a dense MLP: ``gate_up`` by rows of each half, ``row`` by columns.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
+from megatron_armor.trainer.cpu_collectives import install_uneven_collectives
 from megatron_armor.trainer.cpu_compat import enable_cpu_mode
 
 
@@ -32,8 +33,11 @@ class ParallelLayout:
     vpp: int = 1
     """Virtual pipeline stages per rank (1 = off)."""
     ep: int = 1
-    """Expert-parallel size (MoE layers: the world is also factored as ``tp * ep * pp *
+    """Expert-parallel size (MoE layers: the world is also factored as ``etp * ep * pp *
     expert-dp``; ``config/moe.py``)."""
+    etp: int = 1
+    """Expert tensor-parallel size: each expert's weights split over ``etp`` ranks, apart
+    from ``tp`` (megatron-core's ``expert_tensor_parallel_size``)."""
 
 
 def init_parallel(
@@ -47,9 +51,12 @@ def init_parallel(
 ) -> None:
     """Start torch.distributed and megatron's model-parallel groups, then seed the RNGs.
 
-    On CPU the process first switches to CPU mode (``cpu_compat``) and uses gloo.
+    On CPU the process first switches to CPU mode (``cpu_compat``) and uses gloo, with host
+    versions of megatron's uneven gathers (``cpu_collectives``: expert tensor parallelism).
     """
     cpu = enable_cpu_mode()
+    if cpu:
+        install_uneven_collectives()
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", master_addr)
         os.environ.setdefault("MASTER_PORT", str(master_port))
@@ -70,6 +77,7 @@ def init_parallel(
         virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
         context_parallel_size=layout.cp,
         expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
     )
     seed_everything(seed)
 

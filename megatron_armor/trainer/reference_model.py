@@ -75,17 +75,20 @@ class ConcurrentReference:
                 param.data = stored
         self._bound = copy
 
-    def submit(self, copy: dict[str, torch.Tensor], micro_batches: list, builder) -> Future:
+    def submit(
+        self, copy: dict[str, torch.Tensor], micro_batches: list, builder, routing=None
+    ) -> Future:
         """Start a forward-only pass of ``builder`` (a ``schedule`` loss builder) over
-        ``micro_batches`` under ``copy``; its outputs are the future's result. One pass at a
-        time: the caller waits for it before the next."""
+        ``micro_batches`` under ``copy`` (``routing``: its MoE routing, on this instance's
+        routers); its outputs are the future's result. One pass at a time: the caller waits
+        for it before the next."""
         self.bind(copy)
-        return self._pool.submit(self._run, micro_batches, builder)
+        return self._pool.submit(self._run, micro_batches, builder, routing)
 
-    def _run(self, micro_batches: list, builder) -> list:
+    def _run(self, micro_batches: list, builder, routing=None) -> list:
         enable_cpu_mode()  # per thread: the torch function mode is thread-local
         with torch.no_grad():
-            return run_schedule(self.model, micro_batches, builder, forward_only=True)
+            return run_schedule(self.model, micro_batches, builder, True, routing)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -22,6 +22,7 @@ from megatron_armor.heartbeat import beat
 from megatron_armor.trainer import parallel
 from megatron_armor.trainer.batching import MicroBatch, padding_counts
 from megatron_armor.trainer.logprobs import vocab_parallel_exact_kl, vocab_parallel_logprobs
+from megatron_armor.types import ROUTE_KEYS
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,7 @@ def _policy_loss(
     dev = logp.device
     loss, metrics = compute_policy_loss(
         logp,
-        **{key: value.to(dev) for key, value in mb.token_data.items()},
+        **{k: v.to(dev) for k, v in mb.token_data.items() if k not in ROUTE_KEYS},
         sample_index=mb.sample_index.to(dev),
         settings=settings,
         normalizer=normalizer,
@@ -160,14 +161,20 @@ def packed_seq_params(mb: MicroBatch, device) -> PackedSeqParams | None:
                            max_seqlen_q=mb.max_seqlen, max_seqlen_kv=mb.max_seqlen)  # fmt: skip
 
 
-def make_forward_step(loss_builder):
-    """A megatron ``forward_step_func`` whose ``loss_func`` is ``loss_builder(mb, output)``."""
+def make_forward_step(loss_builder, routing=None):
+    """A megatron ``forward_step_func`` whose ``loss_func`` is ``loss_builder(mb, output)``;
+    with ``routing`` (a ``routing_replay.PassRouting``) each micro-batch's MoE routers
+    replay / record / count as it says."""
 
     def forward_step(data_iterator, model):
         mb: MicroBatch = next(data_iterator)
         dev = parallel.collective_device()
+        if routing is not None:
+            routing.begin(mb)
         output = model(mb.tokens.to(dev), mb.position_ids.to(dev), None,
                        packed_seq_params=packed_seq_params(mb, dev))  # fmt: skip
+        if routing is not None:
+            routing.forward_done()
         return output, partial(loss_builder, mb)
 
     return forward_step
@@ -207,19 +214,26 @@ def beat_each(items: list):
         yield item
 
 
-def run_schedule(model, micro_batches: list[MicroBatch], loss_builder, forward_only: bool) -> list:
+def run_schedule(
+    model, micro_batches: list[MicroBatch], loss_builder, forward_only: bool, routing=None
+) -> list:
     """Run megatron-core's forward(-backward) schedule over ``micro_batches``; returns the
-    ``loss_func`` outputs (last pipeline stage; empty elsewhere)."""
+    ``loss_func`` outputs (last pipeline stage; empty elsewhere). ``routing``: the pass's
+    MoE routing (``routing_replay.PassRouting``; ``None``: the routers' own top-k)."""
     forward_backward = get_forward_backward_func()
-    return forward_backward(
-        forward_step_func=make_forward_step(loss_builder),
-        data_iterator=beat_each(micro_batches),
-        model=[model],
-        num_microbatches=len(micro_batches),
-        seq_length=max(mb.seq_len for mb in micro_batches),
-        micro_batch_size=max(mb.num_rows for mb in micro_batches),
-        forward_only=forward_only,
-    )
+    try:
+        return forward_backward(
+            forward_step_func=make_forward_step(loss_builder, routing),
+            data_iterator=beat_each(micro_batches),
+            model=[model],
+            num_microbatches=len(micro_batches),
+            seq_length=max(mb.seq_len for mb in micro_batches),
+            micro_batch_size=max(mb.num_rows for mb in micro_batches),
+            forward_only=forward_only,
+        )
+    finally:
+        if routing is not None:
+            routing.end()
 
 
 def global_units(micro_batches: list[MicroBatch], loss_agg: str) -> float:

@@ -1,15 +1,24 @@
 """One trainer rank of the mixture-of-experts dist tests (run as a script, one per rank).
 
-``python moe_worker.py MODE RANK WORLD PORT OUT MODEL_DIR EP``
+``python moe_worker.py MODE RANK WORLD PORT OUT MODEL_DIR TP EP ETP``
 
-- ``run``: a ``MegatronTrainer`` on the tiny Qwen3-MoE with ``trainer.ep = EP`` (the rest of
-  the world is data parallel), built with a load-balancing loss: logits on fixed tokens, the
+- ``run``: a ``MegatronTrainer`` on the tiny Qwen3-MoE with ``trainer.tp / ep / etp = TP / EP /
+  ETP`` (the rest of the world is data parallel; sequence parallelism with ``TP > 1``), built
+  with a load-balancing loss: logits on fixed tokens, the
   exported HF tensors right after the import, policy log-probs, two ARMOR updates with the
   loss's coefficient at 0 (the Switch loss is taken per micro-batch, so with it on the
   gradients depend on how the ranks split the batch) and a checkpoint after the first, the
   exported weights after each, then a third update with the loss on.
+  Then routing replay against the embedded engine (:func:`replay`): the routers are set to
+  near-ties, the engine takes the trainer's weights and draws samples with their routes, and
+  the ``old`` pass runs with ``trainer.moe.routing_replay`` ``off`` and ``r3``.
+- ``pp_replay``: the routing-replay part alone with two pipeline stages (``EP`` = 1; a
+  4-layer model: each stage replays its own layers' routes).
 - ``resume``: a fresh trainer loads ``OUT/ckpt``: its exported weights, then the second update
   again.
+- ``forward``: the logits, the export and the policy log-probs of ``run`` only (no update: with
+  ``TP > 1`` megatron-core trains MoE layers only with sequence parallelism, which the CPU
+  path lacks; the forward passes run without it).
 
 Each rank writes ``OUT/MODE_rank{RANK}.pt``.
 """
@@ -28,26 +37,89 @@ from tiny_models import VOCAB, make_batch, perturb  # noqa: E402
 from trainer_worker import full, keep_logits, make_config, oracle_micro_batch  # noqa: E402
 
 AUX_LOSS_COEFF = 0.1
+TIE_EPS = 1e-6
+"""Spread of the near-tied router rows (:func:`near_tie_routers`)."""
 
 
-def moe_config(model_dir: str, ep: int, world: int):
-    cfg = make_config(model_dir, 1, 1, world, False)
-    cfg.trainer.ep = ep
+def near_tie_routers(trainer) -> None:
+    """Every router's rows set to one row plus ``TIE_EPS`` noise (the same on every rank): the
+    experts' scores of a token differ by about the rounding of the router's input, so two
+    implementations (transformers' and megatron-core's layers) route some token-layers
+    differently, as engines and trainers do at scale. The reference copy follows."""
+    from megatron_armor.trainer.hf_weights import unwrap
+
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, param in unwrap(trainer.model).named_parameters():
+            if name.endswith("mlp.router.weight"):
+                noise = TIE_EPS * torch.randn(param.shape, generator=gen)
+                param.copy_(param[:1].expand_as(param) + noise.to(param.dtype))
+    trainer.store.live_changed()
+    trainer.reset_reference()
+
+
+def engine_batch(trainer, engine):
+    """Two groups of four samples (the last an anchor) drawn by the embedded engine with the
+    trainer's weights, with their routes and log-probs."""
+    from megatron_armor.rollout.protocol import SamplingParams
+    from megatron_armor.types import Group, Sample, SampleSource, pack_groups
+
+    stage = dict(trainer.export_weights(every_rank=True))  # this pipeline stage's tensors
+    stages = [None] * dist.get_world_size()
+    dist.all_gather_object(stages, stage)
+    engine.update_weights([kv for part in stages for kv in part.items()], 1)
+    params = SamplingParams(temperature=0.9, max_new_tokens=10, seed=3)
+    prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13]]
+    groups = []
+    for g, outs in enumerate(engine.generate(prompts, 4, params)):
+        samples = [
+            Sample(f"q{g}", prompts[g], o.token_ids, o.logprobs, routed_experts=o.routed_experts,
+                   source=SampleSource.REFERENCE if i == 3 else SampleSource.POLICY)
+            for i, o in enumerate(outs)
+        ]  # fmt: skip
+        groups.append(Group(f"q{g}", samples, anchor_index=3, advantages=[1.0, -0.5, -1.5, 1.0]))
+    return pack_groups(groups)
+
+
+def replay(trainer, out: dict, engine) -> None:
+    """The ``old`` pass on engine samples with routing replay ``off`` and ``r3``."""
+    near_tie_routers(trainer)
+    batch = engine_batch(trainer, engine)
+    out["engine_lp"], out["loss_mask"] = batch.engine_logprobs, batch.loss_mask
+    for mode in ("off", "r3"):
+        trainer.config.trainer.moe.routing_replay = mode
+        old, _, metrics = trainer.step_logprobs(batch, with_ref=True, shared=True)
+        out[f"replay_{mode}"] = {"old": old, "metrics": metrics}
+
+
+def moe_config(model_dir: str, world: int, tp: int, ep: int, etp: int):
+    cfg = make_config(model_dir, tp, 1, world, False)
+    cfg.trainer.ep, cfg.trainer.etp = ep, etp  # the layout under test, not etp's auto
     cfg.trainer.moe.aux_loss_coeff = AUX_LOSS_COEFF
     return cfg
 
 
 def logits(trainer) -> torch.Tensor:
-    """Logits of the oracle tokens (TP = 1: the last stage holds the whole vocabulary)."""
+    """Logits of the oracle tokens, gathered over the TP ranks' vocabulary shards."""
+    from megatron_armor.trainer import parallel
     from megatron_armor.trainer.schedule import run_schedule
 
     trainer.model.eval()
     with torch.no_grad():
         outputs = run_schedule(trainer.model, [oracle_micro_batch()], keep_logits, True)
-    return outputs[0]["logits"][..., :VOCAB]
+    shard = outputs[0]["logits"]
+    parts = [torch.empty_like(shard) for _ in range(parallel.tp_size())]
+    dist.all_gather(parts, shard.contiguous(), group=parallel.tp_group())
+    return torch.cat(parts, dim=-1)[..., :VOCAB]
 
 
-def run(trainer, out: dict, out_dir: str) -> None:
+def forward(trainer, out: dict, out_dir: str, engine=None) -> None:
+    out["logits"] = logits(trainer)
+    out["export0"] = dict(trainer.export_weights())
+    out["lp0"] = full(trainer.compute_logprobs(make_batch(), "policy"))
+
+
+def run(trainer, out: dict, out_dir: str, engine) -> None:
     out["logits"] = logits(trainer)
     out["export0"] = dict(trainer.export_weights())
     batch = make_batch()
@@ -64,9 +136,15 @@ def run(trainer, out: dict, out_dir: str) -> None:
     out["w2"] = dict(trainer.export_weights())
     trainer.config.trainer.moe.aux_loss_coeff = AUX_LOSS_COEFF
     out["m3"] = trainer.train_step(batch, 1)
+    if engine is not None:
+        replay(trainer, out, engine)
 
 
-def resume(trainer, out: dict, out_dir: str) -> None:
+def pp_replay(trainer, out: dict, out_dir: str, engine) -> None:
+    replay(trainer, out, engine)
+
+
+def resume(trainer, out: dict, out_dir: str, engine=None) -> None:
     state = trainer.load_checkpoint(os.path.join(out_dir, "ckpt"))
     out["w1"] = dict(trainer.export_weights())
     batch = make_batch()
@@ -77,12 +155,21 @@ def resume(trainer, out: dict, out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    mode, rank, world, port, out_dir, model_dir, ep = sys.argv[1:8]
-    rank, world, ep = int(rank), int(world), int(ep)
+    mode, rank, world, port, out_dir, model_dir = sys.argv[1:7]
+    rank, world = int(rank), int(world)
+    tp, ep, etp = (int(n) for n in sys.argv[7:10])
+    from megatron_armor.rollout.torch_engine import TorchEngine
     from megatron_armor.trainer.megatron_trainer import MegatronTrainer
 
-    trainer = MegatronTrainer(moe_config(model_dir, ep, world), rank, world, "127.0.0.1", int(port))
+    # the engine before the trainer: the trainer's CPU mode stands in for torch.cuda names
+    # transformers reads when it loads a model; routing replay runs at ETP = 1 only
+    replays = mode == "pp_replay" or (mode == "run" and etp == 1)
+    engine = TorchEngine(model_dir, return_routed_experts=True) if replays else None
+    config = moe_config(model_dir, world, tp, ep, etp)
+    config.trainer.pp = 2 if mode == "pp_replay" else 1
+    trainer = MegatronTrainer(config, rank, world, "127.0.0.1", int(port))
     result: dict = {"ep_rank": dist.get_rank()}
-    (run if mode == "run" else resume)(trainer, result, out_dir)
+    modes = {"run": run, "resume": resume, "forward": forward, "pp_replay": pp_replay}
+    modes[mode](trainer, result, out_dir, engine)
     torch.save(result, os.path.join(out_dir, f"{mode}_rank{rank}.pt"))
     trainer.close()

@@ -11,9 +11,20 @@
   is in the update: the gradient norms of EP=1 and EP=2, equal without the loss, now differ
   (the Switch loss is taken per micro-batch, and the ranks split the batch differently) while
   the policy-loss metrics of that update still agree;
+- routing replay against the embedded engine (routers at near-ties, the engine holding the
+  trainer's weights): with ``r3`` the ``old`` log-probs equal the engine's within the dense
+  tolerance, with ``off`` some token-layers route differently and the log-probs differ by
+  far more, at EP=1, EP=2 and with two pipeline stages (a 4-layer model);
 - the EP=2 checkpoint, loaded by fresh processes, restores the weights bit for bit and the
   next update is bit-identical; ``armor convert --to-hf`` (one process) reshards it into the
-  HF tensors the trainer exported.
+  HF tensors the trainer exported;
+- expert tensor parallelism apart from TP: TP=1, EP=2, ETP=2 on four ranks (each expert's MLP
+  split over two ranks that are data parallel for attention; run beside the resume): logits
+  equal transformers', the export is exact, the two updates equal the single-process ones and
+  ``armor convert --to-hf`` reshards its checkpoint exactly; TP=2, EP=2, ETP=1 on two ranks
+  (every expert whole on its EP rank; forward passes only: megatron-core trains MoE layers
+  under TP only with sequence parallelism, which needs Apex on CPU; run beside EP=2): logits
+  equal transformers', the export is exact, the log-probs equal the single process's.
 """
 
 from __future__ import annotations
@@ -45,23 +56,29 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "moe_worker.py
 LAYOUT_DEPENDENT = ("train/padding_fraction",)
 
 
-def worker(mode: str, out: str, model_dir: str, ep: int, world: int, rank: int) -> list[str]:
+EP1, EP2, ETP2, TP2 = (1, 1, 1), (1, 2, 1), (1, 2, 2), (2, 2, 1)
+"""``(tp, ep, etp)`` layouts of the runs."""
+
+
+def worker(mode: str, out: str, model_dir: str, layout: tuple[int, int, int], world: int,
+           rank: int) -> list[str]:  # fmt: skip
     return [sys.executable, WORKER, mode, str(rank), str(world), str(PORTS[out]), out,
-            model_dir, str(ep)]  # fmt: skip
+            model_dir, *map(str, layout)]  # fmt: skip
 
 
 PORTS: dict[str, int] = {}
 
 
-def launch(runs: list[tuple[str, str, str, int, int]], extra: list[list[str]] = ()) -> None:
-    """Start every rank of every ``(mode, out, model_dir, ep, world)`` run, and the ``extra``
-    commands, at once (independent runs overlap their start-up), bounded."""
+def launch(runs: list[tuple[str, str, str, tuple[int, int, int], int]],
+           extra: list[list[str]] = ()) -> None:  # fmt: skip
+    """Start every rank of every ``(mode, out, model_dir, (tp, ep, etp), world)`` run, and the
+    ``extra`` commands, at once (independent runs overlap their start-up), bounded."""
     commands, logs = [], []
-    for mode, out, model_dir, ep, world in runs:
+    for mode, out, model_dir, layout, world in runs:
         os.makedirs(out, exist_ok=True)
         PORTS[out] = free_port()
         for rank in range(world):
-            commands.append(worker(mode, out, model_dir, ep, world, rank))
+            commands.append(worker(mode, out, model_dir, layout, world, rank))
             logs.append(os.path.join(out, f"{mode}_log{rank}.txt"))
     for i, command in enumerate(extra):
         commands.append(command)
@@ -78,6 +95,11 @@ def results(mode: str, out: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def moe_model(tmp_path_factory) -> str:
     return make_moe_model(str(tmp_path_factory.mktemp("moe_model")))
+
+
+@pytest.fixture(scope="module")
+def moe_model_4(tmp_path_factory) -> str:
+    return make_moe_model(str(tmp_path_factory.mktemp("moe_model_4")), num_layers=4)
 
 
 @pytest.fixture(scope="module")
@@ -115,10 +137,15 @@ def assert_aux_loss_update(result: dict) -> None:
     assert 0.5 < aux < MOE_EXPERTS  # Switch loss: 1 when balanced, E when one expert takes all
 
 
-def test_expert_parallel_matches_hf_single_process_and_resumes(hf_logits, moe_model, tmp_path):
-    ep1, ep2 = str(tmp_path / "ep1"), str(tmp_path / "ep2")
-    launch([("run", ep1, moe_model, 1, 1), ("run", ep2, moe_model, 2, 2)])
+def test_expert_parallel_matches_hf_single_process_and_resumes(
+    hf_logits, moe_model, moe_model_4, tmp_path
+):
+    ep1, ep2, pp2 = str(tmp_path / "ep1"), str(tmp_path / "ep2"), str(tmp_path / "pp2")
+    tp2, etp2 = str(tmp_path / "tp2"), str(tmp_path / "etp2")
+    launch([("run", ep1, moe_model, EP1, 1), ("run", ep2, moe_model, EP2, 2),
+            ("forward", tp2, moe_model, TP2, 2), ("pp_replay", pp2, moe_model_4, EP1, 2)])  # fmt: skip
     single, ranks = results("run", ep1)[0], results("run", ep2)
+    assert_replay(results("pp_replay", pp2)[0])
     assert_matches_hf(single, hf_logits, moe_model)
     assert_aux_loss_update(single)
     for result in ranks:  # each EP rank computes the logits of the whole batch
@@ -138,20 +165,80 @@ def test_expert_parallel_matches_hf_single_process_and_resumes(hf_logits, moe_mo
     for k, v in policy_metrics.items():
         assert run["m3"][k] == pytest.approx(v, abs=LOSS_TOL, rel=LOSS_TOL), k
     assert abs(run["m3"]["loss/grad_norm"] - single["m3"]["loss/grad_norm"]) > 10 * LOSS_TOL
-    assert_resume_and_convert(run, moe_model, ep2)
+    for result in (single, run):
+        assert_replay(result)
+    assert_forward_matches(results("forward", tp2), single, hf_logits, moe_model)
+    assert_resume_and_convert(run, moe_model, ep2, etp2)
+    assert_etp2_trains(etp2, single, hf_logits, moe_model)
 
 
-def assert_resume_and_convert(run: dict, moe_model: str, ep2: str) -> None:
+def assert_replay(result: dict) -> None:
+    """``r3`` reproduces the engine's log-probs (policy samples and anchors: the reference is
+    the policy here, so the anchors replay the reference engine's routes); ``off`` does not,
+    and its routing agreement shows why."""
+    mask = result["loss_mask"] > 0
+    engine = result["engine_lp"][mask]
+    r3, off = result["replay_r3"], result["replay_off"]
+    torch.testing.assert_close(r3["old"][mask], engine, atol=LOGPROB_TOL, rtol=0)
+    assert (off["old"][mask] - engine).abs().max() > 100 * LOGPROB_TOL
+    assert 0.5 < off["metrics"]["moe/route_agree_policy"] < 1.0
+    assert off["metrics"]["moe/expert_load_max_mean"] >= 1.0
+
+
+def assert_forward_matches(ranks: list[dict], single: dict, hf_logits, moe_model) -> None:
+    """Logits (every rank), the export (rank 0 only) and the policy log-probs of a run on
+    several ranks match transformers and the single process."""
+    for result in ranks:
+        torch.testing.assert_close(result["logits"], hf_logits, atol=LOGITS_TOL, rtol=0)
+    assert_matches_hf(ranks[0], hf_logits, moe_model)
+    assert all(result["export0"] == {} for result in ranks[1:])
+    torch.testing.assert_close(ranks[0]["lp0"], single["lp0"], atol=LOGPROB_TOL, rtol=0)
+
+
+def assert_etp2_trains(etp2: str, single: dict, hf_logits, moe_model) -> None:
+    """TP=1, EP=2, ETP=2: each expert's MLP split over two (attention data-parallel) ranks;
+    the logits, the export and two updates match the single process; its checkpoint
+    converts to the HF tensors it exported."""
+    ranks = results("run", etp2)
+    assert_forward_matches(ranks, single, hf_logits, moe_model)
+    for step in ("m1", "m2"):
+        assert_same_metrics(ranks[0][step], single[step])
+    for step in ("w1", "w2"):
+        for k, v in single[step].items():
+            torch.testing.assert_close(ranks[0][step][k], v, atol=WEIGHT_TOL, rtol=0)
+    assert_aux_loss_update(ranks[0])
+    assert_converts(etp2, moe_model, ranks[0]["w1"])
+
+
+def convert_command(run_dir: str, moe_model: str) -> list[str]:
+    """``armor convert --to-hf`` of ``run_dir/ckpt`` in one process (fp32, into ``hf``)."""
+    return [sys.executable, "-m", "megatron_armor.cli", "convert", "--to-hf",
+            os.path.join(run_dir, "ckpt"), "--model", moe_model,
+            "--out", os.path.join(run_dir, "hf"), "--precision", "fp32"]  # fmt: skip
+
+
+def assert_converts(run_dir: str, moe_model: str, weights: dict) -> None:
+    """One process reshards the checkpoint of ``run_dir`` into exactly ``weights``."""
+    from safetensors.torch import load_file
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    log = os.path.join(run_dir, "convert_log.txt")
+    run_rank_processes([convert_command(run_dir, moe_model)], [log], env, TIMEOUT_S)
+    converted = load_file(os.path.join(run_dir, "hf", "model.safetensors"))
+    assert sorted(converted) == sorted(weights)
+    for k, v in weights.items():
+        assert torch.equal(converted[k], v), k
+
+
+def assert_resume_and_convert(run: dict, moe_model: str, ep2: str, etp2: str) -> None:
     """Fresh EP=2 processes load the checkpoint written after the first update: the same
     weights and a bit-identical second update; ``armor convert --to-hf`` (run beside them)
-    writes the same weights."""
+    writes the same weights. The ETP=2 run starts in the same wave."""
     from safetensors.torch import load_file
 
     out = os.path.join(ep2, "hf")
-    convert = [sys.executable, "-m", "megatron_armor.cli", "convert", "--to-hf",
-               os.path.join(ep2, "ckpt"), "--model", moe_model, "--out", out,
-               "--precision", "fp32"]  # fmt: skip
-    launch([("resume", ep2, moe_model, 2, 2)], [convert])
+    convert = convert_command(ep2, moe_model)
+    launch([("resume", ep2, moe_model, EP2, 2), ("run", etp2, moe_model, ETP2, 4)], [convert])
     resumed = results("resume", ep2)[0]
     for step in ("w1", "w2"):
         assert sorted(resumed[step]) == sorted(run[step])

@@ -219,3 +219,35 @@ def test_moe_te_grouped_gemm_matches_hf_and_trains(tmp_path) -> None:
     assert metrics["train/moe_aux_loss"] > 0
     assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
     trainer.close()
+
+
+def test_moe_replay_under_recompute_equals_the_update_without(tmp_path) -> None:
+    """``r2`` with ``trainer.recompute``: the recomputation in the backward replays the routes
+    its micro-batch's forward used (``REPLAY_BACKWARD``, oldest first over several packed
+    micro-batches of different shapes), so the update equals the one without recompute."""
+    pytest.importorskip("transformer_engine.pytorch")
+    from tiny_models import make_moe_model
+
+    from megatron_armor.config.schema import ArmorConfig
+    from megatron_armor.trainer.megatron_trainer import MegatronTrainer
+    from megatron_armor.types import OLD_ROUTES_KEY
+
+    model_dir = make_moe_model(str(tmp_path))
+    results = []
+    for recompute in (False, True):
+        cfg = ArmorConfig()
+        t = cfg.trainer
+        t.model_path, t.transformer_impl, t.precision = model_dir, "te", "fp32"
+        t.lr, t.micro_batch_tokens, t.recompute = 1e-3, 24, recompute
+        t.moe.routing_replay = "r2"
+        cfg.algo.group_size, cfg.algo.alpha = 4, 3 / 4
+        trainer = MegatronTrainer(cfg, 0, 1, "127.0.0.1", free_port())
+        batch = make_batch()
+        old, ref, _ = trainer.step_logprobs(batch, with_ref=True, shared=True)
+        assert (batch.token_data[OLD_ROUTES_KEY][..., 0, 0] >= 0).any()
+        batch.old_logprobs, batch.ref_logprobs = old, ref
+        results.append(trainer.train_step(batch, 2))
+        trainer.close()
+    plain, recomputed = results
+    for key in ("loss/pg", "loss/grad_norm", "loss/ratio_mean", "moe/route_agree_update"):
+        assert recomputed[key] == pytest.approx(plain[key], abs=1e-5, rel=1e-5), key

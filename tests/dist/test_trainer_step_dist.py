@@ -102,9 +102,9 @@ def reference_after_reset(trainer, batch, ckpt_dir: str) -> dict:
     if trainer.reference is not None:  # the reference pass beside the policy pass: no swap
         submit = trainer.reference.submit
 
-        def counting_submit(copy, micro_batches, builder):
+        def counting_submit(copy, micro_batches, builder, routing=None):
             swaps.append("ref")
-            return submit(copy, micro_batches, builder)
+            return submit(copy, micro_batches, builder, routing)
 
         trainer.reference.submit = counting_submit
     mask = exact_kl_mask(batch, 3, 4)

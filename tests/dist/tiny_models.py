@@ -68,9 +68,9 @@ def make_models(root: str) -> dict[str, str]:
 MOE_EXPERTS = 4
 
 
-def make_moe_model(root: str) -> str:
-    """A tiny random Qwen3-MoE under ``root/qwen3_moe``: 3 layers (sparse, dense, sparse:
-    ``mlp_only_layers``), 4 experts, top-2 with renormalised probabilities; the routers get
+def make_moe_model(root: str, num_layers: int = 3) -> str:
+    """A tiny random Qwen3-MoE under ``root/qwen3_moe``: ``num_layers`` layers (layer 1 dense:
+    ``mlp_only_layers``, the others sparse), 4 experts, top-2 with renormalised probabilities; the routers get
     large weights so that every token's top-2 is decided by a wide margin (no near-ties that
     rounding could flip between implementations)."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -78,7 +78,7 @@ def make_moe_model(root: str) -> str:
     cfg = Qwen3MoeConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
         num_experts=MOE_EXPERTS, num_experts_per_tok=2, norm_topk_prob=True,
-        decoder_sparse_step=1, mlp_only_layers=[1], num_hidden_layers=3,
+        decoder_sparse_step=1, mlp_only_layers=[1], num_hidden_layers=num_layers,
         num_attention_heads=4, num_key_value_heads=2, head_dim=32,
         max_position_embeddings=128, tie_word_embeddings=False,
     )  # fmt: skip

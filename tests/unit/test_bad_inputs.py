@@ -140,6 +140,7 @@ CASES = [
     ("idle_gpus", train("orchestration.layout=colocated", "orchestration.nodes=4", "trainer.world_size=8"),
      "trainer.world_size=8 leaves 24 of the job's orchestration.nodes=4 x gpus_per_node=8 = 32 GPUs idle"),
     ("context_parallel", train("trainer.cp=2", "trainer.world_size=2"), "trainer.cp=2: context parallelism is not implemented"),
+    ("expert_tp_dense", train("trainer.etp=2", "trainer.world_size=2"), "trainer.etp=2: {model}/config.json is a dense model"),
     ("distributed_colocated", train("rollout.backend=sglang", "orchestration.layout=colocated",
                                     "rollout.sglang.weight_transport=distributed"),
      "rollout.sglang.weight_transport='distributed' with orchestration.layout='colocated'"),

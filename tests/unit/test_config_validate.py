@@ -7,6 +7,7 @@ import json
 import pytest
 
 from megatron_armor.config import ArmorConfig, ConfigError, load_config
+from megatron_armor.config.moe import expert_tp_size
 from megatron_armor.config.validate import find_problems, reference_order, validate
 
 pytestmark = pytest.mark.unit
@@ -452,15 +453,25 @@ def moe_dir(tmp_path):
             ["trainer.ep=4", "trainer.world_size=4"],
             ["trainer.ep=4", "num_experts=6", "[1, 2, 3, 6]"],
         ),
-        (["trainer.ep=2", "trainer.world_size=3"], ["trainer.world_size=3", "tp*ep*pp=1*2*1=2"]),
+        (["trainer.ep=2", "trainer.world_size=3"], ["trainer.world_size=3", "etp*ep*pp=1*2*1=2"]),
         (
-            ["trainer.ep=2", "trainer.tp=2", "trainer.world_size=4"],
-            ["trainer.ep=2 with trainer.tp=2", "trainer.sequence_parallel=true"],
+            ["trainer.etp=2", "trainer.ep=3", "trainer.world_size=3"],
+            ["trainer.world_size=3", "etp*ep*pp=2*3*1=6", "trainer.etp"],
         ),
         (
-            ["trainer.tp=4", "trainer.world_size=4"],
-            ["trainer.tp=4", "moe_intermediate_size=30"],
+            ["trainer.etp=2", "trainer.world_size=2"],
+            ["trainer.etp=2 with trainer.ep=1 and trainer.tp=1", "set trainer.etp=1 or"],
         ),
+        (
+            ["trainer.tp=2", "trainer.world_size=2"],
+            ["trainer.tp=2 with a mixture-of-experts model", "trainer.sequence_parallel=true"],
+        ),
+        (
+            ["trainer.etp=4", "trainer.world_size=4"],
+            ["trainer.etp=4", "moe_intermediate_size=30", "use etp=1"],
+        ),
+        (["trainer.etp=0"], ["trainer.etp=0", ">= 1"]),
+        (["trainer.etp=some"], ["trainer.etp='some'", "or auto"]),
         (["trainer.ep=0"], ["trainer.ep=0", ">= 1"]),
         (["trainer.moe.aux_loss_coeff=-1"], ["trainer.moe.aux_loss_coeff", ">= 0"]),
     ],
@@ -475,10 +486,22 @@ def test_expert_parallel_needs_experts(hf_dir, moe_dir):
     """EP splits experts: a dense model refuses it; a layout megatron-core builds passes."""
     message = _error(f"trainer.model_path={hf_dir}", "trainer.ep=2", "trainer.world_size=2")
     assert "trainer.ep=2" in message and "dense model" in message
+    message = _error(f"trainer.model_path={hf_dir}", "trainer.etp=2", "trainer.world_size=2")
+    assert "trainer.etp=2" in message and "set trainer.etp=1" in message
     ok = [f"trainer.model_path={moe_dir}", "trainer.ep=3", "trainer.world_size=6"]
     assert load_config(None, ok).trainer.ep == 3
     sp = ["trainer.tp=2", "trainer.sequence_parallel=true", "trainer.ep=2"]
     load_config(None, [f"trainer.model_path={moe_dir}", *sp, "trainer.world_size=4"])
+    # expert TP apart from TP (with ep > 1): tp=2 beside etp=1, tp=1 beside etp=2
+    for layout in (["trainer.tp=2", "trainer.sequence_parallel=true"], ["trainer.etp=2"]):
+        ok = [f"trainer.model_path={moe_dir}", *layout, "trainer.ep=2", "trainer.world_size=4"]
+        t = load_config(None, ok).trainer
+        assert (t.tp, t.ep, expert_tp_size(t)) in ((2, 2, 1), (1, 2, 2))
+    # etp auto: tp at ep=1 (the experts' gradients are reduced like dense weights), 1 at ep>1
+    tp2 = [f"trainer.model_path={moe_dir}", "trainer.tp=2", "trainer.sequence_parallel=true"]
+    assert expert_tp_size(load_config(None, [*tp2, "trainer.world_size=2"]).trainer) == 2
+    ep2 = load_config(None, [*tp2, "trainer.ep=2", "trainer.world_size=4"]).trainer
+    assert ep2.etp == "auto" and expert_tp_size(ep2) == 1
 
 
 def test_train_takes_a_moe_model(moe_dir):

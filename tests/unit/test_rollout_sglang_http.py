@@ -743,12 +743,9 @@ def test_routes_are_asked_for_only_when_the_run_replays_them(tmp_path):
     assert route_shape(str(tmp_path)) == (3, 2)
     config = ArmorConfig()
     config.trainer.model_path = str(tmp_path)
-    has_setting = hasattr(config.trainer.moe, "routing_replay")
-    for replay in ("off", "r2", "r3") if has_setting else ():
+    for replay in ("off", "r2", "r3"):
         config.trainer.moe.routing_replay = replay
         assert wants_engine_routes(config) == (replay == "r3"), replay
-    if not has_setting:
-        assert not wants_engine_routes(config)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
     assert route_shape(str(tmp_path)) is None and not wants_engine_routes(config)
 

@@ -225,3 +225,49 @@ def test_moe_expert_weights_load_into_the_fused_experts(tmp_path):
     bad = [("model.layers.0.mlp.experts.4.down_proj.weight", torch.zeros(32, 16))]
     with pytest.raises(KeyError, match="unknown tensor"):
         engine.update_weights(bad, version=2)
+
+
+def test_moe_routes_are_the_teacher_forced_forward_routes(tmp_path, model_dirs):
+    """``return_routed_experts``: each sample's routes cover prompt + response - 1 positions,
+    hold zeros at the dense layer and equal the experts transformers' routers pick in one
+    teacher-forced forward over prompt + response (rows leaving the batch early included); a
+    dense model returns none, an engine not asked returns none."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+        num_experts=4, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, max_position_embeddings=64, mlp_only_layers=[1],
+    )  # fmt: skip
+    torch.manual_seed(3)
+    Qwen3MoeForCausalLM(cfg).save_pretrained(tmp_path / "moe")
+    engine = TorchEngine(str(tmp_path / "moe"), max_batch=3, return_routed_experts=True)
+    params = SamplingParams(
+        temperature=1.0, max_new_tokens=6, seed=1, stop_token_ids=tuple(range(0, 64, 4))
+    )
+    prompts = [[5, 6, 7], [8, 9, 10, 12, 13]]
+    outs = engine.generate(prompts, 2, params)
+    model = engine._model("policy")
+    gate = model.model.layers[0].mlp.gate
+    for prompt, samples in zip(prompts, outs, strict=True):
+        for s in samples:
+            routes = s.routed_experts.array()
+            assert routes.shape == (len(prompt) + len(s.token_ids) - 1, 2, 2)
+            assert (routes[:, 1] == 0).all()  # the dense layer
+            want = routes_of_forward(model, gate, prompt + s.token_ids[:-1])
+            assert torch.equal(torch.from_numpy(routes[:, 0]).long().sort(-1).values, want)
+    assert any(len(s.token_ids) < 6 for g in outs for s in g)  # a row stopped early
+    plain = TorchEngine(str(tmp_path / "moe"), max_batch=3).generate(prompts, 1, params)
+    assert plain[0][0].routed_experts is None
+    dense = TorchEngine(model_dirs[0], return_routed_experts=True).generate(prompts, 1, params)
+    assert dense[0][0].routed_experts is None
+
+
+def routes_of_forward(model, gate, tokens: list[int]) -> torch.Tensor:
+    """The sorted experts ``gate`` picks per position in one forward over ``tokens``."""
+    seen = []
+    hook = gate.register_forward_hook(lambda m, a, o: seen.append(o[2]))
+    with torch.no_grad():
+        model(torch.tensor([tokens]))
+    hook.remove()
+    return seen[0].sort(-1).values
