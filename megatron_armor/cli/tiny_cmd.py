@@ -1,4 +1,5 @@
-"""``armor tiny --out DIR``: tiny arithmetic data + a warm-started tiny Qwen2 model.
+"""``armor tiny --out DIR``: tiny arithmetic data + a warm-started tiny Qwen2 model
+(``--moe``: a tiny Qwen3-MoE, 4 experts, top-2, warm-started the same way).
 
 Writes DIR/data/{train,val}.parquet and DIR/model, then prints the warm-started accuracy
 (DAPO rule, sampling at T = 1.0 and greedy). A complete DIR is left alone unless --force.
@@ -8,6 +9,9 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import replace
+
+MOE_EXPERTS = 4
+"""Experts per layer of ``armor tiny --moe`` (top-2: half of them active per token)."""
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -22,6 +26,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--max-steps", type=int, default=None, help="warm-start step limit")
     p.add_argument("--threads", type=int, default=None, help="torch threads for the warm start")
+    p.add_argument(
+        "--moe",
+        action="store_true",
+        help=f"a Qwen3-MoE model ({MOE_EXPERTS} experts, top-2) instead of the dense Qwen2",
+    )
     p.set_defaults(run=run)
 
 
@@ -30,6 +39,8 @@ def build_config(args: argparse.Namespace):
     from megatron_armor.tiny.build import TinyBuildConfig
 
     cfg = TinyBuildConfig(n_train=args.n_train, n_val=args.n_val, seed=args.seed)
+    if args.moe:
+        cfg = replace(cfg, model=replace(cfg.model, num_experts=MOE_EXPERTS))
     changes = {
         "target_accuracy": args.target_accuracy,
         "max_steps": args.max_steps,

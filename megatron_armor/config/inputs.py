@@ -16,7 +16,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from megatron_armor.config.benchmarks import missing_watched_files
-from megatron_armor.config.moe import engine_problems
 from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.config.weights_check import weights_problems
 
@@ -111,8 +110,7 @@ def input_problems(model_key: str, model_path: str, data: dict[str, list[str]]) 
 
 def check_inputs(config: ArmorConfig) -> Problems:
     """The files ``armor train`` reads: ``trainer.model_path``, ``data.train_files`` and,
-    when validation is on, ``data.val_files``; a model whose weights the rollout engines
-    cannot take yet (``config/moe.py``: :func:`engine_problems`)."""
+    when validation is on, ``data.val_files``."""
     from megatron_armor.data.sources import TARGETS
 
     data = {"data.train_files": config.data.train_files}
@@ -121,11 +119,6 @@ def check_inputs(config: ArmorConfig) -> Problems:
     yield from missing_watched_files(config, TARGETS)
     yield from wandb_problems(config)
     yield from input_problems("trainer.model_path", config.trainer.model_path, data)
-    hf_file = Path(config.trainer.model_path or ".") / "config.json"
-    if config.trainer.model_path and hf_file.is_file():
-        hf = _hf_config("trainer.model_path", hf_file.parent)
-        if isinstance(hf, dict):  # a broken config.json is named by input_problems
-            yield from engine_problems(hf.get("text_config", hf), str(hf_file))
 
 
 def wandb_problems(config: ArmorConfig) -> Problems:

@@ -16,6 +16,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from megatron_armor.config.model_overrides import read_hf_config
+from megatron_armor.config.rollout_traits import BACKEND_TRAITS
+
 MOE_ARCHITECTURES = ("qwen3_moe",)
 """HF ``model_type`` values with mixture-of-experts layers that the trainer implements."""
 
@@ -144,17 +147,43 @@ def _dense_model_problems(t, hf: dict, where: str) -> Iterator[str]:
             )
 
 
-def engine_problems(hf: dict | None, where: str) -> Iterator[str]:
-    """A run (``armor train``) of a model with experts is refused at load: the trainer and the
-    embedded engine's weight update take it, but the rest of a run is not built yet (SGLang's
-    weight sync of expert weights, the engines' routes and their replay in the trainer), and a
-    refusal now beats a failure at the first weight sync. The trainer API and ``armor
-    convert`` take such a model."""
-    shape = moe_shape(hf) if hf is not None else None
-    if shape is not None and any(shape.sparse_layers):
+ENGINE_ROUTES_REPLAY = ("r3",)
+"""``trainer.moe.routing_replay`` settings whose trainer passes replay the experts the rollout
+engines chose (R3); ``r2`` replays the trainer's own ``old`` pass and ``off`` replays none."""
+
+
+def wants_engine_routes(config) -> bool:
+    """Whether the rollout engines are asked for each token's experts: the policy has experts
+    and ``trainer.moe.routing_replay`` replays the engine's routes. Asking costs the engines a
+    copy of ``[tokens, layers, k]`` ids per sample (SGLang: ``--enable-return-routed-experts``),
+    so a run that does not replay them does not ask."""
+    if config.trainer.moe.routing_replay not in ENGINE_ROUTES_REPLAY:
+        return False
+    return route_shape(config.trainer.model_path) is not None
+
+
+def route_shape(model_path: str) -> tuple[int, int] | None:
+    """``(layers, k)`` of the routes an engine returns for the model at ``model_path`` (every
+    hidden layer, a dense one's rows zero, as SGLang sends them); ``None``: no experts."""
+    shape = moe_shape(read_hf_config(model_path) or {})
+    if shape is None or not any(shape.sparse_layers):
+        return None
+    return len(shape.sparse_layers), shape.topk
+
+
+def engine_route_problems(config) -> Iterator[str]:
+    """Routes asked of SGLang servers on CPU (``orchestration.layout: cpu``): SGLang 0.5.23
+    registers the host buffer of ``--enable-return-routed-experts`` with CUDA
+    (``cudaHostRegister``), so such a server exits at start-up without a GPU; refused at load
+    instead (docs/rollout.md, "Routed experts")."""
+    backend = BACKEND_TRAITS.get(config.rollout.backend)
+    if backend is None or not backend.serves_over_http or config.orchestration.layout != "cpu":
+        return  # an unknown backend is named by the names check
+    if wants_engine_routes(config):
         yield (
-            f"{where}: model_type={hf.get('model_type')!r} is a mixture-of-experts model; the "
-            "trainer implements it, but a training run with it is not built yet (SGLang's "
-            "weight sync of expert weights, routing replay); train a dense model (qwen2, "
-            "qwen3, llama)"
+            f"trainer.moe.routing_replay={config.trainer.moe.routing_replay} with "
+            "rollout.backend=sglang on orchestration.layout=cpu: SGLang returns the routed "
+            "experts only on a GPU (--enable-return-routed-experts registers its host buffer "
+            "with CUDA); use rollout.backend=torch on CPU, routing_replay r2 or off, or a GPU "
+            "layout"
         )

@@ -22,7 +22,11 @@ from megatron_armor.algo.reset import check_schedule
 from megatron_armor.config.benchmarks import check_benchmark_names, check_watched_metrics
 from megatron_armor.config.fields import SECTION_CHECKS, bound
 from megatron_armor.config.model_overrides import read_hf_config
-from megatron_armor.config.moe import expert_layout_problems, expert_tp_size
+from megatron_armor.config.moe import (
+    engine_route_problems,
+    expert_layout_problems,
+    expert_tp_size,
+)
 from megatron_armor.config.rollout_traits import (
     BACKEND_TRAITS,
     REFERENCE_TRAITS,
@@ -655,6 +659,7 @@ RULES: list[Callable[[ArmorConfig], Problems]] = [
     check_reference_serving,
     check_reference_first,
     check_sglang_reference,
+    engine_route_problems,
     check_offload,
     check_concurrent_reference,
     check_async_rollout,

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from megatron_armor.algo.registry import lookup
+from megatron_armor.config.moe import wants_engine_routes
 from megatron_armor.config.rollout_traits import BACKEND_TRAITS, BackendTraits
 from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.rollout.protocol import RolloutEngine
@@ -44,12 +45,15 @@ class RolloutBackend:
 def _torch_engine(
     config: ArmorConfig, device: str, pool: str, servers: ServerSlots | None
 ) -> RolloutEngine:
-    """The embedded HF engine (one per worker; ``pool`` and ``servers`` do not apply)."""
+    """The embedded HF engine (one per worker; ``pool`` and ``servers`` do not apply); it
+    returns each sample's routes when the run replays them (``config/moe.py``:
+    ``wants_engine_routes``)."""
     from megatron_armor.rollout.torch_engine import TorchEngine
 
     return TorchEngine(
         config.trainer.model_path, device=device, max_batch=config.rollout.engine_batch_size,
         model_overrides=dict(config.trainer.model_overrides),
+        return_routed_experts=wants_engine_routes(config),
     )  # fmt: skip
 
 

@@ -25,12 +25,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
 from megatron_armor.config.rollout_traits import REFERENCE_TRAITS, STRATEGIES, ReferenceTraits
 from megatron_armor.rollout.protocol import GenerationOutput, RolloutEngine, SamplingParams
+from megatron_armor.types import RoutedExperts
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 WeightsFn = Callable[[str], NamedTensors]
@@ -74,20 +75,25 @@ def _as_list(values) -> list:
 
 
 def _output_tensors(output: GenerationOutput) -> dict:
-    return {
+    saved = {
         "token_ids": torch.tensor(output.token_ids, dtype=torch.int32),
         "logprobs": torch.tensor(output.logprobs, dtype=torch.float64),
         "finish_reason": output.finish_reason,
         "weight_version": int(output.weight_version),
     }
+    if output.routed_experts is not None:  # a cached anchor keeps the reference's routes
+        saved["routed_experts"] = asdict(output.routed_experts)
+    return saved
 
 
 def _output_from(saved: dict) -> GenerationOutput:
+    routes = saved.get("routed_experts")  # absent: a dense model, or routes not asked for
     return GenerationOutput(
         token_ids=_as_list(saved["token_ids"]),
         logprobs=_as_list(saved["logprobs"]),
         finish_reason=saved["finish_reason"],
         weight_version=int(saved["weight_version"]),
+        routed_experts=RoutedExperts(**routes) if routes else None,
     )
 
 

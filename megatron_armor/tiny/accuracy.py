@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
+from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from megatron_armor.reward.dapo_rule import score_dapo
 from megatron_armor.tiny.task import Problem, render_prompt
@@ -34,7 +34,7 @@ class AccuracyReport:
 
 @torch.no_grad()
 def sample_responses(
-    model: Qwen2ForCausalLM,
+    model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerFast,
     prompts: Sequence[str],
     temperature: float = 1.0,
@@ -77,7 +77,7 @@ def score_responses(responses: Sequence[str], answers: Sequence[int | str]) -> l
 
 
 def measure_accuracy(
-    model: Qwen2ForCausalLM,
+    model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerFast,
     problems: Sequence[Problem],
     temperature: float = 1.0,

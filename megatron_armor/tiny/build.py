@@ -4,7 +4,7 @@ Layout of ``out_dir``::
 
     data/train.parquet   levels 1-3, DAPO-Math schema (data_source "tiny_arith")
     data/val.parquet     levels 2-4 (harder)
-    model/               HF Qwen2 directory: config.json, model.safetensors, tokenizer.json, ...
+    model/               HF Qwen2 (or Qwen3-MoE) directory: config.json, model.safetensors, ...
     tiny.json            the completion marker: settings, warm-start summary, accuracies
 
 ``tiny.json`` is written last, so its presence means the directory is complete; a rerun

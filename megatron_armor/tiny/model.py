@@ -1,9 +1,10 @@
-"""Factory for the tiny Qwen2-architecture model directory (HF format, loads offline).
+"""Factory for the tiny model directory (HF format, loads offline).
 
-The directory holds ``config.json`` (``model_type: qwen2``), ``model.safetensors``,
+The directory holds ``config.json`` (``model_type: qwen2``, or ``qwen3_moe`` for the
+mixture-of-experts variant: ``num_experts > 0``), ``model.safetensors``,
 ``generation_config.json`` and the character-level tokenizer (:mod:`.tokenizer`). It is the
-same layout as a real Qwen2.5 checkpoint, so the trainer's HF <-> Megatron conversion and
-both rollout backends treat it like any other model.
+same layout as a real Qwen2.5 / Qwen3-MoE checkpoint, so the trainer's HF <-> Megatron
+conversion and both rollout backends treat it like any other model.
 """
 
 from __future__ import annotations
@@ -13,7 +14,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    GenerationConfig,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 from megatron_armor.tiny.tokenizer import build_vocab, write_tokenizer
 
@@ -42,8 +51,20 @@ class TinyModelConfig:
     """RoPE base."""
     seed: int = 0
     """Initialization seed."""
+    num_experts: int = 0
+    """Routed experts per layer; 0 (default): the dense Qwen2 model, > 0: a Qwen3-MoE (q/k
+    norm, no qkv bias, every layer sparse) with ``intermediate_size`` unused."""
+    experts_per_token: int = 2
+    """Experts each token is routed to (top-k, probabilities renormalised; MoE only)."""
+    moe_intermediate_size: int = 192
+    """SwiGLU width of one expert (MoE only: two active experts match the dense width)."""
 
     def __post_init__(self) -> None:
+        if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
+            raise ValueError(
+                f"TinyModelConfig: experts_per_token={self.experts_per_token} must lie in "
+                f"[1, num_experts={self.num_experts}]"
+            )
         if self.hidden_size % self.num_heads:
             raise ValueError(
                 f"TinyModelConfig: hidden_size={self.hidden_size} is not divisible by "
@@ -84,10 +105,46 @@ def qwen2_config(cfg: TinyModelConfig) -> Qwen2Config:
     )
 
 
-def build_model(cfg: TinyModelConfig) -> Qwen2ForCausalLM:
-    """A freshly initialized tiny Qwen2 (deterministic in ``cfg.seed``)."""
+def qwen3_moe_config(cfg: TinyModelConfig) -> Qwen3MoeConfig:
+    """The HF ``Qwen3MoeConfig`` of the mixture-of-experts variant: Qwen3's attention (q/k
+    RMSNorm, no qkv bias), every layer sparse, top-k routing with renormalised probabilities
+    (as Qwen3-30B-A3B), the dense model's width, heads, RoPE and tokenizer."""
+    vocab = build_vocab()
+    return Qwen3MoeConfig(
+        vocab_size=padded_vocab_size(len(vocab), cfg.vocab_multiple),
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        moe_intermediate_size=cfg.moe_intermediate_size,
+        num_experts=cfg.num_experts,
+        num_experts_per_tok=cfg.experts_per_token,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.hidden_size // cfg.num_heads,
+        max_position_embeddings=cfg.max_position_embeddings,
+        rope_theta=cfg.rope_theta,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        hidden_act="silu",
+        attention_bias=False,
+        bos_token_id=vocab["<|endoftext|>"],
+        eos_token_id=vocab["<|endoftext|>"],
+        pad_token_id=vocab["<pad>"],
+        torch_dtype="float32",
+    )
+
+
+def build_model(cfg: TinyModelConfig) -> PreTrainedModel:
+    """A freshly initialized tiny Qwen2, or Qwen3-MoE when ``cfg.num_experts`` (deterministic
+    in ``cfg.seed``)."""
     torch.manual_seed(cfg.seed)
-    model = Qwen2ForCausalLM(qwen2_config(cfg))
+    if cfg.num_experts:
+        model = Qwen3MoeForCausalLM(qwen3_moe_config(cfg))
+    else:
+        model = Qwen2ForCausalLM(qwen2_config(cfg))
     model.generation_config = GenerationConfig(
         eos_token_id=model.config.eos_token_id,
         pad_token_id=model.config.pad_token_id,
@@ -98,7 +155,7 @@ def build_model(cfg: TinyModelConfig) -> Qwen2ForCausalLM:
     return model
 
 
-def save_model_dir(model: Qwen2ForCausalLM, model_dir: str | Path) -> Path:
+def save_model_dir(model: PreTrainedModel, model_dir: str | Path) -> Path:
     """Write weights (safetensors), configs and the tokenizer into ``model_dir``."""
     model_dir = Path(model_dir)
     model_dir.mkdir(parents=True, exist_ok=True)
@@ -109,13 +166,18 @@ def save_model_dir(model: Qwen2ForCausalLM, model_dir: str | Path) -> Path:
 
 
 def add_legacy_config_keys(config_path: Path) -> None:
-    """Also write ``rope_theta`` / ``torch_dtype`` at the top level of ``config.json``.
+    """Also write ``rope_theta`` / ``torch_dtype`` (and, for the MoE, ``num_experts``) at the
+    top level of ``config.json``.
 
-    transformers 5 nests RoPE settings under ``rope_parameters`` and says ``dtype``; released
-    Qwen2.5 checkpoints (and readers written for them: SGLang, converters) use the flat keys.
-    Writing both keeps the tiny directory shaped like a real checkpoint.
+    transformers 5 nests RoPE settings under ``rope_parameters``, says ``dtype`` and saves a
+    Qwen3-MoE's expert count as ``num_local_experts``; released Qwen2.5 / Qwen3-MoE
+    checkpoints (and readers written for them: SGLang, whose Qwen3-MoE reads
+    ``config.num_experts``, converters) use the flat keys. Writing both keeps the tiny
+    directory shaped like a real checkpoint.
     """
     config = json.loads(config_path.read_text())
+    if "num_local_experts" in config:
+        config.setdefault("num_experts", config["num_local_experts"])
     rope = config.get("rope_parameters") or {}
     if "rope_theta" not in config and "rope_theta" in rope:
         config["rope_theta"] = rope["rope_theta"]
@@ -128,9 +190,9 @@ def write_model_dir(model_dir: str | Path, cfg: TinyModelConfig | None = None) -
     return save_model_dir(build_model(cfg or TinyModelConfig()), model_dir)
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> Qwen2ForCausalLM:
-    """Load a tiny model directory with transformers, offline."""
-    return Qwen2ForCausalLM.from_pretrained(str(model_dir), dtype=dtype, local_files_only=True)
+def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """Load a tiny model directory (either variant) with transformers, offline."""
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, local_files_only=True)
 
 
 def describe(cfg: TinyModelConfig) -> dict:

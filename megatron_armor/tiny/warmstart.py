@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
+from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from megatron_armor.tiny.accuracy import measure_accuracy
 from megatron_armor.tiny.task import (
@@ -146,7 +146,7 @@ def problem_stream(seed: int, levels: dict[int, float] = TRAIN_LEVELS) -> Callab
 
 
 def train_step(
-    model: Qwen2ForCausalLM,
+    model: PreTrainedModel,
     opt: torch.optim.Optimizer,
     batch: Sequence[tuple[list[int], list[int]]],
     pad_id: int,
@@ -165,7 +165,7 @@ def train_step(
 
 
 def warm_start(
-    model: Qwen2ForCausalLM,
+    model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerFast,
     cfg: WarmStartConfig,
     levels: dict[int, float] = TRAIN_LEVELS,

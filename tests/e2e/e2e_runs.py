@@ -33,7 +33,8 @@ CACHED = ("algo.anchor_source=cache",)
 
 
 class Run:
-    """One ``armor train`` subprocess with its own process group and Ray temp dir."""
+    """One ``armor train`` subprocess with its own process group and Ray temp dir (``config``:
+    another file of ``configs/``, e.g. the mixture-of-experts ``tiny_moe_cpu.yaml``)."""
 
     def __init__(
         self,
@@ -45,6 +46,7 @@ class Run:
         env: dict[str, str] | None = None,
         summary: bool = False,
         module: str = "megatron_armor.cli",
+        config: str = "tiny_cpu.yaml",
     ):
         self.run_dir = out / name
         self.ray_tmp = tempfile.mkdtemp(prefix="ar", dir="/tmp")  # short: unix socket paths
@@ -64,7 +66,7 @@ class Run:
         env = dict(inherited, RAY_TMPDIR=self.ray_tmp, RAY_USAGE_STATS_ENABLED="0",
                    HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", **(env or {}))  # fmt: skip
         cmd = [sys.executable, "-m", module, "train",
-               str(REPO / "configs" / "tiny_cpu.yaml"), *args, "--resume", resume,
+               str(REPO / "configs" / config), *args, "--resume", resume,
                *([] if summary else ["--no-summary"])]  # fmt: skip
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self.log,
                                      stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip

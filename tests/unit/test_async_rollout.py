@@ -128,6 +128,32 @@ def test_the_batch_in_flight_survives_the_safe_loader_exactly(tmp_path):
     assert collected_state(None) == {} and collected_from_state({}) is None
 
 
+def test_the_routes_of_a_batch_in_flight_survive_the_checkpoint(tmp_path):
+    """A mixture-of-experts run that replays the engines' routes holds them in each sample of
+    the batch drawn ahead (the policy's and the anchor's, from the reference engine): the
+    checkpoint keeps them, ids and compact dtype, through the safe loader."""
+    import numpy as np
+
+    from megatron_armor.types import RoutedExperts
+
+    result = _result()
+    samples = [*result.groups[0].samples, *result.policy_samples]
+    rng = np.random.default_rng(5)
+    for i, sample in enumerate(samples):  # [prompt + response - 1, layers, k]; one int16
+        top = 300 if i == 3 else 8
+        sample.routed_experts = RoutedExperts.from_array(rng.integers(0, top, (4, 2, 2)))
+    collected = Collected(4, result, {}, {}, 3, "behavior", 0.5, 1.0)
+    RunState(step=3, pending=collected_state(collected)).save(tmp_path)
+    back = collected_from_state(RunState.load(tmp_path).pending)
+    restored = [*back.result.groups[0].samples, *back.result.policy_samples]
+    for before, after in zip(samples, restored, strict=True):
+        assert after.routed_experts.dtype == before.routed_experts.dtype
+        assert np.array_equal(after.routed_experts.array(), before.routed_experts.array())
+    assert (
+        restored[3].routed_experts.dtype == "int16" and restored[0].routed_experts.dtype == "uint8"
+    )
+
+
 def test_checkpoints_without_a_batch_in_flight_still_load(tmp_path):
     saved = RunState(step=2).__dict__
     del saved["pending"]  # a checkpoint written before async_rollout existed

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from megatron_armor.config.rollout_traits import STRATEGIES, reference_strategy
-from megatron_armor.rollout.protocol import SamplingParams
+from megatron_armor.rollout.protocol import GenerationOutput, SamplingParams
 from megatron_armor.rollout.reference import (
     CachedReferenceSampler,
+    ReferenceSampler,
     SwapReferenceSampler,
     make_reference_sampler,
 )
@@ -255,3 +256,49 @@ def test_a_reset_to_the_served_policy_takes_the_engines_own_weights(models, stra
     w.update_weights(5, models["policy"].state_tensors())  # the policy moves on
     assert max_error(models["ref"], w.reference.sample(QIDS, PROMPTS, 1, PARAMS)) < 1e-5
     assert max_error(models["policy"], engine.generate(PROMPTS, 1, PARAMS)) < 1e-5
+
+
+class RoutedSampler(ReferenceSampler):
+    """Reference samples with the experts of each position, as a MoE engine asked for routes
+    returns them (``[prompt + response - 1, layers, k]``)."""
+
+    def sample(self, query_ids, prompts, n, params):
+        import numpy as np
+
+        from megatron_armor.types import RoutedExperts
+
+        rng = np.random.default_rng(len(prompts))
+        outputs = []
+        for prompt in prompts:
+            group = []
+            for j in range(n):
+                tokens = [3 + j, 4]
+                ids = rng.integers(0, 300, (len(prompt) + len(tokens) - 1, 2, 2))
+                group.append(
+                    GenerationOutput(
+                        tokens,
+                        [-0.5, -0.25],
+                        "stop",
+                        self.ref_version,
+                        routed_experts=RoutedExperts.from_array(ids),
+                    )  # fmt: skip
+                )
+            outputs.append(group)
+        return outputs
+
+
+def test_cached_anchors_keep_their_routes_through_a_checkpoint():
+    """A cached anchor of a mixture-of-experts reference keeps the experts it was routed to
+    (the trainer's reference pass replays them, docs/algorithm.md) through the checkpoint."""
+    sampler = CachedReferenceSampler(RoutedSampler(3))
+    first = sampler.sample(QIDS, PROMPTS, 2, PARAMS)
+    buffer = io.BytesIO()
+    torch.save(sampler.state_dict(), buffer)
+    buffer.seek(0)
+    restored = CachedReferenceSampler(RoutedSampler(0))
+    restored.load_state_dict(torch.load(buffer, weights_only=True))
+    again = restored.sample(QIDS, PROMPTS, 2, PARAMS)
+    assert restored.metrics()["anchor/cache_misses"] == 0.0
+    routes = [[s.routed_experts for s in g] for g in again]
+    assert routes == [[s.routed_experts for s in g] for g in first]
+    assert routes[1][0].dtype == "int16" and routes[1][0].shape == [len(PROMPTS[1]) + 1, 2, 2]

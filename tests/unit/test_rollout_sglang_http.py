@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import json
 import os
 import signal
@@ -25,6 +26,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from aiohttp import web
@@ -59,6 +61,7 @@ GENERATE_FIELDS = {
     "logprob_start_len", "top_logprobs_num", "token_ids_logprob", "return_text_in_logprobs",
     "stream", "log_metrics", "return_hidden_states", "modalities", "session_params", "lora_path",
     "custom_logit_processor", "bootstrap_host", "bootstrap_port", "bootstrap_room", "priority",
+    "return_routed_experts",
 }  # fmt: skip
 SAMPLING_FIELDS = {
     "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k",
@@ -67,6 +70,7 @@ SAMPLING_FIELDS = {
     "spaces_between_special_tokens", "no_stop_trim", "custom_params", "stream_interval",
     "logit_bias", "sampling_seed",
 }  # fmt: skip
+ROUTE_SHAPE = (2, 2)  # (layers, top-k) of the routes the stand-in answers
 ENDPOINT_FIELDS = {
     "/abort_request": {"rid", "abort_all", "finished_reason", "abort_message"},
     "/update_weights_from_disk": {"model_path", "load_format", "abort_all_requests", "weight_version"},
@@ -177,7 +181,18 @@ class StandIn:
         meta = {"id": body["rid"], "finish_reason": reason, "prompt_tokens": len(body["input_ids"]),
                 "completion_tokens": len(tokens), "cached_tokens": 0, "weight_version": str(self.version),
                 "output_token_logprobs": triples}  # fmt: skip
+        if body.get("return_routed_experts"):
+            meta["routed_experts"] = self.routes(len(body["input_ids"]) + len(tokens) - 1)
         return {"text": "", "output_ids": tokens, "meta_info": meta}
+
+    @staticmethod
+    def routes(positions: int) -> str:
+        """SGLang's ``meta_info.routed_experts`` for ``positions`` positions of a model with
+        :data:`ROUTE_SHAPE` (base64 of int32 ``[positions, layers, k]``): expert
+        ``(position + layer + j) % 8`` in slot ``j``."""
+        layers, k = ROUTE_SHAPE
+        grid = np.indices((positions, layers, k)).sum(axis=0) % 8
+        return base64.b64encode(grid.astype(np.int32).tobytes()).decode("ascii")
 
     async def control(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -273,13 +288,14 @@ def standin():
     thread.close()
 
 
-def engine_for(urls, tmp_path=None, **cfg) -> SGLangEngine:
+def engine_for(urls, tmp_path=None, routes=None, **cfg) -> SGLangEngine:
     settings = {"router": False, "max_retries": 2, "request_timeout_s": 10.0, **cfg}
     return SGLangEngine(
         "/models/tiny",
         SGLangConfig(**settings),
         urls=urls,
         weights_dir=str(tmp_path) if tmp_path else None,
+        routes=routes,
     )
 
 
@@ -682,3 +698,77 @@ def test_routed_experts_decode_compactly_and_survive_a_checkpoint():
     plain = dataclasses.asdict(Sample("q", prompt, response))
     del plain["routed_experts"]  # a checkpoint written before the field existed
     assert _sample(json.loads(json.dumps(plain))).routed_experts is None
+
+
+def test_an_engine_built_for_routes_asks_for_them_and_decodes_them(standin):
+    """``routes=(layers, k)`` (a run that replays the engine's routes) launches the servers
+    with ``--enable-return-routed-experts``, asks every ``/generate`` for the experts and
+    hands each sample its ``[prompt + response - 1, layers, k]`` ids; an engine without
+    ``routes`` asks for none (a dense model, or a run that does not replay them)."""
+    engine = engine_for([standin.url], routes=ROUTE_SHAPE)
+    plain = engine_for([standin.url])
+    try:
+        params = SamplingParams(max_new_tokens=3, seed=1)
+        out = engine.generate([[1, 2, 3], [4, 5]], 2, params)
+        for prompt, group in zip([[1, 2, 3], [4, 5]], out, strict=True):
+            for sample in group:
+                positions = len(prompt) + len(sample.token_ids) - 1
+                expected = np.indices((positions, *ROUTE_SHAPE)).sum(axis=0) % 8
+                assert sample.routed_experts.dtype == "uint8"
+                assert np.array_equal(sample.routed_experts.array(), expected)
+        asked = [body.get("return_routed_experts") for _, body in standin.calls]
+        assert asked == [True] * 4
+        assert all(s.routed_experts is None for g in plain.generate([[1, 2]], 2, params) for s in g)
+        assert [body.get("return_routed_experts") for _, body in standin.calls[4:]] == [None] * 2
+        server = engine.servers[0]
+        assert "--enable-return-routed-experts" in flags_of(
+            engine.server_process(server, False, None)
+        )
+        assert "routed" not in flags_of(plain.server_process(plain.servers[0], False, None))
+    finally:
+        engine.close()
+        plain.close()
+
+
+def test_routes_are_asked_for_only_when_the_run_replays_them(tmp_path):
+    """``wants_engine_routes``: a mixture-of-experts policy whose trainer replays the engine's
+    routes (``trainer.moe.routing_replay: r3``); never a dense model, never another setting."""
+    import json
+
+    from megatron_armor.config.moe import route_shape, wants_engine_routes
+
+    moe = {"model_type": "qwen3_moe", "num_hidden_layers": 3, "num_local_experts": 4,
+           "num_experts_per_tok": 2, "moe_intermediate_size": 8}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(moe))
+    assert route_shape(str(tmp_path)) == (3, 2)
+    config = ArmorConfig()
+    config.trainer.model_path = str(tmp_path)
+    for replay in ("off", "r2", "r3"):
+        config.trainer.moe.routing_replay = replay
+        assert wants_engine_routes(config) == (replay == "r3"), replay
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    assert route_shape(str(tmp_path)) is None and not wants_engine_routes(config)
+
+
+def test_routes_from_sglang_on_cpu_are_refused_at_load(tmp_path):
+    """SGLang 0.5.23 returns routes only on a GPU: a run that would ask CPU servers for them
+    is refused with the choices that work; the embedded engine and GPU layouts are not."""
+    import json
+
+    from megatron_armor.config.moe import engine_route_problems
+
+    moe = {"model_type": "qwen3_moe", "num_hidden_layers": 2, "num_local_experts": 4,
+           "num_experts_per_tok": 2, "moe_intermediate_size": 8}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(moe))
+    config = ArmorConfig()
+    config.trainer.model_path = str(tmp_path)
+    config.rollout.backend, config.orchestration.layout = "sglang", "cpu"
+    config.trainer.moe.routing_replay = "r3"
+    (problem,) = engine_route_problems(config)
+    assert "routing_replay=r3" in problem and "rollout.backend=torch" in problem
+    config.orchestration.layout = "colocated"
+    assert list(engine_route_problems(config)) == []
+    config.rollout.backend, config.orchestration.layout = "torch", "cpu"
+    assert list(engine_route_problems(config)) == []
+    config.rollout.backend, config.trainer.moe.routing_replay = "sglang", "r2"
+    assert list(engine_route_problems(config)) == []

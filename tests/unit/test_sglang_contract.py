@@ -180,6 +180,80 @@ def test_routed_experts_request_and_answer_follow_the_wheel(sglang_src):
     assert "b64encode(item.numpy().tobytes())" in detok  # the server's encoding of the ids
 
 
+def wheel_function(path: Path, name: str):
+    """Function (or method) ``name`` of a wheel module, compiled alone (no imports of its
+    module run): for pure helpers such as ``FusedMoE.make_expert_params_mapping``."""
+    tree = parse(path)
+    node = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == name)
+    node.decorator_list = []
+    namespace: dict = {}
+    exec(
+        compile(ast.Module([node], []), str(path), "exec"),
+        {"List": list, "Tuple": tuple},
+        namespace,
+    )  # noqa: S102
+    return namespace[name]
+
+
+def qwen3_moe_load_weights(sglang_src: Path) -> ast.FunctionDef:
+    tree = parse(sglang_src / "srt/models/qwen3_moe.py")
+    cls = next(
+        n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Qwen3MoeForCausalLM"
+    )
+    return next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "load_weights")
+
+
+@pytest.mark.unit
+def test_expert_weight_names_load_through_sglangs_qwen3_moe(sglang_src, tmp_path):
+    """The tiny MoE's tensor names (the checkpoint's, which the trainer exports) through the
+    name logic of the wheel's ``Qwen3MoeForCausalLM.load_weights``: its stacked map (q/k/v,
+    gate/up of dense MLPs; expert names skipped) and ``FusedMoE.make_expert_params_mapping``
+    (built as it builds it, from ``config.num_experts``): every expert tensor lands in its
+    layer's fused ``w13`` (gate ``w1``, up ``w3``) or ``w2`` with its own expert id, the router
+    in ``mlp.gate.weight``; none is left to the plain loader by mistake."""
+    from safetensors import safe_open
+
+    from megatron_armor.tiny.model import TinyModelConfig, write_model_dir
+
+    method = qwen3_moe_load_weights(sglang_src)
+    stacked = next(ast.literal_eval(n.value) for n in ast.walk(method) if isinstance(n, ast.Assign)
+                   and getattr(n.targets[0], "id", "") == "stacked_params_mapping")  # fmt: skip
+    call = next(n for n in ast.walk(method) if isinstance(n, ast.Call)
+                and getattr(n.func, "attr", "") == "make_expert_params_mapping")  # fmt: skip
+    kwargs = {k.arg: k.value for k in call.keywords}
+    assert ast.unparse(kwargs.pop("num_experts")) == "self.config.num_experts"
+    names = {k: ast.literal_eval(v) for k, v in kwargs.items()}
+    mapping = wheel_function(
+        sglang_src / "srt/layers/moe/fused_moe_triton/layer.py", "make_expert_params_mapping"
+    )(None, **names, num_experts=4)
+    model_dir = write_model_dir(tmp_path / "moe", TinyModelConfig(num_experts=4, num_layers=2))
+    assert json.loads((model_dir / "config.json").read_text())["num_experts"] == 4
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        checkpoint = sorted(f.keys())
+    loaded: dict[str, set] = {}
+    for name in checkpoint:  # load_weights' branches, in its order
+        stack = [(p, w, s) for p, w, s in stacked if w in name and "mlp.experts" not in name]
+        experts = [(p, w, e, s) for p, w, e, s in mapping if w in name]
+        if stack:
+            target, shard = name.replace(stack[0][1], stack[0][0]), stack[0][2]
+        elif experts:
+            p, w, e, s = experts[0]
+            target, shard = name.replace(w, p), (e, s)
+        else:
+            target, shard = name, None
+        loaded.setdefault(target, set()).add(shard)
+    for layer in range(2):
+        prefix = f"model.layers.{layer}.mlp."
+        w13 = {(e, s) for e in range(4) for s in ("w1", "w3")}
+        assert loaded[prefix + "experts.w13_weight"] == w13
+        assert loaded[prefix + "experts.w2_weight"] == {(e, "w2") for e in range(4)}
+        assert loaded[prefix + "gate.weight"] == {None}
+        assert loaded[f"model.layers.{layer}.self_attn.qkv_proj.weight"] == {"q", "k", "v"}
+    assert not [
+        t for t in loaded if ".experts." in t and not t.endswith(("w13_weight", "w2_weight"))
+    ]
+
+
 @pytest.mark.unit
 def test_sampling_params_are_sglang_sampling_params(sglang_src):
     tree = parse(sglang_src / "srt/sampling/sampling_params.py")

@@ -106,3 +106,53 @@ def test_data_loader_prompts_match_the_warm_start_prompts(tmp_path, model_dir, t
         assert item.prompt_ids == tok(render_prompt(problem)).input_ids
         assert item.ground_truth == str(problem.answer)
         assert render_solution(problem.expression).endswith(f"Answer: {item.ground_truth}")
+
+
+SMALL_MOE = TinyModelConfig(
+    hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, num_experts=4,
+    moe_intermediate_size=16,
+)  # fmt: skip
+
+
+def test_moe_variant_is_a_qwen3_moe_checkpoint(tmp_path):
+    """``armor tiny --moe``'s model: a Qwen3-MoE directory as released ones are (``num_experts``
+    beside transformers 5's ``num_local_experts``: SGLang's Qwen3-MoE reads the former;
+    per-expert tensors on disk, the names the trainer exports and SGLang's ``load_weights``
+    takes), every layer sparse, top-2 renormalised; the dense default stays Qwen2."""
+    from safetensors import safe_open
+
+    from megatron_armor.config.moe import moe_shape
+    from megatron_armor.tiny.model import load_model
+
+    model_dir = write_model_dir(tmp_path / "moe", SMALL_MOE)
+    config = json.loads((model_dir / "config.json").read_text())
+    assert config["model_type"] == "qwen3_moe"
+    assert config["num_experts"] == config["num_local_experts"] == 4
+    shape = moe_shape(config)
+    assert (shape.topk, shape.expert_ffn, shape.norm_topk_prob) == (2, 16, True)
+    assert shape.sparse_layers == (True, True)
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert "model.layers.1.mlp.gate.weight" in names
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in names
+    assert not any("gate_up_proj" in n for n in names)
+    model = load_model(model_dir)
+    assert type(model).__name__ == "Qwen3MoeForCausalLM"
+    assert model.model.layers[0].self_attn.q_proj.bias is None  # Qwen3: no qkv bias
+    assert "num_experts" not in json.loads((write_model_dir(tmp_path / "d", SMALL) /
+                                           "config.json").read_text())  # fmt: skip
+    with pytest.raises(ValueError, match="experts_per_token=5"):
+        TinyModelConfig(num_experts=4, experts_per_token=5)
+
+
+def test_tiny_command_builds_the_moe_variant_with_moe():
+    import argparse
+
+    from megatron_armor.cli import tiny_cmd
+
+    parser = argparse.ArgumentParser()
+    tiny_cmd.add_parser(parser.add_subparsers())
+    moe = tiny_cmd.build_config(parser.parse_args(["tiny", "--moe", "--out", "x"]))
+    dense = tiny_cmd.build_config(parser.parse_args(["tiny"]))
+    assert moe.model.num_experts == tiny_cmd.MOE_EXPERTS and moe.model.experts_per_token == 2
+    assert dense.model == TinyModelConfig() and dense.model.num_experts == 0

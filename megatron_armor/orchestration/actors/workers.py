@@ -306,6 +306,7 @@ def to_samples(
                     response_text=tokenizer.decode(o.token_ids, skip_special_tokens=True),
                     ground_truth=item.ground_truth,
                     data_source=item.data_source,
+                    routed_experts=o.routed_experts,
                 )
                 for o in outs
             ]

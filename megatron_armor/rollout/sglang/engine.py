@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_armor.config.moe import route_shape, wants_engine_routes
 from megatron_armor.config.schema import ArmorConfig, SGLangConfig
 from megatron_armor.config.sglang_pools import PoolSpec, policy_pool, pool_specs
 from megatron_armor.heartbeat import beat
@@ -34,6 +35,7 @@ from megatron_armor.rollout.sglang.client import (
     generate_payload,
     new_rid,
     parse_generate_response,
+    parse_routed_experts,
     pause_generation_payload,
     release_memory_occupation_payload,
     resume_memory_occupation_payload,
@@ -86,9 +88,13 @@ class SGLangEngine(RolloutEngine):
         indices: list[int] | None = None,
         model_overrides: dict | None = None,
         on_cpu: bool = False,
+        routes: tuple[int, int] | None = None,
     ) -> None:
         """``model_overrides``: ``trainer.model_overrides``, served as the trainer trains.
         ``on_cpu``: servers without GPUs (``orchestration.layout: cpu``; ``launch.CPU_SERVER_ARGS``).
+        ``routes``: ``(layers, k)`` of a mixture-of-experts model whose experts each sample
+        returns (``--enable-return-routed-experts``, ``return_routed_experts`` per request;
+        ``config/moe.py``: ``route_shape``); ``None``: no routes asked for.
         ``pool`` (default: the policy pool described by ``cfg``) sets the server count, TP
         size, memory flag and ports. This engine runs the pool's servers ``indices`` (default:
         all of them; on several nodes each node's rollout worker runs its own), listening on
@@ -98,6 +104,7 @@ class SGLangEngine(RolloutEngine):
         self.cfg = cfg
         self.model_overrides = dict(model_overrides or {})
         self.on_cpu = on_cpu
+        self.routes = routes
         self.pool = pool or policy_pool(cfg, len(urls) if urls else max(cfg.num_engines, 1))
         self.host = host
         self.weights_dir = weights_dir
@@ -156,6 +163,7 @@ class SGLangEngine(RolloutEngine):
             weights_dir=os.path.join(run_dir, "sglang_weights", pool, host), gpu_ids=gpu_ids,
             indices=indices, model_overrides=dict(config.trainer.model_overrides),
             on_cpu=config.orchestration.layout == "cpu",
+            routes=route_shape(config.trainer.model_path) if wants_engine_routes(config) else None,
         )  # fmt: skip
         if start:
             try:
@@ -199,6 +207,7 @@ class SGLangEngine(RolloutEngine):
             on_cpu=self.on_cpu,
             # nothing pushes the reference again after a release: its servers keep a host copy
             weights_cpu_backup=self.pool.name == "ref",
+            return_routed_experts=self.routes is not None,
         )
         pool = "" if self.pool.name == "policy" else f"{self.pool.name}_"
         log = os.path.join(log_dir, f"sglang_{pool}{server.index}.log") if log_dir else None
@@ -248,13 +257,25 @@ class SGLangEngine(RolloutEngine):
         seeds = [
             None if params.seed is None else sample_seed(params.seed, index, j, n) for j in range(n)
         ]
+        asks = self.routes is not None
         bodies = await asyncio.gather(
             *(
-                self._generate_one(self._pick_url(), generate_payload(prompt, params, new_rid(), s))
+                self._generate_one(
+                    self._pick_url(), generate_payload(prompt, params, new_rid(), s, asks)
+                )
                 for s in seeds
             )
         )
-        return [parse_generate_response(b, self._version) for b in bodies]
+        return [self._output(prompt, b) for b in bodies]
+
+    def _output(self, prompt: list[int], body: dict) -> GenerationOutput:
+        """The sample of a ``/generate`` answer, with its routes when they were asked for."""
+        out = parse_generate_response(body, self._version)
+        if self.routes is not None:
+            layers, k = self.routes
+            positions = len(prompt) + len(out.token_ids) - 1
+            out.routed_experts = parse_routed_experts(body["meta_info"], layers, k, positions)
+        return out
 
     async def _generate_one(self, url: str, payload: dict) -> dict:
         """One ``/generate``; its answer is progress the driver's call deadline sees (a beat:
