@@ -45,6 +45,7 @@ HISTORY = 20  # durations kept per kind
 POLL_S = 1.0  # how often a wait looks at the stop signal
 HEARTBEAT_ANSWER_S = 5.0  # how long an actor gets to answer its heartbeat call
 PROBE_TIMEOUT_S = 60.0  # the task that asks them (its worker may have to start)
+SERVER_PROBE_S = 30.0  # /health_generate: SGLang answers 503 after 20 s of a silent scheduler
 CHANGE_LOGGED = 1.25  # a kind's deadline is logged again when it moves by this factor
 KIND_WORDS = (  # (words in a wait's description, kind): first match wins
     ("generate_raw", "validation"), ("generate", "generate"), ("sample_reference", "generate"),
@@ -111,6 +112,18 @@ class StuckCallError(TimeoutError):
         self.actor_id, self.actor_kind = actor_id, actor_kind
 
 
+class StuckServerError(StuckCallError):
+    """A call past its deadline while an SGLang server of the run no longer answered (its
+    ``/health_generate`` gave no 200 within :data:`SERVER_PROBE_S`); the server was killed.
+    ``servers``: ``{worker, pool, index, url, pid}`` of each. ``recovery.py`` restarts them with
+    the current weights and does the call again; where nothing does, it is the stuck rollout
+    worker it names."""
+
+    def __init__(self, message: str, actor_id: str | None, servers: list[dict]):
+        super().__init__(message, actor_id, "rollout")
+        self.servers = servers
+
+
 class StopDuringCallError(RequeueError):
     """A stop signal came and a call did not finish within ``orchestration.stop_wait_s``."""
 
@@ -140,6 +153,7 @@ class CallWatch:
         self.configure()
         self.actors: dict[str, ActorEntry] = {}
         self.stuck: dict[str, float] = {}  # faults/stuck_<actor kind> since the last pop
+        self.answered: set[str] = set()  # actors that answered the last heartbeat probe
         self.logged: dict[str, float] = {}
 
     def configure(self, orchestration=None, stop=None, run_dir: str | Path = "") -> None:
@@ -197,6 +211,9 @@ class CallWatch:
             if pending and now >= deadline:
                 if self.actors_of(pending):
                     stuck = self.culprits(pending, limit)
+                    servers = self.kill_wedged_servers() if stuck else []
+                    if servers:  # the call waits on a server, not on the worker
+                        raise self.server_error(servers, what, kind, now - start, limit)
                     if stuck:
                         raise self.stuck_error(stuck, what, kind, now - start, limit)
                 elif timeout is not None or now - start >= self.cap():
@@ -269,7 +286,43 @@ class CallWatch:
             print(f"warning: the heartbeat probe failed ({type(err).__name__}); waiting on",
                   flush=True)  # fmt: skip
             return {i: (True, 0.0) for i in ids}
+        self.answered = {i for i, a in zip(ids, answers, strict=True) if a is not None}
         return dict(zip(ids, answers, strict=True))
+
+    def kill_wedged_servers(self) -> list[dict]:
+        """The SGLang servers of the run that do not answer their ``/health_generate``
+        (asked of every rollout worker that answered its heartbeat: one that did not cannot
+        ask its servers), killed by their workers; ``[]`` when every one answers (or the run
+        has none)."""
+        import ray
+
+        ids = [i for i, e in self.actors.items() if e.cls == "RolloutWorker" and i in self.answered]
+        if not ids:
+            return []
+        probe = ray.remote(num_cpus=0)(probe_servers)
+        ref = probe.remote([self.actors[i].handle for i in ids], SERVER_PROBE_S)
+        try:
+            answers = ray.get(ref, timeout=PROBE_TIMEOUT_S + SERVER_PROBE_S)
+        except Exception as err:  # noqa: BLE001 - then the workers are blamed, as before
+            print(f"warning: the SGLang server probe failed ({type(err).__name__})", flush=True)
+            return []
+        return [dict(server, worker=i) for i, killed in zip(ids, answers, strict=True)
+                for server in killed or []]  # fmt: skip
+
+    def server_error(self, servers: list[dict], what: str, kind: str, waited: float,
+                     limit: float) -> StuckServerError:  # fmt: skip
+        """Name the killed servers (URL, pid, worker, the call, how long), count them."""
+        named = "; ".join(
+            f"SGLang {x['pool']} server {x['index']} at {x['url']} (pid {x['pid']}, "
+            f"{self.actors[x['worker']].name()})" for x in servers
+        )  # fmt: skip
+        message = (f"{named} did not answer /health_generate within {SERVER_PROBE_S:g}s: "
+                   f"{what} ({kind}) waited {waited:.0f}s, past its deadline of {limit:.0f}s, "
+                   "with no progress")  # fmt: skip
+        print(f"stuck call: {message}; killed, restarting with the current weights", flush=True)
+        key = "faults/stuck_sglang_server"
+        self.stuck[key] = self.stuck.get(key, 0.0) + len(servers)
+        return StuckServerError(message, servers[0]["worker"], servers)
 
     def forget(self, handle) -> None:
         """``handle``'s actor is gone (replaced, killed, closed): never asked again."""
@@ -330,6 +383,22 @@ def probe_heartbeats(handles: list, timeout_s: float) -> list[tuple[bool, float]
     return out
 
 
+def probe_servers(handles: list, timeout_s: float) -> list[list[dict] | None]:
+    """In a Ray task: each rollout worker's ``kill_wedged_servers`` (``None``: no answer)."""
+    import ray
+
+    asks = [h.kill_wedged_servers.remote(timeout_s) for h in handles]
+    ready, _ = ray.wait(asks, num_returns=len(asks), timeout=timeout_s + HEARTBEAT_ANSWER_S * 2)
+    answered = {r.hex() for r in ready}
+    out: list[list[dict] | None] = []
+    for ask in asks:
+        try:
+            out.append(ray.get(ask) if ask.hex() in answered else None)
+        except Exception:  # noqa: BLE001 - a dead worker: its own call fails
+            out.append(None)
+    return out
+
+
 def is_stuck(state: tuple[bool, float] | None, limit: float) -> bool:
     """A heartbeat that did not come, or a call under way without progress for ``limit``."""
     return state is None or (state[0] and state[1] > limit)
@@ -377,7 +446,8 @@ def beating(cls):
         return call
 
     for name, value in list(vars(cls).items()):
-        if inspect.isfunction(value) and not name.startswith("_") and name != "heartbeat":
+        watch = getattr(value, "__ray_concurrency_group__", None) == WATCH_GROUP
+        if inspect.isfunction(value) and not name.startswith("_") and not watch:
             setattr(cls, name, wrap(value))
     return cls
 
