@@ -253,9 +253,9 @@ FAKE_SERVER = textwrap.dedent("""
         def do_GET(self):  # /health_generate
             self.answer({})
 
-        def do_POST(self):  # /generate: a sample every 0.1 s
-            self.rfile.read(int(self.headers["Content-Length"]))
-            time.sleep(0.1)
+        def do_POST(self):  # /generate: a sample in 0.1 s (or as long as asked)
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            time.sleep(body.get("seconds", 0.1))
             self.answer({"text": "x"})
 
         def log_message(self, *args):
@@ -263,6 +263,10 @@ FAKE_SERVER = textwrap.dedent("""
 
     ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
 """)
+
+
+def server_alive(pid: int) -> bool:
+    return not gone(pid)
 
 
 def rollout_worker_class():
@@ -294,10 +298,10 @@ def rollout_worker_class():
         def server_pid(self) -> int:
             return self.engine.servers[0].process.process.pid
 
-        def generate(self, samples: int) -> int:
-            engine = self.engine
+        def generate(self, samples: int, seconds: float = 0.1) -> int:
+            engine, payload = self.engine, {"seconds": seconds}
             for _ in range(samples):  # each answer beats (SGLangEngine._generate_one)
-                engine._loop.run(engine._generate_one(engine.servers[0].url, {}))
+                engine._loop.run(engine._generate_one(engine.servers[0].url, payload))
             return samples
 
         def pid(self) -> int:
@@ -327,6 +331,9 @@ def test_a_stopped_sglang_server_is_named_and_killed_and_its_worker_kept(
     server = watch.get(worker.server_pid.remote(), "pid", timeout=60)
     # 2 s of samples 0.1 s apart: deadlines of 0.5 s pass, each with answers in it
     assert watch.get(worker.generate.remote(20), "rollout generate") == 20
+    # one sample of 4 s: no answer for 8 deadlines, but the server answers /health_generate
+    assert watch.get(worker.generate.remote(1, 4.0), "rollout generate") == 1
+    assert server_alive(server) and watch.pop_metrics() == {}
 
     os.kill(server, signal.SIGSTOP)  # the server: alive, never answers again
     call = worker.generate.remote(1)

@@ -211,10 +211,10 @@ class CallWatch:
             if pending and now >= deadline:
                 if self.actors_of(pending):
                     stuck = self.culprits(pending, limit)
-                    servers = self.kill_wedged_servers() if stuck else []
+                    servers, serving = self.kill_wedged_servers() if stuck else ([], set())
                     if servers:  # the call waits on a server, not on the worker
                         raise self.server_error(servers, what, kind, now - start, limit)
-                    if stuck:
+                    if stuck and not set(stuck) <= serving:
                         raise self.stuck_error(stuck, what, kind, now - start, limit)
                 elif timeout is not None or now - start >= self.cap():
                     # tasks (no heartbeat to ask): the fixed bound or the cap only
@@ -289,25 +289,34 @@ class CallWatch:
         self.answered = {i for i, a in zip(ids, answers, strict=True) if a is not None}
         return dict(zip(ids, answers, strict=True))
 
-    def kill_wedged_servers(self) -> list[dict]:
+    def kill_wedged_servers(self) -> tuple[list[dict], set[str]]:
         """The SGLang servers of the run that do not answer their ``/health_generate``
         (asked of every rollout worker that answered its heartbeat: one that did not cannot
-        ask its servers), killed by their workers; ``[]`` when every one answers (or the run
-        has none)."""
+        ask its servers), killed by their workers; and the workers whose every server
+        answered (a call of theirs waits on servers that make progress: slow, not stuck)."""
         import ray
 
         ids = [i for i, e in self.actors.items() if e.cls == "RolloutWorker" and i in self.answered]
         if not ids:
-            return []
+            return [], set()
         probe = ray.remote(num_cpus=0)(probe_servers)
         ref = probe.remote([self.actors[i].handle for i in ids], SERVER_PROBE_S)
         try:
             answers = ray.get(ref, timeout=PROBE_TIMEOUT_S + SERVER_PROBE_S)
         except Exception as err:  # noqa: BLE001 - then the workers are blamed, as before
             print(f"warning: the SGLang server probe failed ({type(err).__name__})", flush=True)
-            return []
-        return [dict(server, worker=i) for i, killed in zip(ids, answers, strict=True)
-                for server in killed or []]  # fmt: skip
+            return [], set()
+        answers = [a or {"killed": [], "answered": 0} for a in answers]
+        killed = [dict(server, worker=i) for i, a in zip(ids, answers, strict=True)
+                  for server in a["killed"]]  # fmt: skip
+        serving = {
+            i for i, a in zip(ids, answers, strict=True) if a["answered"] and not a["killed"]
+        }
+        if serving and not killed:
+            names = ", ".join(self.actors[i].name() for i in sorted(serving))
+            print(f"call deadline: the SGLang servers of {names} answer /health_generate "
+                  "(busy and moving): waiting on", flush=True)  # fmt: skip
+        return killed, serving
 
     def server_error(self, servers: list[dict], what: str, kind: str, waited: float,
                      limit: float) -> StuckServerError:  # fmt: skip
@@ -383,14 +392,14 @@ def probe_heartbeats(handles: list, timeout_s: float) -> list[tuple[bool, float]
     return out
 
 
-def probe_servers(handles: list, timeout_s: float) -> list[list[dict] | None]:
+def probe_servers(handles: list, timeout_s: float) -> list[dict | None]:
     """In a Ray task: each rollout worker's ``kill_wedged_servers`` (``None``: no answer)."""
     import ray
 
     asks = [h.kill_wedged_servers.remote(timeout_s) for h in handles]
     ready, _ = ray.wait(asks, num_returns=len(asks), timeout=timeout_s + HEARTBEAT_ANSWER_S * 2)
     answered = {r.hex() for r in ready}
-    out: list[list[dict] | None] = []
+    out: list[dict | None] = []
     for ask in asks:
         try:
             out.append(ray.get(ask) if ask.hex() in answered else None)

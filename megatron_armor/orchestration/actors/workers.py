@@ -613,22 +613,24 @@ class RolloutWorker(Watched):
                 restarted[pool] = [s.index for s in dead]
         return restarted
 
-    def kill_wedged_servers(self, timeout_s: float) -> list[dict[str, Any]]:
+    def kill_wedged_servers(self, timeout_s: float) -> dict[str, Any]:
         """Kill every SGLang server of this worker whose ``/health_generate`` gives no 200
-        within ``timeout_s`` (``SGLangEngine.wedged_servers``); what was killed, as
-        ``{pool, index, url, pid}``. Asked by the driver past a call deadline, from the
-        ``watch`` group while a call may wait on the server here; the driver's heal restarts
-        them with the current weights."""
-        killed = []
+        within ``timeout_s`` (``SGLangEngine.wedged_servers``): ``{"killed": [{pool, index,
+        url, pid}], "answered": servers that answered}``. Asked by the driver past a call
+        deadline, from the ``watch`` group while a call may wait on the server here; the
+        driver's heal restarts them with the current weights."""
+        killed, answered = [], 0
         for pool in self.pools():
             engine = self._pool(pool)
             if not hasattr(engine, "wedged_servers"):
                 continue  # the embedded engine: no server
-            for server in engine.wedged_servers(timeout_s):
+            wedged = engine.wedged_servers(timeout_s)
+            answered += sum(1 for s in engine.servers if s.serving) - len(wedged)
+            for server in wedged:
                 pid = server.process.process.pid if server.process and server.process.process else 0
                 engine.kill_server(server)
                 killed.append({"pool": pool, "index": server.index, "url": server.url, "pid": pid})
-        return killed
+        return {"killed": killed, "answered": answered}
 
     kill_wedged_servers.__ray_concurrency_group__ = WATCH_GROUP
 
