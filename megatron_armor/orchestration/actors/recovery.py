@@ -200,11 +200,18 @@ class Recovery:
         pool's current weights (``WeightSync.heal``, as a dead server is), counted in
         ``run.max_recoveries``; the caller does the phase again."""
         fault = locate(err, handles(s)) or Fault("unknown", -1, err)
+        redrawn = phase not in AFTER_ROLLOUT
+        why = ""
         if s.config.run.max_recoveries == 0:
             why = "run.max_recoveries=0 (nothing is restarted in the run)"
+        elif s.rollout.caches_anchors and redrawn and self.snapshot_step != step - 1:
+            why = f"the rollout workers' anchor cache of step {step - 1} is not in the driver"
+        if why:
             raise requeue_error(s.run_dir, fault, step, why) from err
         count = self.budget.spend(step, fault, s.run_dir)
         self.servers_restarted += s.weight_sync.heal()
+        # the workers' anchor cache as the phase found it (a redrawn rollout refills it)
+        self.restore_rollout(s, None, everyone=redrawn)
         if self.anchor_rollout is not None:
             self.anchor_rollout.forget_prefetch()
         s.rollout.forget_unsettled()
