@@ -13,7 +13,11 @@ a concurrency group :data:`WATCH_GROUP`); one that made progress within the dead
 the deadline again. One that did not is *stuck*: it is named (class, node, pid, the call,
 how long it waited), its process and the processes it started are killed, and
 :class:`StuckCallError` (a ``TimeoutError`` naming the actor) is handled like a dead actor
-(``recovery.py``: a rollout or reward worker replaced, anything else exit 75).
+(``recovery.py``: a rollout or reward worker replaced, anything else exit 75). Before an actor
+is called stuck, the rollout workers that answered ask their SGLang servers'
+``/health_generate``: a server without a 200 is the one stuck (killed by its worker,
+:class:`StuckServerError`: ``recovery.py`` restarts it with the current weights and does the
+phase again); a worker whose servers all answer waits on servers that move (another deadline).
 
 After a stop signal (``run_state.StopSignal``) no wait lasts past ``orchestration.stop_wait_s``
 from the signal: :class:`StopDuringCallError` ends the run with exit 75 on the newest complete
