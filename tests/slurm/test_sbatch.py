@@ -167,25 +167,59 @@ def test_sigusr1_checkpoints_requeues_and_resumes_with_the_uninterrupted_metrics
 def test_a_rollout_worker_killed_mid_run_is_replaced_and_the_job_ends_with_its_metrics(
     reference, layout, workdir, jobs
 ):
-    """kill -9 of the job's rollout worker once step 1 is logged: the run replaces it in place
-    (``orchestration/actors/recovery.py``), the job is never requeued and every step's metrics are the
-    uninterrupted run's."""
+    """kill -9 of the job's rollout worker once step 1 is logged, and on two nodes SIGSTOP of
+    a worker on the second node once step 3 is logged (alive, never answering: found past its
+    call deadline, named, killed on its node): the run replaces both in place
+    (``orchestration/actors/recovery.py``), the job is never requeued and every step's metrics
+    are the uninterrupted run's. The job lowers ``orchestration.call_deadline_floor_s`` to
+    15 s (default 30 s) to keep the tier short."""
     assert reference[1] == "COMPLETED", reference[0].report()
-    job = jobs.submit(workdir, run_overrides(layout), nodes=layout)
+    overrides = [*run_overrides(layout), "orchestration.call_deadline_floor_s=15"]
+    job = jobs.submit(workdir, overrides, nodes=layout)
     wait_until(lambda: f"step 1/{STEPS}" in job.driver_log(), 600, "the first step", job.report)
     wait_until(lambda: len(job_actor_pids(job.job_id, "RolloutWorker")) == 1, 60,
                "the job's rollout worker", job.report)  # fmt: skip
     (pid,) = job_actor_pids(job.job_id, "RolloutWorker")
     os.kill(pid, signal.SIGKILL)
+    stopped = stop_a_worker_on_the_second_node(job) if layout == 2 else None
     state = job.wait_done()
     out = job.report()
     assert state == "COMPLETED", out
     assert job.field("Restarts") == "0", out  # recovered in the run, not by a requeue
     driver = job.driver_log()
     assert "recovery: RolloutWorker 0 died during step" in driver, out
+    if stopped is not None:
+        cls, stuck_pid = stopped
+        assert re.search(rf"recovery: {cls} \d+ stuck during step", driver), out
+        assert stuck_pid not in job_actor_pids(job.job_id, cls)  # killed, not left stopped
     assert "Traceback" not in driver, out
     assert pid not in job_actor_pids(job.job_id, "RolloutWorker")
     assert_same_metrics(job, reference[0])
+
+
+def stop_a_worker_on_the_second_node(job) -> tuple[str, int]:
+    """SIGSTOP of a rollout or reward worker of ``job`` on its second node once step 3 is
+    logged; waits until the driver names it stuck. Returns ``(class, pid)``."""
+    wait_until(lambda: f"step 3/{STEPS}" in job.driver_log(), 600, "step 3", job.report)
+    second = [n for n in job.nodes() if n != job.field("BatchHost")][0]
+    there = set(node_pids(second))
+    found = [(cls, pid) for cls in ("RewardWorker", "RolloutWorker")
+             for pid in job_actor_pids(job.job_id, cls) if pid in there]  # fmt: skip
+    assert found, f"no rollout or reward worker of the job on {second}\n{job.report()}"
+    cls, pid = found[0]
+    os.kill(pid, signal.SIGSTOP)
+    named = f"{cls} "
+    wait_until(lambda: "stuck call: " in job.driver_log() and named in job.driver_log()
+               and f"(pid {pid} on " in job.driver_log(), 90, f"{cls} named stuck", job.report)  # fmt: skip
+    return cls, pid
+
+
+def node_pids(node: str) -> list[int]:
+    """The processes in ``node``'s network namespace (``netns_nodes.sh pids``)."""
+    return [int(p) for p in subprocess.run(
+        ["bash", str(REPO / "slurm" / "ci" / "netns_nodes.sh"), "pids", node],
+        capture_output=True, text=True, timeout=30, check=True,
+    ).stdout.split()]  # fmt: skip
 
 
 ASYNC = [f"run.steps={STEPS}", "run.ckpt_every=100", "orchestration.async_rollout=one_step",
@@ -271,12 +305,8 @@ def test_a_head_that_never_starts_fails_the_job_within_the_deadline(cluster, wor
 def kill_ray_processes(node: str) -> list[int]:
     """``kill -9`` every process of the job on ``node`` (its network namespace), leaving the
     node's slurmd and the step daemons (slurmstepd) alone."""
-    pids = subprocess.run(
-        ["bash", str(REPO / "slurm" / "ci" / "netns_nodes.sh"), "pids", node],
-        capture_output=True, text=True, timeout=30, check=True,
-    ).stdout.split()  # fmt: skip
     killed = []
-    for pid in map(int, pids):
+    for pid in node_pids(node):
         try:
             name = Path(f"/proc/{pid}/comm").read_text().strip()
         except OSError:
