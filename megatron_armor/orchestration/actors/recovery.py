@@ -210,8 +210,8 @@ class Recovery:
             raise requeue_error(s.run_dir, fault, step, why) from err
         count = self.budget.spend(step, fault, s.run_dir)
         self.servers_restarted += s.weight_sync.heal()
-        # the workers' anchor cache as the phase found it (a redrawn rollout refills it)
-        self.restore_rollout(s, None, everyone=redrawn)
+        if self.snapshot is not None:  # the anchor cache as the phase found it
+            self.restore_rollout(s, None, everyone=redrawn)
         if self.anchor_rollout is not None:
             self.anchor_rollout.forget_prefetch()
         s.rollout.forget_unsettled()
