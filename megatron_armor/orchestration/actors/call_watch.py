@@ -157,7 +157,7 @@ class CallWatch:
         self.configure()
         self.actors: dict[str, ActorEntry] = {}
         self.stuck: dict[str, float] = {}  # faults/stuck_<actor kind> since the last pop
-        self.answered: set[str] = set()  # actors that answered the last heartbeat probe
+        self.answered: set[str] = set()  # actors that answered the last deadline's probes
         self.logged: dict[str, float] = {}
 
     def configure(self, orchestration=None, stop=None, run_dir: str | Path = "") -> None:
@@ -264,6 +264,7 @@ class CallWatch:
         is idle (its call waits for arguments another actor is computing, e.g. a weight push
         from the trainer), any other actor of the run that is stuck so. Empty: all moving."""
         ids = self.actors_of(refs)
+        self.answered = set()
         states = self.heartbeats(ids)
         stuck = [i for i in ids if is_stuck(states[i], limit)]
         if stuck or any(states[i] is not None and states[i][0] for i in ids):
@@ -290,7 +291,7 @@ class CallWatch:
             print(f"warning: the heartbeat probe failed ({type(err).__name__}); waiting on",
                   flush=True)  # fmt: skip
             return {i: (True, 0.0) for i in ids}
-        self.answered = {i for i, a in zip(ids, answers, strict=True) if a is not None}
+        self.answered |= {i for i, a in zip(ids, answers, strict=True) if a is not None}
         return dict(zip(ids, answers, strict=True))
 
     def kill_wedged_servers(self) -> tuple[list[dict], set[str]]:
