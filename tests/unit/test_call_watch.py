@@ -347,6 +347,7 @@ def test_a_stopped_sglang_server_is_named_and_killed_and_its_worker_kept(
                                   "pid": server, "worker": worker._actor_id.hex()}]  # fmt: skip
     assert gone(server), "the stopped server was not killed"
     assert watch.pop_metrics() == {"faults/stuck_sglang_server": 1.0}
+    assert err.value.pending == [call]  # the recovery reads it (StuckServerError.settle)
     with pytest.raises(Exception, match="/generate failed"):  # the call on it fails, ...
         local_ray.get(call, timeout=60)
     assert watch.get(worker.pid.remote(), "pid", timeout=60) == pid  # ... its worker lives on

@@ -126,6 +126,22 @@ class StuckServerError(StuckCallError):
     def __init__(self, message: str, actor_id: str | None, servers: list[dict]):
         super().__init__(message, actor_id, "rollout")
         self.servers = servers
+        self.pending: list = []  # the waited-for calls, failing on the killed servers
+
+    def settle(self, timeout_s: float = 60.0) -> None:
+        """Wait (bounded) for the calls that waited on the killed servers and drop their
+        errors: they end once their requests fail, before the workers run the heal, and an
+        error nobody reads would be printed as Ray's "Unhandled error"."""
+        import ray
+
+        if not self.pending:
+            return
+        ray.wait(self.pending, num_returns=len(self.pending), timeout=timeout_s)
+        for ref in self.pending:
+            try:
+                ray.get(ref, timeout=0)
+            except Exception:  # noqa: BLE001 - the expected failure of a call on a killed server
+                pass
 
 
 class StopDuringCallError(RequeueError):
@@ -217,7 +233,9 @@ class CallWatch:
                     stuck = self.culprits(pending, limit)
                     servers, serving = self.kill_wedged_servers() if stuck else ([], set())
                     if servers:  # the call waits on a server, not on the worker
-                        raise self.server_error(servers, what, kind, now - start, limit)
+                        err = self.server_error(servers, what, kind, now - start, limit)
+                        err.pending = pending  # its calls fail now; the recovery reads them
+                        raise err
                     if stuck and not set(stuck) <= serving:
                         raise self.stuck_error(stuck, what, kind, now - start, limit)
                 elif timeout is not None or now - start >= self.cap():

@@ -209,6 +209,7 @@ class Recovery:
         if why:
             raise requeue_error(s.run_dir, fault, step, why) from err
         count = self.budget.spend(step, fault, s.run_dir)
+        err.settle()  # the calls on the killed servers end first
         self.servers_restarted += s.weight_sync.heal()
         if self.snapshot is not None:  # the anchor cache as the phase found it
             self.restore_rollout(s, None, everyone=redrawn)
