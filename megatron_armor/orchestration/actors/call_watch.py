@@ -13,8 +13,8 @@ a concurrency group :data:`WATCH_GROUP`); one that made progress within the dead
 the deadline again. One that did not is *stuck*: it is named (class, node, pid, the call,
 how long it waited), its process and the processes it started are killed, and
 :class:`StuckCallError` (a ``TimeoutError`` naming the actor) is handled like a dead actor
-(``recovery.py``: a rollout or reward worker replaced, anything else exit 75). Before an actor
-is called stuck, the rollout workers that answered ask their SGLang servers'
+(``recovery.py``: a rollout or reward worker replaced, anything else exit 75). Before a rollout worker
+that answers its heartbeat is called stuck, it asks its SGLang servers'
 ``/health_generate``: a server without a 200 is the one stuck (killed by its worker,
 :class:`StuckServerError`: ``recovery.py`` restarts it with the current weights and does the
 phase again); a worker whose servers all answer waits on servers that move (another deadline).
@@ -231,7 +231,7 @@ class CallWatch:
             if pending and now >= deadline:
                 if self.actors_of(pending):
                     stuck = self.culprits(pending, limit)
-                    servers, serving = self.kill_wedged_servers() if stuck else ([], set())
+                    servers, serving = self.kill_wedged_servers(stuck)
                     if servers:  # the call waits on a server, not on the worker
                         err = self.server_error(servers, what, kind, now - start, limit)
                         err.pending = pending  # its calls fail now; the recovery reads them
@@ -312,14 +312,16 @@ class CallWatch:
         self.answered |= {i for i, a in zip(ids, answers, strict=True) if a is not None}
         return dict(zip(ids, answers, strict=True))
 
-    def kill_wedged_servers(self) -> tuple[list[dict], set[str]]:
-        """The SGLang servers of the run that do not answer their ``/health_generate``
-        (asked of every rollout worker that answered its heartbeat: one that did not cannot
-        ask its servers), killed by their workers; and the workers whose every server
-        answered (a call of theirs waits on servers that make progress: slow, not stuck)."""
+    def kill_wedged_servers(self, stuck: list[str]) -> tuple[list[dict], set[str]]:
+        """The SGLang servers of the ``stuck`` rollout workers that answered their heartbeat
+        (alive, in a call without progress: one that did not answer cannot ask its servers)
+        which do not answer their ``/health_generate``, killed by their workers; and the
+        workers whose every server answered (their call waits on servers that make progress:
+        slow, not stuck). Only a stuck worker's servers are asked: a server busy in a weight
+        update for a stuck trainer rank would not answer, and the trainer is the one to name."""
         import ray
 
-        ids = [i for i, e in self.actors.items() if e.cls == "RolloutWorker" and i in self.answered]
+        ids = [i for i in stuck if self.actors[i].cls == "RolloutWorker" and i in self.answered]
         if not ids:
             return [], set()
         probe = ray.remote(num_cpus=0)(probe_servers)
