@@ -143,3 +143,19 @@ def test_a_stuck_sglang_server_is_restarted_and_the_phase_done_again(tmp_path, c
     assert f"recovery: SGLang server {url} stuck during step 2 (rollout;" in capsys.readouterr().out
     with pytest.raises(RequeueError, match="run.max_recoveries=0"):
         Recovery(session(0).config).guard(session(0), 3, "rollout", draws())
+
+
+def test_an_actor_killed_as_stuck_is_recorded_stuck_whichever_wait_sees_it_first(monkeypatch):
+    """Two waits on one actor: the one past its deadline kills it (``StuckCallError``), the
+    other may see it die (``ActorDiedError``) and reach the recovery first; both are ``stuck``."""
+    from types import SimpleNamespace
+
+    import megatron_armor.orchestration.actors.recovery as recovery
+    from megatron_armor.orchestration.actors.call_watch import CallWatch
+
+    watch = CallWatch()
+    monkeypatch.setattr(recovery, "WATCH", watch)
+    died = SimpleNamespace(actor_id="cd34")  # what matters of an ActorDiedError here
+    assert recovery.fault_reason(Fault("reward", 0, died)) == "died"
+    watch.killed_stuck.add("cd34")
+    assert recovery.fault_reason(Fault("reward", 0, died)) == "stuck"

@@ -174,6 +174,7 @@ class CallWatch:
         self.actors: dict[str, ActorEntry] = {}
         self.stuck: dict[str, float] = {}  # faults/stuck_<actor kind> since the last pop
         self.answered: set[str] = set()  # actors that answered the last deadline's probes
+        self.killed_stuck: set[str] = set()  # actors killed as stuck (their other calls die)
         self.logged: dict[str, float] = {}
 
     def configure(self, orchestration=None, stop=None, run_dir: str | Path = "") -> None:
@@ -372,6 +373,7 @@ class CallWatch:
                    f"of {limit:.0f}s, with no progress from it")  # fmt: skip
         print(f"stuck call: {message}; killing it", flush=True)
         if entry is not None:
+            self.killed_stuck.add(silent[0])
             self.kill(entry)
         key = f"faults/stuck_{actor_kind}"
         self.stuck[key] = self.stuck.get(key, 0.0) + 1.0

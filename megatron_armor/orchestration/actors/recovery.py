@@ -337,6 +337,9 @@ def record(s: RunParts, step: int, phase: str, fault: Fault, count: int, budget,
 
 
 def fault_reason(fault: Fault) -> str:
-    """``stuck`` (past its call deadline without progress, killed: ``call_watch.py``) or
+    """``stuck`` (past its call deadline without progress, killed: ``call_watch.py``; also
+    when another call to the actor, waited for elsewhere, saw it die of that kill first) or
     ``died``."""
-    return "stuck" if isinstance(fault.error, StuckCallError) else "died"
+    if isinstance(fault.error, StuckCallError):
+        return "stuck"
+    return "stuck" if getattr(fault.error, "actor_id", None) in WATCH.killed_stuck else "died"
