@@ -168,8 +168,8 @@ def test_a_rollout_worker_killed_mid_run_is_replaced_and_the_job_ends_with_its_m
     reference, layout, workdir, jobs
 ):
     """kill -9 of the job's rollout worker once step 1 is logged, and on two nodes SIGSTOP of
-    a worker on the second node once step 3 is logged (alive, never answering: found past its
-    call deadline, named, killed on its node): the run replaces both in place
+    a worker on the second node right after (alive, never answering: found past its call
+    deadline, named, killed on its node): the run replaces both in place
     (``orchestration/actors/recovery.py``), the job is never requeued and every step's metrics
     are the uninterrupted run's. The job lowers ``orchestration.call_deadline_floor_s`` to
     15 s (default 30 s) to keep the tier short."""
@@ -198,9 +198,9 @@ def test_a_rollout_worker_killed_mid_run_is_replaced_and_the_job_ends_with_its_m
 
 
 def stop_a_worker_on_the_second_node(job) -> tuple[str, int]:
-    """SIGSTOP of a rollout or reward worker of ``job`` on its second node once step 3 is
-    logged; waits until the driver names it stuck. Returns ``(class, pid)``."""
-    wait_until(lambda: f"step 3/{STEPS}" in job.driver_log(), 600, "step 3", job.report)
+    """SIGSTOP of a rollout or reward worker of ``job`` on its second node (the steps of the
+    tiny config take about a second: stopped now, it is called again before the run ends);
+    waits until the driver names it stuck. Returns ``(class, pid)``."""
     second = [n for n in job.nodes() if n != job.field("BatchHost")][0]
     there = set(node_pids(second))
     found = [(cls, pid) for cls in ("RewardWorker", "RolloutWorker")
