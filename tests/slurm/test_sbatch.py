@@ -167,50 +167,61 @@ def test_sigusr1_checkpoints_requeues_and_resumes_with_the_uninterrupted_metrics
 def test_a_rollout_worker_killed_mid_run_is_replaced_and_the_job_ends_with_its_metrics(
     reference, layout, workdir, jobs
 ):
-    """kill -9 of the job's rollout worker once step 1 is logged, and on two nodes SIGSTOP of
-    a worker on the second node right after (alive, never answering: found past its call
-    deadline, named, killed on its node): the run replaces both in place
-    (``orchestration/actors/recovery.py``), the job is never requeued and every step's metrics
-    are the uninterrupted run's. The job lowers ``orchestration.call_deadline_floor_s`` to
-    15 s (default 30 s) to keep the tier short."""
+    """kill -9 of the job's rollout worker once step 1 is logged: the run replaces it in place
+    (``orchestration/actors/recovery.py``). On two nodes also SIGSTOP of a worker on the second
+    node right after (alive, never answering: found past its call deadline, named, killed on
+    its node): a rollout or reward worker there (Ray places them either way) is replaced in
+    the run, the job never requeued; else the trainer rank there stops the run with exit 75
+    and the job is requeued once and resumes from the newest checkpoint. Every step's metrics
+    are the uninterrupted run's. The job lowers ``orchestration.call_deadline_floor_s`` to 15 s
+    (default 30 s) to keep the tier short and checkpoints every 2 steps (for the requeue)."""
     assert reference[1] == "COMPLETED", reference[0].report()
-    overrides = [*run_overrides(layout), "orchestration.call_deadline_floor_s=15"]
+    overrides = [
+        *run_overrides(layout),
+        "run.ckpt_every=2",
+        "orchestration.call_deadline_floor_s=15",
+    ]
     job = jobs.submit(workdir, overrides, nodes=layout)
     wait_until(lambda: f"step 1/{STEPS}" in job.driver_log(), 600, "the first step", job.report)
     wait_until(lambda: len(job_actor_pids(job.job_id, "RolloutWorker")) == 1, 60,
                "the job's rollout worker", job.report)  # fmt: skip
     (pid,) = job_actor_pids(job.job_id, "RolloutWorker")
     os.kill(pid, signal.SIGKILL)
-    stopped = stop_a_worker_on_the_second_node(job) if layout == 2 else None
+    cls, stuck_pid = stop_a_worker_on_the_second_node(job) if layout == 2 else ("", 0)
     state = job.wait_done()
     out = job.report()
     assert state == "COMPLETED", out
-    assert job.field("Restarts") == "0", out  # recovered in the run, not by a requeue
     driver = job.driver_log()
-    assert "recovery: RolloutWorker 0 died during step" in driver, out
-    if stopped is not None:
-        cls, stuck_pid = stopped
+    first = driver.split("=== restart 1")[0]
+    assert "recovery: RolloutWorker 0 died during step" in first, out
+    requeued = cls == "TrainerWorker"
+    assert job.field("Restarts") == ("1" if requeued else "0"), out
+    if requeued:  # a trainer rank's state lives only in its process
+        assert re.search(r"TrainerWorker \d+ failed \(StuckCallError: TrainerWorker", first), out
+        assert "resumed from" in driver.split("=== restart 1")[1], out
+    elif cls:
         assert re.search(rf"recovery: {cls} \d+ stuck during step", driver), out
+        assert "Traceback" not in driver, out
+    if cls:
         assert stuck_pid not in job_actor_pids(job.job_id, cls)  # killed, not left stopped
-    assert "Traceback" not in driver, out
     assert pid not in job_actor_pids(job.job_id, "RolloutWorker")
     assert_same_metrics(job, reference[0])
 
 
 def stop_a_worker_on_the_second_node(job) -> tuple[str, int]:
-    """SIGSTOP of a rollout or reward worker of ``job`` on its second node (the steps of the
-    tiny config take about a second: stopped now, it is called again before the run ends);
-    waits until the driver names it stuck. Returns ``(class, pid)``."""
+    """SIGSTOP of a worker of ``job`` on its second node, a rollout or reward worker if one is
+    there, else the trainer rank (the steps of the tiny config take about a second: stopped
+    now, it is called again before the run ends); waits until the driver names a stuck actor.
+    Returns ``(class, pid)``."""
     second = [n for n in job.nodes() if n != job.field("BatchHost")][0]
     there = set(node_pids(second))
-    found = [(cls, pid) for cls in ("RewardWorker", "RolloutWorker")
+    found = [(cls, pid) for cls in ("RewardWorker", "RolloutWorker", "TrainerWorker")
              for pid in job_actor_pids(job.job_id, cls) if pid in there]  # fmt: skip
-    assert found, f"no rollout or reward worker of the job on {second}\n{job.report()}"
+    assert found, f"no worker of the job on {second}\n{job.report()}"
     cls, pid = found[0]
     os.kill(pid, signal.SIGSTOP)
-    named = f"{cls} "
-    wait_until(lambda: "stuck call: " in job.driver_log() and named in job.driver_log()
-               and f"(pid {pid} on " in job.driver_log(), 90, f"{cls} named stuck", job.report)  # fmt: skip
+    wait_until(lambda: "stuck call: " in job.driver_log(), 120, f"{cls} {pid} found stuck",
+               job.report)  # fmt: skip
     return cls, pid
 
 
