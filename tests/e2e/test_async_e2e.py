@@ -12,11 +12,13 @@ anchor cache is on (the rollout workers' state is that after the batch in flight
    one drawn after the drain) and the engine's log-probs of policy tokens equal the trainer's
    ``old`` pass (under the behavior weights for the lagged batches): what a wrong ``old`` pass
    (the updated weights) would break.
-2. ``kill -9`` of the rollout worker once step 1's anchor file is written (the main thread
-   writes it after starting step 2's rollout): the worker is replaced in the run with the
-   weights the engines served (the trainer's behavior copy while the rollout is drawn, the live
+2. SIGSTOP of the rollout worker once step 1's anchor file is written (the main thread
+   writes it after starting step 2's rollout on the rollout thread): alive, never answering;
+   past its call deadline it is named stuck, killed and replaced in the run with the weights
+   the engines served (the trainer's behavior copy while the rollout is drawn, the live
    weights once it is); then ``kill -9`` of the run's process group once step 2's checkpoint is
-   committed; ``--resume auto`` gives every step's metrics of the uninterrupted run.
+   committed; ``--resume auto`` gives every step's metrics of the uninterrupted run. The runs
+   lower ``orchestration.call_deadline_floor_s`` to 15 s (default 30 s), as the fault tests do.
 3. SIGTERM once step 1 is logged: the step finishes, checkpoints with its batch in flight,
    exit 75; the resume gives every step's metrics of the uninterrupted run.
 4. Resuming a checkpoint with a batch in flight with ``async_rollout=off`` is refused before
@@ -86,25 +88,29 @@ def test_async_run_follows_the_schedule_and_the_behavior_policy(async_run):
 
 
 @pytest.mark.timeout(900)
-def test_worker_killed_in_the_overlap_then_kill_9_and_resume(async_run, tiny_dir, out_dir):
+def test_worker_stuck_in_the_overlap_then_kill_9_and_resume(async_run, tiny_dir, out_dir):
     import json
 
-    first = Run(out_dir, "async_killed", tiny_dir, *ASYNC)
+    stuck = (*ASYNC, "orchestration.call_deadline_floor_s=15")
+    first = Run(out_dir, "async_stuck", tiny_dir, *stuck)
     step1 = first.run_dir / "anchors" / "step_000001.jsonl"
     first.wait_for(lambda: step1.is_file() and len(actor_pids(first.ray_tmp, "RolloutWorker")) == 1)
     (pid,) = actor_pids(first.ray_tmp, "RolloutWorker")
-    os.kill(pid, signal.SIGKILL)  # while step 2's rollout is drawn beside step 1's updates
+    os.kill(pid, signal.SIGSTOP)  # while step 2's rollout is drawn beside step 1's updates
+    named = f"RolloutWorker 0 (pid {pid} on "
+    first.wait_for(lambda: named in first.output() and "stuck call: " in first.output(), 90)
+    first.wait_for(lambda: pid not in actor_pids(first.ray_tmp, "RolloutWorker"), 30)  # killed
     first.wait_for(checkpoint_written(first.run_dir, 2))
     first.kill_group()
     lines = (first.run_dir / "recoveries.jsonl").read_text().splitlines()
-    events = [(e["step"], e["phase"], e["actor"]) for e in map(json.loads, lines)]
+    events = [(e["step"], e["phase"], e["actor"], e["reason"]) for e in map(json.loads, lines)]
     # drawing step 2 beside step 1's updates; drawn already: step 1's weight push; pushed
     # already: drawing step 3 beside step 2's updates
-    assert len(events) == 1 and events[0] in (
-        (2, "rollout", "RolloutWorker 0"), (1, "sync", "RolloutWorker 0"),
-        (3, "rollout", "RolloutWorker 0"),
-    ), events  # fmt: skip
-    second = Run(out_dir, "async_killed", tiny_dir, *ASYNC)
+    assert len(events) == 1 and events[0][2:] == ("RolloutWorker 0", "stuck"), events
+    assert events[0][:2] in ((2, "rollout"), (1, "sync"), (3, "rollout")), events
+    stuck_rows = [r for r in read_metrics(first.run_dir) if r.get("faults/stuck_rollout")]
+    assert len(stuck_rows) <= 1  # on the step it happened, once its line is written
+    second = Run(out_dir, "async_stuck", tiny_dir, *stuck)
     code = second.wait()
     assert code == 0, second.output()
     assert "resumed from" in second.output()

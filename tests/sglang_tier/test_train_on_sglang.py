@@ -5,10 +5,12 @@ with ``rollout.backend: sglang`` on ``orchestration.layout: cpu``: the rollout w
 the servers with the project's launch command, the trainer rank pushes every weight update.
 
 1. Dedicated reference pool, anchor cache, ``distributed`` (gloo here, NCCL on GPUs): the
-   policy server is killed -9 once step 1's rollout is over (its anchors file is written) and
-   comes back before the push (restarted, given the weights it served, then the push);
-   the run is killed -9 once step 2's checkpoint is complete and resumed with
-   ``--resume auto``.
+   policy server is stopped (SIGSTOP: alive, never answering, a wedged server) once it
+   prefills step 2's rollout; past the generate call's deadline the run finds it does not
+   answer ``/health_generate``, names it, kills it, restarts it with the current weights and
+   draws step 2's rollout again (``recoveries.jsonl``: reason ``stuck``); the run is killed -9
+   once step 2's checkpoint is complete and resumed with ``--resume auto``. The run lowers
+   ``orchestration.call_deadline_floor_s`` to 15 s (default 30 s) to keep the tier short.
 2. ``swap``, fresh anchors, ``tensor`` (inline CPU payloads): the reference is loaded into the
    policy server around each reference call and the policy put back.
 
@@ -23,7 +25,9 @@ log-probs agree to 1e-3 at every step, before and after the kill) and the refere
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -45,6 +49,18 @@ def sglang_overrides(transport: str, strategy: str, ports: list[int], *extra: st
             "rollout.sglang.router=false", "rollout.sglang.startup_timeout_s=600",
             f"rollout.ref_strategy={strategy}", f"rollout.sglang.base_port={ports[0]}",
             f"rollout.sglang.ref_pool.base_port={ports[1]}", *extra]  # fmt: skip
+
+
+def rollout_prefilled(log: Path, after: int) -> bool:
+    """Whether the server log ``log`` holds, past byte ``after``, a prefill of prompts (a
+    health check prefills one token of one sequence)."""
+    if not log.is_file():
+        return False
+    with log.open("rb") as f:
+        f.seek(after)
+        text = f.read().decode(errors="replace")
+    health = re.compile(r"Prefill batch, #new-seq: 1, #new-token: 1,")
+    return any("Prefill batch" in x and not health.search(x) for x in text.splitlines())
 
 
 def kill_servers(port: int) -> list[int]:
@@ -75,13 +91,21 @@ def assert_servers_hold_the_trainers_weights(records: dict, steps) -> None:
 
 
 @pytest.mark.timeout(2 * RUN_S)
-def test_dedicated_pool_heals_a_killed_server_and_resumes_after_kill_9(tiny_dir, tmp_path):
+def test_dedicated_pool_restarts_a_stuck_server_and_resumes_after_kill_9(tiny_dir, tmp_path):
     ports = free_ports(2)
-    overrides = sglang_overrides("distributed", "dedicated", ports, "algo.anchor_source=cache")
+    overrides = sglang_overrides("distributed", "dedicated", ports, "algo.anchor_source=cache",
+                                 "orchestration.call_deadline_floor_s=15")  # fmt: skip
     run = Run(tmp_path, "sglang_dedicated", tiny_dir, *overrides)
+    log = run.run_dir / "sglang_0.log"
     try:
-        run.wait_for(lambda: (run.run_dir / "anchors" / "step_000001.jsonl").exists(), RUN_S)
-        assert kill_servers(ports[0]), "no policy server found"
+        run.wait_for(lambda: 1 in run.steps_logged(), RUN_S)
+        after = log.stat().st_size
+        run.wait_for(lambda: rollout_prefilled(log, after), RUN_S)  # step 2's rollout
+        stopped = server_pids(ports[0])
+        for pid in stopped:  # the server's HTTP process: alive, never answering
+            os.kill(pid, signal.SIGSTOP)
+        named = f"at http://127.0.0.1:{ports[0]} (pid {min(stopped)}, RolloutWorker 0"
+        run.wait_for(lambda: named in run.output(), 120)  # found past the generate deadline
         run.wait_for(lambda: [s for s, _ in list_checkpoints(run.run_dir)] == [2], RUN_S)
         run.kill_group()
     finally:
@@ -101,10 +125,13 @@ def test_dedicated_pool_heals_a_killed_server_and_resumes_after_kill_9(tiny_dir,
     assert sorted(records) == [0, 1, 2, 3, 4]
     for s in before:  # the steps before the kill as they were written (or written back)
         assert records[s] == before[s], s
-    # killed after step 1's rollout: back before step 1's push (or, had the push been quicker
-    # than the kill, at step 2's health check); once
+    # stopped in step 2's rollout: killed, restarted with the weights of step 1, drawn again
     restarts = [records[s]["rollout/servers_restarted"] for s in (1, 2, 3, 4)]
-    assert restarts in ([1.0, 0.0, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0]), restarts
+    assert restarts == [0.0, 1.0, 0.0, 0.0], restarts
+    assert records[2]["faults/stuck_sglang_server"] == 1.0
+    rows = [json.loads(x) for x in (run.run_dir / "recoveries.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["phase"], r["reason"]) for r in rows] == [(2, "rollout", "stuck")]
+    assert rows[0]["actor"] == f"SGLang server http://127.0.0.1:{ports[0]}", rows
     assert_servers_hold_the_trainers_weights(records, (1, 2, 3, 4))
     assert [records[s]["reset/performed"] for s in (1, 2, 3, 4)] == [0.0, 1.0, 0.0, 1.0]
     assert {s: anchor_versions(run.run_dir, s) for s in (1, 2, 3, 4)} == {

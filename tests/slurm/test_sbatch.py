@@ -168,24 +168,69 @@ def test_a_rollout_worker_killed_mid_run_is_replaced_and_the_job_ends_with_its_m
     reference, layout, workdir, jobs
 ):
     """kill -9 of the job's rollout worker once step 1 is logged: the run replaces it in place
-    (``orchestration/actors/recovery.py``), the job is never requeued and every step's metrics are the
-    uninterrupted run's."""
+    (``orchestration/actors/recovery.py``). On two nodes, once that recovery is logged, SIGSTOP
+    of a worker on the second node (alive, never answering: found past its call deadline,
+    named, killed on its node): the reward worker when Ray placed it there, replaced in the
+    run and the job never requeued; else the trainer rank there, which stops the run with
+    exit 75, and the job is requeued once and resumes from the newest checkpoint. Every step's
+    metrics are the uninterrupted run's. The job lowers ``orchestration.call_deadline_floor_s``
+    to 15 s (default 30 s) to keep the tier short and checkpoints every 2 steps."""
     assert reference[1] == "COMPLETED", reference[0].report()
-    job = jobs.submit(workdir, run_overrides(layout), nodes=layout)
+    overrides = [
+        *run_overrides(layout),
+        "run.ckpt_every=2",
+        "orchestration.call_deadline_floor_s=15",
+    ]
+    job = jobs.submit(workdir, overrides, nodes=layout)
     wait_until(lambda: f"step 1/{STEPS}" in job.driver_log(), 600, "the first step", job.report)
     wait_until(lambda: len(job_actor_pids(job.job_id, "RolloutWorker")) == 1, 60,
                "the job's rollout worker", job.report)  # fmt: skip
     (pid,) = job_actor_pids(job.job_id, "RolloutWorker")
+    cls, stuck_pid = a_worker_on_the_second_node(job) if layout == 2 else ("", 0)
     os.kill(pid, signal.SIGKILL)
+    recovered = "recovery: RolloutWorker 0 died during step"
+    if cls:  # the steps take about a second: the stopped worker is called again before the end
+        wait_until(lambda: recovered in job.driver_log(), 120, "the recovery", job.report)
+        os.kill(stuck_pid, signal.SIGSTOP)
+        wait_until(lambda: "stuck call: " in job.driver_log(), 120, f"{cls} {stuck_pid} found "
+                   "stuck", job.report)  # fmt: skip
     state = job.wait_done()
     out = job.report()
     assert state == "COMPLETED", out
-    assert job.field("Restarts") == "0", out  # recovered in the run, not by a requeue
     driver = job.driver_log()
-    assert "recovery: RolloutWorker 0 died during step" in driver, out
-    assert "Traceback" not in driver, out
+    first = driver.split("=== restart 1")[0]
+    assert recovered in first, out
+    requeued = cls == "TrainerWorker"  # a trainer rank's state lives only in its process
+    assert job.field("Restarts") == ("1" if requeued else "0"), out
+    if requeued:
+        assert re.search(r"TrainerWorker \d+ failed \(StuckCallError: TrainerWorker", first), out
+        assert "exiting 75 for a requeue" in first, out
+    elif cls:
+        assert re.search(rf"recovery: {cls} \d+ stuck during step", driver), out
+        assert "Traceback" not in driver, out
+    if cls:
+        assert stuck_pid not in job_actor_pids(job.job_id, cls)  # killed, not left stopped
     assert pid not in job_actor_pids(job.job_id, "RolloutWorker")
     assert_same_metrics(job, reference[0])
+
+
+def a_worker_on_the_second_node(job) -> tuple[str, int]:
+    """``(class, pid)`` of a worker of ``job`` on its second node: the reward worker if Ray
+    placed it there, else the trainer rank there (one per node)."""
+    second = [n for n in job.nodes() if n != job.field("BatchHost")][0]
+    there = set(node_pids(second))
+    found = [(cls, pid) for cls in ("RewardWorker", "TrainerWorker")
+             for pid in job_actor_pids(job.job_id, cls) if pid in there]  # fmt: skip
+    assert found, f"no reward worker or trainer rank of the job on {second}\n{job.report()}"
+    return found[0]
+
+
+def node_pids(node: str) -> list[int]:
+    """The processes in ``node``'s network namespace (``netns_nodes.sh pids``)."""
+    return [int(p) for p in subprocess.run(
+        ["bash", str(REPO / "slurm" / "ci" / "netns_nodes.sh"), "pids", node],
+        capture_output=True, text=True, timeout=30, check=True,
+    ).stdout.split()]  # fmt: skip
 
 
 ASYNC = [f"run.steps={STEPS}", "run.ckpt_every=100", "orchestration.async_rollout=one_step",
@@ -271,12 +316,8 @@ def test_a_head_that_never_starts_fails_the_job_within_the_deadline(cluster, wor
 def kill_ray_processes(node: str) -> list[int]:
     """``kill -9`` every process of the job on ``node`` (its network namespace), leaving the
     node's slurmd and the step daemons (slurmstepd) alone."""
-    pids = subprocess.run(
-        ["bash", str(REPO / "slurm" / "ci" / "netns_nodes.sh"), "pids", node],
-        capture_output=True, text=True, timeout=30, check=True,
-    ).stdout.split()  # fmt: skip
     killed = []
-    for pid in map(int, pids):
+    for pid in node_pids(node):
         try:
             name = Path(f"/proc/{pid}/comm").read_text().strip()
         except OSError:

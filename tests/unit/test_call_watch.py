@@ -1,6 +1,7 @@
 """The deadlines the run learns for its actor calls (``orchestration/actors/call_watch.py``):
 the rule, the bounded shutdown's process-tree kill, and, on a small local Ray, a slow call
-that keeps beating is waited for while a stopped actor is named and killed."""
+that keeps beating is waited for while a stopped actor is named and killed, and a stopped
+server behind a rollout worker's call is named and killed instead of the worker."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from megatron_armor.orchestration.actors.call_watch import (
     DeadlineRule,
     StopDuringCallError,
     StuckCallError,
+    StuckServerError,
     Watched,
     beating,
     kill_trees,
@@ -233,3 +235,119 @@ def test_the_trainer_does_not_wait_forever_on_a_rollout_thread_that_gives_no_bat
     with pytest.raises(TimeoutError, match=r"the rollout thread \(rollout-step-7\) gave no batch"):
         collector.join()
     release.set()
+
+
+FAKE_SERVER = textwrap.dedent("""
+    import json, sys, time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(BaseHTTPRequestHandler):
+        def answer(self, body):
+            data = json.dumps(body).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):  # /health_generate
+            self.answer({})
+
+        def do_POST(self):  # /generate: a sample in 0.1 s (or as long as asked)
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            time.sleep(body.get("seconds", 0.1))
+            self.answer({"text": "x"})
+
+        def log_message(self, *args):
+            pass
+
+    ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
+""")
+
+
+def server_alive(pid: int) -> bool:
+    return not gone(pid)
+
+
+def rollout_worker_class():
+    """A rollout worker over one HTTP server that answers like SGLang's ``/generate`` and
+    ``/health_generate``: the real ``SGLangEngine`` and the real worker methods the driver's
+    probe calls (``workers.RolloutWorker.kill_wedged_servers``); named ``RolloutWorker``, the
+    class the watch asks for its servers."""
+    from megatron_armor.orchestration.actors import workers
+
+    @beating
+    class RolloutWorker(Watched):
+        pools = workers.RolloutWorker.pools
+        _pool = workers.RolloutWorker._pool
+        kill_wedged_servers = workers.RolloutWorker.kill_wedged_servers
+
+        def __init__(self, port: int, script: str):
+            from megatron_armor.config.schema import SGLangConfig
+            from megatron_armor.rollout.sglang.engine import SGLangEngine
+            from megatron_armor.rollout.sglang.launch import ManagedProcess
+
+            self.engine = SGLangEngine("unused", SGLangConfig(base_port=port, num_engines=1))
+            self.ref_engine, self.index = None, 0
+            server = self.engine.servers[0]
+            command = [sys.executable, script, str(port)]
+            server.process = ManagedProcess(command, f"{server.url}/health_generate")
+            server.process.start()
+            server.process.wait_healthy(60, poll_s=0.1)
+
+        def server_pid(self) -> int:
+            return self.engine.servers[0].process.process.pid
+
+        def generate(self, samples: int, seconds: float = 0.1) -> int:
+            engine, payload = self.engine, {"seconds": seconds}
+            for _ in range(samples):  # each answer beats (SGLangEngine._generate_one)
+                engine._loop.run(engine._generate_one(engine.servers[0].url, payload))
+            return samples
+
+        def pid(self) -> int:
+            return os.getpid()
+
+    return RolloutWorker
+
+
+def test_a_stopped_sglang_server_is_named_and_killed_and_its_worker_kept(
+    local_ray, monkeypatch, tmp_path
+):
+    import megatron_armor.orchestration.actors.call_watch as cw
+    from megatron_armor.net import free_port
+
+    watch = CallWatch()
+    watch.configure(OrchestrationConfig(call_deadline_floor_s=0.5, call_deadline_cap_s=0.5))
+    monkeypatch.setattr(cw, "WATCH", watch)
+    monkeypatch.setattr(cw, "HEARTBEAT_ANSWER_S", 2.0)
+    monkeypatch.setattr(cw, "SERVER_PROBE_S", 2.0)
+    script = tmp_path / "server.py"
+    script.write_text(FAKE_SERVER)
+    port = free_port()
+    worker = start_actor(rollout_worker_class(), {"num_cpus": 0}, port, str(script))
+    pid = watch.get(worker.pid.remote(), "pid", timeout=120)
+    node = local_ray.get_runtime_context().get_node_id()
+    watch.locate_actor(worker, {"node_id": node, "ip": "127.0.0.1", "pid": pid}, 0)
+    server = watch.get(worker.server_pid.remote(), "pid", timeout=60)
+    # 2 s of samples 0.1 s apart: deadlines of 0.5 s pass, each with answers in it
+    assert watch.get(worker.generate.remote(20), "rollout generate") == 20
+    # one sample of 4 s: no answer for 8 deadlines, but the server answers /health_generate
+    assert watch.get(worker.generate.remote(1, 4.0), "rollout generate") == 1
+    assert server_alive(server) and watch.pop_metrics() == {}
+
+    os.kill(server, signal.SIGSTOP)  # the server: alive, never answers again
+    call = worker.generate.remote(1)
+    with pytest.raises(StuckServerError) as err:
+        watch.get(call, "rollout generate")
+    message = str(err.value)
+    assert f"SGLang policy server 0 at http://127.0.0.1:{port} (pid {server}" in message
+    assert f"(pid {server}, RolloutWorker 0 (pid {pid} on 127.0.0.1))" in message
+    assert "did not answer /health_generate within 2s: rollout generate" in message
+    assert err.value.servers == [{"pool": "policy", "index": 0, "url": f"http://127.0.0.1:{port}",
+                                  "pid": server, "worker": worker._actor_id.hex()}]  # fmt: skip
+    assert gone(server), "the stopped server was not killed"
+    assert watch.pop_metrics() == {"faults/stuck_sglang_server": 1.0}
+    assert err.value.pending == [call]  # the recovery reads it (StuckServerError.settle)
+    with pytest.raises(Exception, match="/generate failed"):  # the call on it fails, ...
+        local_ray.get(call, timeout=60)
+    assert watch.get(worker.pid.remote(), "pid", timeout=60) == pid  # ... its worker lives on

@@ -90,3 +90,72 @@ def test_named_errors_from_an_actor_print_without_the_remote_traceback(capsys):
     assert report_stop("armor train", raised) == 1
     err = capsys.readouterr().err
     assert err == f"armor train: RewardPoolError: {cause}\n", err
+
+
+def test_a_stuck_sglang_server_is_restarted_and_the_phase_done_again(tmp_path, capsys):
+    """``Recovery.guard`` on a :class:`StuckServerError` (the server killed past a call
+    deadline): the heal restarts it (``WeightSync.heal``), the phase is done again from its
+    start (``redo``), the worker is kept, and the recovery is a ``stuck`` row naming the
+    server; with ``run.max_recoveries=0`` the run stops for a requeue instead."""
+    import json
+    from types import SimpleNamespace
+
+    from megatron_armor.orchestration.actors.call_watch import StuckServerError
+    from megatron_armor.orchestration.actors.faults import RequeueError
+    from megatron_armor.orchestration.actors.recovery import Recovery
+
+    worker = SimpleNamespace(_actor_id=SimpleNamespace(hex=lambda: "ab12"))
+    healed, redone, dropped = [], [], []
+    rollout = SimpleNamespace(actors=[worker], reference_actors=[worker], caches_anchors=False,
+                              forget_unsettled=lambda: dropped.append(1))  # fmt: skip
+
+    def session(max_recoveries: int):
+        run = SimpleNamespace(max_recoveries=max_recoveries, recovery_window=50)
+        return SimpleNamespace(
+            config=SimpleNamespace(run=run), run_dir=tmp_path, rollout=rollout,
+            trainer=SimpleNamespace(actors=[]), reward=SimpleNamespace(actors=[]),
+            weight_sync=SimpleNamespace(heal=lambda: healed.append(1) or 1),
+        )  # fmt: skip
+
+    url = "http://127.0.0.1:30000"
+    server = {"pool": "policy", "index": 0, "url": url, "pid": 4321, "worker": "ab12"}
+
+    def draws():
+        answers = iter([StuckServerError(f"SGLang policy server 0 at {url} ...", "ab12", [server]),
+                        "the rollout"])  # fmt: skip
+
+        def call():
+            answer = next(answers)
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
+
+        return call
+
+    s = session(3)
+    recovery = Recovery(s.config)
+    got = recovery.guard(s, 2, "rollout", draws(), redo=lambda: redone.append(1))
+    assert got == "the rollout" and healed == redone == dropped == [1]
+    assert recovery.pop_servers_restarted() == 1 and recovery.pop_servers_restarted() == 0
+    (row,) = [json.loads(x) for x in (tmp_path / "recoveries.jsonl").read_text().splitlines()]
+    assert (row["step"], row["phase"], row["reason"]) == (2, "rollout", "stuck")
+    assert row["actor"] == f"SGLang server {url}" and row["kind"] == "rollout"
+    assert f"recovery: SGLang server {url} stuck during step 2 (rollout;" in capsys.readouterr().out
+    with pytest.raises(RequeueError, match="run.max_recoveries=0"):
+        Recovery(session(0).config).guard(session(0), 3, "rollout", draws())
+
+
+def test_an_actor_killed_as_stuck_is_recorded_stuck_whichever_wait_sees_it_first(monkeypatch):
+    """Two waits on one actor: the one past its deadline kills it (``StuckCallError``), the
+    other may see it die (``ActorDiedError``) and reach the recovery first; both are ``stuck``."""
+    from types import SimpleNamespace
+
+    import megatron_armor.orchestration.actors.recovery as recovery
+    from megatron_armor.orchestration.actors.call_watch import CallWatch
+
+    watch = CallWatch()
+    monkeypatch.setattr(recovery, "WATCH", watch)
+    died = SimpleNamespace(actor_id="cd34")  # what matters of an ActorDiedError here
+    assert recovery.fault_reason(Fault("reward", 0, died)) == "died"
+    watch.killed_stuck.add("cd34")
+    assert recovery.fault_reason(Fault("reward", 0, died)) == "stuck"

@@ -3,6 +3,7 @@ project keeps with SGLang (pipeline stages streaming in turns; the rollout worke
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -91,3 +92,25 @@ def test_managed_process_env_none_removes_a_variable(tmp_path, monkeypatch) -> N
     while process.alive() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert log.read_text().strip() == "None"
+
+
+def test_a_stopped_server_is_killed_at_once_on_stop() -> None:
+    """A SIGSTOPped process never acts on SIGTERM: ``stop`` SIGKILLs its group at once
+    instead of waiting its grace period out."""
+    import signal
+
+    process = launch.ManagedProcess(
+        [sys.executable, "-c", "import time; time.sleep(600)"], "http://unused"
+    )
+    process.start()
+    pid = process.process.pid
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while not launch.is_stopped(pid):
+        assert time.monotonic() < deadline, "the process did not stop"
+        time.sleep(0.02)
+    started = time.monotonic()
+    process.stop(timeout_s=30)
+    assert time.monotonic() - started < 5
+    assert process.process.returncode == -signal.SIGKILL
+    assert not launch.is_stopped(pid)  # gone

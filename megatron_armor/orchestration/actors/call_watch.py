@@ -13,7 +13,11 @@ a concurrency group :data:`WATCH_GROUP`); one that made progress within the dead
 the deadline again. One that did not is *stuck*: it is named (class, node, pid, the call,
 how long it waited), its process and the processes it started are killed, and
 :class:`StuckCallError` (a ``TimeoutError`` naming the actor) is handled like a dead actor
-(``recovery.py``: a rollout or reward worker replaced, anything else exit 75).
+(``recovery.py``: a rollout or reward worker replaced, anything else exit 75). Before a rollout worker
+that answers its heartbeat is called stuck, it asks its SGLang servers'
+``/health_generate``: a server without a 200 is the one stuck (killed by its worker,
+:class:`StuckServerError`: ``recovery.py`` restarts it with the current weights and does the
+phase again); a worker whose servers all answer waits on servers that move (another deadline).
 
 After a stop signal (``run_state.StopSignal``) no wait lasts past ``orchestration.stop_wait_s``
 from the signal: :class:`StopDuringCallError` ends the run with exit 75 on the newest complete
@@ -45,6 +49,7 @@ HISTORY = 20  # durations kept per kind
 POLL_S = 1.0  # how often a wait looks at the stop signal
 HEARTBEAT_ANSWER_S = 5.0  # how long an actor gets to answer its heartbeat call
 PROBE_TIMEOUT_S = 60.0  # the task that asks them (its worker may have to start)
+SERVER_PROBE_S = 30.0  # /health_generate: SGLang answers 503 after 20 s of a silent scheduler
 CHANGE_LOGGED = 1.25  # a kind's deadline is logged again when it moves by this factor
 KIND_WORDS = (  # (words in a wait's description, kind): first match wins
     ("generate_raw", "validation"), ("generate", "generate"), ("sample_reference", "generate"),
@@ -111,6 +116,34 @@ class StuckCallError(TimeoutError):
         self.actor_id, self.actor_kind = actor_id, actor_kind
 
 
+class StuckServerError(StuckCallError):
+    """A call past its deadline while an SGLang server of the run no longer answered (its
+    ``/health_generate`` gave no 200 within :data:`SERVER_PROBE_S`); the server was killed.
+    ``servers``: ``{worker, pool, index, url, pid}`` of each. ``recovery.py`` restarts them with
+    the current weights and does the call again; where nothing does, it is the stuck rollout
+    worker it names."""
+
+    def __init__(self, message: str, actor_id: str | None, servers: list[dict]):
+        super().__init__(message, actor_id, "rollout")
+        self.servers = servers
+        self.pending: list = []  # the waited-for calls, failing on the killed servers
+
+    def settle(self, timeout_s: float = 60.0) -> None:
+        """Wait (bounded) for the calls that waited on the killed servers and drop their
+        errors: they end once their requests fail, before the workers run the heal, and an
+        error nobody reads would be printed as Ray's "Unhandled error"."""
+        import ray
+
+        if not self.pending:
+            return
+        ray.wait(self.pending, num_returns=len(self.pending), timeout=timeout_s)
+        for ref in self.pending:
+            try:
+                ray.get(ref, timeout=0)
+            except Exception:  # noqa: BLE001 - the expected failure of a call on a killed server
+                pass
+
+
 class StopDuringCallError(RequeueError):
     """A stop signal came and a call did not finish within ``orchestration.stop_wait_s``."""
 
@@ -140,6 +173,8 @@ class CallWatch:
         self.configure()
         self.actors: dict[str, ActorEntry] = {}
         self.stuck: dict[str, float] = {}  # faults/stuck_<actor kind> since the last pop
+        self.answered: set[str] = set()  # actors that answered the last deadline's probes
+        self.killed_stuck: set[str] = set()  # actors killed as stuck (their other calls die)
         self.logged: dict[str, float] = {}
 
     def configure(self, orchestration=None, stop=None, run_dir: str | Path = "") -> None:
@@ -197,7 +232,12 @@ class CallWatch:
             if pending and now >= deadline:
                 if self.actors_of(pending):
                     stuck = self.culprits(pending, limit)
-                    if stuck:
+                    servers, serving = self.kill_wedged_servers(stuck)
+                    if servers:  # the call waits on a server, not on the worker
+                        err = self.server_error(servers, what, kind, now - start, limit)
+                        err.pending = pending  # its calls fail now; the recovery reads them
+                        raise err
+                    if stuck and not set(stuck) <= serving:
                         raise self.stuck_error(stuck, what, kind, now - start, limit)
                 elif timeout is not None or now - start >= self.cap():
                     # tasks (no heartbeat to ask): the fixed bound or the cap only
@@ -243,6 +283,7 @@ class CallWatch:
         is idle (its call waits for arguments another actor is computing, e.g. a weight push
         from the trainer), any other actor of the run that is stuck so. Empty: all moving."""
         ids = self.actors_of(refs)
+        self.answered = set()
         states = self.heartbeats(ids)
         stuck = [i for i in ids if is_stuck(states[i], limit)]
         if stuck or any(states[i] is not None and states[i][0] for i in ids):
@@ -269,7 +310,54 @@ class CallWatch:
             print(f"warning: the heartbeat probe failed ({type(err).__name__}); waiting on",
                   flush=True)  # fmt: skip
             return {i: (True, 0.0) for i in ids}
+        self.answered |= {i for i, a in zip(ids, answers, strict=True) if a is not None}
         return dict(zip(ids, answers, strict=True))
+
+    def kill_wedged_servers(self, stuck: list[str]) -> tuple[list[dict], set[str]]:
+        """The SGLang servers of the ``stuck`` rollout workers that answered their heartbeat
+        (alive, in a call without progress: one that did not answer cannot ask its servers)
+        which do not answer their ``/health_generate``, killed by their workers; and the
+        workers whose every server answered (their call waits on servers that make progress:
+        slow, not stuck). Only a stuck worker's servers are asked: a server busy in a weight
+        update for a stuck trainer rank would not answer, and the trainer is the one to name."""
+        import ray
+
+        ids = [i for i in stuck if self.actors[i].cls == "RolloutWorker" and i in self.answered]
+        if not ids:
+            return [], set()
+        probe = ray.remote(num_cpus=0)(probe_servers)
+        ref = probe.remote([self.actors[i].handle for i in ids], SERVER_PROBE_S)
+        try:
+            answers = ray.get(ref, timeout=PROBE_TIMEOUT_S + SERVER_PROBE_S)
+        except Exception as err:  # noqa: BLE001 - then the workers are blamed, as before
+            print(f"warning: the SGLang server probe failed ({type(err).__name__})", flush=True)
+            return [], set()
+        answers = [a or {"killed": [], "answered": 0} for a in answers]
+        killed = [dict(server, worker=i) for i, a in zip(ids, answers, strict=True)
+                  for server in a["killed"]]  # fmt: skip
+        serving = {
+            i for i, a in zip(ids, answers, strict=True) if a["answered"] and not a["killed"]
+        }
+        if serving and not killed:
+            names = ", ".join(self.actors[i].name() for i in sorted(serving))
+            print(f"call deadline: the SGLang servers of {names} answer /health_generate "
+                  "(busy and moving): waiting on", flush=True)  # fmt: skip
+        return killed, serving
+
+    def server_error(self, servers: list[dict], what: str, kind: str, waited: float,
+                     limit: float) -> StuckServerError:  # fmt: skip
+        """Name the killed servers (URL, pid, worker, the call, how long), count them."""
+        named = "; ".join(
+            f"SGLang {x['pool']} server {x['index']} at {x['url']} (pid {x['pid']}, "
+            f"{self.actors[x['worker']].name()})" for x in servers
+        )  # fmt: skip
+        message = (f"{named} did not answer /health_generate within {SERVER_PROBE_S:g}s: "
+                   f"{what} ({kind}) waited {waited:.0f}s, past its deadline of {limit:.0f}s, "
+                   "with no progress")  # fmt: skip
+        print(f"stuck call: {message}; killed, restarting with the current weights", flush=True)
+        key = "faults/stuck_sglang_server"
+        self.stuck[key] = self.stuck.get(key, 0.0) + len(servers)
+        return StuckServerError(message, servers[0]["worker"], servers)
 
     def forget(self, handle) -> None:
         """``handle``'s actor is gone (replaced, killed, closed): never asked again."""
@@ -285,6 +373,7 @@ class CallWatch:
                    f"of {limit:.0f}s, with no progress from it")  # fmt: skip
         print(f"stuck call: {message}; killing it", flush=True)
         if entry is not None:
+            self.killed_stuck.add(silent[0])
             self.kill(entry)
         key = f"faults/stuck_{actor_kind}"
         self.stuck[key] = self.stuck.get(key, 0.0) + 1.0
@@ -326,6 +415,22 @@ def probe_heartbeats(handles: list, timeout_s: float) -> list[tuple[bool, float]
         try:
             out.append(tuple(ray.get(ask)) if ask.hex() in answered else None)
         except Exception:  # noqa: BLE001 - a dead actor: its own call fails
+            out.append(None)
+    return out
+
+
+def probe_servers(handles: list, timeout_s: float) -> list[dict | None]:
+    """In a Ray task: each rollout worker's ``kill_wedged_servers`` (``None``: no answer)."""
+    import ray
+
+    asks = [h.kill_wedged_servers.remote(timeout_s) for h in handles]
+    ready, _ = ray.wait(asks, num_returns=len(asks), timeout=timeout_s + HEARTBEAT_ANSWER_S * 2)
+    answered = {r.hex() for r in ready}
+    out: list[dict | None] = []
+    for ask in asks:
+        try:
+            out.append(ray.get(ask) if ask.hex() in answered else None)
+        except Exception:  # noqa: BLE001 - a dead worker: its own call fails
             out.append(None)
     return out
 
@@ -377,7 +482,8 @@ def beating(cls):
         return call
 
     for name, value in list(vars(cls).items()):
-        if inspect.isfunction(value) and not name.startswith("_") and name != "heartbeat":
+        watch = getattr(value, "__ray_concurrency_group__", None) == WATCH_GROUP
+        if inspect.isfunction(value) and not name.startswith("_") and not watch:
             setattr(cls, name, wrap(value))
     return cls
 

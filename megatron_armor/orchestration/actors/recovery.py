@@ -51,7 +51,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from megatron_armor.orchestration.actors.actor_handles import kill_run_processes, wait
-from megatron_armor.orchestration.actors.call_watch import WATCH, StuckCallError, start_actor
+from megatron_armor.orchestration.actors.call_watch import (
+    WATCH,
+    StuckCallError,
+    StuckServerError,
+    start_actor,
+)
 from megatron_armor.orchestration.actors.faults import Fault, RecoveryBudget, locate, requeue_error
 from megatron_armor.rollout.backends import backend_of
 
@@ -123,6 +128,7 @@ class Recovery:
         # the trainer weights the engines serve, which a replacement gets: "behavior" while
         # the next step is drawn beside the updates (orchestration/step/async_rollout.py)
         self.served = "policy"
+        self.servers_restarted = 0  # SGLang servers restarted after a stuck call, not yet counted
 
     # ------------------------------------------------------------------ snapshots
     def submit_snapshot(self, s: RunParts) -> list:
@@ -163,6 +169,10 @@ class Recovery:
         while True:
             try:
                 return call()
+            except StuckServerError as err:
+                self.heal_servers(s, step, phase, err)
+                if redo is not None:
+                    redo()
             except Exception as err:
                 fault = locate(err, handles(s))
                 if fault is None:
@@ -184,6 +194,35 @@ class Recovery:
             self.anchor_rollout.forget_prefetch()
         s.rollout.forget_unsettled()
         record(s, step, phase, fault, count, self.budget)
+
+    def heal_servers(self, s: RunParts, step: int, phase: str, err: StuckServerError) -> None:
+        """The SGLang servers of ``err`` (killed past a call deadline) restarted with their
+        pool's current weights (``WeightSync.heal``, as a dead server is), counted in
+        ``run.max_recoveries``; the caller does the phase again."""
+        fault = locate(err, handles(s)) or Fault("unknown", -1, err)
+        redrawn = phase not in AFTER_ROLLOUT
+        why = ""
+        if s.config.run.max_recoveries == 0:
+            why = "run.max_recoveries=0 (nothing is restarted in the run)"
+        elif s.rollout.caches_anchors and redrawn and self.snapshot_step != step - 1:
+            why = f"the rollout workers' anchor cache of step {step - 1} is not in the driver"
+        if why:
+            raise requeue_error(s.run_dir, fault, step, why) from err
+        count = self.budget.spend(step, fault, s.run_dir)
+        err.settle()  # the calls on the killed servers end first
+        self.servers_restarted += s.weight_sync.heal()
+        if self.snapshot is not None:  # the anchor cache as the phase found it
+            self.restore_rollout(s, None, everyone=redrawn)
+        if self.anchor_rollout is not None:
+            self.anchor_rollout.forget_prefetch()
+        s.rollout.forget_unsettled()
+        servers = ", ".join(x["url"] for x in err.servers)
+        record(s, step, phase, fault, count, self.budget, what=f"SGLang server {servers}")
+
+    def pop_servers_restarted(self) -> int:
+        """SGLang servers restarted by :meth:`heal_servers` since the last call."""
+        out, self.servers_restarted = self.servers_restarted, 0
+        return out
 
     def unrecoverable(self, s: RunParts, step: int, phase: str, fault: Fault) -> str:
         """Why ``fault`` cannot be recovered in the run (``""``: it can)."""
@@ -280,21 +319,27 @@ def push_into_new(s: RunParts, actor, cache_version: int | None) -> None:
          "reference weights into a replaced rollout worker")  # fmt: skip
 
 
-def record(s: RunParts, step: int, phase: str, fault: Fault, count: int, budget) -> None:
-    """The recovery on the console and in ``RUN_DIR/recoveries.jsonl``."""
+def record(s: RunParts, step: int, phase: str, fault: Fault, count: int, budget,
+           what: str = "") -> None:  # fmt: skip
+    """The recovery on the console and in ``RUN_DIR/recoveries.jsonl`` (``what``: what was
+    replaced, when not the fault's actor: SGLang servers restarted)."""
     redo = "rollout drawn again" if phase == "rollout" else f"{phase} done again"
     pushed = "the current weights pushed, " if fault.kind == "rollout" else ""
     reason = fault_reason(fault)
-    print(f"recovery: {fault.actor} {reason} during step {step} ({phase}; {fault.summary()}); "
-          f"replaced, {pushed}{redo} ({count} of run.max_recoveries={budget.limit} within "
-          f"run.recovery_window={budget.window} steps)", flush=True)  # fmt: skip
-    line = {"step": step, "phase": phase, "actor": fault.actor, "kind": fault.kind,
+    done = "restarted" if what else "replaced"
+    print(f"recovery: {what or fault.actor} {reason} during step {step} ({phase}; "
+          f"{fault.summary()}); {done}, {pushed}{redo} ({count} of run.max_recoveries="
+          f"{budget.limit} within run.recovery_window={budget.window} steps)", flush=True)  # fmt: skip
+    line = {"step": step, "phase": phase, "actor": what or fault.actor, "kind": fault.kind,
             "reason": reason, "error": fault.summary(), "time": time.time()}  # fmt: skip
     with (s.run_dir / RECOVERIES_FILE).open("a") as f:
         f.write(json.dumps(line) + "\n")
 
 
 def fault_reason(fault: Fault) -> str:
-    """``stuck`` (past its call deadline without progress, killed: ``call_watch.py``) or
+    """``stuck`` (past its call deadline without progress, killed: ``call_watch.py``; also
+    when another call to the actor, waited for elsewhere, saw it die of that kill first) or
     ``died``."""
-    return "stuck" if isinstance(fault.error, StuckCallError) else "died"
+    if isinstance(fault.error, StuckCallError):
+        return "stuck"
+    return "stuck" if getattr(fault.error, "actor_id", None) in WATCH.killed_stuck else "died"

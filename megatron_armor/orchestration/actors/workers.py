@@ -27,7 +27,7 @@ from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.net import free_port, node_ip
 from megatron_armor.observability.nvtx import enable_nvtx, nvtx_range
 from megatron_armor.observability.throughput import peak_gpu_memory_gb
-from megatron_armor.orchestration.actors.call_watch import Watched, beating
+from megatron_armor.orchestration.actors.call_watch import WATCH_GROUP, Watched, beating
 from megatron_armor.orchestration.actors.ray_node import ignore_stop_signals
 from megatron_armor.rollout.backends import backend_of
 from megatron_armor.rollout.protocol import GenerationOutput, SamplingParams
@@ -614,6 +614,27 @@ class RolloutWorker(Watched):
             if dead:
                 restarted[pool] = [s.index for s in dead]
         return restarted
+
+    def kill_wedged_servers(self, timeout_s: float) -> dict[str, Any]:
+        """Kill every SGLang server of this worker whose ``/health_generate`` gives no 200
+        within ``timeout_s`` (``SGLangEngine.wedged_servers``): ``{"killed": [{pool, index,
+        url, pid}], "answered": servers that answered}``. Asked by the driver past a call
+        deadline, from the ``watch`` group while a call may wait on the server here; the
+        driver's heal restarts them with the current weights."""
+        killed, answered = [], 0
+        for pool in self.pools():
+            engine = self._pool(pool)
+            if not hasattr(engine, "wedged_servers"):
+                continue  # the embedded engine: no server
+            wedged = engine.wedged_servers(timeout_s)
+            answered += sum(1 for s in engine.servers if s.serving) - len(wedged)
+            for server in wedged:
+                pid = server.process.process.pid if server.process and server.process.process else 0
+                engine.kill_server(server)
+                killed.append({"pool": pool, "index": server.index, "url": server.url, "pid": pid})
+        return {"killed": killed, "answered": answered}
+
+    kill_wedged_servers.__ray_concurrency_group__ = WATCH_GROUP
 
     def _servers(self, pool: str, indices: list[int]) -> list:
         by_index = {s.index: s for s in self._pool(pool).servers}

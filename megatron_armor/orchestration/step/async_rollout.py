@@ -257,7 +257,8 @@ class AsyncPipeline:
         updated = metrics["train/updates"] > metrics.get("train/skipped_updates", 0.0)
         metrics.update(phases.sync_and_maybe_reset(s, step, updated))
         metrics["algo/alpha"] = s.config.algo.alpha
-        if backend_of(s.config).serves_over_http:
+        if backend_of(s.config).serves_over_http:  # and those killed past a call deadline
+            restarted += s.recovery.pop_servers_restarted()
             metrics["rollout/servers_restarted"] = float(restarted)
         if phases.validation_due(s.config, step):
             metrics.update(phases.validate(s, step))

@@ -96,7 +96,8 @@ def run_step(s: Session, rollout: AnchorRollout, step: int) -> dict[str, float]:
     updated = metrics["train/updates"] > metrics.get("train/skipped_updates", 0.0)
     metrics.update(sync_and_maybe_reset(s, step, updated))
     metrics["algo/alpha"] = s.config.algo.alpha
-    if backend_of(s.config).serves_over_http:
+    if backend_of(s.config).serves_over_http:  # and those killed past a call deadline
+        restarted += s.recovery.pop_servers_restarted()
         metrics["rollout/servers_restarted"] = float(restarted)
     if validation_due(s.config, step):
         metrics.update(validate(s, step))

@@ -431,6 +431,28 @@ class SGLangEngine(RolloutEngine):
     def health(self) -> bool:
         return all(self.server_healthy(s) for s in self.servers)
 
+    def wedged_servers(self, timeout_s: float) -> list[EngineServer]:
+        """The serving servers this engine launched whose ``/health_generate`` gives no 200
+        within ``timeout_s``. SGLang 0.5.23 answers it at once while its scheduler is sending
+        anything (a busy server that makes progress), runs a one-token generation when idle,
+        answers 503 after ``SGLANG_HEALTH_CHECK_TIMEOUT`` (20 s) when the scheduler sent
+        nothing, and not at all when the HTTP process itself is stopped."""
+        chosen = [s for s in self.servers
+                  if s.serving and s.process is not None and s.process.alive()]  # fmt: skip
+
+        async def probe_all():
+            return await asyncio.gather(*(self._client.healthy(s.url, timeout_s) for s in chosen))
+
+        answers = self._loop.run(probe_all()) if chosen else []
+        return [s for s, ok in zip(chosen, answers, strict=True) if not ok]
+
+    def kill_server(self, server: EngineServer) -> None:
+        """SIGKILL of a wedged ``server`` and its children, out of rotation: the requests in
+        flight on it fail, and the heal (:meth:`restart_server`) brings it back."""
+        server.serving = False
+        if server.process is not None:
+            server.process.kill()
+
     def restart_server(self, server: EngineServer) -> None:
         """Take ``server`` out of rotation and restart it; the caller re-syncs its weights,
         then puts it back with :meth:`rejoin`."""

@@ -252,6 +252,16 @@ class ManagedProcess:
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
+    def kill(self) -> None:
+        """SIGKILL of the process group at once (a wedged server: nothing to wait for)."""
+        if self.process is None:
+            return
+        _signal_group(self.process.pid, signal.SIGKILL)
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+
     def wait_healthy(self, timeout_s: float, poll_s: float = 1.0) -> None:
         """Poll ``health_url`` until HTTP 200; raise on timeout or if the process exits."""
         deadline = time.monotonic() + timeout_s
@@ -279,7 +289,9 @@ class ManagedProcess:
         if self.process is None:
             return
         pgid = self.process.pid
-        first = signal.SIGKILL if blocks_sigterm(pgid) else signal.SIGTERM
+        # a stopped process (SIGSTOP, a wedged server killed by the call deadlines) never acts
+        # on a SIGTERM: SIGKILL at once, as for one that blocks it
+        first = signal.SIGKILL if blocks_sigterm(pgid) or is_stopped(pgid) else signal.SIGTERM
         if not _signal_group(pgid, first):
             self.process.poll()
             return
@@ -312,6 +324,16 @@ def blocks_sigterm(pid: int) -> bool:
         if line.startswith("SigBlk:"):
             return bool(int(line.split()[1], 16) >> (signal.SIGTERM - 1) & 1)
     return False
+
+
+def is_stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (state ``T`` of ``/proc/PID/stat``: SIGSTOP);
+    False when it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] in ("T", "t")
 
 
 def _signal_group(pgid: int, sig: int) -> bool:
