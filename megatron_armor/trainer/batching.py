@@ -18,7 +18,9 @@
    full batch: every entry of the batch's ``token_data`` is sliced alike, whatever its name.
 
 The loss does not depend on the micro-batching: its normalizer is global (``schedule.py``)
-and every per-sample quantity stays within one micro-batch.
+and every per-sample quantity stays within one micro-batch. Fillers (stand-in micro-batches
+that weigh nothing) keep the collective schedule of a rank without samples, or of a MoE whose
+expert groups span DP ranks, in step (:func:`plan_micro_batches`).
 """
 
 from __future__ import annotations
