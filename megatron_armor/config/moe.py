@@ -78,6 +78,16 @@ def expert_tp_size(trainer) -> int:
     return trainer.etp if isinstance(trainer.etp, int) else 1  # another word: named at load
 
 
+def expert_groups_span_dp(tp: int, cp: int, ep: int, etp: int) -> bool:
+    """The expert layers' model-parallel group holds ranks of more than one data-parallel
+    rank. megatron-core 0.16.1 numbers ranks ``tp-cp-ep-dp-pp``: a DP rank's model-parallel
+    ranks are ``tp * cp`` consecutive ranks and an expert group ``etp * ep`` consecutive ones,
+    so the second lies within the first exactly when it divides it. When it does not, every
+    MoE layer's all-to-all pairs micro-batches of different DP ranks, which must then run
+    as many micro-batches each (``trainer/batching.py``: ``plan_micro_batches``)."""
+    return (tp * cp) % (ep * etp) != 0
+
+
 def expert_layout_problems(trainer, hf: dict | None, where: str) -> Iterator[str]:
     """``trainer.ep`` / ``trainer.etp`` against the model (``hf``: its ``config.json``,
     ``None`` = unknown) and the world, as megatron-core 0.16.1 builds them:

@@ -18,7 +18,9 @@
    full batch: every entry of the batch's ``token_data`` is sliced alike, whatever its name.
 
 The loss does not depend on the micro-batching: its normalizer is global (``schedule.py``)
-and every per-sample quantity stays within one micro-batch.
+and every per-sample quantity stays within one micro-batch. Fillers (stand-in micro-batches
+that weigh nothing) keep the collective schedule of a rank without samples, or of a MoE whose
+expert groups span DP ranks, in step (:func:`plan_micro_batches`).
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ class MicroBatch(PerTokenData):
     segment of padding when ``T`` was rounded up); ``None`` for the padded layout."""
     samples: tuple[int, ...] = ()
     """The batch's sample ids in this micro-batch, in row (segment) order."""
+    filler: bool = False
+    """A stand-in (:func:`filler_micro_batch`): run for the collectives, reports nothing."""
 
     @property
     def packed(self) -> bool:
@@ -199,9 +203,24 @@ def with_samples(batch: TrainBatch, mb: MicroBatch, ids: list[int], pad_multiple
 
 
 def padding_counts(micro_batches: list[MicroBatch]) -> tuple[int, int]:
-    """``(real tokens, computed positions)`` of ``micro_batches`` (padding = the difference)."""
-    real = sum(int(mb.valid.sum()) for mb in micro_batches)
-    return real, sum(mb.num_rows * mb.seq_len for mb in micro_batches)
+    """``(real tokens, computed positions)`` of ``micro_batches`` (padding = the difference;
+    fillers are no training data and count in neither)."""
+    real_mbs = [mb for mb in micro_batches if not mb.filler]
+    real = sum(int(mb.valid.sum()) for mb in real_mbs)
+    return real, sum(mb.num_rows * mb.seq_len for mb in real_mbs)
+
+
+def filler_micro_batch(batch: TrainBatch, packed: bool, pad_multiple: int = 1) -> MicroBatch:
+    """A stand-in micro-batch: sample 0 with its loss mask and anchor flags zeroed, so it adds
+    nothing to the loss, the gradients or the counts, and ``filler`` set, so it reports no
+    log-prob (``schedule.py``) and no padding. It runs where a rank must take part in a
+    collective schedule it has no data for (:func:`plan_micro_batches`)."""
+    build = build_packed_micro_batch if packed else build_micro_batch
+    mb = build(batch, [0], pad_multiple)
+    mb.loss_mask = torch.zeros_like(mb.loss_mask)
+    mb.is_anchor = torch.zeros_like(mb.is_anchor)
+    mb.filler = True
+    return mb
 
 
 def plan_micro_batches(
@@ -212,25 +231,61 @@ def plan_micro_batches(
     pad_multiple: int = 1,
     packed: bool = False,
     bucket: bool = True,
+    equal_counts: bool = False,
 ) -> list[MicroBatch]:
     """This DP rank's micro-batches of ``batch``: bucketed by length (``bucket``; off only to
     compare with batch order), padded ``[n, L]`` or ``packed`` ``[1, T]``.
 
-    A rank that receives no sample (fewer samples than DP ranks) gets one micro-batch of
-    sample 0 with its loss mask zeroed, so the collective schedule still runs; it adds nothing
-    to the loss, the gradients or the counts.
+    A rank that receives no sample (fewer samples than DP ranks) gets one filler micro-batch
+    (:func:`filler_micro_batch`), so the collective schedule still runs. With
+    ``equal_counts`` every rank is padded with fillers up to the most micro-batches of any DP
+    rank: the expert layers' all-to-alls pair the micro-batches of different DP ranks when
+    the expert-parallel group spans them (``config/moe.py``: :func:`expert_groups_span_dp`),
+    and a micro-batch without a partner would hang. Every rank knows every length, so the
+    count needs no communication.
     """
     build = build_packed_micro_batch if packed else build_micro_batch
     lengths = batch.seq_lengths()
     if not lengths:
         raise ValueError("empty TrainBatch: no samples to train on")
     groups = micro_batch_ids(lengths, dp_rank, dp_size, micro_batch_tokens, packed, bucket)
-    if not groups:
-        mb = build(batch, [0], pad_multiple)
-        mb.loss_mask = torch.zeros_like(mb.loss_mask)
-        mb.is_anchor = torch.zeros_like(mb.is_anchor)
-        return [mb]
-    return [build(batch, g, pad_multiple) for g in groups]
+    mbs = [build(batch, g, pad_multiple) for g in groups]
+    target = 1
+    if equal_counts:
+        target = max(micro_batch_counts(lengths, dp_size, micro_batch_tokens, packed, bucket))
+    fillers = max(target - len(mbs), 0)
+    return mbs + [filler_micro_batch(batch, packed, pad_multiple) for _ in range(fillers)]
+
+
+def micro_batch_counts(
+    lengths: list[int], dp_size: int, budget: int, packed: bool = False, bucket: bool = True
+) -> list[int]:
+    """Micro-batches of each DP rank (at least 1: a rank without samples runs a filler)."""
+    return [
+        max(1, len(micro_batch_ids(lengths, rank, dp_size, budget, packed, bucket)))
+        for rank in range(dp_size)
+    ]
+
+
+def holding_counts(
+    batch: TrainBatch,
+    selected: torch.Tensor,
+    dp_size: int,
+    budget: int,
+    packed: bool = False,
+    bucket: bool = True,
+) -> list[int]:
+    """Per DP rank: its micro-batches holding a token of ``selected`` (``[total]`` bool over
+    ``batch``), at least 1 — the micro-batch count of a pass over those micro-batches only
+    (the exact-KL diagnostic's reference pass, ``megatron_trainer.py``)."""
+    bounds = batch.cu_seqlens.tolist()
+    holds = [bool(selected[bounds[i] : bounds[i + 1]].any()) for i in range(batch.num_samples)]
+    lengths = batch.seq_lengths()
+    counts = []
+    for rank in range(dp_size):
+        groups = micro_batch_ids(lengths, rank, dp_size, budget, packed, bucket)
+        counts.append(max(1, sum(any(holds[i] for i in g) for g in groups)))
+    return counts
 
 
 def micro_batch_ids(

@@ -18,7 +18,7 @@ The model and the reference weights (saved through the model's own sharded state
 prefixed ``reference.``) reshard over TP, PP and DP. The distributed optimizer's state is saved
 ``dp_reshardable`` (every DP rank writes its own buffer slice in parallel, no gather): it
 reshards over DP only, so a resume of such a checkpoint with another ``trainer.tp`` /
-``trainer.pp`` (or with the distributed optimizer switched) is refused before anything starts
+``trainer.pp`` / ``trainer.ep`` / ``trainer.etp`` (or with the distributed optimizer switched) is refused before anything starts
 (``orchestration/run/resume_check.optimizer_layout_problem``, which reads the layout the save
 records as ``parallel_layout``). The non-distributed optimizer saves per-parameter state,
 which reshards like the model.
@@ -86,6 +86,8 @@ def _sharded_state(
         "parallel_layout": {
             "tp": parallel.tp_size(),
             "pp": parallel.pp_size(),
+            "ep": parallel.ep_size(),
+            "etp": parallel.expert_tp_size(),
             "distributed_optimizer": bool(trainer.config.trainer.use_distributed_optimizer),
         },
     }

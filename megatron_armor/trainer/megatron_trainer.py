@@ -17,11 +17,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_armor.algo.losses import LossSettings, finalize_metrics
-from megatron_armor.config.moe import expert_tp_size
+from megatron_armor.config.moe import expert_groups_span_dp, expert_tp_size
 from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.config.validate import updates_per_step, validate_runtime
 from megatron_armor.trainer import checkpoint, parallel, routing_replay
 from megatron_armor.trainer.batching import (
+    filler_micro_batch,
+    holding_counts,
     plan_micro_batches,
     split_minibatches,
     token_multiple,
@@ -126,13 +128,23 @@ class MegatronTrainer(TrainerInterface):
         return plan_micro_batches(
             batch, parallel.dp_rank(), parallel.dp_size(), t.micro_batch_tokens,
             self._pad_multiple(), packed=t.transformer_impl == "te",
+            equal_counts=self._equal_counts(),
         )  # fmt: skip
+
+    def _equal_counts(self) -> bool:
+        """Every DP rank must run as many micro-batches: a MoE model whose expert groups span
+        DP ranks (``config/moe.py``: :func:`expert_groups_span_dp`)."""
+        t = self.config.trainer
+        spans = expert_groups_span_dp(t.tp, t.cp, t.ep, expert_tp_size(t))
+        return self.spec.moe is not None and spans
 
     def _diagnostic_micro_batches(self, batch, mbs, kl_mask):
         """The reference pass of the exact-KL diagnostic without reference log-probs: each
         micro-batch holding diagnostic tokens with only the samples that hold them (in the same
         order, so the rows line up with the policy pass's), its index into ``mbs``; the first
-        micro-batch alone where none holds any (every rank runs the collective schedule)."""
+        micro-batch alone where none holds any (every rank runs the collective schedule).
+        With :meth:`_equal_counts`, fillers (index ``None``, no diagnostic token) up to the
+        most such micro-batches of any DP rank."""
         out = []
         for i, mb in enumerate(mbs):
             rows = mb.sample_index[kl_selection(mb, kl_mask)].unique().tolist()
@@ -141,7 +153,20 @@ class MegatronTrainer(TrainerInterface):
                 if len(ids) < len(mb.samples):
                     mb = with_samples(batch, mb, ids, self._pad_multiple())
                 out.append((i, mb))
-        return out or [(0, mbs[0])]
+        out = out or [(0, mbs[0])]
+        if not self._equal_counts():
+            return out
+        t = self.config.trainer
+        selected = kl_mask.bool() & (batch.loss_mask != 0)
+        counts = holding_counts(batch, selected, parallel.dp_size(), t.micro_batch_tokens,
+                                packed=t.transformer_impl == "te")  # fmt: skip
+        filler = filler_micro_batch(batch, t.transformer_impl == "te", self._pad_multiple())
+        return out + [(None, filler)] * (max(counts) - len(out))
+
+    @staticmethod
+    def _rows(captured: list[torch.Tensor], i: int | None) -> torch.Tensor:
+        """The policy pass's diagnostic rows of micro-batch ``i``; none for a filler."""
+        return captured[0][:0] if i is None else captured[i]
 
     def _under(self, weights: str):
         """The block under stored ``weights`` (no swap for the live ``policy``)."""
@@ -270,7 +295,7 @@ class MegatronTrainer(TrainerInterface):
             else:
                 with self._under(old_weights):  # never nested: one swap buffer
                     outputs = run_schedule(self.model, mbs, policy, True, routing[0])
-                compare = [captured[i] for i, _ in passes] if captured else []
+                compare = [self._rows(captured, i) for i, _ in passes] if captured else []
                 builder = logprob_kl_builder(self.lp, kl_mask, [], compare)
                 with self.store.swapped("ref"):
                     ref_outputs = run_schedule(
@@ -344,7 +369,7 @@ class MegatronTrainer(TrainerInterface):
         ref_outputs = pending.result()
         if kl_mask is not None:
             for (i, _), out, rows in zip(passes, ref_outputs, ref_rows, strict=True):
-                out.update(exact_kl_sums(captured[i], rows, self.lp, rows.device))
+                out.update(exact_kl_sums(self._rows(captured, i), rows, self.lp, rows.device))
         return outputs, ref_outputs
 
     def _self_kl(self, kl_mask, captured: list[torch.Tensor]) -> dict[str, float]:

@@ -88,8 +88,9 @@ def moe_block_spec(config, transformer_impl: str):
 
 
 def routed_tokens(micro_batches) -> float:
-    """Token positions the routers see in ``micro_batches`` (padding included: the padded
-    layout routes it too), summed over the data-parallel ranks."""
+    """Token positions the routers see in ``micro_batches`` (padding and fillers included:
+    the routers route them too, and megatron-core 0.16.1 cannot leave a whole filler out of
+    the loss, docs/trainer.md), summed over the data-parallel ranks."""
     local = sum(mb.tokens.numel() for mb in micro_batches)
     total = torch.tensor([float(local)], device=parallel.collective_device())
     if parallel.dp_size() > 1:

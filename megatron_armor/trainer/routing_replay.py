@@ -106,9 +106,11 @@ def router_positions(mb, sp_rank: int = 0, sp_size: int = 1) -> torch.Tensor:
     """``[rows]`` long: for each row a router of this rank sees in micro-batch ``mb`` (module
     docstring: ``[s, b]`` flattened ``s``-major, this rank's ``s`` chunk with sequence
     parallelism), the packed batch position of its token (``mb.token_index``), ``-1`` for a
-    padding position."""
+    padding position, and for every position of a filler (``batching.filler_micro_batch``: it
+    replays, records and counts nothing)."""
     grid = torch.full(mb.tokens.shape, -1, dtype=torch.long)
-    grid[mb.valid] = mb.token_index
+    if not mb.filler:
+        grid[mb.valid] = mb.token_index
     order = grid.t().contiguous()
     if sp_size > 1:
         order = order.chunk(sp_size, dim=0)[sp_rank]

@@ -86,7 +86,8 @@ def _policy_loss(
 def _logprob_only(mb: MicroBatch, output, *, lp: LogprobSettings):
     with torch.no_grad():
         logp, entropy = token_logprobs(output, mb, lp)
-    data = {"logp": logp, "entropy": entropy, "index": mb.token_index}
+    keep = 0 if mb.filler else len(logp)  # a filler (batching.py) reports no token
+    data = {"logp": logp[:keep], "entropy": entropy[:keep], "index": mb.token_index[:keep]}
     return output.new_zeros(()), torch.tensor(0, dtype=torch.int, device=logp.device), data
 
 

@@ -8,7 +8,10 @@
   exported HF tensors right after the import, policy log-probs, two ARMOR updates with the
   loss's coefficient at 0 (the Switch loss is taken per micro-batch, so with it on the
   gradients depend on how the ranks split the batch) and a checkpoint after the first, the
-  exported weights after each, then a third update with the loss on.
+  exported weights after each; then, loss off, on a batch the two DP ranks of EP=2 split
+  into 2 and 1 micro-batches (:data:`UNEVEN`): the policy log-probs, the exact-KL
+  diagnostic's passes over some of its samples, one update and its weights; then a third
+  update with the loss on.
   Then routing replay against the embedded engine (:func:`replay`): the routers are set to
   near-ties, the engine takes the trainer's weights and draws samples with their routes, and
   the ``old`` pass runs with ``trainer.moe.routing_replay`` ``off`` and ``r3``.
@@ -39,6 +42,11 @@ from trainer_worker import full, keep_logits, make_config, oracle_micro_batch  #
 AUX_LOSS_COEFF = 0.1
 TIE_EPS = 1e-6
 """Spread of the near-tied router rows (:func:`near_tie_routers`)."""
+UNEVEN = (0, 1, 2, 3, 4, 5)
+"""Samples of ``make_batch`` (lengths 5, 8, 11, 14, 7, 10) that two DP ranks split into
+2 micro-batches ({0, 1}, {3}) and 1 ({4, 5, 2}) at ``micro_batch_tokens = 40``."""
+UNEVEN_KL = (1, 3)
+"""Samples of the uneven batch whose tokens the exact-KL diagnostic takes: both on DP rank 0."""
 
 
 def near_tie_routers(trainer) -> None:
@@ -134,10 +142,28 @@ def run(trainer, out: dict, out_dir: str, engine) -> None:
     trainer.save_checkpoint(os.path.join(out_dir, "ckpt"), state)
     out["m2"] = trainer.train_step(batch, 1)
     out["w2"] = dict(trainer.export_weights())
+    uneven_split(trainer, out)
     trainer.config.trainer.moe.aux_loss_coeff = AUX_LOSS_COEFF
     out["m3"] = trainer.train_step(batch, 1)
     if engine is not None:
         replay(trainer, out, engine)
+
+
+def uneven_split(trainer, out: dict) -> None:
+    """Log-probs, the exact-KL diagnostic and an update on :data:`UNEVEN` (DP ranks with
+    unequal micro-batch counts: the trainer pads them with fillers when EP spans DP)."""
+    batch = make_batch().select(list(UNEVEN))
+    lp = full(trainer.compute_logprobs(batch, "policy"))
+    bounds = batch.cu_seqlens.tolist()
+    kl_mask = torch.zeros(batch.num_tokens, dtype=torch.bool)
+    for i in UNEVEN_KL:
+        kl_mask[bounds[i] : bounds[i + 1]] = True
+    old, _, out["kl_u"] = trainer.step_logprobs(batch, False, kl_mask & batch.loss_mask.bool())
+    out["lp_u"], out["old_u"] = lp, full(old)
+    batch.old_logprobs = perturb(lp, batch.loss_mask, 3, 0.3)
+    batch.ref_logprobs = perturb(lp, batch.loss_mask, 4, 0.3)
+    out["m_u"] = trainer.train_step(batch, 1)
+    out["w_u"] = dict(trainer.export_weights())
 
 
 def pp_replay(trainer, out: dict, out_dir: str, engine) -> None:

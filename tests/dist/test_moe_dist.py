@@ -6,7 +6,10 @@
   processes: each holds two of the four experts; tokens reach them through megatron-core's
   all-to-all dispatcher over gloo); the export right after the import reproduces every HF
   tensor exactly (router, every expert from both EP ranks, the dense layer);
-- two ARMOR updates at EP=2 equal the single-process ones (metrics, weights);
+- two ARMOR updates at EP=2 equal the single-process ones (metrics, weights); so do, on a
+  batch the two DP ranks split into 2 and 1 micro-batches (the shorter rank runs a filler:
+  without it the extra micro-batch's all-to-alls would have no partner), the log-probs, the
+  exact-KL diagnostic over samples of one rank only and a third update;
 - a third update with the load-balancing loss on logs ``train/moe_aux_loss``, and its gradient
   is in the update: the gradient norms of EP=1 and EP=2, equal without the loss, now differ
   (the Switch loss is taken per micro-batch, and the ranks split the batch differently) while
@@ -159,6 +162,7 @@ def test_expert_parallel_matches_hf_single_process_and_resumes(
     for step in ("w1", "w2"):
         for k, v in single[step].items():
             torch.testing.assert_close(run[step][k], v, atol=WEIGHT_TOL, rtol=0)
+    assert_uneven_split_matches(run, single)
     assert_aux_loss_update(run)
     policy_metrics = {k: v for k, v in single["m3"].items() if k.startswith(("loss/", "kl/"))}
     del policy_metrics["loss/grad_norm"]
@@ -185,6 +189,18 @@ def assert_replay(result: dict) -> None:
     assert off["metrics"]["moe/expert_load_max_mean"] >= 1.0
 
 
+def assert_uneven_split_matches(run: dict, single: dict) -> None:
+    """The passes over the unevenly split batch (``moe_worker.UNEVEN``) equal the single
+    process's: the fillers added nothing and took nobody's log-probs."""
+    torch.testing.assert_close(run["lp_u"], single["lp_u"], atol=LOGPROB_TOL, rtol=0)
+    torch.testing.assert_close(run["old_u"], single["lp_u"], atol=LOGPROB_TOL, rtol=0)
+    assert single["kl_u"]["kl/exact_positions"] > 0
+    assert_same_metrics(run["kl_u"], single["kl_u"])
+    assert_same_metrics(run["m_u"], single["m_u"])
+    for k, v in single["w_u"].items():
+        torch.testing.assert_close(run["w_u"][k], v, atol=WEIGHT_TOL, rtol=0)
+
+
 def assert_forward_matches(ranks: list[dict], single: dict, hf_logits, moe_model) -> None:
     """Logits (every rank), the export (rank 0 only) and the policy log-probs of a run on
     several ranks match transformers and the single process."""
@@ -206,6 +222,7 @@ def assert_etp2_trains(etp2: str, single: dict, hf_logits, moe_model) -> None:
     for step in ("w1", "w2"):
         for k, v in single[step].items():
             torch.testing.assert_close(ranks[0][step][k], v, atol=WEIGHT_TOL, rtol=0)
+    assert_uneven_split_matches(ranks[0], single)
     assert_aux_loss_update(ranks[0])
     assert_converts(etp2, moe_model, ranks[0]["w1"])
 

@@ -10,7 +10,11 @@ import torch
 from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
 from megatron_armor.trainer import routing_replay as rr
-from megatron_armor.trainer.batching import build_micro_batch, build_packed_micro_batch
+from megatron_armor.trainer.batching import (
+    build_micro_batch,
+    build_packed_micro_batch,
+    filler_micro_batch,
+)
 from megatron_armor.types import (
     OLD_ROUTES_KEY,
     ROUTES_KEY,
@@ -74,6 +78,8 @@ def test_router_rows_are_sequence_major_and_split_for_sequence_parallelism():
     assert torch.equal(torch.cat(halves), pos)  # each TP rank holds its s-chunk
     packed = build_packed_micro_batch(batch, [1, 2], pad_multiple=4)
     assert rr.router_positions(packed).tolist() == [5, 6, 7, 8, 9, 10, 11, 12]
+    filler = filler_micro_batch(batch, packed=False)  # stands in for a rank's micro-batch
+    assert (rr.router_positions(filler) == -1).all()  # replays, records, counts nothing
 
 
 def run_router(replay: rr.RouteReplay, scores: torch.Tensor):

@@ -251,6 +251,45 @@ def test_distributed_optimizer_state_of_another_tp_pp_is_refused_before_anything
     assert path == ckpt
 
 
+def test_distributed_optimizer_state_of_another_ep_etp_is_refused(tmp_path):
+    """The expert layout too: a resume at another ep / etp is refused, naming the saved and
+    the configured values and the fix; the same layout is accepted. A save without ``ep`` /
+    ``etp`` predates expert parallelism: ep 1, etp its tp."""
+    import torch
+
+    run_dir, config = tmp_path / "run", ArmorConfig()
+    ckpt = write_checkpoint_of_model(run_dir / "checkpoints" / "step_000002", TINY, 2)
+    checkpoints.write_manifest(ckpt, 2)
+    t = config.trainer
+    t.model_path, t.use_distributed_optimizer, t.world_size = _model(tmp_path / "m", TINY), True, 4
+
+    def save(layout: dict) -> None:
+        common = {"optimizer_stepped": True, "parallel_layout": layout}
+        torch.save(common, ckpt / "trainer" / "dist" / "common.pt")
+
+    save({"tp": 1, "pp": 1, "ep": 2, "etp": 1, "distributed_optimizer": True})
+    for ep, etp in ((4, "auto"), (2, 2)):
+        t.ep, t.etp = ep, etp
+        with pytest.raises(checkpoints.CheckpointError) as err:
+            open_run_dir(config, run_dir, str(ckpt))
+        message = str(err.value)
+        assert "saved at trainer.ep=2, trainer.etp=1" in message, message
+        assert f"not to ep={ep}, etp={1 if etp == 'auto' else etp}" in message, message
+        assert "resume with trainer.ep=2 trainer.etp=1" in message
+        assert "armor convert --to-hf" in message
+    t.ep, t.etp = 2, "auto"
+    lock, path = open_run_dir(config, run_dir, str(ckpt))
+    lock.release()
+    assert path == ckpt
+    save({"tp": 1, "pp": 1, "distributed_optimizer": True})  # before the ep / etp keys
+    with pytest.raises(checkpoints.CheckpointError, match="saved at trainer.ep=1, trainer.etp=1"):
+        open_run_dir(config, run_dir, str(ckpt))
+    t.ep = 1
+    lock, path = open_run_dir(config, run_dir, str(ckpt))
+    lock.release()
+    assert path == ckpt
+
+
 def test_crafted_trainer_metadata_is_refused_without_running_it(tmp_path):
     run_dir, config = tmp_path / "run", ArmorConfig()
     ckpt = write_checkpoint_of_model(run_dir / "checkpoints" / "step_000002", TINY, 2)

@@ -13,11 +13,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from tiny_models import make_batch  # noqa: E402
 
-from megatron_armor.algo.losses import compute_policy_loss, count_units  # noqa: E402
+from megatron_armor.algo.losses import LossSettings, compute_policy_loss, count_units  # noqa: E402
+from megatron_armor.config.moe import expert_groups_span_dp  # noqa: E402
 from megatron_armor.trainer.batching import (  # noqa: E402
     bucket_by_length,
     build_micro_batch,
     build_packed_micro_batch,
+    holding_counts,
+    micro_batch_counts,
     padding_counts,
     plan_micro_batches,
     shard_samples,
@@ -73,6 +76,93 @@ def test_rank_without_samples_gets_a_zero_weight_micro_batch() -> None:
     batch = make_batch().select([0])
     mbs = plan_micro_batches(batch, 1, 2, 100)
     assert len(mbs) == 1 and mbs[0].loss_mask.sum() == 0
+
+
+UNEVEN = [0, 1, 2, 3, 4, 5]
+"""Samples of ``make_batch`` (lengths 5, 8, 11, 14, 7, 10): 2 and 1 micro-batches on two DP
+ranks at a 40-token budget."""
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_equal_counts_pads_every_dp_rank_with_fillers(packed: bool) -> None:
+    """With expert parallelism across DP ranks every rank runs as many micro-batches (the
+    all-to-alls pair them): the shorter ranks get fillers that weigh nothing; the real
+    micro-batches, the units and the padding are those of the plan without fillers."""
+    batch = make_batch().select(UNEVEN)
+    budget = 27 if packed else 40
+    plain = [plan_micro_batches(batch, r, 2, budget, packed=packed) for r in range(2)]
+    assert sorted(len(p) for p in plain) == [1, 2]  # the uneven split of the dense plan
+    assert micro_batch_counts(batch.seq_lengths(), 2, budget, packed) == [len(p) for p in plain]
+    equal = [plan_micro_batches(batch, r, 2, budget, packed=packed, equal_counts=True)
+             for r in range(2)]  # fmt: skip
+    assert [len(e) for e in equal] == [2, 2]
+    for p, e in zip(plain, equal, strict=True):
+        assert [mb.samples for mb in e[: len(p)]] == [mb.samples for mb in p]
+        assert not any(mb.filler for mb in p)
+        for filler in e[len(p) :]:
+            assert filler.filler and filler.samples == (0,) and filler.packed == packed
+            assert filler.loss_mask.sum() == 0 and filler.is_anchor.sum() == 0
+        assert padding_counts(e) == padding_counts(p)
+        for agg in ("token-mean", "seq-mean-token-mean"):
+            units = [count_units(agg, mb.loss_mask, mb.sample_index) for mb in e]
+            assert sum(units) == sum(count_units(agg, mb.loss_mask, mb.sample_index) for mb in p)
+
+
+def test_filler_adds_nothing_to_the_loss() -> None:
+    """Loss, gradient and every metric sum of a filler are zero (ARMOR's mixed ratio)."""
+    batch = make_batch().select(UNEVEN)
+    filler = plan_micro_batches(batch, 1, 2, 40, equal_counts=True)[-1]
+    assert filler.filler
+    logp = torch.randn(len(filler.loss_mask), requires_grad=True)
+    settings = LossSettings(ratio="mixed", alpha=0.75)
+    data = {
+        k: filler.token_data.get(k, torch.zeros_like(logp))
+        for k in ("old_logprobs", "ref_logprobs", "advantages")
+    }
+    loss, metrics = compute_policy_loss(
+        logp, **data, loss_mask=filler.loss_mask, is_anchor=filler.is_anchor,
+        sample_index=filler.sample_index, settings=settings, normalizer=10.0,
+        entropy=torch.rand(len(logp)),
+    )  # fmt: skip
+    loss.backward()
+    assert float(loss.detach()) == 0.0 and torch.count_nonzero(logp.grad) == 0
+    assert all(float(v) == 0.0 for k, v in metrics.items() if not k.endswith("_max")), metrics
+
+
+def test_equal_counts_is_a_no_op_when_the_ranks_agree() -> None:
+    batch = make_batch()
+    for rank in range(2):
+        plain = plan_micro_batches(batch, rank, 2, 40)
+        equal = plan_micro_batches(batch, rank, 2, 40, equal_counts=True)
+        assert [mb.samples for mb in equal] == [mb.samples for mb in plain]
+        assert not any(mb.filler for mb in equal)
+
+
+def test_holding_counts_count_the_micro_batches_with_selected_tokens() -> None:
+    """Per DP rank, the micro-batches the diagnostic's reference pass runs (at least one)."""
+    batch = make_batch().select(UNEVEN)
+    bounds = batch.cu_seqlens.tolist()
+    selected = torch.zeros(batch.num_tokens, dtype=torch.bool)
+    for i in (1, 3):  # rank 0's micro-batches {0, 1} and {3}
+        selected[bounds[i] + 2] = True
+    assert holding_counts(batch, selected, 2, 40) == [2, 1]
+    assert holding_counts(batch, torch.zeros_like(selected), 2, 40) == [1, 1]
+
+
+@pytest.mark.parametrize(
+    ("tp", "cp", "ep", "etp", "spans"),
+    [
+        (1, 1, 1, 1, False),  # dense layout: no expert group
+        (2, 1, 1, 2, False),  # expert TP = TP: the TP group
+        (2, 1, 2, 1, False),  # EP over the two TP ranks of one DP rank
+        (1, 1, 2, 1, True),  # EP over two DP ranks
+        (1, 1, 2, 2, True),
+        (2, 1, 4, 1, True),
+        (1, 2, 2, 1, False),  # EP over the CP ranks of one DP rank
+    ],
+)
+def test_expert_groups_span_dp(tp: int, cp: int, ep: int, etp: int, spans: bool) -> None:
+    assert expert_groups_span_dp(tp, cp, ep, etp) is spans
 
 
 def test_minibatches_partition_the_batch() -> None:
