@@ -1,0 +1,146 @@
+"""Unit tier: the ``armor train`` parent (``cli/supervise.py``): a driver Ray's core ends
+(raylet or GCS lost) becomes a named line and exit 75; signals reach the driver; every other
+exit is the driver's own. The drivers here are small Python scripts (no Ray)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_armor.cli import supervise
+
+pytestmark = pytest.mark.unit
+ROOT = Path(__file__).resolve().parents[2]
+
+PLASMA = "[FATAL] The connection to the plasma store is failed. Terminate the process."
+GCS = "Failed to connect to GCS within 60 seconds. GCS may have been killed."
+
+
+def driver(tmp_path: Path, body: str) -> list[str]:
+    """A driver script: adopts the pipe as ``armor`` does, then runs ``body``."""
+    script = tmp_path / "driver.py"
+    script.write_text(
+        "import os, signal, sys, time\n"
+        "from megatron_armor.supervisor_pipe import adopt_pipe, tell_supervisor\n"
+        "from megatron_armor.cli.supervise import die_with_parent\n"
+        "parent = adopt_pipe()\n"
+        "die_with_parent(parent)\n" + textwrap.dedent(body)
+    )
+    return [sys.executable, str(script)]
+
+
+def ray_killed_me(logs: Path, last_words: str) -> str:
+    """Ray's core ending the driver: its last words in its own log, then ``_exit(1)``."""
+    return textwrap.dedent(f"""
+        tell_supervisor("ray_logs", {str(logs)!r})
+        path = os.path.join({str(logs)!r}, f"python-core-driver-01000000_{{os.getpid()}}.log")
+        open(path, "w").write("earlier lines\\n" + {last_words!r} + "\\n")
+        os._exit(1)
+    """)
+
+
+@pytest.mark.parametrize(("words", "named"), [(PLASMA, "Ray's raylet"), (GCS, "Ray's GCS")])
+def test_a_driver_ray_ended_is_named_and_requeued(tmp_path, capsys, words, named):
+    code = supervise.supervise(["train"], driver(tmp_path, ray_killed_me(tmp_path, words)))
+    err = capsys.readouterr().err
+    assert code == 75
+    assert f"armor train: lost {named}" in err and "exiting 75" in err and "--resume auto" in err
+
+
+def test_other_exits_are_the_drivers_own(tmp_path, capsys):
+    # exit 1 below Python without Ray's words (a crash of other code): still 1, nothing added
+    assert supervise.supervise(["train"], driver(tmp_path, "os._exit(1)")) == 1
+    # a driver that reported its exit keeps its code, even if Ray ended it after that
+    body = "tell_supervisor('exit', 3)\n" + ray_killed_me(tmp_path, PLASMA)
+    assert supervise.supervise(["train"], driver(tmp_path, body)) == 3
+    body = "tell_supervisor('exit', 0)\nsys.exit(0)\n"
+    assert supervise.supervise(["train"], driver(tmp_path, body)) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_lost_control_plane_reads_ray_words():
+    assert supervise.lost_control_plane("x\n" + PLASMA).startswith("Ray's raylet")
+    assert supervise.lost_control_plane(GCS).startswith("Ray's GCS")
+    assert supervise.lost_control_plane("Traceback ... RuntimeError") == ""
+    assert supervise.driver_log_text("", 123) == ""
+
+
+def test_signals_reach_the_driver_once_or_twice_and_its_code_is_kept(tmp_path):
+    """A SIGTERM to the parent alone (Slurm's sbatch) and to the whole group (a shell) both
+    reach the driver, which exits 75 after its handler ran."""
+    ready = tmp_path / "ready"
+    body = f"""
+        seen = []
+        signal.signal(signal.SIGTERM, lambda s, f: seen.append(s))
+        open({str(ready)!r}, "w").close()
+        while not seen:
+            time.sleep(0.05)
+        time.sleep(0.3)
+        tell_supervisor("exit", 75)
+        sys.exit(75)
+    """
+    for group in (False, True):
+        ready.unlink(missing_ok=True)
+        parent = start_parent(driver(tmp_path, body))
+        wait_for_file(ready, parent)
+        os.killpg(parent.pid, signal.SIGTERM) if group else parent.send_signal(signal.SIGTERM)
+        assert parent.wait(timeout=30) == 75, parent.stderr.read()
+
+
+def test_a_driver_killed_by_a_signal_kills_the_parent_by_it(tmp_path):
+    ready = tmp_path / "ready"
+    body = f"open({str(ready)!r}, 'w').close()\ntime.sleep(60)\n"
+    parent = start_parent(driver(tmp_path, body))
+    wait_for_file(ready, parent)
+    child = next(p for p in children(parent.pid))
+    os.kill(child, signal.SIGKILL)
+    assert parent.wait(timeout=30) == -signal.SIGKILL
+
+
+def test_the_driver_dies_with_its_parent(tmp_path):
+    ready = tmp_path / "ready"
+    body = f"open({str(ready)!r}, 'w').close()\ntime.sleep(60)\n"
+    parent = start_parent(driver(tmp_path, body))
+    wait_for_file(ready, parent)
+    child = next(p for p in children(parent.pid))
+    parent.kill()
+    parent.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{child}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(child)
+
+
+def start_parent(command: list[str]) -> subprocess.Popen:
+    """``supervise`` in its own process (and process group) running ``command``."""
+    code = f"import sys; from megatron_armor.cli import supervise; sys.exit(supervise.supervise(['train'], {command!r}))"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, "-c", code], env=env, start_new_session=True,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+
+def wait_for_file(path: Path, parent: subprocess.Popen, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert parent.poll() is None and time.monotonic() < deadline, parent.stderr.read()
+        time.sleep(0.05)
+
+
+def children(pid: int) -> list[int]:
+    text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    return [int(p) for p in text.split()]
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state not in ("Z", "X")
