@@ -153,8 +153,11 @@ def lost_control_plane(log_text: str) -> str:
 def die_with_parent(parent: int) -> None:
     """In the driver: SIGKILL when the supervising ``parent`` dies (``kill -9`` of the
     ``armor`` process ends the run as it did when the driver was that process)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except AttributeError:  # not Linux: no parent-death signal
+        return
+    if prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
         return
     if os.getppid() != parent:
         os.kill(os.getpid(), signal.SIGKILL)

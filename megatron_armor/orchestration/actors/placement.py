@@ -253,9 +253,10 @@ def report_ray_logs() -> None:
     process (raylet or GCS lost), the parent reads why there (``cli/supervise.py``)."""
     from ray._private import worker
 
-    node = worker._global_node
-    if node is not None:
-        tell_supervisor("ray_logs", node.get_logs_dir_path())
+    node = getattr(worker, "_global_node", None)  # Ray's own record of this driver's node
+    logs = getattr(node, "get_logs_dir_path", None)
+    if logs is not None:
+        tell_supervisor("ray_logs", logs())
 
 
 def shutdown_ray(timeout_s: float = 30.0) -> None:
