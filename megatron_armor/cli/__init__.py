@@ -31,7 +31,9 @@ SUBCOMMANDS = {
 CHECKPOINT_ON_SIGNAL = ("train", "pipeline")
 """Subcommands whose run checkpoints on SIGTERM/SIGINT/SIGUSR1 and exits 75: they hold those
 signals from the first line (``ray_node.held_stop_signals``), so one that arrives while the
-command imports torch and Ray reaches the run's handler instead of killing the process."""
+command imports torch and Ray reaches the run's handler instead of killing the process. Run
+as a process (``armor train ...``), the driver is a child of that process, which names a loss
+of Ray's control plane (``cli/supervise.py``)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,7 +66,7 @@ def run_driver(argv: list[str] | None) -> int:
     try:
         code = run_command(argv)
     except SystemExit as stop:
-        code = stop.code if isinstance(stop.code, int) else 1
+        code = stop.code if isinstance(stop.code, int) else int(stop.code is not None)
         raise
     except BaseException:
         code = 1
