@@ -4,7 +4,9 @@ When the raylet or the GCS of a run dies, Ray's C++ core ends the driver process
 (``_exit(1)`` after "The connection to the plasma store is failed" or "Failed to connect to
 GCS within N seconds" in Ray's driver log): no Python handler runs, nothing is printed, and
 exit 1 is not a code a scheduler requeues. So ``armor train`` and ``armor pipeline`` run the
-driver as a child (the same command, in the same process group) and wait for it:
+driver as a child (the same command line: ``sys.orig_argv``, so an entry point that wraps
+``megatron_armor.cli.main`` runs its own code in the driver too; in the same process group)
+and wait for it:
 
 - SIGTERM, SIGINT, SIGUSR1 (and SIGUSR2, SIGHUP, SIGQUIT) sent to this process are passed to
   the driver. A signal to the whole process group reaches the driver twice: the run's
@@ -66,7 +68,7 @@ def supervise(args: list[str], command: list[str] | None = None) -> int:
     previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
     read_end, write_end = os.pipe()
     env = {**os.environ, ENV: f"{os.getpid()}:{write_end}"}
-    command = command or [sys.executable, "-m", "megatron_armor.cli", *args]
+    command = command or [sys.executable, *sys.orig_argv[1:]]  # the same entry, flags and all
     try:
         child.append(subprocess.Popen(command, env=env, pass_fds=(write_end,)))
     finally:

@@ -144,3 +144,28 @@ def alive(pid: int) -> bool:
     except (FileNotFoundError, IndexError):
         return False
     return state not in ("Z", "X")
+
+
+def test_the_driver_is_the_same_command_line(tmp_path):
+    """An entry point that wraps the CLI (as the e2e tier's ``nan_advantages``) runs its own
+    code in the driver too: the child is ``sys.orig_argv`` again, not ``-m megatron_armor.cli``."""
+    entry = tmp_path / "entry.py"
+    entry.write_text(
+        textwrap.dedent("""
+        import sys
+        from megatron_armor.cli import supervise
+        from megatron_armor.supervisor_pipe import adopt_pipe, tell_supervisor
+
+        if supervise.wanted(None, ("train",)):
+            sys.exit(supervise.supervise(sys.argv[1:]))
+        print("driver", adopt_pipe() is not None, sys.argv[1:])
+        tell_supervisor("exit", 42)
+        sys.exit(42)
+    """)
+    )
+    env = {k: v for k, v in os.environ.items() if k != "ARMOR_SUPERVISE"}
+    env["PYTHONPATH"] = str(ROOT)
+    done = subprocess.run([sys.executable, "-u", str(entry), "train", "x=1"], env=env,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 42, done.stderr
+    assert done.stdout == "driver True ['train', 'x=1']\n"
