@@ -39,7 +39,7 @@ PR_SET_PDEATHSIG = 1
 LOST = (
     ("The connection to the plasma store is failed",
      "Ray's raylet (the driver's connection to its node's raylet and object store failed)"),
-    ("Failed to connect to GCS",
+    ("Failed to connect to GCS within",
      "Ray's GCS (the driver could not reach it within RAY_gcs_rpc_server_reconnect_timeout_s)"),
 )  # fmt: skip
 """Ray's own last words in the driver's log and what they mean."""

@@ -69,6 +69,7 @@ def test_lost_control_plane_reads_ray_words():
     assert supervise.lost_control_plane("x\n" + PLASMA).startswith("Ray's raylet")
     assert supervise.lost_control_plane(GCS).startswith("Ray's GCS")
     assert supervise.lost_control_plane("Traceback ... RuntimeError") == ""
+    assert supervise.lost_control_plane("Failed to connect to GCS, TaskEventBuffer will stop") == ""
     assert supervise.driver_log_text("", 123) == ""
 
 
