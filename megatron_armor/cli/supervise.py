@@ -33,6 +33,8 @@ from pathlib import Path
 from megatron_armor.supervisor_pipe import ENV
 
 EXIT_REQUEUE = 75
+SHIELDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+"""The run's stop signals (``ray_node.SHIELDED``): the driver checkpoints on them."""
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP,
              signal.SIGQUIT)  # fmt: skip
 PR_SET_PDEATHSIG = 1
@@ -55,7 +57,12 @@ def wanted(argv: list[str] | None, commands: tuple[str, ...]) -> bool:
 
 def supervise(args: list[str], command: list[str] | None = None) -> int:
     """Run ``armor ARGS`` (or ``command``) as a child, pass signals on, and return its exit
-    code (see the module's docstring)."""
+    code (see the module's docstring).
+
+    The child starts with :data:`SHIELDED` blocked (a signal mask is inherited): one of them
+    sent while its interpreter starts waits, pending, until the driver's handler is in place
+    (``ray_node.held_stop_signals`` takes over from its first line, ``StopSignal.guarded``
+    unblocks them), instead of ending it by its default action before it can checkpoint."""
     child: list[subprocess.Popen] = []
     pending: list[int] = []
 
@@ -70,16 +77,19 @@ def supervise(args: list[str], command: list[str] | None = None) -> int:
     env = {**os.environ, ENV: f"{os.getpid()}:{write_end}"}
     command = command or [sys.executable, *sys.orig_argv[1:]]  # the same entry, flags and all
     try:
-        child.append(subprocess.Popen(command, env=env, pass_fds=(write_end,)))
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, SHIELDED)
+        try:
+            child.append(subprocess.Popen(command, env=env, pass_fds=(write_end,)))
+        finally:
+            os.close(write_end)
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # one that came meanwhile: passed on
+        for signum in pending:
+            child[0].send_signal(signum)
+        code = wait_for(child[0])
     finally:
-        os.close(write_end)
-    for signum in pending:
-        child[0].send_signal(signum)
-    code = wait_for(child[0])
-    messages = read_messages(read_end)
-    for sig, handler in previous.items():
-        signal.signal(sig, handler)
-    return outcome(args[0], child[0].pid, code, messages)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return outcome(args[0], child[0].pid, code, read_messages(read_end))
 
 
 def wait_for(process: subprocess.Popen) -> int:

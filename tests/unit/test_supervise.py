@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from megatron_armor.cli import supervise
+from megatron_armor.orchestration.actors import ray_node
 
 pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,15 +24,18 @@ PLASMA = "[FATAL] The connection to the plasma store is failed. Terminate the pr
 GCS = "Failed to connect to GCS within 60 seconds. GCS may have been killed."
 
 
-def driver(tmp_path: Path, body: str) -> list[str]:
-    """A driver script: adopts the pipe as ``armor`` does, then runs ``body``."""
+def driver(tmp_path: Path, body: str, unblock: bool = True) -> list[str]:
+    """A driver script: adopts the pipe as ``armor`` does, takes the stop signals it starts
+    with blocked (``unblock``; ``armor``'s own handler does it later), then runs ``body``."""
     script = tmp_path / "driver.py"
     script.write_text(
         "import os, signal, sys, time\n"
         "from megatron_armor.supervisor_pipe import adopt_pipe, tell_supervisor\n"
-        "from megatron_armor.cli.supervise import die_with_parent\n"
+        "from megatron_armor.cli.supervise import SHIELDED, die_with_parent\n"
         "parent = adopt_pipe()\n"
-        "die_with_parent(parent)\n" + textwrap.dedent(body)
+        "die_with_parent(parent)\n"
+        + ("signal.pthread_sigmask(signal.SIG_UNBLOCK, SHIELDED)\n" if unblock else "")
+        + textwrap.dedent(body)
     )
     return [sys.executable, str(script)]
 
@@ -95,6 +99,27 @@ def test_signals_reach_the_driver_once_or_twice_and_its_code_is_kept(tmp_path):
         assert parent.wait(timeout=30) == 75, parent.stderr.read()
 
 
+def test_a_signal_before_the_drivers_handler_waits_for_it(tmp_path):
+    """A SIGTERM to the parent while the driver still starts (no handler of its own yet) is
+    held, not fatal: the driver is born with the stop signals blocked, and its handler, once in
+    place, gets it (``armor``'s is ``StopSignal``: exit 75 before the first step)."""
+    started = tmp_path / "started"
+    body = f"""
+        open({str(started)!r}, "w").close()
+        time.sleep(1.0)  # importing torch and Ray, as far as the signal is concerned
+        seen = []
+        signal.signal(signal.SIGTERM, lambda s, f: seen.append(s))
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, SHIELDED)
+        tell_supervisor("exit", 75 if seen else 0)
+        sys.exit(75 if seen else 0)
+    """
+    assert supervise.SHIELDED == ray_node.SHIELDED  # the signals armor's driver holds
+    parent = start_parent(driver(tmp_path, body, unblock=False))
+    wait_for_file(started, parent)
+    parent.send_signal(signal.SIGTERM)
+    assert parent.wait(timeout=30) == 75, parent.stderr.read()
+
+
 def test_a_driver_killed_by_a_signal_kills_the_parent_by_it(tmp_path):
     ready = tmp_path / "ready"
     body = f"open({str(ready)!r}, 'w').close()\ntime.sleep(60)\n"
@@ -155,6 +180,7 @@ def test_the_driver_is_the_same_command_line(tmp_path):
         textwrap.dedent("""
         import sys
         from megatron_armor.cli import supervise
+from megatron_armor.orchestration.actors import ray_node
         from megatron_armor.supervisor_pipe import adopt_pipe, tell_supervisor
 
         if supervise.wanted(None, ("train",)):
