@@ -10,7 +10,9 @@ and wait for it:
 
 - SIGTERM, SIGINT, SIGUSR1 (and SIGUSR2, SIGHUP, SIGQUIT) sent to this process are passed to
   the driver. A signal to the whole process group reaches the driver twice: the run's
-  handler records a stop once, whatever the count (``run_state.StopSignal``).
+  handler records a stop once, whatever the count (``run_state.StopSignal``). The driver
+  starts with SIGTERM, SIGINT and SIGUSR1 blocked, so one that comes before its handler is in
+  place waits for it.
 - The driver's exit code is this process's; a driver a signal killed kills this process by
   the same signal (a scheduler sees ``128 + N`` as before).
 - A driver that died without reporting its exit (``supervisor_pipe``) while Ray's log names the

@@ -23,7 +23,12 @@ from megatron_armor.observability.metrics import read_metrics
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from process_group import kill_leftovers, wait_until, wait_until_gone  # noqa: E402
+from process_group import (  # noqa: E402
+    kill_leftovers,
+    wait_until,
+    wait_until_gone,
+    wait_until_no_run_process,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 RUN_TIMEOUT_S = 420
@@ -90,12 +95,15 @@ class Run:
         wait_until_gone(self.ray_tmp, timeout, self.output)
 
     def kill_group(self) -> None:
-        """``kill -9`` of this run's process group, then its clean-up."""
+        """``kill -9`` of this run's process group: no process of the run outlives it (Ray's
+        run in their own session and stop with the driver; what the actors started dies with
+        them), then the clean-up."""
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
         self.proc.wait(timeout=60)
+        wait_until_no_run_process(self.ray_tmp, 60, self.output)
         self.cleanup()
 
     def cleanup(self) -> None:
