@@ -14,7 +14,8 @@ and wait for it:
   starts with SIGTERM, SIGINT and SIGUSR1 blocked, so one that comes before its handler is in
   place waits for it.
 - The driver's exit code is this process's; a driver a signal killed kills this process by
-  the same signal (a scheduler sees ``128 + N`` as before).
+  the same signal (a scheduler sees ``128 + N`` as before). The code the driver reported when
+  it left through Python wins over a death after it (a crash of Ray's teardown).
 - A driver that died without reporting its exit (``supervisor_pipe``) while Ray's log names the
   lost connection: ``armor train: lost Ray's raylet ...`` and exit 75, which ``--resume auto``
   continues from the newest complete checkpoint.
@@ -123,18 +124,22 @@ def read_messages(fd: int) -> dict[str, str]:
 
 
 def outcome(command: str, pid: int, code: int, messages: dict[str, str]) -> int:
-    """This process's exit code for a driver that returned ``code``; a lost control plane is
-    named and turned into 75; a driver killed by a signal kills this process by it."""
+    """This process's exit code for a driver that returned ``code``: the code it reported (its
+    run's verdict, given after the run closed: a crash of Ray's teardown or a signal after it
+    does not turn a requeue or a success into a signal death); unreported, a lost control plane
+    is named and turned into 75, and a driver killed by a signal kills this process by it."""
     reported = messages.get("exit")
-    if reported is None or str(code) != reported:
-        lost = lost_control_plane(driver_log_text(messages.get("ray_logs", ""), pid))
-        if lost and reported is not None:  # Ray ended it after its own exit: keep that code
-            return int(reported)
-        if lost:
-            print(f"armor {command}: lost {lost}; the driver (pid {pid}) was ended by Ray "
-                  f"(exit {code}): exiting {EXIT_REQUEUE} for a requeue, resume with "
-                  "--resume auto (the newest complete checkpoint)", file=sys.stderr)  # fmt: skip
-            return EXIT_REQUEUE
+    if reported is not None:
+        if str(code) != reported:
+            print(f"armor {command}: the driver (pid {pid}) ended with {code} after it exited "
+                  f"{reported}: exiting {reported}", file=sys.stderr)  # fmt: skip
+        return int(reported)
+    lost = lost_control_plane(driver_log_text(messages.get("ray_logs", ""), pid))
+    if lost:
+        print(f"armor {command}: lost {lost}; the driver (pid {pid}) was ended by Ray "
+              f"(exit {code}): exiting {EXIT_REQUEUE} for a requeue, resume with "
+              "--resume auto (the newest complete checkpoint)", file=sys.stderr)  # fmt: skip
+        return EXIT_REQUEUE
     if code < 0:
         if -code not in (signal.SIGKILL, signal.SIGSTOP):  # those two have no handler to reset
             signal.signal(-code, signal.SIG_DFL)

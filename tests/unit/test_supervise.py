@@ -61,12 +61,18 @@ def test_a_driver_ray_ended_is_named_and_requeued(tmp_path, capsys, words, named
 def test_other_exits_are_the_drivers_own(tmp_path, capsys):
     # exit 1 below Python without Ray's words (a crash of other code): still 1, nothing added
     assert supervise.supervise(["train"], driver(tmp_path, "os._exit(1)")) == 1
-    # a driver that reported its exit keeps its code, even if Ray ended it after that
-    body = "tell_supervisor('exit', 3)\n" + ray_killed_me(tmp_path, PLASMA)
-    assert supervise.supervise(["train"], driver(tmp_path, body)) == 3
     body = "tell_supervisor('exit', 0)\nsys.exit(0)\n"
     assert supervise.supervise(["train"], driver(tmp_path, body)) == 0
     assert capsys.readouterr().err == ""
+    # a driver that reported its exit keeps its code, even if Ray ended it after that or its
+    # teardown crashed (a requeue stays a requeue), with a line saying so
+    body = "tell_supervisor('exit', 3)\n" + ray_killed_me(tmp_path, PLASMA)
+    assert supervise.supervise(["train"], driver(tmp_path, body)) == 3
+    body = "tell_supervisor('exit', 75)\nos.abort()\n"
+    assert supervise.supervise(["train"], driver(tmp_path, body)) == 75
+    err = capsys.readouterr().err
+    assert "ended with 1 after it exited 3: exiting 3" in err
+    assert "ended with -6 after it exited 75: exiting 75" in err
 
 
 def test_lost_control_plane_reads_ray_words():
@@ -180,7 +186,6 @@ def test_the_driver_is_the_same_command_line(tmp_path):
         textwrap.dedent("""
         import sys
         from megatron_armor.cli import supervise
-from megatron_armor.orchestration.actors import ray_node
         from megatron_armor.supervisor_pipe import adopt_pipe, tell_supervisor
 
         if supervise.wanted(None, ("train",)):
