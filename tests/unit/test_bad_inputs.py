@@ -76,6 +76,7 @@ def _parquet(path: Path, answers: list) -> Path:
 def inputs(tmp_path_factory) -> dict[str, Path]:
     """A good model dir and data file, and one broken copy of each kind."""
     root = tmp_path_factory.mktemp("inputs")
+    (root / "b").mkdir()
     out = {
         "model": _model_dir(root / "model"),
         "no_config": _model_dir(root / "no_config", config=None),
@@ -92,7 +93,7 @@ def inputs(tmp_path_factory) -> dict[str, Path]:
         "truncated": _model_dir(root / "truncated", cut=20_000),
         "partial": _model_dir(root / "partial", drop="model.layers.1.mlp.down_proj.weight"),
         "other_ckpt": root / "other" / "checkpoints" / "step_000002",
-        "same_stem": _parquet(root / "b" / "train.parquet", ["1", "2"]),  # stem of "data"
+        "same_stem": _parquet(root / "b" / "train.parquet", ["1", "2"]),  # the stem of "data"
         "reused": root / "reused",
     }
     bigger = {**TINY_CONFIG, "hidden_size": 64, "num_hidden_layers": 4}  # another model size
