@@ -100,7 +100,7 @@ def writing(path: str | Path) -> Iterator[None]:
     try:
         yield
     except OSError as err:
-        if err.filename is not None:
+        if err.filename is not None or err.errno is None:
             raise
         raise OSError(err.errno, err.strerror, str(path)) from err
 
