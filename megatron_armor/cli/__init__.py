@@ -9,6 +9,9 @@ import argparse
 import importlib
 import sys
 
+from megatron_armor.cli import supervise
+from megatron_armor.supervisor_pipe import adopt_pipe, tell_supervisor
+
 SUBCOMMANDS = {
     "config": "megatron_armor.cli.config_cmd",
     "train": "megatron_armor.cli.train_cmd",
@@ -28,7 +31,9 @@ SUBCOMMANDS = {
 CHECKPOINT_ON_SIGNAL = ("train", "pipeline")
 """Subcommands whose run checkpoints on SIGTERM/SIGINT/SIGUSR1 and exits 75: they hold those
 signals from the first line (``ray_node.held_stop_signals``), so one that arrives while the
-command imports torch and Ray reaches the run's handler instead of killing the process."""
+command imports torch and Ray reaches the run's handler instead of killing the process. Run
+as a process (``armor train ...``), the driver is a child of that process, which names a loss
+of Ray's control plane (``cli/supervise.py``)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,13 +45,35 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if supervise.wanted(argv, CHECKPOINT_ON_SIGNAL):
+        return supervise.supervise(sys.argv[1:])  # the driver runs as its child
     command = (sys.argv[1:] if argv is None else argv)[:1]
     if command and command[0] in CHECKPOINT_ON_SIGNAL:
         from megatron_armor.orchestration.actors.ray_node import held_stop_signals
 
         with held_stop_signals():  # before any import starts a thread: every thread inherits it
-            return run_command(argv)
+            return run_driver(argv)
     return run_command(argv)
+
+
+def run_driver(argv: list[str] | None) -> int:
+    """``run_command`` of a training driver; under a supervising ``armor`` parent
+    (``cli/supervise.py``) it dies with that parent and reports that it exits through Python
+    (an exit Ray's C++ core forces does not)."""
+    parent = adopt_pipe()
+    if parent is not None:
+        supervise.die_with_parent(parent)
+    try:
+        code = run_command(argv)
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else int(stop.code is not None)
+        raise
+    except BaseException:
+        code = 1
+        raise
+    finally:
+        tell_supervisor("exit", code)
+    return code
 
 
 def run_command(argv: list[str] | None) -> int:

@@ -10,7 +10,8 @@ me: a SIGTERM/SIGINT/SIGUSR1 arrived, the current step finished and a checkpoint
 (or, during start-up, nothing was written; a call that did not finish within
 ``orchestration.stop_wait_s`` of the signal is left behind), or a fault the run cannot recover
 from in place (a trainer rank died or was stuck past its call deadline;
-``orchestration/actors/faults.py``, ``call_watch.py``) — the job resumes from the newest
+``orchestration/actors/faults.py``, ``call_watch.py``; Ray's raylet or GCS lost, named by
+the ``armor`` process that runs the driver, ``cli/supervise.py``) — the job resumes from the newest
 complete checkpoint (``--resume auto`` is the default); 65 (``EX_DATAERR``) training diverged:
 ``trainer.max_skipped_updates`` updates in a row had a non-finite loss or gradient norm, a
 checkpoint of the last applied weights was written and the error names the settings to change

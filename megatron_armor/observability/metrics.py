@@ -16,6 +16,8 @@ import math
 import os
 import secrets
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -90,20 +92,36 @@ def truncate_metrics(run_dir: str | Path, last_step: int) -> int:
     return len(kept)
 
 
+@contextmanager
+def writing(path: str | Path) -> Iterator[None]:
+    """Name ``path`` in an ``OSError`` raised by the writes inside: a failed ``write``,
+    ``flush`` or ``close`` carries no file name, and a full disk is reported with the file
+    that met it (``orchestration/run/disk_space.full_disk_error``)."""
+    try:
+        yield
+    except OSError as err:
+        if err.filename is not None or err.errno is None:
+            raise
+        raise OSError(err.errno, err.strerror, str(path)) from err
+
+
 class _TensorBoardSink:
     def __init__(self, log_dir: Path):
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(log_dir=str(log_dir))
+        self.log_dir = log_dir
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        for key, value in metrics.items():
-            if value is not None:
-                self.writer.add_scalar(key, value, global_step=step)
-        self.writer.flush()
+        with writing(self.log_dir):
+            for key, value in metrics.items():
+                if value is not None:
+                    self.writer.add_scalar(key, value, global_step=step)
+            self.writer.flush()
 
     def close(self) -> None:
-        self.writer.close()
+        with writing(self.log_dir):
+            self.writer.close()
 
 
 WANDB_ID_FILE = "wandb_run_id"
@@ -201,7 +219,7 @@ class MetricsLogger:
         """Append a :func:`metrics_record` line to every sink; returns its metrics."""
         step = int(record["step"])
         clean = {k: v for k, v in record.items() if k not in ("step", "wall_time")}
-        with self.path.open("a") as f:
+        with writing(self.path), self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         for sink in self.sinks:
             sink.log(step, clean)

@@ -27,14 +27,18 @@ which reshards like the model.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
+import queue
 import random
+import signal
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedBase
+from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
 from megatron_armor.trainer import parallel
@@ -46,6 +50,39 @@ BEHAVIOR_PREFIX = "behavior."
 # distributed optimizer: one ShardedTensor per contiguous buffer, saved and loaded by every DP
 # rank in parallel (reshardable across DP sizes); ignored by the non-distributed optimizers
 _OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+PR_SET_PDEATHSIG = 1
+_writers_tied: list[int] = []  # the pid whose forks die with it (once per process)
+
+
+def tie_writer_processes() -> None:
+    """No process of megatron-core's checkpoint writer outlives this one, even SIGKILLed.
+
+    Its torch_dist writer collects write results in a queue that by default lives in a
+    ``multiprocessing`` *spawn* ``Manager`` (a server process, and the resource tracker with
+    it): both stay after the trainer's process is killed, re-parented to init and deaf to
+    SIGTERM (they inherit the actor's ignored stop signals). The save here is synchronous
+    (``AsyncRequest.execute_sync``): the results are put and read in this process, so an
+    in-process queue holds them: no helper process, the same files, no spawn start-up. The
+    writer processes megatron-core forks per save get a parent-death SIGKILL."""
+    if _writers_tied == [os.getpid()]:
+        return
+    if not hasattr(filesystem_async, "_results_queue"):  # a megatron-core without the global
+        raise RuntimeError("megatron-core's filesystem_async._results_queue is gone: "
+                           "tie_writer_processes needs updating for this version")  # fmt: skip
+    filesystem_async._results_queue = queue.Queue()
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    forking = [0]  # the pid that forks, as the child sees it
+
+    def remember_parent() -> None:
+        forking[0] = os.getpid()
+
+    def die_with_parent() -> None:  # in a forked child
+        prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        if os.getppid() != forking[0]:  # the parent died before the line above
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    os.register_at_fork(before=remember_parent, after_in_child=die_with_parent)
+    _writers_tied[:] = [os.getpid()]
 
 
 def _detached_copy(sharded: dict) -> dict:
@@ -166,6 +203,7 @@ def save_trainer(trainer, path: str, run_state: dict) -> None:
     _barrier()
     stepped = optimizer_stepped(trainer.optimizer)
     behavior = trainer.store.has(BEHAVIOR)  # orchestration.async_rollout: one_step
+    tie_writer_processes()
     dist_checkpointing.save(
         _sharded_state(trainer, is_loading=False, with_optimizer=stepped, with_behavior=behavior),
         os.path.join(path, "dist"),

@@ -23,7 +23,12 @@ from megatron_armor.observability.metrics import read_metrics
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from process_group import kill_leftovers, wait_until, wait_until_gone  # noqa: E402
+from process_group import (  # noqa: E402
+    kill_leftovers,
+    wait_until,
+    wait_until_gone,
+    wait_until_no_run_process,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 RUN_TIMEOUT_S = 420
@@ -91,13 +96,19 @@ class Run:
         """Until no Ray process of this run is left (bounded)."""
         wait_until_gone(self.ray_tmp, timeout, self.output)
 
-    def kill_group(self) -> None:
-        """``kill -9`` of this run's process group, then its clean-up."""
+    def kill_group(self, nothing_left: bool = False) -> None:
+        """``kill -9`` of this run's process group, then its clean-up. ``nothing_left``: first
+        wait until no process of the run is left (Ray's run in their own session and stop with
+        the driver; the checkpoint writer's die with the trainer), failing after 60 s. Off by
+        default: outside Slurm, the SGLang servers of a killed run outlive it (on a cluster
+        the job's cgroup ends them)."""
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
         self.proc.wait(timeout=60)
+        if nothing_left:
+            wait_until_no_run_process(self.ray_tmp, 60, self.output)
         self.cleanup()
 
     def cleanup(self) -> None:

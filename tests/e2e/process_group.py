@@ -80,6 +80,30 @@ def run_pids(ray_tmp: str) -> list[int]:
     return found
 
 
+def wait_until_no_run_process(ray_tmp: str, timeout: float, output: Callable[[], str]) -> None:
+    """Until no process of the run is left: none has ``RAY_TMPDIR=ray_tmp`` in its environment
+    (every process a run starts inherits it, also those whose command line does not name the
+    temp dir, as the processes megatron-core's checkpoint writer starts); fail naming them."""
+    deadline = time.monotonic() + timeout
+    while left := run_pids(ray_tmp):
+        assert time.monotonic() < deadline, f"{left} outlived the run:\n{output()}"
+        time.sleep(0.2)
+
+
+def raylet_pids(ray_tmp: str) -> list[int]:
+    """The raylet processes of the run whose Ray temp dir is ``ray_tmp`` (never chosen by name:
+    other runs on the machine have theirs)."""
+    found = []
+    for pid in run_pids(ray_tmp):
+        try:
+            binary = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]
+        except OSError:
+            continue
+        if binary.endswith(b"/raylet"):
+            found.append(pid)
+    return found
+
+
 def server_pids(port: int) -> list[int]:
     """Processes started with the arguments ``--port PORT`` (a server's, as the SGLang backend
     launches it: ``/proc/PID/cmdline`` separates arguments with NUL bytes)."""

@@ -21,8 +21,10 @@ the tier short; everything else is the default.
 3. The disk fills up during a save (another writer takes the free space of the run's file
    system, a 64 MiB tmpfs, once the save's temporary directory appears): exit 74, the error
    names the checkpoint's path and the bytes needed and free, the temporary directory is gone
-   and step 2's checkpoint is intact; with the space freed, ``--resume auto`` completes the
-   run.
+   and step 2's checkpoint is intact; with the space freed, ``--resume auto`` runs on until
+   the disk fills again between checkpoints (once step 3's anchor file is written): exit 74,
+   the error names the file the run was writing and the intact checkpoint, nothing of the run
+   is left; with the space freed again, ``--resume auto`` completes the run.
 
 Every kill and fill waits on a file or a line the run writes, never on a clock.
 """
@@ -216,8 +218,31 @@ def test_a_full_disk_during_a_save_is_named_and_the_previous_checkpoint_resumes(
     assert f"the previous checkpoint {intact} is intact" in text and "Traceback" not in text
     assert not saving.exists() and not path.exists()
     filler.unlink()
+    full_between_checkpoints(out_dir, tiny_dir, on_disk, run.run_dir, small_disk, intact)
     resumed = Run(out_dir, "disk_full", tiny_dir, *on_disk)
     resumed.run_dir = run.run_dir
     assert resumed.wait() == 0, resumed.output()
     assert f"resumed from {intact} at step 2" in Path(resumed.log.name).read_text()
     assert_metrics_equal(run.run_dir, reference_run)
+
+
+def full_between_checkpoints(out_dir, tiny_dir, on_disk, run_dir: Path, disk: Path, intact: Path):
+    """The resume from step 2: the disk fills once step 3's anchor file is written, and a
+    write of the run outside a save (an anchor file, ``metrics.jsonl``, TensorBoard) meets it
+    before step 4's save: exit 74 naming the file and the intact checkpoint; nothing left."""
+    for step in (3, 4):  # the first run's, of steps no checkpoint holds
+        anchor_file(run_dir, step).unlink(missing_ok=True)
+    started = time.monotonic()
+    run = Run(out_dir, "disk_full", tiny_dir, *on_disk)
+    run.run_dir = run_dir
+    run.wait_for(anchor_file(run_dir, 3).is_file)
+    filler = fill(disk)
+    assert run.proc.wait(timeout=300) == 74, run.output()
+    wait_until_no_process_left(run.ray_tmp, 60, run.output)
+    run.cleanup()
+    text = Path(run.log.name).read_text()
+    assert f"DiskFullError: no space left on the device while writing {run_dir}/" in text, text
+    assert f"the newest checkpoint {intact} is intact" in text and "Traceback" not in text
+    assert not (run_dir / "checkpoints" / "step_000004").exists()
+    filler.unlink()
+    print(f"full between checkpoints: the run took {time.monotonic() - started:.1f}s")

@@ -10,7 +10,8 @@ step below the floor — through ``armor train`` of the tiny config.
    uninterrupted run of 8 steps, checkpointed every step, shows the first step ``S`` by which
    both a short batch and a retirement happened; a second run is killed (``kill -9`` of its
    process group) once step ``S + 1``'s anchor file is written, resumed from its newest
-   checkpoint, and must log exactly the uninterrupted run's metrics (timings and machine
+   checkpoint (no process of the killed run left: Ray's, the actors', the checkpoint
+   writer's), and must log exactly the uninterrupted run's metrics (timings and machine
    state excepted) at every step: the retired set, the streaks and the acceptance watcher's
    series come back from the checkpoint.
 2. A step below the floor exits 3, naming the settings, with ``train_partial`` and a floor of
@@ -64,7 +65,7 @@ def test_short_batches_and_retirement_resume_exactly_after_kill_9(tiny_dir, out_
     run_dir = out_dir / "killed"
     killed = Run(out_dir, "killed", tiny_dir, *RETIRING)
     killed.wait_for((run_dir / "anchors" / f"step_{step + 1:06d}.jsonl").is_file)
-    killed.kill_group()
+    killed.kill_group(nothing_left=True)  # the checkpoint writer's processes too
     resumed = Run(out_dir, "killed", tiny_dir, *RETIRING)
     assert resumed.wait() == 0, resumed.output()
     text = resumed.output()

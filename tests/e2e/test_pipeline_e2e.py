@@ -4,11 +4,14 @@ A short variant of the tiny pipeline (overrides below): stage 1 DAPO with a dete
 fire at its second validation (``min_delta=1``: no validation counts as an improvement;
 ``patience=2``; any reward trend), so stage 1 ends at step 4 of at most 6 on the detector;
 stage 2 ARMOR for 2 steps (a checkpoint each, the reset at step 2) from stage 1's exported
-best checkpoint. One pipeline runs uninterrupted; a second is killed with ``kill -9`` of its
-whole process group inside stage 1 (after the step-2 checkpoint), between the stages (at the
-"stage 1 finished" line) and inside stage 2 (after its step-1 checkpoint), restarted each time
-with the same command, and must log exactly the uninterrupted pipeline's metrics in both
-stages. Ray runs in its own session: the group kill reaches the driver, and every Ray process
+best checkpoint. One pipeline runs uninterrupted; a second loses its Ray raylet (``kill -9`` of
+that process alone) inside stage 1 (after the step-2 checkpoint): Ray's core ends the driver,
+and ``armor pipeline`` names the loss and exits 75; then it is killed with ``kill -9`` of its
+whole process group between the stages (at the "stage 1 finished" line) and inside stage 2
+(after its step-1 checkpoint); restarted each time with the same command, it must log exactly
+the uninterrupted pipeline's metrics in both stages. No process of the run outlives any of
+these (found by the run's Ray temp dir in their environment: Ray's, the actors', what they
+started). Ray runs in its own session: the group kill reaches the driver, and every Ray process
 of the run stops with it. Every kill waits on a file or a log line.
 ``armor convert --to-hf STAGE1 best`` reproduces the model stage 2 started from, and ``armor
 eval`` of it gives the run's validation numbers of that step.
@@ -31,12 +34,22 @@ import pytest
 from megatron_armor.observability.metrics import read_metrics, without_wall_clock
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from process_group import kill_leftovers, wait_until, wait_until_gone  # noqa: E402
+from process_group import (  # noqa: E402
+    kill_leftovers,
+    raylet_pids,
+    wait_until,
+    wait_until_gone,
+    wait_until_no_run_process,
+)
 
 pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 420
+RECONNECT = {"RAY_gcs_rpc_server_reconnect_timeout_s": "10"}
+"""How long Ray's core waits for a lost GCS before it ends the process (60 s by default; the
+local head's ``ray start --block`` takes the GCS down with the raylet): the run whose raylet
+is killed waits 10 s of it."""
 
 
 def short_pipeline(tiny: Path) -> list[str]:
@@ -67,12 +80,13 @@ def tiny_dir() -> Path:
 class PipelineProcess:
     """One ``armor pipeline`` process in its own process group and Ray temp dir."""
 
-    def __init__(self, out: Path, name: str, tiny: Path):
+    def __init__(self, out: Path, name: str, tiny: Path, env: dict[str, str] | None = None):
         self.root = out / name
         self.ray_tmp = tempfile.mkdtemp(prefix="ap", dir="/tmp")  # short: unix socket paths
         self.log_path = out / f"{name}.{time.time_ns()}.log"
         env = dict(os.environ, RAY_TMPDIR=self.ray_tmp, RAY_AUTH_MODE="disabled",
-                   RAY_USAGE_STATS_ENABLED="0", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")  # fmt: skip
+                   RAY_USAGE_STATS_ENABLED="0", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+                   **(env or {}))  # fmt: skip
         cmd = [sys.executable, "-m", "megatron_armor.cli", "pipeline",
                str(REPO / "configs" / "tiny_pipeline.yaml"), f"output_dir={out}", f"name={name}",
                *short_pipeline(tiny)]  # fmt: skip
@@ -102,7 +116,23 @@ class PipelineProcess:
             pass
         self.proc.wait(timeout=60)
         wait_until_gone(self.ray_tmp, TIMEOUT_S, self.output)
+        wait_until_no_run_process(self.ray_tmp, 60, self.output)
         self.kill()
+
+    def lose_raylet(self) -> float:
+        """``kill -9`` of the run's raylet alone: Ray's core ends the driver, and ``armor
+        pipeline`` names the loss and exits 75; no process of the run left. Returns the
+        seconds from the kill to the exit."""
+        (raylet,) = raylet_pids(self.ray_tmp)
+        os.kill(raylet, signal.SIGKILL)
+        killed = time.monotonic()
+        assert self.proc.wait(timeout=120) == 75, self.output()
+        took = time.monotonic() - killed
+        wait_until_no_run_process(self.ray_tmp, 60, self.output)
+        self.kill()
+        text = self.log_path.read_text()
+        assert "armor pipeline: lost Ray's " in text and "--resume auto" in text, text[-3000:]
+        return took
 
     def kill(self) -> None:
         """``kill -9`` of the process group and of Ray processes under its temp dir."""
@@ -182,9 +212,10 @@ def test_convert_best_exports_the_stage2_start_model(uninterrupted, tmp_path):
 def test_kill9_in_each_stage_and_between_resumes_exactly(uninterrupted, tiny_dir, out_dir):
     name = "killed"
     root = out_dir / name
-    first = PipelineProcess(out_dir, name, tiny_dir)
-    first.wait_for(checkpoint_written(root / "stage1", 2))
-    first.kill_group()
+    first = PipelineProcess(out_dir, name, tiny_dir, env=RECONNECT)
+    written = checkpoint_written(root / "stage1", 2)
+    first.wait_for(lambda: written() and len(raylet_pids(first.ray_tmp)) == 1)
+    print(f"raylet lost: armor pipeline exited 75 {first.lose_raylet():.1f}s after the kill")
     second = PipelineProcess(out_dir, name, tiny_dir)
     second.wait_for(lambda: "pipeline: stage 1 finished" in second.log_path.read_text())
     second.kill_group()

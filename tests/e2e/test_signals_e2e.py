@@ -164,7 +164,7 @@ def ports_and_second_writer_refused(run: Run, start_second) -> dict[str, int]:
     (``start_second()``) exits 2 before starting Ray; then let ``run`` go on."""
     log = Path(run.log.name)
     run.wait_for(lambda: "resumed from" in log.read_text())
-    os.kill(run.proc.pid, signal.SIGSTOP)
+    os.killpg(run.proc.pid, signal.SIGSTOP)  # `armor train` and the driver, its child
     try:
         ports = listening_addresses(process_group_and_ray(run.proc.pid, run.ray_tmp))
         second = start_second()
@@ -173,5 +173,5 @@ def ports_and_second_writer_refused(run: Run, start_second) -> dict[str, int]:
         assert not any(Path(second.ray_tmp).iterdir())  # refused before Ray started
         second.cleanup()
     finally:
-        os.kill(run.proc.pid, signal.SIGCONT)
+        os.killpg(run.proc.pid, signal.SIGCONT)
     return ports

@@ -24,6 +24,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from megatron_armor.orchestration.run.run_lock import process_start_ticks
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from crafted_checkpoint import write_checkpoint_of_model  # noqa: E402
 
@@ -74,6 +76,7 @@ def _parquet(path: Path, answers: list) -> Path:
 def inputs(tmp_path_factory) -> dict[str, Path]:
     """A good model dir and data file, and one broken copy of each kind."""
     root = tmp_path_factory.mktemp("inputs")
+    (root / "b").mkdir()
     out = {
         "model": _model_dir(root / "model"),
         "no_config": _model_dir(root / "no_config", config=None),
@@ -90,6 +93,8 @@ def inputs(tmp_path_factory) -> dict[str, Path]:
         "truncated": _model_dir(root / "truncated", cut=20_000),
         "partial": _model_dir(root / "partial", drop="model.layers.1.mlp.down_proj.weight"),
         "other_ckpt": root / "other" / "checkpoints" / "step_000002",
+        "same_stem": _parquet(root / "b" / "train.parquet", ["1", "2"]),  # the stem of "data"
+        "reused": root / "reused",
     }
     bigger = {**TINY_CONFIG, "hidden_size": 64, "num_hidden_layers": 4}  # another model size
     write_checkpoint_of_model(out["other_ckpt"], bigger, 2)
@@ -104,6 +109,11 @@ def inputs(tmp_path_factory) -> dict[str, Path]:
     lock = out["locked"] / "busy" / ".lock"  # a live run (this test process) holds the dir
     lock.parent.mkdir(parents=True)
     lock.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": 0}))
+    # the lock of a run that died, whose pid now belongs to another process (this one)
+    reused = out["reused"] / "old" / ".lock"
+    reused.parent.mkdir(parents=True)
+    reused.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": 0,
+                                  "start_ticks": process_start_ticks(os.getpid()) - 1}))  # fmt: skip
     return out
 
 
@@ -159,6 +169,11 @@ CASES = [
     ("local_path_missing", train("trainer.model_path={runs}/no_model"), "no_model': no such directory"),
     ("hub_name", train("trainer.model_path=Qwen/Qwen2.5-Math-7B"), "never fetched from the hub"),
     ("run_dir_in_use", train("run.output_dir={locked}", "run.name=busy"), "in use by another run"),
+    # a reused pid is not the run's: its lock is taken over, and the next check refuses
+    ("reused_pid_lock", train("run.output_dir={reused}", "run.name=old", "--resume", "{runs}/nowhere"),
+     "no such checkpoint directory"),
+    ("val_same_stem", train("data.val_files=[{data},{same_stem}]"),
+     "'{data}' and '{same_stem}' are both benchmark 'train'"),
     ("resume_path_missing", train("--resume", "{runs}/nowhere"), "no such checkpoint directory"),
     ("resume_other_model", train("--resume", "{other_ckpt}"), "holds a model of another shape than trainer.model_path"),
     ("seed", train("run.seed=-1"), "run.seed=-1: must be an integer in [0, 2147483647]"),
@@ -217,6 +232,14 @@ def test_a_refused_second_run_never_says_it_started(outcomes):
     """The lock is taken before the driver announces the run: the refusal is the only line."""
     got = outcomes["run_dir_in_use"]
     assert "armor train: starting" not in got["stdout"] + got["stderr"], got["stdout"]
+
+
+def test_a_lock_whose_pid_is_now_another_process_is_taken_over(outcomes):
+    """The lock's pid is alive on this host but started at another time: not the run's."""
+    got = outcomes["reused_pid_lock"]
+    pid = os.getpid()
+    assert f"taking over the stale lock of pid {pid} on {socket.gethostname()}" in got["stdout"]
+    assert f"pid {pid} is now another process" in got["stdout"], got["stdout"]
 
 
 def test_the_listed_inputs_fail_in_seconds_and_leave_no_trace(outcomes):

@@ -57,3 +57,20 @@ def test_a_full_disk_outside_a_checkpoint_names_the_file_and_fits_the_state(tmp_
     assert full_disk_error(run_dir, OSError(errno.EACCES, "denied", str(path))) is None
     with pytest.raises(Exception, match=r"\(no checkpoint of the run exists yet\)"):
         check_free_space(tmp_path / "fresh", 1, estimate=1 << 60)
+
+
+def test_a_full_disk_met_by_a_write_names_the_file(tmp_path):
+    """A write that meets a full disk (``/dev/full``: every write is ENOSPC) raises an
+    ``OSError`` without a file name; the run's writers name theirs, and so does the error."""
+    from megatron_armor.observability.metrics import MetricsLogger
+    from megatron_armor.orchestration.run.disk_space import full_disk_error
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").symlink_to("/dev/full")
+    logger = MetricsLogger(run_dir, tensorboard=False)
+    with pytest.raises(OSError) as met:
+        logger.log(3, {"loss": 1.0})
+    assert met.value.filename == str(run_dir / "metrics.jsonl")
+    text = str(full_disk_error(run_dir, met.value))
+    assert f"while writing {run_dir / 'metrics.jsonl'} (OSError: " in text, text

@@ -41,6 +41,7 @@ from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.config.validate import host_cores
 from megatron_armor.orchestration.actors.ray_node import LocalRayHead
 from megatron_armor.rollout.backends import backend_of
+from megatron_armor.supervisor_pipe import tell_supervisor
 
 LAYOUTS = ("cpu", "colocated", "disaggregated")
 OBJECT_STORE_BYTES_CPU = 256 * 1024**2
@@ -232,6 +233,7 @@ def init_ray(config: ArmorConfig, plan: LayoutPlan, log_dir: Path) -> None:
         return
     if config.orchestration.ray_address:
         ray.init(address=config.orchestration.ray_address, log_to_driver=True)
+        report_ray_logs()
         return
     if os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0":
         ray_constants.ENABLE_RAY_CLUSTER = False  # read at import, maybe before the line above
@@ -243,6 +245,18 @@ def init_ray(config: ArmorConfig, plan: LayoutPlan, log_dir: Path) -> None:
     timeout_s = config.orchestration.ray_init_timeout_s
     _local_head = LocalRayHead(args, log_dir / "ray-head.log", timeout_s, node_ip=LOOPBACK)
     ray.init(address=_local_head.address, log_to_driver=True, _node_ip_address=LOOPBACK)
+    report_ray_logs()
+
+
+def report_ray_logs() -> None:
+    """Tell a supervising ``armor`` parent where Ray logs this driver: if Ray's core ends the
+    process (raylet or GCS lost), the parent reads why there (``cli/supervise.py``)."""
+    from ray._private import worker
+
+    node = getattr(worker, "_global_node", None)  # Ray's own record of this driver's node
+    logs = getattr(node, "get_logs_dir_path", None)
+    if logs is not None:
+        tell_supervisor("ray_logs", logs())
 
 
 def shutdown_ray(timeout_s: float = 30.0) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from megatron_armor.algo.kl import kl_k1, kl_k3
+from megatron_armor.observability.metrics import writing
 from megatron_armor.orchestration.step.anchor_rollout import RolloutResult
 from megatron_armor.types import Group, Sample, SampleSource, TrainBatch
 
@@ -151,7 +152,8 @@ def write_anchor_file(run_dir: str | Path, step: int, result: RolloutResult) -> 
                           anchor_version=anchor.weight_version)  # fmt: skip
         lines.append(json.dumps(record))
     tmp = path.with_suffix(".tmp")
-    tmp.write_text("\n".join(lines) + "\n")
+    with writing(path):
+        tmp.write_text("\n".join(lines) + "\n")
     tmp.replace(path)
     path.with_name(path.name + ".gz").unlink(missing_ok=True)  # a resumed run redoes the step
     return path

@@ -1,0 +1,203 @@
+"""Unit tier: the ``armor train`` parent (``cli/supervise.py``): a driver Ray's core ends
+(raylet or GCS lost) becomes a named line and exit 75; signals reach the driver; every other
+exit is the driver's own. The drivers here are small Python scripts (no Ray)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_armor.cli import supervise
+from megatron_armor.orchestration.actors import ray_node
+
+pytestmark = pytest.mark.unit
+ROOT = Path(__file__).resolve().parents[2]
+
+PLASMA = "[FATAL] The connection to the plasma store is failed. Terminate the process."
+GCS = "Failed to connect to GCS within 60 seconds. GCS may have been killed."
+
+
+def driver(tmp_path: Path, body: str, unblock: bool = True) -> list[str]:
+    """A driver script: adopts the pipe as ``armor`` does, takes the stop signals it starts
+    with blocked (``unblock``; ``armor``'s own handler does it later), then runs ``body``."""
+    script = tmp_path / "driver.py"
+    script.write_text(
+        "import os, signal, sys, time\n"
+        "from megatron_armor.supervisor_pipe import adopt_pipe, tell_supervisor\n"
+        "from megatron_armor.cli.supervise import SHIELDED, die_with_parent\n"
+        "parent = adopt_pipe()\n"
+        "die_with_parent(parent)\n"
+        + ("signal.pthread_sigmask(signal.SIG_UNBLOCK, SHIELDED)\n" if unblock else "")
+        + textwrap.dedent(body)
+    )
+    return [sys.executable, str(script)]
+
+
+def ray_killed_me(logs: Path, last_words: str) -> str:
+    """Ray's core ending the driver: its last words in its own log, then ``_exit(1)``."""
+    return textwrap.dedent(f"""
+        tell_supervisor("ray_logs", {str(logs)!r})
+        path = os.path.join({str(logs)!r}, f"python-core-driver-01000000_{{os.getpid()}}.log")
+        open(path, "w").write("earlier lines\\n" + {last_words!r} + "\\n")
+        os._exit(1)
+    """)
+
+
+@pytest.mark.parametrize(("words", "named"), [(PLASMA, "Ray's raylet"), (GCS, "Ray's GCS")])
+def test_a_driver_ray_ended_is_named_and_requeued(tmp_path, capsys, words, named):
+    code = supervise.supervise(["train"], driver(tmp_path, ray_killed_me(tmp_path, words)))
+    err = capsys.readouterr().err
+    assert code == 75
+    assert f"armor train: lost {named}" in err and "exiting 75" in err and "--resume auto" in err
+
+
+def test_other_exits_are_the_drivers_own(tmp_path, capsys):
+    # exit 1 below Python without Ray's words (a crash of other code): still 1, nothing added
+    assert supervise.supervise(["train"], driver(tmp_path, "os._exit(1)")) == 1
+    body = "tell_supervisor('exit', 0)\nsys.exit(0)\n"
+    assert supervise.supervise(["train"], driver(tmp_path, body)) == 0
+    assert capsys.readouterr().err == ""
+    # a driver that reported its exit keeps its code, even if Ray ended it after that or its
+    # teardown crashed (a requeue stays a requeue), with a line saying so
+    body = "tell_supervisor('exit', 3)\n" + ray_killed_me(tmp_path, PLASMA)
+    assert supervise.supervise(["train"], driver(tmp_path, body)) == 3
+    body = "tell_supervisor('exit', 75)\nos.abort()\n"
+    assert supervise.supervise(["train"], driver(tmp_path, body)) == 75
+    err = capsys.readouterr().err
+    assert "ended with 1 after it exited 3: exiting 3" in err
+    assert "ended with -6 after it exited 75: exiting 75" in err
+
+
+def test_lost_control_plane_reads_ray_words():
+    assert supervise.lost_control_plane("x\n" + PLASMA).startswith("Ray's raylet")
+    assert supervise.lost_control_plane(GCS).startswith("Ray's GCS")
+    assert supervise.lost_control_plane("Traceback ... RuntimeError") == ""
+    assert supervise.lost_control_plane("Failed to connect to GCS, TaskEventBuffer will stop") == ""
+    assert supervise.driver_log_text("", 123) == ""
+
+
+def test_signals_reach_the_driver_once_or_twice_and_its_code_is_kept(tmp_path):
+    """A SIGTERM to the parent alone (Slurm's sbatch) and to the whole group (a shell) both
+    reach the driver, which exits 75 after its handler ran."""
+    ready = tmp_path / "ready"
+    body = f"""
+        seen = []
+        signal.signal(signal.SIGTERM, lambda s, f: seen.append(s))
+        open({str(ready)!r}, "w").close()
+        while not seen:
+            time.sleep(0.05)
+        time.sleep(0.3)
+        tell_supervisor("exit", 75)
+        sys.exit(75)
+    """
+    for group in (False, True):
+        ready.unlink(missing_ok=True)
+        parent = start_parent(driver(tmp_path, body))
+        wait_for_file(ready, parent)
+        os.killpg(parent.pid, signal.SIGTERM) if group else parent.send_signal(signal.SIGTERM)
+        assert parent.wait(timeout=30) == 75, parent.stderr.read()
+
+
+def test_a_signal_before_the_drivers_handler_waits_for_it(tmp_path):
+    """A SIGTERM to the parent while the driver still starts (no handler of its own yet) is
+    held, not fatal: the driver is born with the stop signals blocked, and its handler, once in
+    place, gets it (``armor``'s is ``StopSignal``: exit 75 before the first step)."""
+    started = tmp_path / "started"
+    body = f"""
+        open({str(started)!r}, "w").close()
+        time.sleep(1.0)  # importing torch and Ray, as far as the signal is concerned
+        seen = []
+        signal.signal(signal.SIGTERM, lambda s, f: seen.append(s))
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, SHIELDED)
+        tell_supervisor("exit", 75 if seen else 0)
+        sys.exit(75 if seen else 0)
+    """
+    assert supervise.SHIELDED == ray_node.SHIELDED  # the signals armor's driver holds
+    parent = start_parent(driver(tmp_path, body, unblock=False))
+    wait_for_file(started, parent)
+    parent.send_signal(signal.SIGTERM)
+    assert parent.wait(timeout=30) == 75, parent.stderr.read()
+
+
+def test_a_driver_killed_by_a_signal_kills_the_parent_by_it(tmp_path):
+    ready = tmp_path / "ready"
+    body = f"open({str(ready)!r}, 'w').close()\ntime.sleep(60)\n"
+    parent = start_parent(driver(tmp_path, body))
+    wait_for_file(ready, parent)
+    child = next(p for p in children(parent.pid))
+    os.kill(child, signal.SIGKILL)
+    assert parent.wait(timeout=30) == -signal.SIGKILL
+
+
+def test_the_driver_dies_with_its_parent(tmp_path):
+    ready = tmp_path / "ready"
+    body = f"open({str(ready)!r}, 'w').close()\ntime.sleep(60)\n"
+    parent = start_parent(driver(tmp_path, body))
+    wait_for_file(ready, parent)
+    child = next(p for p in children(parent.pid))
+    parent.kill()
+    parent.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{child}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(child)
+
+
+def start_parent(command: list[str]) -> subprocess.Popen:
+    """``supervise`` in its own process (and process group) running ``command``."""
+    code = f"import sys; from megatron_armor.cli import supervise; sys.exit(supervise.supervise(['train'], {command!r}))"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, "-c", code], env=env, start_new_session=True,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+
+def wait_for_file(path: Path, parent: subprocess.Popen, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert parent.poll() is None and time.monotonic() < deadline, parent.stderr.read()
+        time.sleep(0.05)
+
+
+def children(pid: int) -> list[int]:
+    text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    return [int(p) for p in text.split()]
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def test_the_driver_is_the_same_command_line(tmp_path):
+    """An entry point that wraps the CLI (as the e2e tier's ``nan_advantages``) runs its own
+    code in the driver too: the child is ``sys.orig_argv`` again, not ``-m megatron_armor.cli``."""
+    entry = tmp_path / "entry.py"
+    entry.write_text(
+        textwrap.dedent("""
+        import sys
+        from megatron_armor.cli import supervise
+        from megatron_armor.supervisor_pipe import adopt_pipe, tell_supervisor
+
+        if supervise.wanted(None, ("train",)):
+            sys.exit(supervise.supervise(sys.argv[1:]))
+        print("driver", adopt_pipe() is not None, sys.argv[1:])
+        tell_supervisor("exit", 42)
+        sys.exit(42)
+    """)
+    )
+    env = {k: v for k, v in os.environ.items() if k != "ARMOR_SUPERVISE"}
+    env["PYTHONPATH"] = str(ROOT)
+    done = subprocess.run([sys.executable, "-u", str(entry), "train", "x=1"], env=env,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 42, done.stderr
+    assert done.stdout == "driver True ['train', 'x=1']\n"
