@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_armor.config.model_overrides import read_hf_config, resolve_model_overrides
+from megatron_armor.with_parent import command_with_parent
 
 ROUTER_POLICIES = ("random", "round_robin", "cache_aware", "power_of_two")
 # SGLang returns log_softmax(logits / T) for sampled tokens unless this is true; the trainer
@@ -239,7 +240,7 @@ class ManagedProcess:
         # whole group this process leads (and nothing else).
         try:
             self.process = subprocess.Popen(
-                self.command,
+                command_with_parent(self.command),  # dies with this process (a kill -9 too)
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env={k: v for k, v in changed.items() if v is not None},
