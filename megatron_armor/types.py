@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import math
+import warnings
 from dataclasses import dataclass, field
 from enum import StrEnum
 from itertools import chain
@@ -150,13 +151,21 @@ def tensor_to_wire(t: torch.Tensor) -> tuple:
     return t.view(view).numpy(), str(t.dtype).removeprefix("torch.")
 
 
-def tensor_from_wire(array, dtype: str | None) -> torch.Tensor:
+def tensor_from_wire(array, dtype: str | None, read_only: bool = False) -> torch.Tensor:
     """The tensor of :func:`tensor_to_wire`, in memory of its own: an array still backed by
-    the sender's read-only shared memory is copied first (writing to it would crash)."""
+    the sender's read-only shared memory is copied first (writing to it would crash) unless
+    ``read_only`` (the caller never writes it in place: the processes of a node then share
+    Ray's one copy of it)."""
     if isinstance(array, torch.Tensor):
         return array
     if not array.flags.writeable:
-        array = np.array(array, copy=True)
+        if not read_only:
+            array = np.array(array, copy=True)
+        else:
+            with warnings.catch_warnings():  # torch warns that the tensor is not writable
+                warnings.simplefilter("ignore", UserWarning)
+                t = torch.from_numpy(array)
+            return t.view(getattr(torch, dtype)) if dtype else t
     t = torch.from_numpy(array)
     return t.view(getattr(torch, dtype)) if dtype else t
 
@@ -283,8 +292,12 @@ class TrainBatch(PerTokenData):
 
 
 def _train_batch_from_wire(fields: list, data: dict) -> TrainBatch:
+    """The routes (:data:`ROUTE_KEYS`, the largest entries of a MoE batch, only ever read:
+    indexed into copies) stay in the sender's shared memory: one copy per node, not per rank."""
     tokens, position_ids, cu_seqlens, sample_index = (tensor_from_wire(*f) for f in fields)
-    token_data = {key: tensor_from_wire(*value) for key, value in data.items()}
+    token_data = {
+        key: tensor_from_wire(*value, read_only=key in ROUTE_KEYS) for key, value in data.items()
+    }
     return TrainBatch(tokens, position_ids, cu_seqlens, sample_index, token_data)
 
 
