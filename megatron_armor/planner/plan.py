@@ -315,20 +315,23 @@ def make_plan(config: ArmorConfig, model: str | None = None, gpu_mem_gib: float 
 
 
 def _route_note(config: ArmorConfig, shape: TrainerShape, seq_len: int) -> str:
-    """Routing replay's host memory per rank at the longest step (every sample at
+    """Routing replay's host memory at the longest step (every sample at
     ``max_prompt_len + max_new_tokens``; :func:`memory.route_host_bytes`)."""
     mode = config.trainer.moe.routing_replay
     tokens = config.rollout.batch * config.algo.group_size * seq_len
     sizes = route_host_bytes(shape.dims, tokens, shape.dp, shape.pp,
                              updates_per_step(config), mode == "r3")  # fmt: skip
-    engine = (
-        f"the engines' routes in the batch {sizes['batch'] / GiB:.1f} GiB, " if mode == "r3" else ""
-    )
+    engine = ""
+    if mode == "r3":
+        engine = (
+            f"the engines' routes in the batch {sizes['batch'] / GiB:.1f} GiB per node "
+            "(one copy in the object store, read by its ranks); "
+        )
     return (
-        f"routing replay {mode}: host memory per trainer rank for a step of at most "
-        f"{tokens / 1e6:.1f}M tokens: {engine}the old pass's routes of its own samples "
-        f"{sizes['old'] / GiB:.2f} GiB; an update receives at most "
-        f'{sizes["update"] / 2**20:.0f} MiB of them (docs/trainer.md, "Routing replay")'
+        f"routing replay {mode}: host memory for a step of at most {tokens / 1e6:.1f}M tokens: "
+        f"{engine}the old pass's routes of a rank's own samples {sizes['old'] / GiB:.2f} GiB "
+        f"per rank; an update receives at most {sizes['update'] / 2**20:.0f} MiB of them "
+        '(docs/trainer.md, "Routing replay")'
     )
 
 
