@@ -360,9 +360,7 @@ class PassRouting:
             keep = index >= 0
             rows[index[keep]] = host[keep]
         if self.sp[1] > 1:
-            buf = rows.to(parallel.collective_device())
-            dist.all_reduce(buf, group=parallel.tp_group())
-            rows = buf.cpu()
+            sum_in_chunks(rows, parallel.tp_group())
         out.rows = rows
         self.recorded = []
         return out
@@ -374,6 +372,21 @@ class PassRouting:
             r.routing = None
             r.clear_indices()
             r.clear_router_replay_action()
+
+
+COLLECTIVE_CHUNK_BYTES = 64 * 2**20
+"""The most of the rank's recorded routes on its device at once (:func:`sum_in_chunks`)."""
+
+
+def sum_in_chunks(rows: torch.Tensor, group) -> None:
+    """Sum host ``rows`` over ``group`` in place, a chunk of at most
+    :data:`COLLECTIVE_CHUNK_BYTES` on the collective device at a time (every rank of the
+    group holds rows of the same shape)."""
+    per_row = max(1, rows[:1].numel() * rows.element_size())
+    for chunk in rows.split(max(1, COLLECTIVE_CHUNK_BYTES // per_row)):
+        buf = chunk.to(parallel.collective_device())
+        dist.all_reduce(buf, group=group)
+        chunk.copy_(buf.cpu())
 
 
 def exchange_plan(

@@ -279,3 +279,22 @@ def test_the_settings_load_and_bad_names_are_refused(tmp_path):
         load_config(None, ["trainer.moe.routing_replay=r4"])
     with pytest.raises(ConfigError, match="trainer.moe.anchor_routes='policy'"):
         load_config(None, ["trainer.moe.anchor_routes=policy"])
+
+
+def test_sequence_parallel_rows_are_completed_by_a_sum_in_small_chunks(monkeypatch):
+    """With sequence parallelism each TP rank recorded part of its shard's rows (zeros
+    elsewhere): the sum over the TP group completes them, a few rows on the device at a time."""
+    full = torch.randint(0, EXPERTS, (7, LAYERS, K), dtype=torch.uint8)
+    mine, theirs = full.clone(), full.clone()
+    mine[::2], theirs[1::2] = 0, 0  # each rank routed every other row
+    seen = []
+
+    def all_reduce(buf, group=None):  # the other rank's matching chunk arrives
+        start = sum(len(c) for c in seen)
+        seen.append(buf.clone())
+        buf += theirs[start : start + len(buf)]
+
+    monkeypatch.setattr(rr.dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(rr, "COLLECTIVE_CHUNK_BYTES", 3 * LAYERS * K)
+    rr.sum_in_chunks(mine, None)
+    assert torch.equal(mine, full) and [len(c) for c in seen] == [3, 3, 1]
