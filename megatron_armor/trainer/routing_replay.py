@@ -200,6 +200,8 @@ class HeldRows:
     use: torch.Tensor | None = None
 
     def rows(self, pos: torch.Tensor) -> torch.Tensor:
+        """``[len(pos), layers, k]`` int16 routes of ``batch`` positions ``pos`` (``-1``:
+        padding, a sample or layer not held, not used)."""
         index = self.held.row_index(pos, self.batch)
         if self.use is not None:
             index[~self.use[pos.clamp(min=0)]] = -1
@@ -351,7 +353,8 @@ class PassRouting:
         tensor-parallel group completes them (each row is zero on all ranks but one)."""
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        lengths = [batch.seq_lengths()[i] for i in samples]
+        all_lengths = batch.seq_lengths()
+        lengths = [all_lengths[i] for i in samples]
         out = HeldRoutes(list(samples), lengths, self.routed_layers(), torch.empty(0))
         shape = (sum(lengths), len(out.layers), topk)
         rows = torch.zeros(shape, dtype=route_dtype(self.num_experts))
