@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import base64
 import math
+import warnings
 from dataclasses import dataclass, field
 from enum import StrEnum
 from itertools import chain
+from typing import Any
 
 import numpy as np
 import torch
@@ -149,13 +151,21 @@ def tensor_to_wire(t: torch.Tensor) -> tuple:
     return t.view(view).numpy(), str(t.dtype).removeprefix("torch.")
 
 
-def tensor_from_wire(array, dtype: str | None) -> torch.Tensor:
+def tensor_from_wire(array, dtype: str | None, read_only: bool = False) -> torch.Tensor:
     """The tensor of :func:`tensor_to_wire`, in memory of its own: an array still backed by
-    the sender's read-only shared memory is copied first (writing to it would crash)."""
+    the sender's read-only shared memory is copied first (writing to it would crash) unless
+    ``read_only`` (the caller never writes it in place: the processes of a node then share
+    Ray's one copy of it)."""
     if isinstance(array, torch.Tensor):
         return array
     if not array.flags.writeable:
-        array = np.array(array, copy=True)
+        if not read_only:
+            array = np.array(array, copy=True)
+        else:
+            with warnings.catch_warnings():  # torch warns that the tensor is not writable
+                warnings.simplefilter("ignore", UserWarning)
+                t = torch.from_numpy(array)
+            return t.view(getattr(torch, dtype)) if dtype else t
     t = torch.from_numpy(array)
     return t.view(getattr(torch, dtype)) if dtype else t
 
@@ -216,9 +226,12 @@ class TrainBatch(PerTokenData):
       unused / not yet computed), ``is_anchor`` bool (response tokens of anchor samples),
       ``engine_logprobs`` float (the engine's log-prob of each response token, NaN for a sample
       that came without them, 0 off the responses); for a mixture-of-experts policy also
-      ``routed_experts`` (:data:`ROUTES_KEY`) and, after the trainer's ``old`` pass under
-      routing replay, ``old_routes`` (:data:`OLD_ROUTES_KEY`): ``[total, layers, k]`` routes,
-      not loss inputs (:data:`ROUTE_KEYS`)
+      ``routed_experts`` (:data:`ROUTES_KEY`): ``[total, layers, k]`` routes, not loss inputs
+      (:data:`ROUTE_KEYS`)
+    - ``replay``: after the trainer's ``old`` pass under routing replay, the routes it used
+      of this rank's samples (``trainer/routing_replay.py``, ``OldRoutes``); ``origin``: for a
+      batch made by :meth:`select` from one with a ``replay``, the ids of its samples there
+      (neither is pickled)
     """
 
     tokens: torch.Tensor
@@ -226,6 +239,8 @@ class TrainBatch(PerTokenData):
     cu_seqlens: torch.Tensor
     sample_index: torch.Tensor
     token_data: dict[str, torch.Tensor]
+    replay: Any = None
+    origin: list[int] | None = None
 
     @property
     def num_samples(self) -> int:
@@ -258,18 +273,31 @@ class TrainBatch(PerTokenData):
         cu = torch.zeros(len(sample_ids) + 1, dtype=torch.int32)
         cu[1:] = torch.cumsum(lengths, 0)
         new_sample_index = torch.repeat_interleave(torch.arange(len(sample_ids)), lengths.long())
+        origin = None
+        if self.replay is not None:  # the selected samples' ids in the recorded batch
+            origin = (
+                [self.origin[i] for i in sample_ids]
+                if self.origin is not None
+                else list(sample_ids)
+            )
         return TrainBatch(
             tokens=self.tokens[index],
             position_ids=self.position_ids[index],
             cu_seqlens=cu,
             sample_index=new_sample_index,
             token_data={key: value[index] for key, value in self.token_data.items()},
+            replay=self.replay,
+            origin=origin,
         )
 
 
 def _train_batch_from_wire(fields: list, data: dict) -> TrainBatch:
+    """The routes (:data:`ROUTE_KEYS`, the largest entries of a MoE batch, only ever read:
+    indexed into copies) stay in the sender's shared memory: one copy per node, not per rank."""
     tokens, position_ids, cu_seqlens, sample_index = (tensor_from_wire(*f) for f in fields)
-    token_data = {key: tensor_from_wire(*value) for key, value in data.items()}
+    token_data = {
+        key: tensor_from_wire(*value, read_only=key in ROUTE_KEYS) for key, value in data.items()
+    }
     return TrainBatch(tokens, position_ids, cu_seqlens, sample_index, token_data)
 
 
@@ -286,34 +314,56 @@ def engine_logprobs(samples: list[Sample], spans: torch.Tensor) -> torch.Tensor:
 
 
 ROUTES_KEY = "routed_experts"
-"""``token_data`` entry (when a sample came with routes): ``[total, layers, k]`` int16, the
-experts the engine that drew each sample routed each token through (``-1`` where none: the
-last token of a sample, a sample without routes); docs/trainer.md, "Routing replay"."""
-OLD_ROUTES_KEY = "old_routes"
-"""``token_data`` entry the trainer's ``old`` pass adds under routing replay: the experts that
-pass used, replayed by the updates of the step (same layout as :data:`ROUTES_KEY`)."""
-ROUTE_KEYS = (ROUTES_KEY, OLD_ROUTES_KEY)
+"""``token_data`` entry (when a sample came with routes): ``[total, layers, k]``, the experts
+the engine that drew each sample routed each token through, ``uint8`` when every id is below
+255 (:data:`NO_ROUTE_U8` where none), else ``int16`` (``-1`` where none); none: the last token
+of a sample, a sample without routes. :func:`route_ids` reads either; docs/trainer.md,
+"Routing replay"."""
+ROUTE_KEYS = (ROUTES_KEY,)
 """The ``token_data`` entries that are routes, not loss inputs."""
+NO_ROUTE_U8 = 255
+"""The "no route" id of ``uint8`` routes (``int16`` ones use ``-1``)."""
+
+
+def route_ids(routes: torch.Tensor) -> torch.Tensor:
+    """``routes`` (:data:`ROUTES_KEY` rows, ``uint8`` or ``int16``) as ``int32`` with ``-1``
+    where none."""
+    out = routes.int()
+    if routes.dtype == torch.uint8:
+        out[routes == NO_ROUTE_U8] = -1
+    return out
+
+
+def has_route(routes: torch.Tensor) -> torch.Tensor:
+    """``[rows]`` bool: the rows of ``routes`` (``[rows, layers, k]``) that hold a route."""
+    first = routes[:, 0, 0]
+    return first != NO_ROUTE_U8 if routes.dtype == torch.uint8 else first >= 0
 
 
 def routed_experts(samples: list[Sample], spans: torch.Tensor) -> torch.Tensor | None:
-    """``[total, layers, k]`` int16 routes of the packed ``samples`` (:data:`ROUTES_KEY`), or
-    ``None`` when no sample has routes. A sample's routes cover its positions but the last
-    (``Sample.routed_experts``); a sample without routes, or whose routes do not cover
-    prompt + response - 1 positions of the first routed sample's ``[layers, k]``, gets -1."""
+    """``[total, layers, k]`` routes of the packed ``samples`` (:data:`ROUTES_KEY`: ``uint8``
+    when every id is below 255, else ``int16``), or ``None`` when no sample has routes. A
+    sample's routes cover its positions but the last (``Sample.routed_experts``); a sample
+    without routes, or whose routes do not cover prompt + response - 1 positions of the first
+    routed sample's ``[layers, k]``, gets none."""
     shape = next((s.routed_experts.shape[1:] for s in samples if s.routed_experts), None)
     if shape is None:
         return None
-    total = int(spans.sum())
-    out = torch.full((total, *shape), -1, dtype=torch.int16)
-    start = 0
+    arrays = []
     for sample, length in zip(samples, spans.sum(1).tolist(), strict=True):
         routes = sample.routed_experts
-        if routes is not None and list(routes.shape) == [length - 1, *shape]:
-            ids = torch.from_numpy(routes.array().astype(np.int16))
+        fits = routes is not None and list(routes.shape) == [length - 1, *shape]
+        arrays.append(routes.array() if fits else None)
+    top = max((int(a.max()) for a in arrays if a is not None and a.size), default=0)
+    narrow = top < NO_ROUTE_U8
+    dtype, none = (np.uint8, NO_ROUTE_U8) if narrow else (np.int16, -1)
+    out = np.full((int(spans.sum()), *shape), none, dtype=dtype)
+    start = 0
+    for ids, length in zip(arrays, spans.sum(1).tolist(), strict=True):
+        if ids is not None:
             out[start : start + length - 1] = ids
         start += length
-    return out
+    return torch.from_numpy(out)
 
 
 def pack_groups(groups: list[Group]) -> TrainBatch:

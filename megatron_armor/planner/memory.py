@@ -32,6 +32,13 @@ parameter count of the worst pipeline stage divided by TP:
 - sglang      ``mem_fraction_static * GPU memory`` (weights + KV-cache pool, claimed at start;
               released while the trainer trains)
 - runtime     CUDA context, NCCL and library workspaces: a fixed 1.5 GiB per process
+
+Host memory of routing replay (``trainer.moe.routing_replay``, :func:`route_host_bytes`) for
+a step of ``T`` tokens: the engines' routes in the batch (``r3``) ``T L k b`` per node (one
+copy in Ray's object store, read by the node's ranks), the ``old`` pass's routes of a rank's
+own samples ``T / dp * M / pp * k b`` per rank (``b`` = 1 byte per expert id up to 255
+experts, else 2; ``M`` sparse layers); an update moves at most its shard's rows,
+``T / (dp * updates) * M / pp * k b``, per rank.
 """
 
 from __future__ import annotations
@@ -220,3 +227,18 @@ class EngineShape:
 
     def kv_tokens(self) -> int:
         return max(0, int(self.kv_pool_bytes() // self.kv_bytes_per_token()))
+
+
+def route_host_bytes(
+    dims: ModelDims, tokens: float, dp: int, pp: int, updates: int, engine_routes: bool
+) -> dict[str, float]:
+    """Host bytes of routing replay for a step of ``tokens`` tokens (module docstring):
+    ``batch`` (the engines' routes, with ``engine_routes``; per node), ``old`` (a rank's own
+    samples' routes of the ``old`` pass), ``update`` (what one update receives, at most)."""
+    per_id = 1 if dims.num_experts < 255 else 2
+    kept = tokens / dp * (dims.moe_layers / pp) * dims.topk * per_id
+    return {
+        "batch": tokens * dims.layers * dims.topk * per_id if engine_routes else 0.0,
+        "old": kept,
+        "update": kept / max(1, updates),
+    }

@@ -25,12 +25,14 @@ from dataclasses import dataclass, field
 from megatron_armor.config.moe import expert_tp_size
 from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.config.sglang_pools import PoolSpec, pool_specs
+from megatron_armor.config.validate import updates_per_step
 from megatron_armor.planner.memory import (
     RUNTIME_BYTES,
     EngineShape,
     GiB,
     TrainerShape,
     param_bytes,
+    route_host_bytes,
     stage_expert_params,
     stage_params,
     state_terms,
@@ -307,7 +309,30 @@ def make_plan(config: ArmorConfig, model: str | None = None, gpu_mem_gib: float 
     )
     if dims.is_moe:
         plan.notes.append(_expert_note(shape))
+        if config.trainer.moe.routing_replay != "off":
+            plan.notes.append(_route_note(config, shape, seq_len))
     return plan
+
+
+def _route_note(config: ArmorConfig, shape: TrainerShape, seq_len: int) -> str:
+    """Routing replay's host memory at the longest step (every sample at
+    ``max_prompt_len + max_new_tokens``; :func:`memory.route_host_bytes`)."""
+    mode = config.trainer.moe.routing_replay
+    tokens = config.rollout.batch * config.algo.group_size * seq_len
+    sizes = route_host_bytes(shape.dims, tokens, shape.dp, shape.pp,
+                             updates_per_step(config), mode == "r3")  # fmt: skip
+    engine = ""
+    if mode == "r3":
+        engine = (
+            f"the engines' routes in the batch {sizes['batch'] / GiB:.1f} GiB per node "
+            "(one copy in the object store, read by its ranks); "
+        )
+    return (
+        f"routing replay {mode}: host memory for a step of at most {tokens / 1e6:.1f}M tokens: "
+        f"{engine}the old pass's routes of a rank's own samples {sizes['old'] / GiB:.2f} GiB "
+        f"per rank; an update receives at most {sizes['update'] / 2**20:.0f} MiB of them "
+        '(docs/trainer.md, "Routing replay")'
+    )
 
 
 def _expert_note(shape: TrainerShape) -> str:

@@ -62,7 +62,7 @@ from megatron_armor.trainer.schedule import (
     run_schedule,
 )
 from megatron_armor.trainer.weight_store import BEHAVIOR, WeightStore
-from megatron_armor.types import OLD_ROUTES_KEY, ROUTES_KEY
+from megatron_armor.types import ROUTES_KEY, has_route
 
 AGREE_NAMES = ("moe/route_agree_policy", "moe/route_agree_anchor")
 """The routing agreement of a step's log-prob passes, per source (docs/metrics.md)."""
@@ -186,7 +186,14 @@ class MegatronTrainer(TrainerInterface):
         advance_lr_schedule(self.scheduler, self.updates, self.updates_per_step, t.lr_unit)
         builder = policy_loss_builder(self.lp, self.loss_settings, normalizer)
         plan = self._replay_plan()
-        routing = None if plan is None else plan.update_pass(minibatch, self._routers)
+        routing = None
+        if plan is not None:
+            held = None
+            if plan.mode != "off":  # collective over the data-parallel group
+                held = routing_replay.update_routes(
+                    minibatch, parallel.dp_rank(), parallel.dp_size(), parallel.dp_group()
+                )
+            routing = plan.update_pass(minibatch, self._routers, held)
         if self.spec.moe is not None:  # the load-balancing loss's share of this update
             scale_aux_loss(unwrap(self.model), t.moe.aux_loss_coeff, mbs)
         outputs = run_schedule(self.model, mbs, builder, forward_only=False, routing=routing)
@@ -335,16 +342,18 @@ class MegatronTrainer(TrainerInterface):
         return old, plan.ref_pass(batch, routing_replay.routers(ref_model))
 
     def _finish_routing(self, batch, old_routing, ref_routing) -> dict[str, float]:
-        """After the passes of a step: the ``old`` pass's routes into ``batch`` (the updates
-        replay them, ``OLD_ROUTES_KEY``) and the ``moe/*`` routing metrics (collective)."""
+        """After the passes of a step: the ``old`` pass's routes of this rank's samples into
+        ``batch.replay`` (the updates replay them, ``routing_replay.update_routes``) and the
+        ``moe/*`` routing metrics (collective)."""
         if old_routing is None:
             return {}
         plan = self._replay_plan()
+        batch.replay = None
         if old_routing.record:
-            batch.token_data[OLD_ROUTES_KEY] = plan.recorded(old_routing)
+            batch.replay = plan.recorded(old_routing, batch, parallel.dp_rank(), parallel.dp_size())
         passes = [p for p in (old_routing, ref_routing) if p is not None]
         engine = batch.token_data.get(ROUTES_KEY)
-        share = float((engine[:, 0, 0] >= 0).float().mean()) if engine is not None else 0.0
+        share = float(has_route(engine).float().mean()) if engine is not None else 0.0
         return {**plan.metrics(passes, old_routing, AGREE_NAMES), "moe/routes_share": share}
 
     def _concurrent_passes(

@@ -7,14 +7,25 @@ the router calls it for its top-k), driven per model instance rather than throug
 class-wide lists (the concurrent reference model's routers run on another thread). A pass
 over a batch is described by a :class:`PassRouting`:
 
-- ``targets`` ``[total, layers, k]``: the experts each token-layer must use (``-1``: the
-  router's own top-k). The replayed experts' gate values are the router's scores at those
-  experts (``scores.gather``), so the gradient reaches the router as with its own choice;
+- ``targets``: the experts each token-layer must use (``-1``: the router's own top-k), read
+  per micro-batch (its rows only reach the routers' device). The replayed experts' gate values
+  are the router's scores at those experts (``scores.gather``), so the gradient reaches the
+  router as with its own choice;
 - ``compare`` and ``source``: routes the router's own top-k is compared with (the engine's, or
   the ``old`` pass's), counted per source of the sample (policy sample, anchor): the routing
   agreement;
-- ``record``: keep the experts every token-layer used (the ``old`` pass, for R2);
+- ``record``: keep the experts every token-layer used (the ``old`` pass, for the updates);
 - expert load: tokens per expert per layer.
+
+Memory. The engines' routes of the batch stay on the host (``uint8`` up to 255 experts,
+``types.routed_experts``). The ``old`` pass records each micro-batch's routes on the routers'
+device (:func:`route_dtype`), copies them to the host after the micro-batch's forward
+(non-blocking; one synchronisation after the pass) and keeps only the rows of the samples the
+rank ran (its data-parallel shard, :class:`OldRoutes`). An update fetches the rows of its own
+shard of the mini-batch from the ranks that recorded them (:func:`update_routes`: one
+all-to-all over the data-parallel group, sized by the shards every rank computes alike).
+Memory and traffic therefore scale with a rank's own tokens, never with the batch's
+(docs/trainer.md, "Routing replay").
 
 Token order. A router sees its stage's hidden states ``[s, b, h]`` flattened, ``s``-major
 (split over the tensor-parallel ranks along ``s`` with sequence parallelism): in the padded
@@ -32,6 +43,7 @@ recomputed in the order they ran forward, with or without pipelining).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -40,7 +52,8 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
 from megatron_armor.trainer import parallel
-from megatron_armor.types import OLD_ROUTES_KEY, ROUTES_KEY
+from megatron_armor.trainer.batching import shard_samples
+from megatron_armor.types import ROUTES_KEY, route_ids
 
 POLICY, ANCHOR = 1, 2
 """Sample sources of :attr:`PassRouting.source` (0: not counted)."""
@@ -117,12 +130,110 @@ def router_positions(mb, sp_rank: int = 0, sp_size: int = 1) -> torch.Tensor:
     return order.reshape(-1)
 
 
+def route_dtype(num_experts: int) -> torch.dtype:
+    """The dtype the ``old`` pass's routes are kept in: ``uint8`` up to 256 experts, else
+    ``int16`` (every kept row is a real route: no "none" id is needed)."""
+    return torch.uint8 if num_experts <= 256 else torch.int16
+
+
+@dataclass
+class BatchRoutes:
+    """Routes of every token of a batch (the engines', :data:`ROUTES_KEY`, ``uint8`` or
+    ``int16``) and ``use`` (``[total]`` bool, ``None``: all): the tokens whose routes count."""
+
+    routes: torch.Tensor
+    use: torch.Tensor | None = None
+
+    def rows(self, pos: torch.Tensor) -> torch.Tensor:
+        """``[len(pos), layers, k]`` int16 routes of batch positions ``pos`` (``-1``: none,
+        padding, not used)."""
+        at = pos.clamp(min=0)
+        out = route_ids(self.routes[at]).to(torch.int16)
+        drop = pos < 0 if self.use is None else (pos < 0) | ~self.use[at]
+        out[drop] = -1
+        return out
+
+
+@dataclass
+class HeldRoutes:
+    """The ``old`` pass's routes of some samples of a batch, on the host of the rank that
+    holds them: the rows of their tokens back to back (samples in ``samples`` order), one
+    column per layer this rank's routers route (``layers``)."""
+
+    samples: list[int]
+    lengths: list[int]
+    layers: list[int]
+    """0-based global layer of each column."""
+    rows: torch.Tensor
+    """``[sum(lengths), len(layers), k]`` :func:`route_dtype`."""
+
+    def offsets(self) -> dict[int, int]:
+        """First row of each held sample."""
+        starts = itertools.accumulate(self.lengths, initial=0)
+        return dict(zip(self.samples, starts, strict=False))
+
+    def of_samples(self, ids: list[int]) -> torch.Tensor:
+        """The rows of held samples ``ids`` back to back."""
+        at = self.offsets()
+        n = dict(zip(self.samples, self.lengths, strict=True))
+        parts = [self.rows[at[i] : at[i] + n[i]] for i in ids]
+        return torch.cat(parts) if parts else self.rows[:0]
+
+    def row_index(self, pos: torch.Tensor, batch) -> torch.Tensor:
+        """``[len(pos)]`` long: the row of each position of ``batch`` (``-1``: padding, a
+        sample not held)."""
+        start = torch.full((batch.num_samples,), -1, dtype=torch.long)
+        for sample, first in self.offsets().items():
+            start[sample] = first
+        at = pos.clamp(min=0)
+        sample = batch.sample_index[at]
+        row = start[sample] + at - batch.cu_seqlens[sample].long()
+        return torch.where((pos >= 0) & (start[sample] >= 0), row, -1)
+
+
+@dataclass
+class HeldRows:
+    """:class:`HeldRoutes` read at positions of the ``batch`` they belong to (``use`` as in
+    :class:`BatchRoutes`)."""
+
+    held: HeldRoutes
+    batch: object
+    num_layers: int
+    use: torch.Tensor | None = None
+
+    def rows(self, pos: torch.Tensor) -> torch.Tensor:
+        """``[len(pos), layers, k]`` int16 routes of ``batch`` positions ``pos`` (``-1``:
+        padding, a sample or layer not held, not used)."""
+        index = self.held.row_index(pos, self.batch)
+        if self.use is not None:
+            index[~self.use[pos.clamp(min=0)]] = -1
+        k = self.held.rows.shape[-1]
+        out = torch.full((len(pos), self.num_layers, k), -1, dtype=torch.int16)
+        found = index >= 0
+        got = self.held.rows[index[found]].to(torch.int16)
+        layers = torch.tensor(self.held.layers, dtype=torch.long)
+        out[found.nonzero().view(-1, 1), layers] = got
+        return out
+
+
+@dataclass
+class OldRoutes:
+    """The ``old`` pass's routes of a batch (``TrainBatch.replay``): this rank holds those of
+    the samples it ran (``held``: its data-parallel shard, ``batching.shard_samples``);
+    ``owner``: the data-parallel rank that holds each sample's. The updates fetch theirs with
+    :func:`update_routes`."""
+
+    held: HeldRoutes
+    owner: list[int]
+
+
 @dataclass
 class PassRouting:
-    """The routing of one pass over a batch (module docstring); batch tensors are
-    ``[total, layers, k]`` int (``-1``: none). What the routers count and record stays on their
-    device (no host synchronisation per router call) until :meth:`counts` / the recording
-    are read after the pass."""
+    """The routing of one pass over a batch (module docstring). ``targets`` / ``compare``
+    read the routes of the positions of each micro-batch (:class:`BatchRoutes`,
+    :class:`HeldRows`: ``-1`` none). What the routers count and record stays on their device
+    (no host synchronisation per router call); a micro-batch's recorded routes go to the host
+    after its forward (one non-blocking copy) and are read after the pass."""
 
     num_layers: int
     num_experts: int
@@ -130,64 +241,75 @@ class PassRouting:
     """Tokens of the packed batch."""
     routers: list[RouteReplay] = field(default_factory=list)
     """The routers of the model the pass runs on."""
-    targets: torch.Tensor | None = None
-    compare: torch.Tensor | None = None
+    targets: BatchRoutes | HeldRows | None = None
+    compare: BatchRoutes | HeldRows | None = None
     source: torch.Tensor | None = None
     """``[total]`` int8: :data:`POLICY`, :data:`ANCHOR` or 0 (not compared)."""
     record: bool = False
     training: bool = False
     sp: tuple[int, int] = (0, 1)
     """(rank, size) of the sequence-parallel split of the routers' rows."""
-    recorded: torch.Tensor | None = None
-    """``[total, layers, k]`` int32 on the routers' device: the experts used (``record``)."""
+    recorded: list = field(default_factory=list)
+    """``(positions, [rows, routed layers, k] host routes)`` per micro-batch (``record``)."""
     load: torch.Tensor | None = None
     """``[layers, experts]`` int64 tokens routed to each expert."""
     agree: torch.Tensor | None = None
     """``[4]`` int64 ``(policy agreeing, policy compared, anchor agreeing, anchor compared)``
     token-layers."""
     _pos: torch.Tensor | None = None
-    _mb_target: torch.Tensor | None = None
+    _mb: dict = field(default_factory=dict)
     _mb_replays: list[bool] = field(default_factory=list)
     _on_device: dict = field(default_factory=dict)
+    _buffer: torch.Tensor | None = None
+
+    def routed_layers(self) -> list[int]:
+        """The layers this rank's routers route (the columns of the recorded routes)."""
+        return sorted({r.layer for r in self.routers})
 
     def begin(self, mb) -> None:
-        """Before micro-batch ``mb``'s forward: its rows' targets, the routers on this pass."""
-        self._pos = router_positions(mb, *self.sp)
-        self._on_device = {k: v for k, v in self._on_device.items() if k[0] == "batch"}
-        self._mb_target = None
+        """Before micro-batch ``mb``'s forward: its rows' targets, compared routes and
+        sources, the routers on this pass."""
+        pos = router_positions(mb, *self.sp)
+        self._pos = pos
+        self._on_device = {}
+        self._mb = {"pos": pos}
         if self.targets is not None:
-            rows = self.targets[self._pos.clamp(min=0)].long()
-            rows[self._pos < 0] = -1
-            self._mb_target = rows
+            rows = self.targets.rows(pos)
+            self._mb["target"] = rows
             self._mb_replays = (rows[:, :, 0] >= 0).any(0).tolist()
+        if self.compare is not None:
+            self._mb["compare"] = self.compare.rows(pos)
+            self._mb["source"] = self.source[pos.clamp(min=0)] * (pos >= 0)
         for r in self.routers:
             r.routing = self
             r.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
     def forward_done(self) -> None:
-        """After a micro-batch's forward: a recomputation in its backward replays what the
-        forward chose (module docstring)."""
+        """After a micro-batch's forward: its recorded routes to the host (non-blocking);
+        a recomputation in its backward replays what the forward chose (module docstring)."""
+        if self._buffer is not None:
+            host = torch.empty(self._buffer.shape, dtype=self._buffer.dtype,
+                               pin_memory=self._buffer.is_cuda)  # fmt: skip
+            host.copy_(self._buffer, non_blocking=True)
+            self.recorded.append((self._pos, host))
+            self._buffer = None
         for r in self.routers:
             r.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
 
     def _on(self, name: str, device) -> torch.Tensor:
-        """``name`` (``pos`` / ``target``: this micro-batch's, ``compare`` / ``source``: the
-        batch's) on ``device``, moved once."""
-        scope = "batch" if name in ("compare", "source") else "mb"
-        key = (scope, name, str(device))
+        """This micro-batch's ``name`` (``pos``, ``target``, ``compare``, ``source``) on
+        ``device``, moved once."""
+        key = (name, str(device))
         if key not in self._on_device:
-            tensor = {"pos": self._pos, "target": self._mb_target}.get(name)
-            if scope == "batch":
-                tensor = self.compare if name == "compare" else self.source
-            self._on_device[key] = tensor.to(device)
+            self._on_device[key] = self._mb[name].to(device)
         return self._on_device[key]
 
     def micro_batch_target(self, layer: int, device) -> torch.Tensor | None:
         """``[rows, k]`` experts to replay at ``layer`` (``-1`` rows: own top-k), ``None``
         when nothing is replayed there."""
-        if self._mb_target is None or not self._mb_replays[layer]:
+        if "target" not in self._mb or not self._mb_replays[layer]:
             return None
-        return self._on("target", device)[:, layer]
+        return self._on("target", device)[:, layer].long()
 
     def observe(self, layer: int, free: torch.Tensor, chosen: torch.Tensor) -> None:
         """Count the load, the agreement and keep the route of one router call."""
@@ -199,18 +321,18 @@ class PassRouting:
             self.agree = torch.zeros(4, dtype=torch.long, device=dev)
         self.load[layer] += torch.bincount(chosen[real].reshape(-1), minlength=self.num_experts)
         if self.compare is not None:
-            self._count_agreement(layer, free, pos, real)
+            self._count_agreement(layer, free)
         if self.record:
-            if self.recorded is None:
-                shape = (self.total, self.num_layers, chosen.shape[1])
-                self.recorded = torch.full(shape, -1, dtype=torch.int32, device=dev)
-            self.recorded[pos[real], layer] = chosen[real].int()
+            columns = self.routed_layers()
+            if self._buffer is None:
+                shape = (len(pos), len(columns), chosen.shape[1])
+                self._buffer = torch.zeros(shape, dtype=route_dtype(self.num_experts), device=dev)
+            self._buffer[:, columns.index(layer)] = chosen.to(self._buffer.dtype)
 
-    def _count_agreement(self, layer: int, free, pos, real) -> None:
+    def _count_agreement(self, layer: int, free) -> None:
         dev = free.device
-        at = pos.clamp(min=0)
-        want = self._on("compare", dev)[at, layer].long()
-        src = self._on("source", dev)[at].long() * real * (want[:, 0] >= 0)
+        want = self._on("compare", dev)[:, layer].long()
+        src = self._on("source", dev).long() * (want[:, 0] >= 0)
         same = (free.sort(1).values == want.sort(1).values).all(1)
         for i, kind in enumerate((POLICY, ANCHOR)):
             mask = src == kind
@@ -225,23 +347,102 @@ class PassRouting:
             return torch.zeros(4, dtype=torch.float64), zeros
         return self.agree.double().cpu(), self.load.double().cpu()
 
+    def held(self, batch, samples: list[int], topk: int) -> HeldRoutes:
+        """The recorded routes of ``samples`` of ``batch`` (this rank's shard: the samples it
+        ran; other rows of its micro-batches, a stand-in's, are left out), after the pass:
+        one synchronisation with the device for the pass's copies. With sequence parallelism
+        each tensor-parallel rank routed a part of each micro-batch's rows: one sum over the
+        tensor-parallel group completes them (each row is zero on all ranks but one)."""
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        all_lengths = batch.seq_lengths()
+        lengths = [all_lengths[i] for i in samples]
+        out = HeldRoutes(list(samples), lengths, self.routed_layers(), torch.empty(0))
+        shape = (sum(lengths), len(out.layers), topk)
+        rows = torch.zeros(shape, dtype=route_dtype(self.num_experts))
+        for pos, host in self.recorded:
+            index = out.row_index(pos, batch)
+            keep = index >= 0
+            rows[index[keep]] = host[keep]
+        if self.sp[1] > 1:
+            sum_in_chunks(rows, parallel.tp_group())
+        out.rows = rows
+        self.recorded = []
+        return out
+
     def end(self) -> None:
         """After the pass: the routers back to their own top-k, their lists emptied."""
+        self._buffer = None
         for r in self.routers:
             r.routing = None
             r.clear_indices()
             r.clear_router_replay_action()
 
 
-def reduce_recorded(recorded: torch.Tensor | None, total: int, shape: tuple) -> torch.Tensor:
-    """The recorded routes of the whole batch on every rank: each rank holds its tokens'
-    rows of its stage's layers, ``-1`` elsewhere; a MAX over the world fills them all (copies
-    on ranks that see the same token-layer agree)."""
-    out = recorded if recorded is not None else torch.full((total, *shape), -1, dtype=torch.int32)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        out = out.to(parallel.collective_device())
-        dist.all_reduce(out, op=dist.ReduceOp.MAX)
-    return out.to("cpu", torch.int16)
+COLLECTIVE_CHUNK_BYTES = 64 * 2**20
+"""The most of the rank's recorded routes on its device at once (:func:`sum_in_chunks`)."""
+
+
+def sum_in_chunks(rows: torch.Tensor, group) -> None:
+    """Sum host ``rows`` over ``group`` in place, a chunk of at most
+    :data:`COLLECTIVE_CHUNK_BYTES` on the collective device at a time (every rank of the
+    group holds rows of the same shape)."""
+    per_row = max(1, rows[:1].numel() * rows.element_size())
+    for chunk in rows.split(max(1, COLLECTIVE_CHUNK_BYTES // per_row)):
+        buf = chunk.to(parallel.collective_device())
+        dist.all_reduce(buf, group=group)
+        chunk.copy_(buf.cpu())
+
+
+def exchange_plan(
+    owner: list[int], origin: list[int], lengths: list[int], dp_size: int, dp_rank: int
+) -> tuple[list[list[int]], list[list[int]]]:
+    """Which samples of a mini-batch this rank sends to and receives from each rank: the
+    mini-batch's sample ``j`` (``origin[j]`` in the recorded batch, whose routes rank
+    ``owner[origin[j]]`` holds) goes to the rank the update's shard gives it
+    (``shard_samples`` of the mini-batch's ``lengths``). Every rank computes every rank's
+    part alike. Returns ``(send[dst], receive[src])`` as mini-batch sample ids, ascending."""
+    shards = shard_samples(lengths, dp_size)
+    send = [[j for j in shards[dst] if owner[origin[j]] == dp_rank] for dst in range(dp_size)]
+    receive = [[j for j in shards[dp_rank] if owner[origin[j]] == src] for src in range(dp_size)]
+    return send, receive
+
+
+def update_routes(minibatch, dp_rank: int, dp_size: int, group=None) -> HeldRoutes | None:
+    """The ``old`` pass's routes of this rank's shard of ``minibatch`` (a batch selected from
+    the recorded one, ``TrainBatch.origin``), fetched from the ranks that hold them: one
+    all-to-all over the data-parallel group of just those rows (:func:`exchange_plan`), each
+    row crossing at most once; ``None`` when the batch has no recorded routes."""
+    old: OldRoutes | None = minibatch.replay
+    if old is None:
+        return None
+    origin = (
+        minibatch.origin if minibatch.origin is not None else list(range(minibatch.num_samples))
+    )
+    lengths = minibatch.seq_lengths()
+    send, receive = exchange_plan(old.owner, origin, lengths, dp_size, dp_rank)
+    out_parts = [old.held.of_samples([origin[j] for j in ids]) for ids in send]
+    got_parts = _all_to_all(out_parts, [[lengths[j] for j in ids] for ids in receive],
+                            old.held.rows, group)  # fmt: skip
+    mine = sorted(j for ids in receive for j in ids)
+    by_sample = {}
+    for ids, part in zip(receive, got_parts, strict=True):
+        for j, rows in zip(ids, part.split([lengths[j] for j in ids]), strict=True):
+            by_sample[j] = rows
+    rows = torch.cat([by_sample[j] for j in mine]) if mine else old.held.rows[:0]
+    return HeldRoutes(mine, [lengths[j] for j in mine], old.held.layers, rows)
+
+
+def _all_to_all(parts: list[torch.Tensor], sizes: list[list[int]], like: torch.Tensor, group):
+    """``parts[dst]`` to each rank; the parts each rank sends here (``sizes[src]`` rows each)."""
+    if len(parts) == 1:
+        return parts
+    dev = parallel.collective_device()
+    recv = [sum(s) for s in sizes]
+    out = torch.empty((sum(recv), *like.shape[1:]), dtype=like.dtype, device=dev)
+    dist.all_to_all_single(out, torch.cat(parts).to(dev), recv, [len(p) for p in parts],
+                           group=group)  # fmt: skip
+    return list(out.cpu().split(recv))
 
 
 def agreement_metrics(agree: torch.Tensor, names: tuple[str | None, str | None]) -> dict:
@@ -309,13 +510,16 @@ class ReplayPlan:
         anchor = kinds == ANCHOR
         targets = None
         if self.mode != "off" and engine is not None:
-            targets = engine.clone() if self.mode == "r3" else torch.full_like(engine, -1)
             replay_anchors = self.anchors == "reference" or (single and self.anchors == "own")
-            targets[anchor] = engine[anchor] if replay_anchors else -1
+            use = anchor if replay_anchors else torch.zeros_like(anchor)
+            if self.mode == "r3":
+                use = use | ~anchor
+            targets = BatchRoutes(engine, use) if bool(use.any()) else None
         source = kinds.clone()
         if not single:
             source[anchor] = 0
-        return self._new(batch, routers=model_routers, targets=targets, compare=engine,
+        compare = None if engine is None else BatchRoutes(engine)
+        return self._new(batch, routers=model_routers, targets=targets, compare=compare,
                          source=source, record=self.mode != "off")  # fmt: skip
 
     def ref_pass(self, batch, model_routers) -> PassRouting:
@@ -326,23 +530,23 @@ class ReplayPlan:
         kinds = sample_kinds(batch)
         targets = None
         if self.mode != "off" and self.anchors != "free" and engine is not None:
-            targets = torch.full_like(engine, -1)
-            targets[kinds == ANCHOR] = engine[kinds == ANCHOR]
+            targets = BatchRoutes(engine, kinds == ANCHOR)
         source = torch.where(kinds == ANCHOR, ANCHOR, 0).to(torch.int8)
-        return self._new(batch, routers=model_routers, targets=targets, compare=engine,
+        compare = None if engine is None else BatchRoutes(engine)
+        return self._new(batch, routers=model_routers, targets=targets, compare=compare,
                          source=source)  # fmt: skip
 
-    def update_pass(self, minibatch, model_routers) -> PassRouting:
-        """An update: replays the ``old`` pass's routes (``r2`` / ``r3``; anchors not with
-        ``anchor_routes: free``); its own routing is compared with them."""
-        old = minibatch.token_data.get(OLD_ROUTES_KEY)
+    def update_pass(self, minibatch, model_routers, held: HeldRoutes | None) -> PassRouting:
+        """An update: replays the ``old`` pass's routes of this rank's shard (``held``, from
+        :func:`update_routes`; ``r2`` / ``r3``; anchors not with ``anchor_routes: free``);
+        its own routing is compared with them."""
         kinds = sample_kinds(minibatch)
-        targets = None
-        if self.mode != "off" and old is not None:
-            targets = old.clone()
-            if self.anchors == "free":
-                targets[kinds == ANCHOR] = -1
-        return self._new(minibatch, routers=model_routers, targets=targets, compare=old,
+        targets = compare = None
+        if self.mode != "off" and held is not None:
+            use = kinds != ANCHOR if self.anchors == "free" else None
+            targets = HeldRows(held, minibatch, self.num_layers, use)
+            compare = HeldRows(held, minibatch, self.num_layers)
+        return self._new(minibatch, routers=model_routers, targets=targets, compare=compare,
                          source=kinds, training=True)  # fmt: skip
 
     def metrics(self, passes: list[PassRouting], load_pass: PassRouting | None, names) -> dict:
@@ -364,6 +568,12 @@ class ReplayPlan:
             out.update(load_metric(flat[4:].view(self.num_layers, -1), list(self.sparse)))
         return out
 
-    def recorded(self, routing: PassRouting) -> torch.Tensor:
-        """The ``old`` pass's routes of the whole batch on every rank (collective)."""
-        return reduce_recorded(routing.recorded, routing.total, (self.num_layers, self.topk))
+    def recorded(self, routing: PassRouting, batch, dp_rank: int, dp_size: int) -> OldRoutes:
+        """The ``old`` pass's routes of this rank's data-parallel shard of ``batch`` (the
+        samples it ran), and which rank holds each sample's."""
+        shards = shard_samples(batch.seq_lengths(), dp_size)
+        owner = [0] * batch.num_samples
+        for rank, ids in enumerate(shards):
+            for i in ids:
+                owner[i] = rank
+        return OldRoutes(routing.held(batch, shards[dp_rank], self.topk), owner)

@@ -96,8 +96,34 @@ def replay(trainer, out: dict, engine) -> None:
     out["engine_lp"], out["loss_mask"] = batch.engine_logprobs, batch.loss_mask
     for mode in ("off", "r3"):
         trainer.config.trainer.moe.routing_replay = mode
-        old, _, metrics = trainer.step_logprobs(batch, with_ref=True, shared=True)
+        old, ref, metrics = trainer.step_logprobs(batch, with_ref=True, shared=True)
         out[f"replay_{mode}"] = {"old": old, "metrics": metrics}
+    update_routes(trainer, out, batch)
+    batch.old_logprobs, batch.ref_logprobs = old, ref
+    out["replay_update"] = trainer.train_step(batch, 2)
+
+
+def update_routes(trainer, out: dict, batch) -> None:
+    """The routes an update of the ``r3`` batch gets (samples in reverse order: other
+    data-parallel shards than the ``old`` pass's), fetched from the ranks that recorded them:
+    on policy samples they are the engine's (the ``old`` pass replayed those)."""
+    from megatron_armor.trainer import parallel
+    from megatron_armor.trainer.routing_replay import sample_kinds
+    from megatron_armor.trainer.routing_replay import update_routes as fetch
+    from megatron_armor.types import ROUTES_KEY, route_ids
+
+    mini = batch.select(list(range(batch.num_samples))[::-1])
+    held = fetch(mini, parallel.dp_rank(), parallel.dp_size(), parallel.dp_group())
+    bounds = mini.cu_seqlens.tolist()
+    pos = torch.tensor([p for i in held.samples for p in range(bounds[i], bounds[i + 1])])
+    engine = route_ids(mini.token_data[ROUTES_KEY])[pos][:, held.layers].long()
+    policy = (sample_kinds(mini)[pos] == 1) & (engine[:, 0, 0] >= 0)
+    out["update_routes"] = {
+        "own_tokens": sum(held.lengths),
+        "shard_tokens": sum(mini.seq_lengths()[i] for i in held.samples),
+        "layers": held.layers, "dtype": held.rows.dtype, "policy_rows": int(policy.sum()),
+        "equal": bool((held.rows.long()[policy] == engine[policy]).all()),
+    }  # fmt: skip
 
 
 def moe_config(model_dir: str, world: int, tp: int, ep: int, etp: int):

@@ -149,6 +149,8 @@ def test_expert_parallel_matches_hf_single_process_and_resumes(
             ("forward", tp2, moe_model, TP2, 2), ("pp_replay", pp2, moe_model_4, EP1, 2)])  # fmt: skip
     single, ranks = results("run", ep1)[0], results("run", ep2)
     assert_replay(results("pp_replay", pp2)[0])
+    for stage, result in enumerate(results("pp_replay", pp2)):  # each stage its own layers
+        assert_update_routes(result, [[0], [2, 3]][stage])
     assert_matches_hf(single, hf_logits, moe_model)
     assert_aux_loss_update(single)
     for result in ranks:  # each EP rank computes the logits of the whole batch
@@ -171,6 +173,8 @@ def test_expert_parallel_matches_hf_single_process_and_resumes(
     assert abs(run["m3"]["loss/grad_norm"] - single["m3"]["loss/grad_norm"]) > 10 * LOSS_TOL
     for result in (single, run):
         assert_replay(result)
+    for result in (single, *ranks):
+        assert_update_routes(result, [0, 2])  # layer 1 is dense
     assert_forward_matches(results("forward", tp2), single, hf_logits, moe_model)
     assert_resume_and_convert(run, moe_model, ep2, etp2)
     assert_etp2_trains(etp2, single, hf_logits, moe_model)
@@ -199,6 +203,17 @@ def assert_uneven_split_matches(run: dict, single: dict) -> None:
     assert_same_metrics(run["m_u"], single["m_u"])
     for k, v in single["w_u"].items():
         torch.testing.assert_close(run["w_u"][k], v, atol=WEIGHT_TOL, rtol=0)
+
+
+def assert_update_routes(result: dict, layers: list[int]) -> None:
+    """An update's routes (``routing_replay.update_routes``, fetched over the data-parallel
+    ranks): the rank's own shard only, one byte per id, the engine's on policy samples (the
+    ``r3`` ``old`` pass replayed them); the updates ran and compared their routing with them."""
+    got = result["update_routes"]
+    assert got["own_tokens"] == got["shard_tokens"] > 0
+    assert got["layers"] == layers and got["dtype"] == torch.uint8
+    assert got["policy_rows"] > 0 and got["equal"]
+    assert 0.0 < result["replay_update"]["moe/route_agree_update"] <= 1.0
 
 
 def assert_forward_matches(ranks: list[dict], single: dict, hf_logits, moe_model) -> None:

@@ -15,6 +15,7 @@ from megatron_armor.planner.memory import (
     TrainerShape,
     activation_bytes,
     moe_dispatch_bytes,
+    route_host_bytes,
     state_terms,
 )
 from megatron_armor.planner.model import PRESETS, dims_from_hf_config
@@ -153,6 +154,23 @@ def test_the_example_config_fits_4x8_h100_with_the_experts_over_ep8():
     assert plan.phases["rollout"]["weights"] == train["weights"]  # offload_train_state
     report = plan.report()
     assert "3.35 B active" in report and "16 of 128 per EP rank" in report
+
+
+def test_the_plan_notes_routing_replay_s_host_memory_by_hand():
+    """r3 at the example's longest step: 512 x 16 samples of 2,048 + 8,192 tokens, 384 bytes
+    of routes per token (48 layers, top-8, uint8) in the batch; a rank's own samples (dp 16)
+    and one of the 16 updates' share of them; ``off`` says nothing."""
+    config = load_config(EXAMPLE)
+    assert config.trainer.moe.routing_replay == "r3"
+    tokens = 512 * 16 * (2048 + 8192)
+    dims = make_plan(config, model="qwen3-30b-a3b").model
+    sizes = route_host_bytes(dims, tokens, 16, 1, 16, True)
+    assert sizes == {"batch": tokens * 384, "old": tokens / 16 * 384, "update": tokens / 256 * 384}
+    report = make_plan(config, model="qwen3-30b-a3b").report()
+    assert "routing replay r3" in report and "30.0 GiB per node" in report
+    assert "1.88 GiB per rank" in report and "at most 120 MiB" in report
+    off = load_config(EXAMPLE, ["trainer.moe.routing_replay=off"])
+    assert "routing replay" not in make_plan(off, model="qwen3-30b-a3b").report()
 
 
 def test_plan_json_gives_total_and_active_parameters(capsys):

@@ -101,6 +101,27 @@ def test_train_batch_round_trip() -> None:
         assert got.num_response_tokens == b.num_response_tokens
 
 
+def test_a_batch_s_routes_stay_in_the_shared_memory_they_arrive_in() -> None:
+    """The engines' routes of a MoE batch (its largest entry, read-only for the trainer) are
+    not copied out of the object store's read-only memory: the ranks of a node share it."""
+    import numpy as np
+
+    from megatron_armor.types import ROUTES_KEY, RoutedExperts
+
+    ids = np.arange(2 * 3 * 2).reshape(2, 3, 2) % 7
+    samples = [Sample("q", [1, 2], [3], routed_experts=RoutedExperts.from_array(ids))]
+    b = pack_groups([Group("q", samples, advantages=[1.0])])
+    buffers: list[pickle.PickleBuffer] = []
+    data = pickle.dumps(b, protocol=5, buffer_callback=buffers.append)
+    shared = [memoryview(bytes(x.raw())) for x in buffers]  # read-only, as Ray maps them
+    got = pickle.loads(data, buffers=shared)
+    routes = got.token_data[ROUTES_KEY]
+    assert_same(routes, b.token_data[ROUTES_KEY])
+    assert any(np.shares_memory(routes.numpy(), np.asarray(m)) for m in shared)
+    assert not any(np.shares_memory(got.loss_mask.numpy(), np.asarray(m)) for m in shared)
+    assert torch.equal(got.select([0]).token_data[ROUTES_KEY], routes)  # read into copies
+
+
 def test_a_non_cpu_tensor_is_left_to_torch() -> None:
     meta = torch.empty(3, device="meta")
     array, dtype = tensor_to_wire(meta)
