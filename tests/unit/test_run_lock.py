@@ -103,3 +103,19 @@ def test_another_hosts_lock_without_slurm_to_ask_is_kept(tmp_path, slurm):
     write_lock(tmp_path, slurm_job="4242")
     with pytest.raises(RunDirLocked, match="Slurm job 4242"):
         RunLock(tmp_path).acquire()
+
+
+def test_a_zombie_holder_is_taken_over(tmp_path, slurm, capsys):
+    """A driver killed with its ``armor`` parent waits, a zombie, until init reaps it: its lock
+    is stale at once (the next start of the run must not be refused meanwhile)."""
+    slurm(None)
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        while Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+            pass  # exited, not reaped: the zombie
+        write_lock(tmp_path, pid=child.pid, host=socket.gethostname(),
+                   start_ticks=process_start_ticks(child.pid))  # fmt: skip
+        RunLock(tmp_path).acquire().release()
+        assert f"pid {child.pid} is no longer running" in capsys.readouterr().out
+    finally:
+        child.wait()

@@ -36,13 +36,23 @@ class RunDirLocked(RuntimeError):
 
 
 def _pid_alive(pid: int) -> bool:
+    """Whether ``pid`` runs. A zombie does not: a driver killed with its ``armor`` parent is
+    re-parented to init, which may reap it only later (it holds nothing but its pid)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # alive, owned by someone else
         return True
-    return True
+    return not _is_zombie(pid)
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False  # no /proc here: trust the signal check
+    return stat.rsplit(")", 1)[1].split()[0] == "Z"
 
 
 def process_start_ticks(pid: int) -> int | None:
