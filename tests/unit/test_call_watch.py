@@ -396,7 +396,7 @@ def session_worker_class():
     base = rollout_worker_class()
     names = ("begin_weight_update", "end_weight_update", "_servers_or_all", "_servers",
              "restart_dead_servers", "rejoin", "pool_version", "set_weight_version",
-             "weight_targets")  # fmt: skip
+             "weight_targets", "close")  # fmt: skip
     return type("RolloutWorker", (base,), {n: getattr(workers.RolloutWorker, n) for n in names})
 
 
@@ -411,11 +411,11 @@ def test_a_weight_update_session_that_never_closes_restarts_the_server_and_pushe
     import json
     from types import SimpleNamespace
 
+    import megatron_armor.orchestration.actors.actor_handles as actor_handles
     import megatron_armor.orchestration.actors.call_watch as cw
+    import megatron_armor.orchestration.actors.recovery as recovery
     from megatron_armor.config.schema import ArmorConfig
     from megatron_armor.net import free_port
-    import megatron_armor.orchestration.actors.actor_handles as actor_handles
-    import megatron_armor.orchestration.actors.recovery as recovery
     from megatron_armor.orchestration.actors.actor_handles import RolloutActors
     from megatron_armor.orchestration.actors.recovery import Recovery
     from megatron_armor.orchestration.actors.weight_sync import DistributedSync
@@ -468,4 +468,6 @@ def test_a_weight_update_session_that_never_closes_restarts_the_server_and_pushe
     (row,) = [json.loads(x) for x in (tmp_path / "recoveries.jsonl").read_text().splitlines()]
     assert (row["step"], row["phase"], row["reason"]) == (2, "sync", "stuck")
     assert row["actor"] == f"SGLang server {url}" and row["kind"] == "rollout"
+    watch.get(worker.close.remote(), "close", timeout=60)  # stops the restarted server
+    assert gone(restarted)
     local_ray.kill(worker)
