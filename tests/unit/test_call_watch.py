@@ -282,7 +282,7 @@ def rollout_worker_class():
         _pool = workers.RolloutWorker._pool
         kill_wedged_servers = workers.RolloutWorker.kill_wedged_servers
 
-        def __init__(self, port: int, script: str):
+        def __init__(self, port: int, script: str, *args: str):
             from megatron_armor.config.schema import SGLangConfig
             from megatron_armor.rollout.sglang.engine import SGLangEngine
             from megatron_armor.rollout.sglang.launch import ManagedProcess
@@ -290,7 +290,7 @@ def rollout_worker_class():
             self.engine = SGLangEngine("unused", SGLangConfig(base_port=port, num_engines=1))
             self.ref_engine, self.index = None, 0
             server = self.engine.servers[0]
-            command = [sys.executable, script, str(port)]
+            command = [sys.executable, script, str(port), *args]
             server.process = ManagedProcess(command, f"{server.url}/health_generate")
             server.process.start()
             server.process.wait_healthy(60, poll_s=0.1)
@@ -351,3 +351,123 @@ def test_a_stopped_sglang_server_is_named_and_killed_and_its_worker_kept(
     with pytest.raises(Exception, match="/generate failed"):  # the call on it fails, ...
         local_ray.get(call, timeout=60)
     assert watch.get(worker.pid.remote(), "pid", timeout=60) == pid  # ... its worker lives on
+
+
+SESSION_SERVER = textwrap.dedent("""
+    import json, os, sys, time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    HANG = sys.argv[2]  # while this file exists, the next session opened never closes
+    stuck = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def answer(self, status, body):
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):  # /health_generate: 503 while the scheduler is stuck, as SGLang's
+            self.answer(503 if stuck else 200, {})
+
+        def do_POST(self):  # the weight-update session's calls
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            if self.path == "/begin_weight_update" and os.path.exists(HANG):
+                os.remove(HANG)  # once: the restarted server closes its sessions
+                stuck.append(1)
+            if self.path == "/end_weight_update" and stuck:
+                time.sleep(3600)  # the session never closes
+            self.answer(200, {"success": True})
+
+        def log_message(self, *args):
+            pass
+
+    ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
+""")
+
+
+def session_worker_class():
+    """:func:`rollout_worker_class` with the real worker methods of a weight push into SGLang
+    servers: opening and closing the update session, the versions, the heal's restart."""
+    from megatron_armor.orchestration.actors import workers
+
+    base = rollout_worker_class()
+    names = ("begin_weight_update", "end_weight_update", "_servers_or_all", "_servers",
+             "restart_dead_servers", "rejoin", "pool_version", "set_weight_version",
+             "weight_targets", "close")  # fmt: skip
+    return type("RolloutWorker", (base,), {n: getattr(workers.RolloutWorker, n) for n in names})
+
+
+def test_a_weight_update_session_that_never_closes_restarts_the_server_and_pushes_again(
+    local_ray, monkeypatch, tmp_path, capsys
+):
+    """The push's ``/end_weight_update`` gets no answer and the server answers
+    ``/health_generate`` 503: past the ``weight_push`` deadline the server is named and killed,
+    and the ``sync`` phase's recovery restarts it with the pool's current weights (version 1)
+    and sends the push of version 2 again. The trainer's side of a ``distributed`` push is a
+    recorder (it streams nothing into the stand-in); everything else is the run's code."""
+    import json
+    from types import SimpleNamespace
+
+    import megatron_armor.orchestration.actors.actor_handles as actor_handles
+    import megatron_armor.orchestration.actors.call_watch as cw
+    import megatron_armor.orchestration.actors.recovery as recovery
+    from megatron_armor.config.schema import ArmorConfig
+    from megatron_armor.net import free_port
+    from megatron_armor.orchestration.actors.actor_handles import RolloutActors
+    from megatron_armor.orchestration.actors.recovery import Recovery
+    from megatron_armor.orchestration.actors.weight_sync import DistributedSync
+
+    watch = CallWatch()
+    watch.configure(OrchestrationConfig(call_deadline_floor_s=0.5, call_deadline_cap_s=0.5))
+    for module in (cw, actor_handles, recovery):  # the run's one watch, for this test
+        monkeypatch.setattr(module, "WATCH", watch)
+    monkeypatch.setattr(cw, "HEARTBEAT_ANSWER_S", 2.0)
+    monkeypatch.setattr(cw, "SERVER_PROBE_S", 2.0)
+    script, hang = tmp_path / "server.py", tmp_path / "hang"
+    script.write_text(SESSION_SERVER)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    worker = start_actor(session_worker_class(), {"num_cpus": 0}, port, str(script), str(hang))
+    pid = watch.get(worker.pid.remote(), "pid", timeout=120)
+    node = local_ray.get_runtime_context().get_node_id()
+    watch.locate_actor(worker, {"node_id": node, "ip": "127.0.0.1", "pid": pid}, 0)
+    server = watch.get(worker.server_pid.remote(), "pid", timeout=60)
+
+    rollout = object.__new__(RolloutActors)  # the run's handle over this one worker
+    rollout.actors = rollout.policy_actors = rollout.reference_actors = [worker]
+    rollout.has_ref_pool = rollout.caches_anchors = False
+    pushes = []
+    trainer = SimpleNamespace(actors=[], drop_sender=lambda pool: pushes.append(("new group",)),
+                              push_weights=lambda version, weights, pool, target:
+                              pushes.append((version, [t.url for t in target])) or 100)  # fmt: skip
+    config = ArmorConfig()
+    sync = DistributedSync(config, trainer, rollout)
+    s = SimpleNamespace(config=config, run_dir=tmp_path, rollout=rollout, trainer=trainer,
+                        reward=SimpleNamespace(actors=[]), weight_sync=sync)  # fmt: skip
+    guard = Recovery(config)
+    assert guard.guard(s, 1, "sync", lambda: sync.push_policy(1)) == 100
+    assert watch.get(worker.pool_version.remote("policy"), "v") == 1 and watch.pop_metrics() == {}
+
+    hang.touch()  # the next session never closes
+    assert guard.guard(s, 2, "sync", lambda: sync.push_policy(2)) == 100
+    out = capsys.readouterr().out
+    assert f"stuck call: SGLang policy server 0 at {url} (pid {server}, RolloutWorker 0" in out
+    assert "did not answer /health_generate within 2s: policy servers closing the weight" in out
+    assert f"recovery: SGLang server {url} stuck during step 2 (sync; StuckServerError" in out
+    assert gone(server), "the stuck server was not killed"
+    restarted = watch.get(worker.server_pid.remote(), "pid", timeout=60)
+    assert restarted != server and server_alive(restarted)
+    # step 2's push, the heal's (a new group, the served version 1), step 2's push again
+    assert pushes == [(1, [url]), (2, [url]), ("new group",), (1, [url]), (2, [url])]
+    assert watch.get(worker.pool_version.remote("policy"), "v") == 2
+    assert guard.pop_servers_restarted() == 1
+    assert watch.pop_metrics() == {"faults/stuck_sglang_server": 1.0}
+    (row,) = [json.loads(x) for x in (tmp_path / "recoveries.jsonl").read_text().splitlines()]
+    assert (row["step"], row["phase"], row["reason"]) == (2, "sync", "stuck")
+    assert row["actor"] == f"SGLang server {url}" and row["kind"] == "rollout"
+    watch.get(worker.close.remote(), "close", timeout=60)  # stops the restarted server
+    assert gone(restarted)
+    local_ray.kill(worker)
