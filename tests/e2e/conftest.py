@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -14,20 +13,19 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from e2e_runs import CACHED, REPO, Run  # noqa: E402
+from e2e_runs import CACHED, Run, tiny_artifacts  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def tiny_dir() -> Path:
     """The tiny model + data (built with ``armor tiny`` when missing)."""
-    path = Path(os.environ.get("ARMOR_TINY_DIR", REPO / "artifacts" / "tiny"))
-    if (
-        not (path / "model" / "config.json").is_file()
-        or not (path / "data" / "val.parquet").is_file()
-    ):
-        subprocess.run([sys.executable, "-m", "megatron_armor.cli", "tiny", "--out", str(path)],
-                       check=True, timeout=900, cwd=REPO)  # fmt: skip
-    return path
+    return tiny_artifacts()
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_dir() -> Path:
+    """The tiny mixture-of-experts model + data (``armor tiny --moe`` when missing, ~40 s)."""
+    return tiny_artifacts(moe=True)
 
 
 @pytest.fixture(scope="session")

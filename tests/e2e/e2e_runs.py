@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from megatron_armor.observability.metrics import read_metrics
+from megatron_armor.tiny.build import MARKER
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -31,6 +32,21 @@ from process_group import (  # noqa: E402
 )
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def tiny_artifacts(moe: bool = False) -> Path:
+    """The tiny task's model and data (``armor tiny``, ``--moe`` for the mixture-of-experts
+    variant), built when its completion marker is missing; ``ARMOR_TINY_DIR`` /
+    ``ARMOR_TINY_MOE_DIR`` point to a directory elsewhere."""
+    env, name = ("ARMOR_TINY_MOE_DIR", "tiny_moe") if moe else ("ARMOR_TINY_DIR", "tiny")
+    path = Path(os.environ.get(env, REPO / "artifacts" / name))
+    if not (path / MARKER).is_file():
+        flags = ["--moe"] if moe else []
+        subprocess.run([sys.executable, "-m", "megatron_armor.cli", "tiny", *flags,
+                        "--out", str(path)], check=True, timeout=900, cwd=REPO)  # fmt: skip
+    return path
+
+
 RUN_TIMEOUT_S = 420
 # The ARMOR runs draw anchors through the anchor cache, so the reset test also checks that a
 # reset invalidates it and the resume test that it is restored; filter_only uses fresh samples.

@@ -22,7 +22,6 @@ need three cores; its batch in flight keeps the samples' routes through the chec
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -33,21 +32,11 @@ from megatron_armor.observability.metrics import read_metrics, without_wall_cloc
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from e2e_runs import CACHED, REPO, Run  # noqa: E402
+from e2e_runs import CACHED, Run  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
 MOE = CACHED
-
-
-@pytest.fixture(scope="module")
-def tiny_moe_dir() -> Path:
-    """The tiny MoE model + data (built with ``armor tiny --moe`` when missing, ~40 s)."""
-    path = Path(os.environ.get("ARMOR_TINY_MOE_DIR", REPO / "artifacts" / "tiny_moe"))
-    if not (path / "tiny.json").is_file():
-        subprocess.run([sys.executable, "-m", "megatron_armor.cli", "tiny", "--moe",
-                        "--out", str(path)], check=True, timeout=900, cwd=REPO)  # fmt: skip
-    return path
 
 
 def moe_run(out_dir: Path, name: str, tiny: Path) -> Run:

@@ -8,7 +8,6 @@ it after tiers 1-4 with the checkout on ``PYTHONPATH``.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,14 +16,16 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.join(os.path.dirname(HERE), "e2e")]  # e2e_runs, process_group
 
-from sglang_servers import REPO  # noqa: E402
+from e2e_runs import tiny_artifacts  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def tiny_dir() -> Path:
     """The tiny model + data (``armor tiny``; the e2e tier of the same run built it)."""
-    path = Path(os.environ.get("ARMOR_TINY_DIR", REPO / "artifacts" / "tiny"))
-    if not (path / "model" / "config.json").is_file():
-        subprocess.run([sys.executable, "-m", "megatron_armor.cli", "tiny", "--out", str(path)],
-                       check=True, timeout=900, cwd=REPO)  # fmt: skip
-    return path
+    return tiny_artifacts()
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_dir() -> Path:
+    """The tiny mixture-of-experts model + data (``armor tiny --moe``; the e2e tier built it)."""
+    return tiny_artifacts(moe=True)

@@ -5,6 +5,8 @@ compared with (transformers' fp32 forward of the same weights)."""
 from __future__ import annotations
 
 import contextlib
+import json
+import urllib.request
 from pathlib import Path
 
 import torch
@@ -12,6 +14,9 @@ from process_group import free_ports  # tests/e2e (on the path: conftest.py)
 
 from megatron_armor.config.schema import SGLangConfig
 from megatron_armor.rollout.protocol import SamplingParams
+from megatron_armor.rollout.sglang import weights as transport
+from megatron_armor.rollout.sglang.client import ClientSettings, update_weights_from_tensor_payload
+from megatron_armor.rollout.sglang.distributed import DistributedWeightSender
 from megatron_armor.rollout.sglang.engine import SGLangEngine
 from megatron_armor.rollout.torch_engine import TorchEngine
 
@@ -75,3 +80,48 @@ def perturbed(tensors, seed: int, scale: float = 0.5):
         noise = torch.randn(t.shape, generator=gen, dtype=t.dtype) * (t.float().std() * scale)
         out.append((name, (t + noise).contiguous()))
     return out
+
+
+def push_distributed(engine, tensors, version: int, group: str, bucket_bytes: int) -> int:
+    """``tensors`` broadcast over gloo from this process (rank 0) into the engine's first
+    server, in buckets, inside the update session; the bytes sent."""
+    server = engine.servers[0]
+    sender = DistributedWeightSender(
+        [(server.url, server.tp)], "127.0.0.1", free_ports(1)[0], group,
+        bucket_bytes=bucket_bytes, backend="gloo", settings=ClientSettings(api_key=engine.api_key),
+    )  # fmt: skip
+    try:
+        sender.connect(timeout_s=300)
+        engine.begin_weight_update()
+        try:
+            sent = sender.send(tensors, version=version, timeout_s=300)
+        finally:
+            engine.end_weight_update()
+    finally:
+        sender.close()
+    engine.set_weight_version(version)
+    return sent
+
+
+def push_tensor_inline(engine, tensors, version: int, bucket_bytes: int) -> int:
+    """The CPU form of ``/update_weights_from_tensor`` (``weights.serialize_bucket`` on a rank
+    without a GPU: the bucket's named tensors inline), one request per bucket, inside the
+    update session; the number of buckets."""
+    buckets = list(transport.iter_buckets(tensors, bucket_bytes))
+    engine.begin_weight_update()
+    try:
+        for bucket in buckets:
+            serialized = transport.serialize_bucket(bucket)
+            assert serialized.load_format is None  # the CPU form
+            body = update_weights_from_tensor_payload([serialized.text], version, None)
+            request = urllib.request.Request(
+                engine.servers[0].url + transport.TENSOR_ENDPOINT, data=json.dumps(body).encode(),
+                headers={"Content-Type": "application/json",
+                         "Authorization": f"Bearer {engine.api_key}"},
+            )  # fmt: skip
+            with urllib.request.urlopen(request, timeout=300) as response:
+                assert response.status == 200
+    finally:
+        engine.end_weight_update()
+    engine.set_weight_version(version)
+    return len(buckets)

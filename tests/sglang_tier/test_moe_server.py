@@ -17,44 +17,23 @@ them (``tests/gpu/test_sglang_moe_gpu.py``).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import urllib.request
-from pathlib import Path
-
 import pytest
 from safetensors.torch import load_file
 from sglang_servers import (
     MAX_TOL,
     MEAN_TOL,
     PROMPTS,
-    REPO,
     cpu_servers,
-    free_ports,
     logprob_gap,
     oracle,
     perturbed,
+    push_distributed,
+    push_tensor_inline,
     sample,
 )
 
-from megatron_armor.rollout.sglang import weights as transport
-from megatron_armor.rollout.sglang.client import ClientSettings, update_weights_from_tensor_payload
-from megatron_armor.rollout.sglang.distributed import DistributedWeightSender
-
 pytestmark = pytest.mark.sglang
 BUCKET = 256 << 10  # several buckets per push
-
-
-@pytest.fixture(scope="module")
-def tiny_moe_dir() -> Path:
-    """The tiny MoE (``armor tiny --moe``; the e2e tier of the same run built it)."""
-    path = Path(os.environ.get("ARMOR_TINY_MOE_DIR", REPO / "artifacts" / "tiny_moe"))
-    if not (path / "tiny.json").is_file():
-        subprocess.run([sys.executable, "-m", "megatron_armor.cli", "tiny", "--moe",
-                        "--out", str(path)], check=True, timeout=900, cwd=REPO)  # fmt: skip
-    return path
 
 
 def new_experts(base, seed: int):
@@ -67,41 +46,12 @@ def push_disk(engine, tensors, version: int) -> None:
     engine.update_weights(tensors, version=version)  # an HF dir, /update_weights_from_disk
 
 
-def push_distributed(engine, tensors, version: int) -> None:
-    server = engine.servers[0]
-    sender = DistributedWeightSender(
-        [(server.url, server.tp)], "127.0.0.1", free_ports(1)[0], "armor-moe-pp0",
-        bucket_bytes=BUCKET, backend="gloo", settings=ClientSettings(api_key=engine.api_key),
-    )  # fmt: skip
-    try:
-        sender.connect(timeout_s=300)
-        engine.begin_weight_update()
-        try:
-            sender.send(tensors, version=version, timeout_s=300)
-        finally:
-            engine.end_weight_update()
-    finally:
-        sender.close()
-    engine.set_weight_version(version)
+def push_gloo(engine, tensors, version: int) -> None:
+    push_distributed(engine, tensors, version, "armor-moe-pp0", BUCKET)
 
 
 def push_tensor(engine, tensors, version: int) -> None:
-    """The CPU form of ``/update_weights_from_tensor`` (tensors inline), one call per bucket."""
-    engine.begin_weight_update()
-    try:
-        for bucket in transport.iter_buckets(tensors, BUCKET):
-            serialized = transport.serialize_bucket(bucket)
-            body = update_weights_from_tensor_payload([serialized.text], version, None)
-            request = urllib.request.Request(
-                engine.servers[0].url + transport.TENSOR_ENDPOINT, data=json.dumps(body).encode(),
-                headers={"Content-Type": "application/json",
-                         "Authorization": f"Bearer {engine.api_key}"},
-            )  # fmt: skip
-            with urllib.request.urlopen(request, timeout=300) as response:
-                assert response.status == 200
-    finally:
-        engine.end_weight_update()
-    engine.set_weight_version(version)
+    push_tensor_inline(engine, tensors, version, BUCKET)
 
 
 def test_moe_server_takes_expert_weights_by_every_transport(tiny_moe_dir, tmp_path):
@@ -112,7 +62,7 @@ def test_moe_server_takes_expert_weights_by_every_transport(tiny_moe_dir, tmp_pa
         mean, worst = logprob_gap(oracle(model), PROMPTS, sample(engine))
         assert mean < MEAN_TOL and worst < MAX_TOL, (mean, worst)
         previous = base
-        for version, push in enumerate((push_disk, push_distributed, push_tensor), start=1):
+        for version, push in enumerate((push_disk, push_gloo, push_tensor), start=1):
             tensors = new_experts(base, seed=version)
             push(engine, tensors, version)
             out = sample(engine)

@@ -29,21 +29,19 @@ from sglang_servers import (
     PROMPTS,
     TEMPERATURE,
     cpu_servers,
-    free_ports,
     logprob_gap,
     oracle,
     perturbed,
+    push_distributed,
+    push_tensor_inline,
     sample,
 )
 
 from megatron_armor.doctor import node
 from megatron_armor.rollout.sglang import weights as transport
 from megatron_armor.rollout.sglang.client import (
-    ClientSettings,
     update_weights_from_distributed_payload,
-    update_weights_from_tensor_payload,
 )
-from megatron_armor.rollout.sglang.distributed import DistributedWeightSender
 from megatron_armor.rollout.sglang.launch import CPU_SERVER_ARGS
 
 pytestmark = pytest.mark.sglang
@@ -141,27 +139,13 @@ def test_distributed_update_over_gloo_in_buckets(served):
     request outside a session (HTTP 400 naming ``begin_weight_update``)."""
     engine, model = served["engine"], served["model"]
     new = perturbed(served["base"], seed=2)
-    server = engine.servers[0]
     body = update_weights_from_distributed_payload(
         **transport.bucket_metadata(new[:1]), version=12, group_name="armor-test-pp0"
     )
     status, text = call(engine, transport.DISTRIBUTED_ENDPOINT, body, key=engine.api_key)
     assert status == 400 and "begin_weight_update" in text
-    sender = DistributedWeightSender(
-        [(server.url, server.tp)], "127.0.0.1", free_ports(1)[0], "armor-test-pp0",
-        bucket_bytes=BUCKET, backend="gloo", settings=ClientSettings(api_key=engine.api_key),
-    )  # fmt: skip
-    try:
-        sender.connect(timeout_s=300)
-        engine.begin_weight_update()
-        try:
-            sent = sender.send(new, version=12, timeout_s=300)
-        finally:
-            engine.end_weight_update()
-    finally:
-        sender.close()
+    sent = push_distributed(engine, new, 12, "armor-test-pp0", BUCKET)
     assert sent == sum(t.numel() * t.element_size() for _, t in new)
-    engine.set_weight_version(12)
     assert_serves(engine, model, new, 12, previous=served.get("current"))
     served["current"] = new
 
@@ -172,19 +156,7 @@ def test_tensor_update_with_the_cpu_payload(served):
     session; CUDA IPC handles are the gpu tier's (``tests/gpu/test_weight_sync_gpu.py``)."""
     engine, model = served["engine"], served["model"]
     new = perturbed(served["base"], seed=3)
-    buckets = list(transport.iter_buckets(new, BUCKET))
-    assert len(buckets) > 1
-    engine.begin_weight_update()
-    try:
-        for bucket in buckets:
-            serialized = transport.serialize_bucket(bucket)
-            assert serialized.load_format is None  # the CPU form
-            body = update_weights_from_tensor_payload([serialized.text], 13, None)
-            status, text = call(engine, transport.TENSOR_ENDPOINT, body, key=engine.api_key)
-            assert status == 200, text
-    finally:
-        engine.end_weight_update()
-    engine.set_weight_version(13)
+    assert push_tensor_inline(engine, new, 13, BUCKET) > 1  # several buckets
     assert_serves(engine, model, new, 13, previous=served.get("current"))
     served["current"] = new
 
