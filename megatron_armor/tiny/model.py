@@ -82,10 +82,11 @@ def padded_vocab_size(vocab: int, multiple: int) -> int:
     return -(-vocab // multiple) * multiple
 
 
-def qwen2_config(cfg: TinyModelConfig) -> Qwen2Config:
-    """The HF ``Qwen2Config`` for ``cfg`` (qkv bias, RMSNorm, SwiGLU, RoPE, as Qwen2)."""
+def shared_fields(cfg: TinyModelConfig) -> dict:
+    """The HF config fields both tiny variants share: the tokenizer's vocabulary and special
+    tokens, the width, heads, RoPE, RMSNorm, SwiGLU and fp32."""
     vocab = build_vocab()
-    return Qwen2Config(
+    return dict(
         vocab_size=padded_vocab_size(len(vocab), cfg.vocab_multiple),
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
@@ -97,7 +98,6 @@ def qwen2_config(cfg: TinyModelConfig) -> Qwen2Config:
         rms_norm_eps=1e-6,
         tie_word_embeddings=cfg.tie_word_embeddings,
         hidden_act="silu",
-        use_sliding_window=False,
         bos_token_id=vocab["<|endoftext|>"],
         eos_token_id=vocab["<|endoftext|>"],
         pad_token_id=vocab["<pad>"],
@@ -105,35 +105,25 @@ def qwen2_config(cfg: TinyModelConfig) -> Qwen2Config:
     )
 
 
+def qwen2_config(cfg: TinyModelConfig) -> Qwen2Config:
+    """The HF ``Qwen2Config`` for ``cfg`` (qkv bias, RMSNorm, SwiGLU, RoPE, as Qwen2)."""
+    return Qwen2Config(**shared_fields(cfg), use_sliding_window=False)
+
+
 def qwen3_moe_config(cfg: TinyModelConfig) -> Qwen3MoeConfig:
     """The HF ``Qwen3MoeConfig`` of the mixture-of-experts variant: Qwen3's attention (q/k
     RMSNorm, no qkv bias), every layer sparse, top-k routing with renormalised probabilities
     (as Qwen3-30B-A3B), the dense model's width, heads, RoPE and tokenizer."""
-    vocab = build_vocab()
     return Qwen3MoeConfig(
-        vocab_size=padded_vocab_size(len(vocab), cfg.vocab_multiple),
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
+        **shared_fields(cfg),
         moe_intermediate_size=cfg.moe_intermediate_size,
         num_experts=cfg.num_experts,
         num_experts_per_tok=cfg.experts_per_token,
         norm_topk_prob=True,
         decoder_sparse_step=1,
         mlp_only_layers=[],
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads,
         head_dim=cfg.hidden_size // cfg.num_heads,
-        max_position_embeddings=cfg.max_position_embeddings,
-        rope_theta=cfg.rope_theta,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=cfg.tie_word_embeddings,
-        hidden_act="silu",
         attention_bias=False,
-        bos_token_id=vocab["<|endoftext|>"],
-        eos_token_id=vocab["<|endoftext|>"],
-        pad_token_id=vocab["<pad>"],
-        torch_dtype="float32",
     )
 
 
