@@ -155,15 +155,24 @@ def local_ray():
     ray.shutdown()
 
 
-def test_a_slow_call_that_moves_is_waited_for_and_a_stopped_actor_is_named_and_killed(
-    local_ray, monkeypatch, tmp_path
-):
+def half_second_watch(monkeypatch, *modules):
+    """The run's call watch replaced (in ``call_watch`` and ``modules``, which import it by
+    name) by one with 0.5 s deadlines that asks a heartbeat for 2 s."""
     import megatron_armor.orchestration.actors.call_watch as cw
 
     watch = CallWatch()
     watch.configure(OrchestrationConfig(call_deadline_floor_s=0.5, call_deadline_cap_s=0.5))
-    monkeypatch.setattr(cw, "WATCH", watch)
+    for module in (cw, *modules):
+        monkeypatch.setattr(module, "WATCH", watch)
     monkeypatch.setattr(cw, "HEARTBEAT_ANSWER_S", 2.0)
+    return watch
+
+
+def test_a_slow_call_that_moves_is_waited_for_and_a_stopped_actor_is_named_and_killed(
+    local_ray, monkeypatch, tmp_path
+):
+
+    watch = half_second_watch(monkeypatch)
     engine = start_actor(SleepyEngine, {"num_cpus": 0})
     pid = watch.get(engine.pid.remote(), "engine pid", timeout=120)  # its start-up
     watch.locate_actor(engine, {"node_id": local_ray.get_runtime_context().get_node_id(),
@@ -201,12 +210,8 @@ def test_a_stop_signal_ends_a_wait_after_stop_wait_s(local_ray, tmp_path):
 def test_an_idle_actor_waiting_for_arguments_is_not_blamed_the_stuck_one_upstream_is(
     local_ray, monkeypatch
 ):
-    import megatron_armor.orchestration.actors.call_watch as cw
 
-    watch = CallWatch()
-    watch.configure(OrchestrationConfig(call_deadline_floor_s=0.5, call_deadline_cap_s=0.5))
-    monkeypatch.setattr(cw, "WATCH", watch)
-    monkeypatch.setattr(cw, "HEARTBEAT_ANSWER_S", 2.0)
+    watch = half_second_watch(monkeypatch)
     upstream, downstream = (start_actor(SleepyEngine, {"num_cpus": 0}) for _ in range(2))
     node = local_ray.get_runtime_context().get_node_id()
     for i, actor in enumerate((upstream, downstream)):
@@ -316,10 +321,7 @@ def test_a_stopped_sglang_server_is_named_and_killed_and_its_worker_kept(
     import megatron_armor.orchestration.actors.call_watch as cw
     from megatron_armor.net import free_port
 
-    watch = CallWatch()
-    watch.configure(OrchestrationConfig(call_deadline_floor_s=0.5, call_deadline_cap_s=0.5))
-    monkeypatch.setattr(cw, "WATCH", watch)
-    monkeypatch.setattr(cw, "HEARTBEAT_ANSWER_S", 2.0)
+    watch = half_second_watch(monkeypatch)
     monkeypatch.setattr(cw, "SERVER_PROBE_S", 2.0)
     script = tmp_path / "server.py"
     script.write_text(FAKE_SERVER)
@@ -420,11 +422,7 @@ def test_a_weight_update_session_that_never_closes_restarts_the_server_and_pushe
     from megatron_armor.orchestration.actors.recovery import Recovery
     from megatron_armor.orchestration.actors.weight_sync import DistributedSync
 
-    watch = CallWatch()
-    watch.configure(OrchestrationConfig(call_deadline_floor_s=0.5, call_deadline_cap_s=0.5))
-    for module in (cw, actor_handles, recovery):  # the run's one watch, for this test
-        monkeypatch.setattr(module, "WATCH", watch)
-    monkeypatch.setattr(cw, "HEARTBEAT_ANSWER_S", 2.0)
+    watch = half_second_watch(monkeypatch, actor_handles, recovery)  # the run's one watch
     monkeypatch.setattr(cw, "SERVER_PROBE_S", 2.0)
     script, hang = tmp_path / "server.py", tmp_path / "hang"
     script.write_text(SESSION_SERVER)

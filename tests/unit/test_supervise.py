@@ -126,22 +126,24 @@ def test_a_signal_before_the_drivers_handler_waits_for_it(tmp_path):
     assert parent.wait(timeout=30) == 75, parent.stderr.read()
 
 
-def test_a_driver_killed_by_a_signal_kills_the_parent_by_it(tmp_path):
+def sleeping_driver(tmp_path):
+    """A parent whose driver has started and sleeps; ``(parent, the driver's pid)``."""
     ready = tmp_path / "ready"
     body = f"open({str(ready)!r}, 'w').close()\ntime.sleep(60)\n"
     parent = start_parent(driver(tmp_path, body))
     wait_for_file(ready, parent)
     child = next(p for p in children(parent.pid))
+    return parent, child
+
+
+def test_a_driver_killed_by_a_signal_kills_the_parent_by_it(tmp_path):
+    parent, child = sleeping_driver(tmp_path)
     os.kill(child, signal.SIGKILL)
     assert parent.wait(timeout=30) == -signal.SIGKILL
 
 
 def test_the_driver_dies_with_its_parent(tmp_path):
-    ready = tmp_path / "ready"
-    body = f"open({str(ready)!r}, 'w').close()\ntime.sleep(60)\n"
-    parent = start_parent(driver(tmp_path, body))
-    wait_for_file(ready, parent)
-    child = next(p for p in children(parent.pid))
+    parent, child = sleeping_driver(tmp_path)
     parent.kill()
     parent.wait(timeout=30)
     deadline = time.monotonic() + 10
