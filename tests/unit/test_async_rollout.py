@@ -193,7 +193,11 @@ def test_overlap_fraction_is_the_share_of_the_step():
 
 # ---------------------------------------------------------------------------- the thread
 def test_collector_draws_on_its_own_thread_and_raises_its_failure_in_the_loop():
-    collector = Collector(session=None, rollout=None, timers=None)
+    from types import SimpleNamespace
+
+    from megatron_armor.orchestration.actors.call_watch import CallWatch
+
+    collector = Collector(SimpleNamespace(call_watch=CallWatch()), rollout=None, timers=None)
     seen: list[str] = []
 
     def collect(step, version, old_weights):
