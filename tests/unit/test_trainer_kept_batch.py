@@ -50,6 +50,9 @@ class RecordingTrainer:
         )  # fmt: skip
         return {"loss/objective": float(len(self.trained))}
 
+    def end_step(self):
+        self.trained.append("end of step")
+
 
 class Remote:
     """``actor.method.remote(*args)`` runs ``method`` now on pickled copies of the arguments
@@ -112,8 +115,8 @@ def test_updates_train_on_the_kept_batch_with_its_logprobs(trainer):
     for w in workers:
         assert w.trainer.shared == [True]  # the ranks asked for the whole log-probs
         assert w.step_batch is None  # the last update freed the kept batch
-        assert len(w.trainer.trained) == 2
-        for ids, got in zip(minibatches, w.trainer.trained, strict=True):
+        assert len(w.trainer.trained) == 3 and w.trainer.trained[-1] == "end of step"
+        for ids, got in zip(minibatches, w.trainer.trained[:2], strict=True):
             want = batch.select(ids)
             assert torch.equal(got["tokens"], want.tokens)
             assert torch.equal(got["old"], want.old_logprobs) and got["old"].abs().sum() > 0

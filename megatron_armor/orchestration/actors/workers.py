@@ -206,8 +206,8 @@ class TrainerWorker(Watched):
     ) -> dict[str, float]:
         """Updates on ``batch``, or with ``None`` on the batch kept by this step's
         :meth:`step_logprobs`; on its samples ``sample_ids`` when given (the driver names each
-        mini-batch by its samples). ``release`` drops the kept batch afterwards (the step's
-        last update)."""
+        mini-batch by its samples). ``release`` drops the kept batch, and what the trainer kept
+        for the step's updates, afterwards (the step's last update)."""
         if batch is None:
             if self.step_batch is None:
                 raise RuntimeError(
@@ -221,6 +221,8 @@ class TrainerWorker(Watched):
             batch = batch.select(sample_ids)
         with nvtx_range("train"), self.clock.measure():
             metrics = self.trainer.train_step(batch, num_minibatches)
+        if release:
+            self.trainer.end_step()
         self.policy_changed |= metrics.get("train/skipped", 0.0) < 1.0
         return metrics
 
