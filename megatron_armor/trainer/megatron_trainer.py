@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_armor.algo.losses import LossSettings, finalize_metrics
-from megatron_armor.config.moe import expert_groups_span_dp, expert_tp_size
+from megatron_armor.config.moe import expert_groups_span_dp
 from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.config.validate import updates_per_step, validate_runtime
 from megatron_armor.trainer import checkpoint, parallel, routing_replay
@@ -92,7 +92,7 @@ class MegatronTrainer(TrainerInterface):
         t = config.trainer
         validate_runtime(config)  # the rest of the config was checked at load
         layout = parallel.ParallelLayout(
-            tp=t.tp, pp=t.pp, cp=t.cp, vpp=t.vpp, ep=t.ep, etp=expert_tp_size(t)
+            tp=t.tp, pp=t.pp, cp=t.cp, vpp=t.vpp, ep=t.ep, etp=config.resolved.etp
         )
         parallel.init_parallel(layout, rank, world_size, master_addr, master_port, config.run.seed)
         self.config = config
@@ -108,7 +108,7 @@ class MegatronTrainer(TrainerInterface):
         self._routers = routing_replay.routers(self.model)  # [] for a dense model
         self.recorded_routes: routing_replay.RecordedRoutes | None = None
         """The routes the step's ``old`` pass recorded for its updates (by sample id)."""
-        self.loss_settings = LossSettings.from_algo_config(config.algo)
+        self.loss_settings = LossSettings.from_algo_config(config.algo, config.resolved.alpha)
         self.lp = LogprobSettings(
             vocab_size=self.spec.vocab_size,
             temperature=config.rollout.sampling.temperature,
@@ -137,7 +137,7 @@ class MegatronTrainer(TrainerInterface):
         """Every DP rank must run as many micro-batches: a MoE model whose expert groups span
         DP ranks (``config/moe.py``: :func:`expert_groups_span_dp`)."""
         t = self.config.trainer
-        spans = expert_groups_span_dp(t.tp, t.cp, t.ep, expert_tp_size(t))
+        spans = expert_groups_span_dp(t.tp, t.cp, t.ep, self.config.resolved.etp)
         return self.spec.moe is not None and spans
 
     def _diagnostic_micro_batches(self, batch, mbs, kl_mask):

@@ -50,7 +50,7 @@ from typing import Any
 
 from megatron_armor.algo.anchors import AcceptanceStats, acceptance_reason, select_group
 from megatron_armor.algo.registry import get_anchor_mode
-from megatron_armor.config.validate import reference_order, short_batch_floor
+from megatron_armor.config.validate import short_batch_floor
 from megatron_armor.data.retirement import retire_drawn
 from megatron_armor.observability.nvtx import nvtx_range
 from megatron_armor.observability.timers import PhaseTimers
@@ -156,7 +156,7 @@ def prefetches_reference(config) -> bool:
     return bool(
         config.rollout.prefetch_reference
         and get_anchor_mode(config.algo.anchor).needs_reference_correct
-        and reference_order(config.rollout.reference_first) is not False
+        and config.resolved.reference_first is not False
         and config.rollout.reference_parts == 1
         and not caches_anchors(config)
         and config.orchestration.layout != "colocated"
@@ -242,9 +242,9 @@ class AnchorRollout:
         self.progress = progress
         self.parts = overlap_parts(config)
         self.caches_anchors = caches_anchors(config)
-        order = reference_order(config.rollout.reference_first)
+        order = config.resolved.reference_first  # None: each step by the cost rule
         self.reference_first = order if self.mode.needs_reference_correct else False
-        if self.parts != 1 and order == "auto":  # the parts overlap the policy-first order
+        if self.parts != 1 and order is None:  # the parts overlap the policy-first order
             self.reference_first = False
         self.previous: dict[str, Any] = {}
         self.config, self.floor, self._warned_short = config, short_batch_floor(config), False
@@ -427,7 +427,7 @@ class AnchorRollout:
 
     def step_reference_first(self) -> bool:
         """Whether the next step draws the reference samples first."""
-        if self.reference_first != "auto":
+        if self.reference_first is not None:
             return self.reference_first
         return prefers_reference_first(self.previous, self._n_on(), self.algo.ref_n)
 
@@ -445,7 +445,7 @@ class AnchorRollout:
         self._prefetched = None
         if not self.prefetches:
             return False
-        if self.reference_first == "auto":
+        if self.reference_first is None:
             upcoming = {**result.stats.as_metrics(),
                         "anchor/reference_first": float(result.reference_first)}  # fmt: skip
             if not prefers_reference_first(upcoming, self._n_on(), self.algo.ref_n):

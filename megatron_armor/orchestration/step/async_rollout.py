@@ -259,7 +259,7 @@ class AsyncPipeline:
         restarted += phases.heal_before_push(s, step)
         updated = metrics["train/updates"] > metrics.get("train/skipped_updates", 0.0)
         metrics.update(phases.sync_and_maybe_reset(s, step, updated))
-        metrics["algo/alpha"] = s.config.algo.alpha
+        metrics["algo/alpha"] = s.config.resolved.alpha
         if backend_of(s.config).serves_over_http:  # and those killed past a call deadline
             restarted += s.recovery.pop_servers_restarted()
             metrics["rollout/servers_restarted"] = float(restarted)

@@ -21,10 +21,7 @@ import time
 import torch
 
 from megatron_armor.config.schema import ArmorConfig
-from megatron_armor.config.validate import (
-    runs_async_rollout,
-    runs_concurrent_reference,
-)
+from megatron_armor.config.validate import runs_async_rollout
 from megatron_armor.data.sampler import SamplerExhausted
 from megatron_armor.observability.metrics import metrics_record
 from megatron_armor.observability.signal_lead import SignalLeadWatch
@@ -95,7 +92,7 @@ def run_step(s: Session, rollout: AnchorRollout, step: int) -> dict[str, float]:
     restarted += heal_before_push(s, step)
     updated = metrics["train/updates"] > metrics.get("train/skipped_updates", 0.0)
     metrics.update(sync_and_maybe_reset(s, step, updated))
-    metrics["algo/alpha"] = s.config.algo.alpha
+    metrics["algo/alpha"] = s.config.resolved.alpha
     if backend_of(s.config).serves_over_http:  # and those killed past a call deadline
         restarted += s.recovery.pop_servers_restarted()
         metrics["rollout/servers_restarted"] = float(restarted)
@@ -112,7 +109,7 @@ def train_on(s: Session, rollout: AnchorRollout, step: int, result) -> dict[str,
     batch = prepare_batch(s, result.groups, step)
     prefetch = step < s.config.run.steps and not s.schedule.should_reset(step)
     # a CPU rank's concurrent reference pass takes the engine's core: the prefetch waits for it
-    after_logprobs = runs_concurrent_reference(s.config)
+    after_logprobs = s.config.resolved.concurrent_reference
     with s.timers.phase("logprobs"):
         logprobs = submit_logprobs(s, batch, step)
     if prefetch and not after_logprobs:
