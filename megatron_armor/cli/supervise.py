@@ -14,14 +14,15 @@ and wait for it:
   starts with SIGTERM, SIGINT and SIGUSR1 blocked, so one that comes before its handler is in
   place waits for it.
 - The driver's exit code is this process's; a driver a signal killed kills this process by
-  the same signal (a scheduler sees ``128 + N`` as before). The code the driver reported when
+  the same signal (a scheduler sees ``128 + N``). The code the driver reported when
   it left through Python wins over a death after it (a crash of Ray's teardown).
 - A driver that died without reporting its exit (``supervisor_pipe``) while Ray's log names the
   lost connection: ``armor train: lost Ray's raylet ...`` and exit 75, which ``--resume auto``
   continues from the newest complete checkpoint.
-- The driver dies with this process (``PR_SET_PDEATHSIG``: SIGKILL), as before with its shell.
+- The driver dies with this process (``PR_SET_PDEATHSIG``: SIGKILL): a ``kill -9`` of ``armor``
+  leaves no driver behind.
 
-``ARMOR_SUPERVISE=0`` runs the driver in this process, as it did before.
+``ARMOR_SUPERVISE=0`` runs the driver in this process, with no parent to name a lost control plane.
 """
 
 from __future__ import annotations
@@ -171,7 +172,7 @@ def lost_control_plane(log_text: str) -> str:
 
 def die_with_parent(parent: int) -> None:
     """In the driver: SIGKILL when the supervising ``parent`` dies (``kill -9`` of the
-    ``armor`` process ends the run as it did when the driver was that process)."""
+    ``armor`` process ends the run, its driver included)."""
     try:
         prctl = ctypes.CDLL(None, use_errno=True).prctl
     except AttributeError:  # not Linux: no parent-death signal

@@ -123,6 +123,15 @@ class RolloutEngine(ABC):
         ``version``)."""
         raise self._no_servers("update_weights_from_disk")
 
+    def wedged_servers(self, timeout_s: float) -> list:
+        """The serving servers whose generation health check gives no answer within
+        ``timeout_s``; default: none (no servers)."""
+        return []
+
+    def kill_server(self, server: Any) -> None:
+        """Kill a wedged ``server``, out of rotation until :meth:`restart_server`."""
+        raise self._no_servers("kill_server")
+
     def server_healthy(self, server: Any) -> bool:
         """Whether ``server`` answers its health check."""
         raise self._no_servers("server_healthy")

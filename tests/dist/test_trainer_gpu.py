@@ -243,7 +243,7 @@ def test_moe_replay_under_recompute_equals_the_update_without(tmp_path) -> None:
         trainer = MegatronTrainer(cfg, 0, 1, "127.0.0.1", free_port())
         batch = make_batch()
         old, ref, _ = trainer.step_logprobs(batch, with_ref=True, shared=True)
-        held = batch.replay.held  # one rank: every sample's routes, one byte per expert id
+        held = trainer.recorded_routes.held  # one rank: every sample's routes, a byte each
         assert held.rows.dtype == torch.uint8 and held.rows.shape[0] == batch.num_tokens
         batch.old_logprobs, batch.ref_logprobs = old, ref
         results.append(trainer.train_step(batch, 2))

@@ -35,8 +35,7 @@ def make_config(model_dir: str, tp: int, pp: int, world: int, distopt: bool):
     t.precision, t.lr, t.warmup_steps, t.grad_clip = "fp32", 1e-3, 2, 1.0
     t.lr_unit = "updates"  # each train_step call is one update here, not an RL step
     t.micro_batch_tokens, t.use_distributed_optimizer, t.logprob_chunk = 40, distopt, 16
-    cfg.algo.ratio, cfg.algo.group_size, cfg.algo.loss_agg = "mixed", 4, "token-mean"
-    cfg.algo.alpha = 3 / 4  # a hand-built config: alpha as load resolves 'auto' for G = 4
+    cfg.algo.ratio, cfg.algo.group_size, cfg.algo.loss_agg = "mixed", 4, "token-mean"  # alpha 3/4
     cfg.rollout.sampling.temperature = 0.9
     return cfg
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from megatron_armor.config.loader import save_config
+from megatron_armor.config.loader import as_run, save_config
 from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.orchestration.run import checkpoints
 from megatron_armor.orchestration.run.resume_check import (
@@ -56,7 +56,7 @@ def _flat(tree, prefix: str = "") -> dict:
 def config_changes(saved_yaml: Path, config: ArmorConfig) -> dict[str, list]:
     """Settings of ``config`` that differ from the run's ``config.yaml``: ``{key: [old, new]}``."""
     old = _flat(OmegaConf.to_container(OmegaConf.load(saved_yaml)))
-    new = _flat(OmegaConf.to_container(OmegaConf.structured(config)))
+    new = _flat(OmegaConf.to_container(as_run(config)))
     return {k: [old.get(k), v] for k, v in sorted(new.items()) if old.get(k) != v}
 
 

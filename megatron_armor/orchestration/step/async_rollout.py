@@ -49,8 +49,7 @@ from dataclasses import dataclass, field
 
 from megatron_armor.algo.anchors import AcceptanceStats
 from megatron_armor.observability.timers import PhaseTimers
-from megatron_armor.orchestration.actors.actor_handles import wait
-from megatron_armor.orchestration.actors.call_watch import POLL_S, WATCH
+from megatron_armor.orchestration.actors.call_watch import POLL_S
 from megatron_armor.orchestration.step import phases
 from megatron_armor.orchestration.step.anchor_rollout import AnchorRollout, RolloutResult
 from megatron_armor.orchestration.step.step_metrics import (
@@ -141,7 +140,7 @@ class Collector:
             # counters' read is queued
             result, counters = s.recovery.collect(s, self.rollout, step)
         metrics = dict(s.sampler.metrics())  # data/epoch, data/retired*
-        metrics.update(s.rollout.reference_metrics(counters))
+        metrics.update(s.rollout.reference.metrics(counters))
         timings = self.timers.pop_metrics()
         end = time.perf_counter()
         return Collected(step, result, metrics, timings, version, old_weights, end - start, end)
@@ -165,11 +164,11 @@ class Collector:
         A watchdog bounds the wait for a batch that never comes: every call of the thread has
         its deadline (``orchestration/actors/call_watch.py``), the thread itself gets the cap
         (a ``TimeoutError``: exit 75) and a stop signal ends the wait after ``stop_wait_s``."""
-        start, thread = time.monotonic(), self._thread
+        start, thread, watch = time.monotonic(), self._thread, self.s.call_watch
         while thread.is_alive():
-            WATCH.check_stop(f"the rollout thread ({thread.name})", start)
+            watch.check_stop(f"the rollout thread ({thread.name})", start)
             waited = time.monotonic() - start
-            if waited > WATCH.cap():
+            if waited > watch.cap():
                 raise TimeoutError(
                     f"the rollout thread ({thread.name}) gave no batch within {waited:.0f}s "
                     "(the call deadlines' cap)"
@@ -202,7 +201,10 @@ class AsyncPipeline:
         self.rollout = rollout
         self.collector = Collector(session, rollout, timers)
         self.pending: Collected | None = pending
-        session.in_flight = lambda: collected_state(self.pending)  # what a save keeps
+
+    def in_flight(self) -> dict:
+        """The next step's rollout, drawn during this step, as a checkpoint keeps it."""
+        return collected_state(self.pending)
 
     def overlaps(self, step: int) -> bool:
         """Whether step ``step + 1``'s rollout runs beside step ``step``'s updates: not at the
@@ -211,7 +213,7 @@ class AsyncPipeline:
 
     def run_step(self, step: int) -> dict[str, float]:
         """One step; leaves the next step's rollout in :attr:`pending` when it overlapped (a
-        checkpoint of the step keeps it: ``Session.in_flight``)."""
+        checkpoint of the step keeps it: :meth:`in_flight`)."""
         s, t0 = self.s, time.perf_counter()
         restarted = 0
         batch, self.pending = self.pending, None
@@ -228,7 +230,7 @@ class AsyncPipeline:
         train_start = time.perf_counter()
         # the ranks: log-probs (old under the batch's behavior weights), then keep the live
         # weights as the next batch's behavior weights, then the updates (in this order)
-        queued, kept = None, []
+        queued, kept = None, None
         if result.groups:
             queued, kept = self.submit_train(step, batch, overlap)
         elif overlap:
@@ -237,16 +239,17 @@ class AsyncPipeline:
         if overlap:
             # the order rule reads the step before's rollout (no reset: none in an overlap)
             self.rollout.observe({**metrics, **batch.metrics, "reset/performed": 0.0})
-            s.recovery.served = BEHAVIOR  # what a replaced rollout worker gets meanwhile
+            s.recovery.serve(BEHAVIOR)  # what a replaced rollout worker gets meanwhile
             self.collector.launch(step + 1, s.state.policy_version, BEHAVIOR)
         write_anchor_file(s.run_dir, step, result)
         if queued is not None:
             metrics.update(self.finish_train(step, queued, load_early=not overlap))
-        wait(kept, "behavior weights")
+        if kept is not None:
+            kept.result()
         train_end = time.perf_counter()
         if overlap:
             self.pending = self.collector.join()
-            s.recovery.served = "policy"
+            s.recovery.serve("policy")
         join_end = time.perf_counter()
         metrics.update(batch.metrics)
         metrics.update(batch.timings)
@@ -256,7 +259,7 @@ class AsyncPipeline:
         restarted += phases.heal_before_push(s, step)
         updated = metrics["train/updates"] > metrics.get("train/skipped_updates", 0.0)
         metrics.update(phases.sync_and_maybe_reset(s, step, updated))
-        metrics["algo/alpha"] = s.config.algo.alpha
+        metrics["algo/alpha"] = s.config.resolved.alpha
         if backend_of(s.config).serves_over_http:  # and those killed past a call deadline
             restarted += s.recovery.pop_servers_restarted()
             metrics["rollout/servers_restarted"] = float(restarted)
@@ -281,14 +284,14 @@ class AsyncPipeline:
         return out
 
     def submit_train(self, step: int, batch: Collected, keep: bool):
-        """The trainer calls of the step, queued: the log-prob call, the behavior weights kept
-        for the next batch (``keep``), the updates. Returns ``((batch, log-prob refs, update
-        refs), kept refs)``."""
+        """The trainer calls of the step, sent now: the log-prob call, the behavior weights
+        kept for the next batch (``keep``), the updates. Returns ``((batch, log-probs,
+        updates), the kept weights' call or None)``, each call a ``Pending``."""
         s, groups = self.s, batch.result.groups
         packed = phases.prepare_batch(s, groups, step)
         with s.timers.phase("logprobs"):
             logprobs = phases.submit_logprobs(s, packed, step, batch.old_weights)
-        kept = s.trainer.submit_snapshot_behavior() if keep else []
+        kept = s.trainer.submit_snapshot_behavior() if keep else None
         with s.timers.phase("train"):
             updates = phases.submit_minibatches(s, groups)
         return (packed, logprobs, updates), kept

@@ -21,17 +21,14 @@ import time
 import torch
 
 from megatron_armor.config.schema import ArmorConfig
-from megatron_armor.config.validate import (
-    runs_async_rollout,
-    runs_concurrent_reference,
-)
+from megatron_armor.config.validate import runs_async_rollout
 from megatron_armor.data.sampler import SamplerExhausted
 from megatron_armor.observability.metrics import metrics_record
 from megatron_armor.observability.signal_lead import SignalLeadWatch
 from megatron_armor.observability.status import StepClock
 from megatron_armor.observability.summary import step_line
 from megatron_armor.observability.timers import PhaseTimers
-from megatron_armor.orchestration.actors.call_watch import WATCH
+from megatron_armor.orchestration.actors.call_watch import CallWatch
 from megatron_armor.orchestration.actors.faults import RequeueError, locate, requeue_error
 from megatron_armor.orchestration.actors.placement import shutdown_ray
 from megatron_armor.orchestration.actors.recovery import WHY_TRAINER, handles
@@ -82,7 +79,7 @@ def run_step(s: Session, rollout: AnchorRollout, step: int) -> dict[str, float]:
         result, cache_counters = s.recovery.collect(s, rollout, step)
     s.progress.close()
     if s.config.orchestration.layout == "colocated":
-        s.rollout.release_memory()
+        s.rollout.memory.release()
     if result.groups:
         metrics = train_on(s, rollout, step, result)
     else:
@@ -91,11 +88,11 @@ def run_step(s: Session, rollout: AnchorRollout, step: int) -> dict[str, float]:
     s.meter.add_rollout(result.generated_tokens, s.timers.seconds("generate"))
     metrics.update(rollout_metrics(result))
     metrics.update(s.sampler.metrics())  # data/epoch, data/retired*
-    metrics.update(s.rollout.reference_metrics(cache_counters))
+    metrics.update(s.rollout.reference.metrics(cache_counters))
     restarted += heal_before_push(s, step)
     updated = metrics["train/updates"] > metrics.get("train/skipped_updates", 0.0)
     metrics.update(sync_and_maybe_reset(s, step, updated))
-    metrics["algo/alpha"] = s.config.algo.alpha
+    metrics["algo/alpha"] = s.config.resolved.alpha
     if backend_of(s.config).serves_over_http:  # and those killed past a call deadline
         restarted += s.recovery.pop_servers_restarted()
         metrics["rollout/servers_restarted"] = float(restarted)
@@ -112,7 +109,7 @@ def train_on(s: Session, rollout: AnchorRollout, step: int, result) -> dict[str,
     batch = prepare_batch(s, result.groups, step)
     prefetch = step < s.config.run.steps and not s.schedule.should_reset(step)
     # a CPU rank's concurrent reference pass takes the engine's core: the prefetch waits for it
-    after_logprobs = runs_concurrent_reference(s.config)
+    after_logprobs = s.config.resolved.concurrent_reference
     with s.timers.phase("logprobs"):
         logprobs = submit_logprobs(s, batch, step)
     if prefetch and not after_logprobs:
@@ -162,7 +159,7 @@ def run_loop(s: Session, start: int, stop: StopSignal) -> int:
     resumed_at_0 = bool(s.state.watch)
     # the resumed state: that after the rollout of the step in flight, if one is
     ahead = start + 1 if s.state.pending else start
-    s.recovery.settle_snapshot(s, s.recovery.submit_snapshot(s), ahead)
+    s.recovery.settle_snapshot(s.recovery.submit_snapshot(s), ahead)
     if start == 0 and cfg.validation.every > 0 and not resumed_at_0 and not stop.received:
         initial = validate(s, 0)
         initial.update(s.watch.observe(0, initial))
@@ -173,11 +170,12 @@ def run_loop(s: Session, start: int, stop: StopSignal) -> int:
     pipeline = None
     if runs_async_rollout(cfg):  # the rollout on its own timers, without a progress bar
         timers = PhaseTimers()
-        rollout = AnchorRollout(cfg, s.dataset, s.sampler, s.rollout, s.reward, None, timers)
+        rollout = AnchorRollout(cfg, s.dataset, s.sampler, s.rollout.policy, s.rollout.reference,
+                                s.reward, None, timers)  # fmt: skip
         pipeline = AsyncPipeline(s, rollout, timers, collected_from_state(s.state.pending))
     else:
-        rollout = AnchorRollout(cfg, s.dataset, s.sampler, s.rollout, s.reward,
-                                s.progress.rollout_update, s.timers)  # fmt: skip
+        rollout = AnchorRollout(cfg, s.dataset, s.sampler, s.rollout.policy, s.rollout.reference,
+                                s.reward, s.progress.rollout_update, s.timers)  # fmt: skip
     rollout.observe(s.state.metrics_line)  # resumed: the checkpointed step's line
     clock = StepClock()  # the step line's ETA
     lead = SignalLeadWatch.from_environment()  # does a checkpoint fit in the signal's lead?
@@ -191,7 +189,7 @@ def run_loop(s: Session, start: int, stop: StopSignal) -> int:
         s.trainer.profile_end(step)
         metrics.update(s.meter.pop_metrics())
         metrics.update(s.weight_sync.pop_metrics())
-        metrics.update(WATCH.pop_metrics())  # faults/stuck_*: actors killed past a deadline
+        metrics.update(s.call_watch.pop_metrics())  # faults/stuck_*: actors killed past a deadline
         metrics.update(s.gpu_memory_metrics())
         metrics.update(s.host_metrics(checkpoint_due(cfg, step)))
         metrics.update(s.watch.observe(step, metrics))
@@ -202,7 +200,7 @@ def run_loop(s: Session, start: int, stop: StopSignal) -> int:
         saved = stop.received or checkpoint_due(cfg, step) or s.watch.wants_checkpoint or diverged
         if saved:  # the line travels in the checkpoint: a kill before it is appended loses nothing
             with s.timers.phase("checkpoint"):
-                written = s.save(step, metrics_record(step, metrics))
+                written = s.save(step, metrics_record(step, metrics), in_flight(pipeline))
             metrics.update(s.timers.pop_metrics())
             metrics["timing/step_s"] = time.perf_counter() - t0
         line = metrics_record(step, metrics)
@@ -217,13 +215,18 @@ def run_loop(s: Session, start: int, stop: StopSignal) -> int:
             raise diverged_error(cfg, step, metrics, str(written))
         if stop.received and step < cfg.run.steps:
             if not saved:  # the signal came while the step was being logged
-                s.save(step, line)
+                s.save(step, line, in_flight(pipeline))
             print(stop_message(s, stop, saved=True), flush=True)
             return EXIT_REQUEUE
         if s.watch.stopped:
             print(f"{s.watch.stop_line()}; checkpoint of step {step} written", flush=True)
             return 0
     return 0
+
+
+def in_flight(pipeline: AsyncPipeline | None) -> dict:
+    """The next step's rollout drawn during this one, as a checkpoint keeps it (``{}``: none)."""
+    return pipeline.in_flight() if pipeline is not None else {}
 
 
 def run_with_faults(s: Session, stop: StopSignal) -> int:
@@ -264,16 +267,16 @@ def train(config: ArmorConfig, resume: str = "auto") -> int:
     torch.manual_seed(config.run.seed)
     session = None
     with StopSignal() as stop:
-        WATCH.configure(config.orchestration, stop, run_dir_of(config))
+        watch = CallWatch(config.orchestration, stop, run_dir_of(config))  # the run's one watch
         try:
             with stop.guarded():
                 session = Session.start(
-                    config, resume, lambda: print(start_line(config), flush=True)
+                    config, watch, resume, lambda: print(start_line(config), flush=True)
                 )
             if stop.received:
                 print(stop_message(session, stop, saved=False), flush=True)
                 return EXIT_REQUEUE
-            WATCH.announce()
+            watch.announce()
             return run_with_faults(session, stop)
         except (AcceptanceError, SamplerExhausted) as err:  # a requeue would meet them again
             newest = checkpoints.list_checkpoints(session.run_dir) if session else []

@@ -45,7 +45,7 @@ class ServerDeadlineError(TimeoutError):
     """A control call (a weight-update session, weights, memory) got no answer from its server
     within ``ClientSettings.control_timeout_s``: the message names the server and the call. A
     ``TimeoutError``, so the run treats it as a fault of the worker that owns the server
-    (``orchestration/actors/faults.py``), as it did the bare timeout before."""
+    (``orchestration/actors/faults.py``)."""
 
 
 class ServerError(Exception):

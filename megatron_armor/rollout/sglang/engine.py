@@ -1,6 +1,7 @@
 """``SGLangEngine``: a pool of SGLang servers (optionally behind ``sglang-router``) as a
 :class:`RolloutEngine`. A dead server is restarted out of rotation (:meth:`SGLangEngine.restart_server`)
-and rejoins once the trainer re-synced its weights (``orchestration/actors/weight_sync.py``, ``heal``).
+and rejoins once the trainer re-synced its weights (``orchestration/actors/rollout_fleet.py``,
+``ServerHealth.heal``).
 
 An SGLang server holds one weight set (``policy``). The reference is served by
 ``ref_strategy: swap`` (reload the same servers) or ``dedicated`` (a second
