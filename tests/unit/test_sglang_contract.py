@@ -14,6 +14,8 @@ Every request body comes from our payload builders, so renaming a key in them fa
 from __future__ import annotations
 
 import ast
+import importlib.metadata
+import importlib.util
 import json
 import os
 import re
@@ -32,8 +34,16 @@ from megatron_armor.rollout.sglang import weights as transport
 
 @pytest.fixture(scope="module")
 def sglang_src() -> Path:
-    """``sglang/`` of the pinned SGLang wheel, unpacked."""
-    return pins.fetch_wheel("sglang", pins.read_pins()["sglang"].version) / "sglang"
+    """``sglang/`` of the pinned SGLang: the installed package where it is installed at the
+    pin (a GPU node, the sglang tier: nothing is downloaded), else the wheel, unpacked."""
+    pinned = pins.read_pins()["sglang"].version
+    try:
+        installed = importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        installed = None
+    if installed == pinned:
+        return Path(importlib.util.find_spec("sglang").origin).parent
+    return pins.fetch_wheel("sglang", pinned) / "sglang"
 
 
 @pytest.fixture(scope="module")
@@ -393,15 +403,28 @@ print("RECEIVED", [(name, t.device.type, float(t.double().sum())) for name, t in
 
 
 @pytest.mark.unit
-def test_cpu_tensors_travel_inline_not_as_shared_memory(sglang_src):
+def test_cpu_tensors_cannot_travel_as_shared_memory(sglang_src):
     """SGLang's serializer shares a CPU tensor as a file descriptor that an independent process
-    cannot open; the CUDA form refuses CPU tensors; the CPU form (inline bytes) is opened by
-    SGLang's own ``SafeUnpickler`` in an independent process (the real server takes it: the
-    sglang tier's ``test_tensor_update_with_the_cpu_payload``)."""
+    cannot open; the CUDA form refuses CPU tensors (the CPU form travels inline: the next
+    test)."""
     assert round_trip(sglang_src, "cpu").startswith("FAILED AuthenticationError")
-    named = bucket()
     with pytest.raises(ValueError, match="weight_transport=tensor got CPU tensors"):
-        transport.serialize_cuda_bucket(named)
+        transport.serialize_cuda_bucket(bucket())
+
+
+@pytest.mark.gpu
+@pytest.mark.unit
+def test_a_bucket_made_here_is_received_in_an_independent_process(sglang_src, device, cuda_only):
+    """The ``tensor`` transport's payload for this device, opened by SGLang's own code in an
+    independent process (as the server's scheduler would): on a GPU a flattened bucket's
+    CUDA-IPC handle; on CPU the inline form (``serialize_cpu_bucket``), read by SGLang's
+    ``SafeUnpickler`` (the real server takes it: the sglang tier's
+    ``test_tensor_update_with_the_cpu_payload``)."""
+    if cuda_only("a CUDA-IPC handle needs CUDA"):
+        expected = int(torch.arange(6, dtype=torch.float32).view(torch.uint8).sum())
+        assert round_trip(sglang_src, "cuda") == f"RECEIVED cuda:0 {expected}"
+        return
+    named = bucket()
     serialized = transport.serialize_cpu_bucket(named)
     assert serialized.load_format is None
     common = str(sglang_src / "srt/utils/common.py")
@@ -412,9 +435,3 @@ def test_cpu_tensors_travel_inline_not_as_shared_memory(sglang_src):
     assert result.returncode == 0, result.stderr[-2000:]
     expected = [(name, "cpu", float(t.double().sum())) for name, t in named]
     assert result.stdout.strip().splitlines()[-1] == f"RECEIVED {expected}"
-
-
-@pytest.mark.gpu
-def test_cuda_ipc_payload_round_trips_in_an_independent_process(sglang_src):
-    expected = int(torch.arange(6, dtype=torch.float32).view(torch.uint8).sum())
-    assert round_trip(sglang_src, "cuda") == f"RECEIVED cuda:0 {expected}"
