@@ -149,6 +149,7 @@ def test_memory_tags_are_sglangs_and_what_is_released_is_resumed(sglang_src):
     assert set(released) < sglang_tags and "cuda_graph" not in released
     assert client.resume_memory_occupation_payload(None)["tags"] == released
     assert client.resume_memory_occupation_payload(["weights"])["tags"] == ["weights"]
+    assert client.release_memory_occupation_payload(["kv_cache"])["tags"] == ["kv_cache"]
     with pytest.raises(ValueError, match="cuda_graph"):
         client.resume_memory_occupation_payload(["cuda_graph"])
 
@@ -163,6 +164,7 @@ def test_every_body_has_exactly_fields_of_its_request_struct(sglang_src):
         assert required <= set(body), f"{endpoint}: {struct} needs {required - set(body)}"
         assert "POST" in served.get(endpoint, set()), f"SGLang serves no POST {endpoint}"
     assert "GET" in served["/health_generate"]  # SGLangClient.healthy: GET, no body
+    assert "GET" in served["/server_info"]  # SGLangClient.scheduler_answers: GET, no body
 
 
 @pytest.mark.unit
