@@ -14,8 +14,6 @@ Every request body comes from our payload builders, so renaming a key in them fa
 from __future__ import annotations
 
 import ast
-import importlib.metadata
-import importlib.util
 import json
 import os
 import re
@@ -34,16 +32,9 @@ from megatron_armor.rollout.sglang import weights as transport
 
 @pytest.fixture(scope="module")
 def sglang_src() -> Path:
-    """``sglang/`` of the pinned SGLang: the installed package where it is installed at the
-    pin (a GPU node, the sglang tier: nothing is downloaded), else the wheel, unpacked."""
-    pinned = pins.read_pins()["sglang"].version
-    try:
-        installed = importlib.metadata.version("sglang")
-    except importlib.metadata.PackageNotFoundError:
-        installed = None
-    if installed == pinned:
-        return Path(importlib.util.find_spec("sglang").origin).parent
-    return pins.fetch_wheel("sglang", pinned) / "sglang"
+    """``sglang/`` of the pinned SGLang: the installed package at the pin (a GPU node), else
+    the wheel, unpacked (``pins.pinned_sources``)."""
+    return pins.pinned_sources("sglang", "sglang", pins.read_pins()["sglang"].version)
 
 
 @pytest.fixture(scope="module")
