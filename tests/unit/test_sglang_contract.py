@@ -2,7 +2,8 @@
 
 The wheels (versions from requirements-gpu.txt) are fetched once with ``pip download --no-deps``
 into ``~/.cache/megatron_armor/wheels`` (``megatron_armor.doctor.pins.fetch_wheel``) and never
-installed. SGLang's sources are read with ``ast``: its request structs (``io_struct.py``), its
+installed; where SGLang is installed at its pin (a GPU node) its installed sources are read
+instead (``pins.pinned_sources``). SGLang's sources are read with ``ast``: its request structs (``io_struct.py``), its
 HTTP routes (``http_server.py``), ``ServerArgs``'s command line (``arg_groups/fields``,
 ``server_args.py``) and ``SamplingParams``. The router's own argparse parser is imported from its
 wheel and parses our command. SGLang's ``MultiprocessingSerializer`` (and its ``SafeUnpickler``)
