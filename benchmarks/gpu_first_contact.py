@@ -52,6 +52,7 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -397,7 +398,7 @@ class FirstCheck:
     """One check, with its budget on an H100 and its deadline in the rehearsal on CPU."""
 
     name: str
-    run: object
+    run: Callable[[dict], dict]
     h100_budget_s: float
     cpu_deadline_s: float
 
