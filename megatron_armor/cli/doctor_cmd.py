@@ -19,6 +19,8 @@ from megatron_armor.config import ConfigError, load_config
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    from megatron_armor.doctor.cluster import ALL_REDUCE_TIMEOUT_S
+
     p = sub.add_parser("doctor", help="check this node's GPU stack before a long job")
     p.add_argument("file", nargs="?", default=None, help="YAML config (default: the defaults)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.fp8.enabled=true")
@@ -34,6 +36,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--all-nodes",
         action="store_true",
         help="under `srun --ntasks-per-node=1`: every node's checks plus a cross-node all-reduce",
+    )
+    p.add_argument(
+        "--all-reduce-timeout-s",
+        type=float,
+        default=ALL_REDUCE_TIMEOUT_S,
+        metavar="S",
+        help="with --all-nodes: seconds for joining the group and the all-reduces "
+        f"(default {ALL_REDUCE_TIMEOUT_S:g})",
     )
     p.set_defaults(run=run)
 
@@ -71,7 +81,11 @@ def run_all_nodes(config, args: argparse.Namespace) -> int:
 
     place = slurm_placement()  # outside srun: ValueError, exit 2 before any check
     selected(config, args.check)  # a misspelt --check: exit 2 on every node, before the checks
-    reports = cross_node_reports(place, run_all(config, args.check))
+    if args.all_reduce_timeout_s <= 0:
+        raise ValueError(
+            f"--all-reduce-timeout-s={args.all_reduce_timeout_s:g}: give a number of seconds > 0"
+        )
+    reports = cross_node_reports(place, run_all(config, args.check), args.all_reduce_timeout_s)
     for node in reports:
         render(
             node.checks, title=f"armor doctor: node {node.node_id} ({node.host}, rank {node.rank})"

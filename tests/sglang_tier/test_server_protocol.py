@@ -6,7 +6,8 @@ command and the API key; generation with log-probs against the megatron-core tra
 same weights and overrides (and against the model without the override, which must differ: the
 override reaches the served model); each weight transport inside SGLang's weight-update session
 (disk; distributed over gloo in buckets; tensor with the CPU payload); release and resume in the
-loop's order with generation paused, a request in flight.
+loop's order with generation paused, a request in flight; a paused server taken for alive,
+and restarted paused.
 
 Every update loads weights whose log-probs differ from the previous ones by far more than the
 tolerance, so a push that did not arrive fails the comparison.
@@ -186,6 +187,28 @@ def test_release_and_resume_in_the_loops_order_with_a_request_in_flight(served):
     # the servers loaded v14: the HF dirs of earlier disk pushes are gone
     assert sorted(p.name for p in Path(engine.weights_dir).iterdir()) == ["v14"]
     assert_serves(engine, model, new, 14, previous=served.get("current"))
+
+
+def test_a_paused_server_is_not_taken_for_stuck_and_a_restart_keeps_it_paused(served):
+    """Colocated, between the release and the KV cache's return, a server generates nothing
+    (its generation is paused): the call watch's probe (``wedged_servers``) and the heal's
+    (``server_healthy``) ask its scheduler (``/server_info``) instead of ``/health_generate``,
+    so a paused server is neither killed nor restarted for it; a server restarted there (a
+    dead one, healed) releases what the pool has released, so the KV cache's resume that ends
+    the sync finds it released (SGLang raises on a resume of a tag it holds)."""
+    engine, model = served["engine"], served["model"]
+    server = engine.servers[0]
+    engine.release_memory()
+    engine.resume_memory(["weights"])  # the sync's state while the trainer ranks push
+    assert engine.wedged_servers(timeout_s=5) == []
+    assert engine.server_healthy(server)
+    engine.restart_server(server)  # as the heal restarts a dead one: out of rotation, paused
+    new = perturbed(served["base"], seed=5)
+    engine.update_weights(new, version=15)  # the heal's push of the pool's weights
+    engine.resume_memory(["kv_cache"])
+    engine.rejoin(server)
+    assert engine.health() and engine.released == []
+    assert_serves(engine, model, new, 15, previous=served.get("current"))
 
 
 def _stream_one(engine, first_chunk: threading.Event, finished: dict) -> None:

@@ -132,6 +132,8 @@ class SGLangEngine(RolloutEngine):
         # hex, so it never starts with "-", which argparse would take for a flag
         self._api_key = "" if router_url or urls_given else secrets.token_hex(32)
         self._version = 0
+        self.released: list[str] = []
+        """The memory tags released and not yet resumed (generation paused while any is)."""
         self._round_robin = itertools.count()
         self._loop = EventLoopThread()
         self._client = SGLangClient(client_settings(cfg, self._api_key))
@@ -404,11 +406,13 @@ class SGLangEngine(RolloutEngine):
         is not idle trips an assertion that ends the server), then
         ``/release_memory_occupation`` of weights and KV cache (``client.RELEASED_TAGS``, never
         the CUDA graphs) on every server (colocated)."""
-        self._post_all(self.servers, "/pause_generation", lambda s: pause_generation_payload())
+        self._release(self.servers, None)
+        self.released = list(release_memory_occupation_payload()["tags"])
+
+    def _release(self, servers: list[EngineServer], tags: list[str] | None) -> None:
+        self._post_all(servers, "/pause_generation", lambda s: pause_generation_payload())
         self._post_all(
-            self.servers,
-            "/release_memory_occupation",
-            lambda s: release_memory_occupation_payload(),
+            servers, "/release_memory_occupation", lambda s: release_memory_occupation_payload(tags)
         )
 
     def resume_memory(self, tags: list[str] | None = None) -> None:
@@ -416,18 +420,24 @@ class SGLangEngine(RolloutEngine):
         generation continues (``/continue_generation``) once the KV cache is back. The loop
         takes the weights back before a push and the KV cache after it, so the cache is not
         on the GPU beside the push's buckets."""
-        self._post_all(
-            self.servers,
-            "/resume_memory_occupation",
-            lambda s: resume_memory_occupation_payload(tags),
-        )
+        resumed = resume_memory_occupation_payload(tags)["tags"]
+        self._post_all(self.servers, "/resume_memory_occupation", lambda s: {"tags": resumed})
+        self.released = [t for t in self.released if t not in resumed]
         if tags is None or KV_CACHE in tags:
             self._post_all(self.servers, "/continue_generation", lambda s: {})
+
+    def _answers(self, url: str, timeout_s: float = 30.0):
+        """The probe of a server that works: ``/health_generate`` (a one-token generation)
+        while it serves; while its memory is released it is paused and generates nothing,
+        so there its scheduler must answer a control request (``/server_info``)."""
+        if self.released:
+            return self._client.scheduler_answers(url, timeout_s)
+        return self._client.healthy(url, timeout_s)
 
     def server_healthy(self, server: EngineServer) -> bool:
         if server.process is not None and not server.process.alive():
             return False
-        return self._loop.run(self._client.healthy(server.url))
+        return self._loop.run(self._answers(server.url))
 
     def health(self) -> bool:
         return all(self.server_healthy(s) for s in self.servers)
@@ -437,12 +447,15 @@ class SGLangEngine(RolloutEngine):
         within ``timeout_s``. SGLang 0.5.23 answers it at once while its scheduler is sending
         anything (a busy server that makes progress), runs a one-token generation when idle,
         answers 503 after ``SGLANG_HEALTH_CHECK_TIMEOUT`` (20 s) when the scheduler sent
-        nothing, and not at all when the HTTP process itself is stopped."""
+        nothing, and not at all when the HTTP process itself is stopped. While the pool's
+        memory is released (colocated, between the rollout and the KV cache's return) the
+        servers are paused and generate nothing: they are asked ``/server_info`` instead,
+        which a paused scheduler answers and a wedged one does not."""
         chosen = [s for s in self.servers
                   if s.serving and s.process is not None and s.process.alive()]  # fmt: skip
 
         async def probe_all():
-            return await asyncio.gather(*(self._client.healthy(s.url, timeout_s) for s in chosen))
+            return await asyncio.gather(*(self._answers(s.url, timeout_s) for s in chosen))
 
         answers = self._loop.run(probe_all()) if chosen else []
         return [s for s, ok in zip(chosen, answers, strict=True) if not ok]
@@ -456,7 +469,9 @@ class SGLangEngine(RolloutEngine):
 
     def restart_server(self, server: EngineServer) -> None:
         """Take ``server`` out of rotation and restart it; the caller re-syncs its weights,
-        then puts it back with :meth:`rejoin`."""
+        then puts it back with :meth:`rejoin`. While the pool's memory is released the new
+        process releases the same tags (paused, as the others), so the resume that comes next
+        finds them released."""
         server.serving = False
         if self.router_url is not None:
             self._router_call("remove_worker", server.url)
@@ -467,6 +482,8 @@ class SGLangEngine(RolloutEngine):
         server.process.stop()
         server.process.start(env=launch.server_env(self.on_cpu))
         server.process.wait_healthy(self.cfg.startup_timeout_s)
+        if self.released:  # as the pool's other servers: the phase resumes these tags next
+            self._release([server], self.released)
 
     def rejoin(self, server: EngineServer) -> None:
         """Put a restarted, re-synced ``server`` back into rotation (and behind the router)."""
