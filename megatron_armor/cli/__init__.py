@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
+from megatron_armor import env_settings
 from megatron_armor.cli import supervise
 from megatron_armor.supervisor_pipe import adopt_pipe, tell_supervisor
 
@@ -45,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if env_settings.report(os.environ, "armor"):  # every ARMOR_* setting, before anything
+        return 2
     if supervise.wanted(argv, CHECKPOINT_ON_SIGNAL):
         return supervise.supervise(sys.argv[1:])  # the driver runs as its child
     command = (sys.argv[1:] if argv is None else argv)[:1]

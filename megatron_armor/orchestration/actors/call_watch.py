@@ -34,6 +34,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_armor import env_settings
 from megatron_armor.heartbeat import (
     busy,
     call_ended,
@@ -42,6 +43,7 @@ from megatron_armor.heartbeat import (
 )
 from megatron_armor.orchestration.actors.faults import RequeueError, newest_checkpoint_text
 from megatron_armor.orchestration.run.run_state import EXIT_REQUEUE
+from megatron_armor.supervisor_pipe import advance
 
 WATCH_GROUP = "watch"
 CONCURRENCY_GROUPS = {WATCH_GROUP: 1}
@@ -68,8 +70,7 @@ def kind_of(what: str) -> str:
 
 def env_cap() -> float | None:
     """``ARMOR_CALL_TIMEOUT_S`` when set: a cap on every deadline."""
-    value = os.environ.get("ARMOR_CALL_TIMEOUT_S")
-    return float(value) if value else None
+    return env_settings.value("ARMOR_CALL_TIMEOUT_S")
 
 
 def quantile(values: Iterable[float], q: float) -> float:
@@ -249,6 +250,7 @@ class CallWatch:
         return values
 
     def check_stop(self, what: str, start: float) -> None:
+        advance()  # the driver's main loop polls: progress for its parent (cli/driver_watch.py)
         stop = self.stop
         if stop is None or not stop.received:
             return

@@ -53,6 +53,10 @@ from megatron_armor.orchestration.actors.recovery import Recovery
 from megatron_armor.orchestration.actors.weight_sync import WeightSync, make_weight_sync
 from megatron_armor.orchestration.actors.workers import freeze_heap, load_model_tokenizer
 from megatron_armor.orchestration.run import checkpoints
+from megatron_armor.orchestration.run.control_plane import (
+    ControlPlaneProbe,
+    health_check_environment,
+)
 from megatron_armor.orchestration.run.disk_space import (
     check_free_space,
     estimated_checkpoint_bytes,
@@ -153,6 +157,8 @@ class Session:
     weight_sync: WeightSync
     host_memory: HostMemory
     recovery: Recovery
+    probe: ControlPlaneProbe | None = None
+    """The driver's probe of its raylet and the GCS (``control_plane.py``)."""
     in_flight: Callable[[], dict] = dict
     """The next step's rollout drawn during this step, as a checkpoint keeps it (``{}``: none;
     set by ``async_rollout.AsyncPipeline``), read at each save only."""
@@ -187,10 +193,12 @@ class Session:
         )
         val = load_val_datasets(config, tokenizer) if config.validation.every > 0 else {}
         plan = plan_layout(config)
+        health_check_environment()  # before the local head starts: its GCS reads them
         init_ray(config, plan, run_dir)
-        pg, order, where = create_bundles(plan, config.orchestration.ray_init_timeout_s)
+        probe = ControlPlaneProbe.start()  # a frozen raylet or GCS: named, exit 75
         built: list = []
         try:  # a failed start must not leave actors or SGLang servers behind
+            pg, order, where = create_bundles(plan, config.orchestration.ray_init_timeout_s)
             trainer = TrainerActors(config, plan, pg, order, str(run_dir / "profile"))
             built.append(trainer)
             rollout = RolloutActors(config, plan, pg, order, rollout_hosts(plan, where))
@@ -200,6 +208,7 @@ class Session:
             trainer.init()
             host_memory = HostMemory.start(trainer, rollout, reward)
         except BaseException:
+            probe.stop()
             close_actors(built)
             raise
         r = config.algo.reset
@@ -220,7 +229,7 @@ class Session:
             num_minibatches=updates_per_step(config), state=RunState(), watch=RunWatch(config), lock=None,
             resume_from=None, weight_sync=start_weight_sync(config, trainer, rollout),
             host_memory=host_memory,
-            recovery=Recovery(config),
+            recovery=Recovery(config), probe=probe,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ checkpoints
@@ -366,6 +375,8 @@ class Session:
             self.logger.close()  # flushes TensorBoard: fails on a full disk
         except OSError as err:
             print(f"warning: closing the metrics sinks failed: {err}", flush=True)
+        if self.probe is not None:  # Ray goes now: unanswered probes are no lost GCS
+            self.probe.stop()
         budget = self.config.orchestration.shutdown_timeout_s
         end = time.monotonic() + budget
         close_actors([self.trainer, self.rollout, self.reward], budget)
