@@ -115,16 +115,16 @@ SETTINGS: dict[str, Setting] = {
         integer(1), WHOLE_SECONDS, "the seconds between the time-limit signal and the job's "
         "end, 600 by default", f"{SLURM}, armor"),
     "ARMOR_SUPERVISE": Setting(
-        choice("0", "1"), FLAG, "0: `armor train` runs the driver in its own process, without "
-        "the parent that watches it (cli/supervise.py)", "armor"),
+        choice("0", "1"), FLAG, "0 to run the driver in the `armor` process itself, "
+        "unwatched (cli/supervise.py)", "armor"),
     "ARMOR_NVTX": Setting(
-        choice("0", "1"), FLAG, "1: NVTX ranges from the start (set by launch/profile.sh)", "armor"),
+        choice("0", "1"), FLAG, "1 to mark NVTX ranges from the start (launch/profile.sh)", "armor"),
     "ARMOR_CACHE": Setting(
-        text, TEXT, "directory of downloaded wheels (default ~/.cache/megatron_armor)",
+        text, TEXT, "the directory of downloaded wheels (~/.cache/megatron_armor)",
         "armor doctor"),
     "ARMOR_REQUEUE_REPEATS": Setting(
-        integer(1), "a whole number >= 1", "exits 75 in a row at the same step with the same "
-        "cause before the run exits 70 instead (no requeue loop; default 3)", "armor"),
+        integer(1), "a whole number >= 1", "the exits 75 in a row at the same step with the "
+        "same cause after which the run exits 70 instead, 3 by default", "armor"),
     "ARMOR_ROOT": Setting(
         text, TEXT, "the repository (default: the submit directory)",
         f"{SLURM}, launch/, armor compare --slurm"),
@@ -141,49 +141,49 @@ SETTINGS: dict[str, Setting] = {
     "ARMOR_RAY": Setting(text, TEXT, "the `ray` command", f"{SLURM}, launch/"),
     "ARMOR_DRIVER": Setting(text, TEXT, "the training command instead of `armor train`",
                             f"{SLURM}, launch/"),  # fmt: skip
-    "ARMOR_NODE_IFACE": Setting(text, TEXT, "network interface whose IPv4 address Ray uses", SLURM),
+    "ARMOR_NODE_IFACE": Setting(text, TEXT, "the network interface whose IPv4 address Ray uses", SLURM),
     "ARMOR_LOG_ROOT": Setting(text, TEXT, "where the job directories go (logs/slurm)", SLURM),
     "ARMOR_MAX_RESTARTS": Setting(
-        integer(0), "a whole number >= 0", "requeues of one job at most (default 50)", SLURM),
+        integer(0), "a whole number >= 0", "the most requeues of one job (50)", SLURM),
     "ARMOR_REQUEUE_EXIT_CODE": Setting(
         integer(1, 255), "a whole number in [1, 255]", "the driver's exit code that requeues "
         "the job (75)", SLURM),
     "ARMOR_DRIVER_STOP_GRACE_S": Setting(
-        integer(0), "a whole number of seconds >= 0", "SIGTERM to SIGKILL of a driver stopped "
-        "after a lost node (default 20)", SLURM),
+        integer(0), "a whole number of seconds >= 0", "the grace between SIGTERM and SIGKILL of "
+        "a driver stopped after a lost node (20)", SLURM),
     "ARMOR_RAY_STOP_GRACE_S": Setting(
-        integer(0), "a whole number of seconds >= 0", "wait for Ray's nodes to stop (default 30)",
+        integer(0), "a whole number of seconds >= 0", "the wait for Ray's nodes to stop (30)",
         SLURM),
     "ARMOR_RAY_JOIN_TIMEOUT_S": Setting(
-        integer(1), WHOLE_SECONDS, "bound on the nodes joining the Ray cluster (default 300)",
+        integer(1), WHOLE_SECONDS, "the bound on the nodes joining the Ray cluster (300)",
         SLURM),
     "ARMOR_RAY_START_TIMEOUT_S": Setting(
-        integer(1), WHOLE_SECONDS, "bound on the local Ray head starting (default 120)", LAUNCH),
+        integer(1), WHOLE_SECONDS, "the bound on the local Ray head starting (120)", LAUNCH),
     "ARMOR_RAY_PORT": Setting(integer(1, 65535), PORT, "the GCS port", f"{SLURM}, {LAUNCH}"),
-    "ARMOR_RAY_DASHBOARD": Setting(choice("0", "1"), FLAG, "1: start Ray's dashboard",
+    "ARMOR_RAY_DASHBOARD": Setting(choice("0", "1"), FLAG, "1 to start Ray's dashboard",
                                    f"{SLURM}, {LAUNCH}"),  # fmt: skip
     "ARMOR_RAY_DASHBOARD_PORT": Setting(integer(1, 65535), PORT, "the dashboard's port (8265)",
                                         f"{SLURM}, {LAUNCH}"),  # fmt: skip
-    "ARMOR_RAY_NUM_CPUS": Setting(integer(1), "a whole number >= 1", "CPUs Ray advertises",
+    "ARMOR_RAY_NUM_CPUS": Setting(integer(1), "a whole number >= 1", "the CPUs Ray advertises",
                                   f"{SLURM}, {LAUNCH}"),  # fmt: skip
-    "ARMOR_RAY_NUM_GPUS": Setting(integer(0), "a whole number >= 0", "GPUs Ray advertises per "
+    "ARMOR_RAY_NUM_GPUS": Setting(integer(0), "a whole number >= 0", "the GPUs Ray advertises per "
                                   "node", f"{SLURM}, {LAUNCH}"),  # fmt: skip
     "ARMOR_RAY_OBJECT_STORE_MB": Setting(
         integer(80), "a whole number >= 80 (Ray's minimum object store)",
-        "object store size per node in MiB", SLURM),
+        "the object store per node in MiB", SLURM),
     "ARMOR_RAY_TEMP_DIR": Setting(text, TEXT, "Ray's temp directory", f"{SLURM}, {LAUNCH}"),
     "ARMOR_PROFILE": Setting(choice("none", "torch", "nsys"), "none, torch or nsys",
-                             "profile trainer ranks", SLURM),  # fmt: skip
+                             "the profiler of the trainer ranks", SLURM),  # fmt: skip
     "ARMOR_PROFILE_STEPS": Setting(integers(1), "whole numbers >= 1, comma-separated",
-                                   "the steps profiled (default 2)", SLURM),  # fmt: skip
+                                   "the steps profiled (2)", SLURM),  # fmt: skip
     "ARMOR_PROFILE_RANKS": Setting(integers(0), "whole numbers >= 0, comma-separated",
-                                   "the trainer ranks profiled (default 0)", SLURM),  # fmt: skip
+                                   "the trainer ranks profiled (0)", SLURM),  # fmt: skip
     "ARMOR_LOG_DIR": Setting(text, TEXT, "where ray-head.log goes", LAUNCH),
-    "ARMOR_KEEP_RAY": Setting(choice("0", "1"), FLAG, "1: leave the head running", LAUNCH),
+    "ARMOR_KEEP_RAY": Setting(choice("0", "1"), FLAG, "1 to leave the head running", LAUNCH),
     "ARMOR_JOB_ID": Setting(text, TEXT, "the Ray job's submission id", "launch/submit_job.sh"),
     "ARMOR_WORKING_DIR": Setting(text, TEXT, "a directory uploaded as the job's working_dir",
                                  "launch/submit_job.sh"),  # fmt: skip
-    "ARMOR_DRY_RUN": Setting(choice("0", "1"), FLAG, "1: print the profiler command",
+    "ARMOR_DRY_RUN": Setting(choice("0", "1"), FLAG, "1 to print the profiler command",
                              "launch/profile.sh"),  # fmt: skip
     # set up and tests
     "ARMOR_VENV": Setting(text, TEXT, "the virtualenv scripts/bootstrap.sh makes (.venv)",
@@ -191,8 +191,8 @@ SETTINGS: dict[str, Setting] = {
     "ARMOR_SGLANG_VENV": Setting(text, TEXT, "the SGLang tier's virtualenv",
                                  "scripts/sglang_env.sh"),  # fmt: skip
     "ARMOR_SGLANG_TIER": Setting(choice("auto", "0", "1"), "auto, 0 or 1",
-                                 "run the SGLang tier", TESTS),  # fmt: skip
-    "ARMOR_SLURM_KEEP": Setting(choice("0", "1"), FLAG, "1: leave the CI cluster up", TESTS),
+                                 "whether the SGLang tier runs", TESTS),  # fmt: skip
+    "ARMOR_SLURM_KEEP": Setting(choice("0", "1"), FLAG, "1 to leave the CI cluster up", TESTS),
     "ARMOR_TINY_DIR": Setting(text, TEXT, "the tiny model and data (artifacts/tiny)",
                               f"scripts/quickstart.sh, {TESTS}"),  # fmt: skip
     "ARMOR_TINY_MOE_DIR": Setting(text, TEXT, "the tiny MoE model and data", TESTS),
@@ -203,8 +203,8 @@ SETTINGS: dict[str, Setting] = {
     "ARMOR_SLURM_STATE": Setting(text, TEXT, "the CI cluster's state directory", CI_SLURM),
     "ARMOR_SLURM_CONF": Setting(text, TEXT, "the CI cluster's slurm.conf", CI_SLURM),
     "ARMOR_SLURM_TOPOLOGY": Setting(choice("two-node", "single-node"), "two-node or single-node",
-                                    "nodes of the CI cluster", CI_SLURM),  # fmt: skip
-    "ARMOR_SLURM_WAIT_S": Setting(integer(1), WHOLE_SECONDS, "bound on the CI cluster starting",
+                                    "the CI cluster's nodes", CI_SLURM),  # fmt: skip
+    "ARMOR_SLURM_WAIT_S": Setting(integer(1), WHOLE_SECONDS, "the bound on the CI cluster starting",
                                   CI_SLURM),  # fmt: skip
     "ARMOR_SLURM_NODES": Setting(text, TEXT, "the CI cluster's node names", CI_SLURM),
     "ARMOR_SLURM_BRIDGE": Setting(text, TEXT, "the CI cluster's bridge", CI_SLURM),

@@ -147,3 +147,13 @@ def test_processes_a_sigkill_left_are_named_by_state():
     assert "pid 41 (python) is still alive in uninterruptible sleep (state D" in lines[0]
     assert "pid 42 (raylet) is still alive (state R) after SIGKILL" in lines[1]
     assert process_state(os.getpid())[0] in "RS" and process_state(2**22 + 7) == ("X", "")
+
+
+def test_a_faults_cause_names_its_actor_and_error_class_only():
+    """What two exits compare (``requeue_history.repeats``): no pid, time or message."""
+    from megatron_armor.orchestration.actors.faults import Fault
+    from megatron_armor.orchestration.step.loop import requeue_cause
+
+    err = TimeoutError("TrainerWorker 0 (pid 1234) waited 31s")
+    assert requeue_cause(Fault("trainer", 0, err), err) == "TrainerWorker 0 failed (TimeoutError)"
+    assert requeue_cause(None, RuntimeError("pid 99")) == "RuntimeError"
