@@ -31,6 +31,8 @@ from pathlib import Path
 
 import pytest
 
+from megatron_armor.cli.supervise import process_state
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from e2e_runs import CACHED, Run  # noqa: E402
@@ -44,6 +46,16 @@ from test_faults_e2e import (  # noqa: E402
 pytestmark = pytest.mark.e2e
 NAME = "driver_watched"
 SLACK_S = 25  # the parent's poll, the kill and its wait, the exit, on a loaded machine
+
+
+def stop(pid: int) -> None:
+    """SIGSTOP, and until it took effect (``T`` in ``/proc/PID/stat``): a signal sent
+    meanwhile would be taken first."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 30
+    while process_state(pid)[0] != "T":
+        assert time.monotonic() < deadline, process_state(pid)
+        time.sleep(0.01)
 
 
 def driver_pid(run: Run) -> int:
@@ -79,7 +91,7 @@ def test_a_stopped_driver_or_raylet_ends_in_a_named_exit_75_and_the_run_resumes_
     run.wait_for(anchor_file(run.run_dir, 3).is_file)
     deadlines = re.findall(r"driver deadline: step (\d+)s", run.output())
     pid = driver_pid(run)
-    os.kill(pid, signal.SIGSTOP)
+    stop(pid)
     code, took, text = ended(run, 300)
     assert code == 75, text[-4000:]
     assert deadlines and took < int(deadlines[-1]) + SLACK_S, (took, deadlines)
@@ -89,7 +101,7 @@ def test_a_stopped_driver_or_raylet_ends_in_a_named_exit_75_and_the_run_resumes_
 
     run = resumed(out_dir, tiny_dir, "orchestration.stop_wait_s=5")
     run.wait_for(anchor_file(run.run_dir, 3).is_file)
-    os.kill(driver_pid(run), signal.SIGSTOP)
+    stop(driver_pid(run))
     run.signal_group(signal.SIGTERM)
     code, took, text = ended(run, 300)
     assert code == 75 and took < 5 + SLACK_S, (code, took, text[-3000:])
@@ -98,7 +110,7 @@ def test_a_stopped_driver_or_raylet_ends_in_a_named_exit_75_and_the_run_resumes_
     run = resumed(out_dir, tiny_dir)
     run.wait_for(lambda: anchor_file(run.run_dir, 3).is_file() and raylet_pids(run.ray_tmp))
     (raylet,) = raylet_pids(run.ray_tmp)
-    os.kill(raylet, signal.SIGSTOP)
+    stop(raylet)
     code, took, text = ended(run, 300)
     assert code == 75, text[-4000:]
     assert "armor train: lost Ray's raylet of node " in text and "the GCS marked it dead" in text

@@ -175,6 +175,15 @@ def children(pid: int) -> list[int]:
     return [int(p) for p in text.split()]
 
 
+def wait_until_stopped(pid: int, timeout: float = 30) -> None:
+    """Until ``pid`` is in the stopped state (``T``): a SIGSTOP takes effect when the process
+    next runs."""
+    deadline = time.monotonic() + timeout
+    while supervise.process_state(pid)[0] != "T":
+        assert time.monotonic() < deadline, supervise.process_state(pid)
+        time.sleep(0.01)
+
+
 def alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -246,6 +255,7 @@ def test_a_stopped_driver_and_a_stop_signal_end_within_stop_wait_s(tmp_path):
     """
     parent, child = sleeping_driver(tmp_path, driver(tmp_path, body), ready)
     os.kill(child, signal.SIGSTOP)
+    wait_until_stopped(child)  # a SIGTERM pending beside the SIGSTOP would be taken first
     parent.send_signal(signal.SIGTERM)
     signalled = time.monotonic()
     assert parent.wait(timeout=60) == 75
