@@ -75,7 +75,13 @@ class DriverWatch:
     # ------------------------------------------------------------------ messages
     def receive(self, key: str, value: str, now: float) -> list[str]:
         """Take one message of the driver; returns lines for the run log (a deadline that
-        is new or moved)."""
+        is new or moved). A malformed message is dropped (the watch goes on without it)."""
+        try:
+            return self.take(key, value, now)
+        except ValueError:
+            return []
+
+    def take(self, key: str, value: str, now: float) -> list[str]:
         if key == "beat":
             self.last_beat = now
             if int(value) != self.progress:

@@ -1,15 +1,18 @@
 """e2e tier: the driver and Ray's control plane are watched too (``cli/supervise.py``,
 ``cli/driver_watch.py``, ``orchestration/run/control_plane.py``), on one run directory of the
-tiny config with the default settings, each fault once step 3's anchor file is written (the
-step is under way; its checkpoint is step 2's):
+tiny config with the default settings:
 
-1. SIGSTOP of the driver: the ``armor train`` parent ends it within the deadline of its phase
-   (learned from the run's steps, printed as ``driver deadline: step Ns``), names it, kills
-   every process of the run and exits 75.
-2. ``--resume auto``, the same stop and a SIGTERM to the process group (a preemption while
-   the driver cannot act): exit 75 within ``orchestration.stop_wait_s`` (lowered to 5 s) of
-   the signal, long before the phase's deadline; nothing of the run left.
-3. ``--resume auto`` and SIGSTOP of the run's raylet (a frozen node): the driver's probe hears
+1. SIGSTOP of the driver once step 3's anchor file is written (the step is under way; its
+   checkpoint is step 2's): the ``armor train`` parent ends it within the deadline of its
+   phase (learned from the run's steps, printed as ``driver deadline: step Ns``), names it,
+   kills every process of the run and exits 75.
+2. ``--resume auto``, SIGSTOP of the driver once it says it starts (``armor train: starting``:
+   the run directory is its own, Ray is being started) and a SIGTERM to the process group (a
+   preemption while the driver cannot act): exit 75 within ``orchestration.stop_wait_s``
+   (lowered to 5 s) of the signal, long before the phase's deadline (its first start-up
+   waits the cap); nothing of the run left.
+3. ``--resume auto`` and SIGSTOP of the run's raylet once step 3's anchor file is written (a
+   frozen node): the driver's probe hears
    from the GCS that the node is dead (its health checks, tightened for the run's own head),
    the parent names the raylet and its node and exits 75; nothing of the run left. (The
    actors call each other without the raylet: the run may reach step 4 meanwhile.)
@@ -100,12 +103,13 @@ def test_a_stopped_driver_or_raylet_ends_in_a_named_exit_75_and_the_run_resumes_
     assert "killed the driver and the " in text and "uninterruptible sleep" not in text
 
     run = resumed(out_dir, tiny_dir, "orchestration.stop_wait_s=5")
-    run.wait_for(anchor_file(run.run_dir, 3).is_file)
+    run.wait_for(lambda: "armor train: starting" in run.output())
     stop(driver_pid(run))
     run.signal_group(signal.SIGTERM)
     code, took, text = ended(run, 300)
     assert code == 75 and took < 5 + SLACK_S, (code, took, text[-3000:])
-    assert "SIGTERM arrived and the driver did not move within orchestration.stop_wait_s=5s" in text
+    assert "in phase start of step 0, SIGTERM arrived and the driver did not move within " in text
+    assert "orchestration.stop_wait_s=5s" in text
 
     run = resumed(out_dir, tiny_dir)
     run.wait_for(lambda: anchor_file(run.run_dir, 3).is_file() and raylet_pids(run.ray_tmp))
@@ -122,7 +126,7 @@ def test_a_stopped_driver_or_raylet_ends_in_a_named_exit_75_and_the_run_resumes_
     rows = [json.loads(x) for x in (last.run_dir / "requeues.jsonl").read_text().splitlines()]
     assert [(r["step"], r["cause"], r["signal"]) for r in rows[:2]] == [
         (3, "the driver stalled in phase step", False),
-        (3, "the driver stalled in phase step", True),
+        (0, "the driver stalled in phase start", True),
     ], rows
     # the actors answer the driver without the raylet: the run may reach step 4 meanwhile
     assert rows[2]["step"] in (3, 4) and rows[2]["cause"] == "lost Ray's raylet", rows

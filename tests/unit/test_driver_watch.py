@@ -157,3 +157,9 @@ def test_a_faults_cause_names_its_actor_and_error_class_only():
     err = TimeoutError("TrainerWorker 0 (pid 1234) waited 31s")
     assert requeue_cause(Fault("trainer", 0, err), err) == "TrainerWorker 0 failed (TimeoutError)"
     assert requeue_cause(None, RuntimeError("pid 99")) == "RuntimeError"
+
+
+def test_a_malformed_message_is_dropped():
+    watch, now = watch_after_steps([1.0])
+    assert watch.receive("beat", "x", now) == [] and watch.receive("phase", "two step", now) == []
+    assert watch.receive("rule", "10 0.9", now) == [] and watch.phase == "step"
