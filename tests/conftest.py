@@ -29,7 +29,7 @@ import torch
 
 TIERS = ("unit", "dist", "e2e", "slurm", "sglang", "gpu")
 CUDA_ONLY_REASON = "every line needs CUDA (docs/gpu.md, 'The gpu test tier')"
-OWN_PROCESS_ENV = "ARMOR_OWN_PROCESS_REPORT"
+OWN_PROCESS_ENV = "PYTEST_OWN_PROCESS_REPORT"  # the tests' own, not an armor setting
 """Set in an ``own_process`` child: where it writes its test reports (JSON lines)."""
 OWN_PROCESS_TIMEOUT_S = 3600
 

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
+from megatron_armor import env_settings
 from megatron_armor.cli import supervise
-from megatron_armor.supervisor_pipe import adopt_pipe, tell_supervisor
+from megatron_armor.supervisor_pipe import ENV, adopt_pipe, tell_supervisor
 
 SUBCOMMANDS = {
     "config": "megatron_armor.cli.config_cmd",
@@ -45,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    checked = ENV in os.environ  # a driver: its armor parent checked the same environment
+    if not checked and env_settings.report(os.environ, "armor"):  # every ARMOR_* setting
+        return 2
     if supervise.wanted(argv, CHECKPOINT_ON_SIGNAL):
         return supervise.supervise(sys.argv[1:])  # the driver runs as its child
     command = (sys.argv[1:] if argv is None else argv)[:1]

@@ -81,6 +81,11 @@ def eval_config(args: argparse.Namespace) -> ArmorConfig:
         args.data = list(config.data.val_files)
     if args.step is not None and args.seed is not None:
         raise ConfigError("--step and --seed both set the sampling seed; give one")
+    if args.step is not None:
+        known = run_steps(args.config, config)
+        if args.step not in known:
+            raise ConfigError(f"--step {args.step}: {steps_text(args.config, config, known)}; "
+                              "pass one of those")  # fmt: skip
     problems = input_problems("--model", args.model, {"--data": args.data})
     if problems:
         raise ConfigError("; ".join(problems))
@@ -96,6 +101,33 @@ def config_file(path: str | None) -> str | None:
                               "directory); pass the run directory or a YAML config")  # fmt: skip
         return str(saved)
     return path
+
+
+def run_steps(config_arg: str | None, config: ArmorConfig) -> list[int]:
+    """The steps ``--step`` may name: of a run directory, those it validated or holds a
+    checkpoint of; of a YAML config (or the defaults), the steps its validation runs at."""
+    from megatron_armor.orchestration.step.phases import validation_due
+
+    if config_arg is None or not Path(config_arg).is_dir():
+        return [s for s in range(config.run.steps + 1) if validation_due(config, s)]
+    from megatron_armor.observability.metrics import read_metrics
+    from megatron_armor.orchestration.run.checkpoints import list_checkpoints
+
+    validated = {int(r["step"]) for r in read_metrics(config_arg)
+                 if any(k.startswith("val/") for k in r)}  # fmt: skip
+    return sorted(validated | {step for step, _ in list_checkpoints(config_arg)})
+
+
+def steps_text(config_arg: str | None, config: ArmorConfig, known: list[int]) -> str:
+    """Where the steps ``--step`` may name come from, and the steps."""
+    listed = ", ".join(map(str, known)) or "none"
+    if config_arg is not None and Path(config_arg).is_dir():
+        return (f"the run {config_arg} has neither a validation nor a checkpoint at that step; "
+                f"its validated and checkpointed steps: {listed}")  # fmt: skip
+    return (
+        f"no validation of the run at that step (run.steps={config.run.steps}, "
+        f"validation.every={config.validation.every}): the validated steps are {listed}"
+    )
 
 
 def sampling_seed(args: argparse.Namespace, config: ArmorConfig) -> int:

@@ -1,5 +1,6 @@
 """Up-front checks of the files a run reads: the HF model directory (its safetensors headers
-and the tensors its config.json needs: ``weights_check.py``), its tokenizer, the data.
+and the tensors its config.json needs: ``weights_check.py``), its tokenizer, the data; and of
+the directory it writes (``run.output_dir``).
 
 They run in the config validation path (``load_config(..., check_inputs=True)``, used by
 ``armor train``; ``armor eval`` calls :func:`input_problems` directly) so a bad path, a broken
@@ -116,9 +117,28 @@ def check_inputs(config: ArmorConfig) -> Problems:
     data = {"data.train_files": config.data.train_files}
     if config.validation.every > 0:
         data["data.val_files"] = config.data.val_files
+    yield from output_dir_problems(config.run.output_dir)
     yield from missing_watched_files(config, TARGETS)
     yield from wandb_problems(config)
     yield from input_problems("trainer.model_path", config.trainer.model_path, data)
+
+
+def output_dir_problems(output_dir: str) -> Problems:
+    """``run.output_dir`` exists or can be made, and this user can write in it: created if
+    missing, then a file written and removed in it (the only sure test: permissions, a
+    read-only or full file system, a path through a regular file)."""
+    import tempfile
+
+    path = Path(output_dir).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path, prefix=".armor-write-check-"):
+            pass
+    except OSError as e:
+        yield (
+            f"run.output_dir={output_dir!r} cannot be created or written ({type(e).__name__}: "
+            f"{e}); point it at a directory this user can write"
+        )
 
 
 def wandb_problems(config: ArmorConfig) -> Problems:

@@ -200,3 +200,22 @@ def engine_route_problems(config) -> Iterator[str]:
             "with CUDA); use rollout.backend=torch on CPU, routing_replay r2 or off, or a GPU "
             "layout"
         )
+
+
+def dense_model_warnings(config) -> Iterator[str]:
+    """``trainer.moe`` settings away from their defaults on a dense model: valid, but they
+    change nothing (the trainer reads them only for a model with experts). Said at load, once
+    per load (``config/ranges.py``); nothing for a model directory that cannot be read yet."""
+    moe, path = config.trainer.moe, config.trainer.model_path
+    hf = read_hf_config(path)
+    if hf is None or route_shape(path) is not None:
+        return
+    defaults = type(moe)()
+    changed = [f"trainer.moe.{key}={getattr(moe, key)!r}" for key in vars(defaults)
+               if getattr(moe, key) != getattr(defaults, key)]  # fmt: skip
+    if changed:
+        yield (
+            f"{', '.join(changed)} change nothing: {path} is a dense model (model_type="
+            f"{hf.get('model_type')!r}, no experts); these settings apply to mixture-of-experts "
+            "models only (docs/trainer.md, 'Mixture of experts'): remove them"
+        )

@@ -418,3 +418,24 @@ def head_ip(env: dict[str, str]) -> str:
         timeout=30,
     )
     return out.stdout.strip()
+
+
+REPEATS = 3  # ARMOR_REQUEUE_REPEATS' default
+
+
+def test_a_job_whose_every_start_fails_the_same_way_stops_after_three_tries(cluster, workdir, jobs):
+    """Every start of the job exits 75 at step 2 with the same cause (``repeating_fault.py``):
+    the first two are requeued, the third exits 70 naming the cause and the job ends FAILED
+    after 3 starts, not after ``ARMOR_MAX_RESTARTS`` (50)."""
+    driver = f"{sys.executable} {REPO / 'tests' / 'slurm' / 'repeating_fault.py'} train"
+    job = jobs.submit(workdir, [], env={"ARMOR_DRIVER": driver})
+    state = job.wait_done()
+    out = job.report()
+    assert state == "FAILED" and job.field("ExitCode") == "70:0", out
+    assert job.field("Restarts") == str(REPEATS - 1), out
+    said = "exit 75 at step 2 for the 3rd time in a row with the same cause (TrainerWorker 0 failed"
+    assert said in job.driver_log() and "exiting 70, which slurm/armor.sbatch does not" in out, out
+    rows = [json.loads(x) for x in (job.run_dir / "requeues.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["restart"], r["slurm_job"]) for r in rows] == [
+        (2, restart, job.job_id) for restart in range(REPEATS)
+    ], rows

@@ -16,15 +16,14 @@ import pytest
 
 from megatron_armor.config.fields import call_deadline_bounds
 from megatron_armor.config.schema import OrchestrationConfig
+from megatron_armor.deadline_rule import DeadlineRule, quantile
 from megatron_armor.orchestration.actors.call_kinds import CallKind
 from megatron_armor.orchestration.actors.call_watch import (
     CallWatch,
-    DeadlineRule,
     StopDuringCallError,
     StuckCallError,
     StuckServerError,
     judge,
-    quantile,
     read_server_answers,
     start_actor,
 )

@@ -28,20 +28,19 @@ checkpoint without waiting for the call, within Slurm's signal lead.
 
 from __future__ import annotations
 
-import os
 import time
-from collections import deque
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_armor import env_settings
+from megatron_armor.deadline_rule import HISTORY, DeadlineRule
 from megatron_armor.orchestration.actors.call_kinds import CallKind
 from megatron_armor.orchestration.actors.faults import RequeueError, newest_checkpoint_text
 from megatron_armor.orchestration.actors.process_trees import kill_on_node
 from megatron_armor.orchestration.actors.watched import CONCURRENCY_GROUPS
 from megatron_armor.orchestration.run.run_state import EXIT_REQUEUE
+from megatron_armor.supervisor_pipe import advance
 
-HISTORY = 20  # durations kept per kind
 POLL_S = 1.0  # how often a wait looks at the stop signal
 HEARTBEAT_ANSWER_S = 5.0  # how long an actor gets to answer its heartbeat call
 PROBE_TIMEOUT_S = 60.0  # the task that asks them (its worker may have to start)
@@ -52,43 +51,7 @@ ACTOR_KINDS = {"TrainerWorker": "trainer", "RolloutWorker": "rollout", "RewardWo
 
 def env_cap() -> float | None:
     """``ARMOR_CALL_TIMEOUT_S`` when set: a cap on every deadline."""
-    value = os.environ.get("ARMOR_CALL_TIMEOUT_S")
-    return float(value) if value else None
-
-
-def quantile(values: Iterable[float], q: float) -> float:
-    """The ``q`` quantile of ``values`` (linear between the two nearest ranks)."""
-    ordered = sorted(values)
-    if not ordered:
-        raise ValueError("quantile of no values")
-    pos = q * (len(ordered) - 1)
-    low = int(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
-
-
-@dataclass
-class DeadlineRule:
-    """Per call kind: the deadline of a call given ``work`` units, learned from the kind's
-    last :data:`HISTORY` durations per unit (``multiple`` x their ``q`` quantile x ``work``,
-    within ``[floor_s, cap_s]``; ``cap_s`` before the kind's first call finished)."""
-
-    multiple: float = 10.0
-    q: float = 0.9
-    floor_s: float = 30.0
-    cap_s: float = 3600.0
-    history: dict[CallKind, deque] = field(default_factory=dict)
-
-    def deadline(self, kind: CallKind, work: float = 1.0) -> float:
-        seen = self.history.get(kind)
-        if not seen:
-            return self.cap_s
-        learned = self.multiple * quantile(seen, self.q) * max(work, 1e-9)
-        return min(max(learned, self.floor_s), self.cap_s)
-
-    def observe(self, kind: CallKind, seconds: float, work: float = 1.0) -> None:
-        """A call of ``kind`` with ``work`` units took ``seconds``."""
-        self.history.setdefault(kind, deque(maxlen=HISTORY)).append(seconds / max(work, 1e-9))
+    return env_settings.value("ARMOR_CALL_TIMEOUT_S")
 
 
 Beat = tuple[bool, float] | None
@@ -306,6 +269,7 @@ class CallWatch:
             raise self.stuck_error(list(verdict.stuck), call, waited)
 
     def check_stop(self, what: str, start: float) -> None:
+        advance()  # the driver's main loop polls: progress for its parent (cli/driver_watch.py)
         stop = self.stop
         if stop is None or not stop.received:
             return

@@ -60,6 +60,10 @@ from megatron_armor.orchestration.actors.rollout_fleet import (
 from megatron_armor.orchestration.actors.weight_sync import WeightSync, make_weight_sync
 from megatron_armor.orchestration.actors.workers import freeze_heap, load_model_tokenizer
 from megatron_armor.orchestration.run import checkpoints
+from megatron_armor.orchestration.run.control_plane import (
+    ControlPlaneProbe,
+    health_check_environment,
+)
 from megatron_armor.orchestration.run.disk_space import (
     check_free_space,
     estimated_checkpoint_bytes,
@@ -162,6 +166,8 @@ class Session:
     host_memory: HostMemory
     recovery: Recovery
     call_watch: CallWatch
+    probe: ControlPlaneProbe | None = None
+    """The driver's probe of its raylet and the GCS (``control_plane.py``)."""
 
     @classmethod
     def start(cls, config: ArmorConfig, call_watch: CallWatch, resume: str = "auto",
@@ -194,10 +200,12 @@ class Session:
         )
         val = load_val_datasets(config, tokenizer) if config.validation.every > 0 else {}
         plan = plan_layout(config)
+        health_check_environment()  # before the local head starts: its GCS reads them
         init_ray(config, plan, run_dir)
-        pg, order, where = create_bundles(plan, config.orchestration.ray_init_timeout_s)
+        probe = ControlPlaneProbe.start()  # a frozen raylet or GCS: named, exit 75
         built: list = []
         try:  # a failed start must not leave actors or SGLang servers behind
+            pg, order, where = create_bundles(plan, config.orchestration.ray_init_timeout_s)
             trainer = TrainerActors.start(config, plan, call_watch, pg, order,
                                           str(run_dir / "profile"))  # fmt: skip
             built.append(trainer)
@@ -209,6 +217,7 @@ class Session:
             trainer.init()
             host_memory = HostMemory.start(trainer, fleet, reward, call_watch)
         except BaseException:
+            probe.stop()
             close_actors(built, call_watch)
             raise
         weight_sync = make_weight_sync(config, trainer, fleet)
@@ -230,7 +239,7 @@ class Session:
             meter=make_meter(config, plan, trainer.info.get("device_name", "cpu")),
             num_minibatches=updates_per_step(config), state=RunState(), watch=RunWatch(config), lock=None,
             resume_from=None, weight_sync=weight_sync, host_memory=host_memory,
-            recovery=Recovery(config), call_watch=call_watch,
+            recovery=Recovery(config), call_watch=call_watch, probe=probe,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ checkpoints
@@ -380,6 +389,8 @@ class Session:
             self.logger.close()  # flushes TensorBoard: fails on a full disk
         except OSError as err:
             print(f"warning: closing the metrics sinks failed: {err}", flush=True)
+        if self.probe is not None:  # Ray goes now: unanswered probes are no lost GCS
+            self.probe.stop()
         budget = self.config.orchestration.shutdown_timeout_s
         end = time.monotonic() + budget
         close_actors([self.trainer, self.rollout.fleet, self.reward], self.call_watch, budget)

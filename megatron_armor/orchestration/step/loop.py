@@ -28,7 +28,7 @@ from megatron_armor.observability.signal_lead import SignalLeadWatch
 from megatron_armor.observability.status import StepClock
 from megatron_armor.observability.summary import step_line
 from megatron_armor.observability.timers import PhaseTimers
-from megatron_armor.orchestration.actors.call_watch import CallWatch
+from megatron_armor.orchestration.actors.call_watch import CallWatch, StopDuringCallError
 from megatron_armor.orchestration.actors.faults import RequeueError, locate, requeue_error
 from megatron_armor.orchestration.actors.placement import shutdown_ray
 from megatron_armor.orchestration.actors.recovery import WHY_TRAINER, handles
@@ -66,6 +66,13 @@ from megatron_armor.orchestration.step.step_metrics import (
 )
 from megatron_armor.orchestration.step.update_guard import diverged_error
 from megatron_armor.rollout.backends import backend_of
+from megatron_armor.supervisor_pipe import (
+    SIGNAL_CAUSE,
+    UNWATCHED,
+    report_phase,
+    report_rule,
+    tell_supervisor,
+)
 
 
 def run_step(s: Session, rollout: AnchorRollout, step: int) -> dict[str, float]:
@@ -161,6 +168,7 @@ def run_loop(s: Session, start: int, stop: StopSignal) -> int:
     ahead = start + 1 if s.state.pending else start
     s.recovery.settle_snapshot(s.recovery.submit_snapshot(s), ahead)
     if start == 0 and cfg.validation.every > 0 and not resumed_at_0 and not stop.received:
+        report_phase("validation", 0)
         initial = validate(s, 0)
         initial.update(s.watch.observe(0, initial))
         line = metrics_record(0, {**initial, **s.timers.pop_metrics()})
@@ -181,8 +189,8 @@ def run_loop(s: Session, start: int, stop: StopSignal) -> int:
     lead = SignalLeadWatch.from_environment()  # does a checkpoint fit in the signal's lead?
     for step in range(start + 1, cfg.run.steps + 1):
         if stop.received:
-            print(stop_message(s, stop, saved=False), flush=True)
-            return EXIT_REQUEUE
+            return stopped(stop_message(s, stop, saved=False))
+        report_phase("step", step)
         t0 = time.perf_counter()
         s.trainer.profile_begin(step)
         metrics = pipeline.run_step(step) if pipeline else run_step(s, rollout, step)
@@ -199,10 +207,12 @@ def run_loop(s: Session, start: int, stop: StopSignal) -> int:
         diverged = s.state.skipped_in_a_row >= cfg.trainer.max_skipped_updates
         saved = stop.received or checkpoint_due(cfg, step) or s.watch.wants_checkpoint or diverged
         if saved:  # the line travels in the checkpoint: a kill before it is appended loses nothing
+            report_phase("checkpoint")
             with s.timers.phase("checkpoint"):
                 written = s.save(step, metrics_record(step, metrics), in_flight(pipeline))
             metrics.update(s.timers.pop_metrics())
             metrics["timing/step_s"] = time.perf_counter() - t0
+        report_phase("log")
         line = metrics_record(step, metrics)
         clean = s.logger.write(line)
         clock.observe(metrics["timing/step_s"])
@@ -216,8 +226,7 @@ def run_loop(s: Session, start: int, stop: StopSignal) -> int:
         if stop.received and step < cfg.run.steps:
             if not saved:  # the signal came while the step was being logged
                 s.save(step, line, in_flight(pipeline))
-            print(stop_message(s, stop, saved=True), flush=True)
-            return EXIT_REQUEUE
+            return stopped(stop_message(s, stop, saved=True))
         if s.watch.stopped:
             print(f"{s.watch.stop_line()}; checkpoint of step {step} written", flush=True)
             return 0
@@ -236,7 +245,11 @@ def run_with_faults(s: Session, stop: StopSignal) -> int:
     ``orchestration/actors/faults.py``)."""
     try:
         return run_loop(s, s.restore(), stop)
+    except StopDuringCallError as err:
+        tell_supervisor("cause", SIGNAL_CAUSE)
+        print(f"armor train: {err}", file=sys.stderr, flush=True)
     except RequeueError as err:
+        tell_supervisor("cause", requeue_cause(locate(err.__cause__, handles(s)), err))
         print(f"armor train: {err}", file=sys.stderr, flush=True)
     except Exception as err:
         full = full_disk_error(s.run_dir, err)  # an anchor file, metrics, TensorBoard
@@ -248,9 +261,36 @@ def run_with_faults(s: Session, stop: StopSignal) -> int:
         why = (
             WHY_TRAINER if fault.kind == "trainer" else "it failed outside the calls a step repeats"
         )
+        tell_supervisor("cause", requeue_cause(fault, err))
         print(f"armor train: {requeue_error(s.run_dir, fault, s.recovery.step, why)}",
               file=sys.stderr, flush=True)  # fmt: skip
     return EXIT_REQUEUE
+
+
+def stopped(message: str) -> int:
+    """Print why a stop signal ends the run here, tell the parent it was a signal (never a
+    requeue loop); exit 75."""
+    print(message, flush=True)
+    tell_supervisor("cause", SIGNAL_CAUSE)
+    return EXIT_REQUEUE
+
+
+def requeue_cause(fault, err: BaseException) -> str:
+    """What a requeue for ``err`` would meet again: the fault's actor and error class (no
+    pids or times: ``requeue_history.py`` compares the causes of successive exits)."""
+    if fault is None:
+        return type(err).__name__
+    return f"{fault.actor} failed ({type(fault.error).__name__})"
+
+
+def report_start(config: ArmorConfig) -> None:
+    """The run's deadline settings and directory to the ``armor`` parent that watches the
+    driver (``cli/driver_watch.py``); the start-up phase begins."""
+    o = config.orchestration
+    report_rule(o.call_deadline_multiple, o.call_deadline_quantile, o.call_deadline_floor_s,
+                o.call_deadline_cap_s, o.stop_wait_s)  # fmt: skip
+    tell_supervisor("run_dir", run_dir_of(config))
+    report_phase("start", 0)
 
 
 def start_line(config: ArmorConfig) -> str:
@@ -268,14 +308,14 @@ def train(config: ArmorConfig, resume: str = "auto") -> int:
     session = None
     with StopSignal() as stop:
         watch = CallWatch(config.orchestration, stop, run_dir_of(config))  # the run's one watch
+        report_start(config)
         try:
             with stop.guarded():
                 session = Session.start(
                     config, watch, resume, lambda: print(start_line(config), flush=True)
                 )
             if stop.received:
-                print(stop_message(session, stop, saved=False), flush=True)
-                return EXIT_REQUEUE
+                return stopped(stop_message(session, stop, saved=False))
             watch.announce()
             return run_with_faults(session, stop)
         except (AcceptanceError, SamplerExhausted) as err:  # a requeue would meet them again
@@ -283,7 +323,9 @@ def train(config: ArmorConfig, resume: str = "auto") -> int:
             print(exit_message(err, newest[-1] if newest else None), file=sys.stderr, flush=True)
             return EXIT_ACCEPTANCE
         finally:
+            report_phase("close")
             if session is not None:
                 session.close()
             else:
                 shutdown_ray(config.orchestration.shutdown_timeout_s)
+            report_phase(UNWATCHED)  # what follows the run is not watched
