@@ -113,7 +113,13 @@ def expert_layout_problems(trainer, hf: dict | None, where: str) -> Iterator[str
         yield from _dense_model_problems(t, hf, where)
         return
     expert_parallel = etp * t.ep * t.pp
-    if t.world_size % expert_parallel:
+    if t.world_size < expert_parallel:
+        yield (
+            f"trainer.world_size={t.world_size}: fewer ranks than the expert layers' "
+            f"model-parallel size etp*ep*pp={etp}*{t.ep}*{t.pp}={expert_parallel}; lower "
+            "trainer.ep, trainer.etp or trainer.pp, or add GPUs"
+        )
+    elif t.world_size % expert_parallel:
         yield (
             f"trainer.world_size={t.world_size}: must be divisible by etp*ep*pp="
             f"{etp}*{t.ep}*{t.pp}={expert_parallel} (the expert layers' model-parallel "

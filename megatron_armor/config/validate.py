@@ -447,7 +447,14 @@ def check_parallel(config: ArmorConfig) -> Problems:
     if min(t.tp, t.pp, t.cp, t.vpp, t.world_size) < 1:
         return  # named by the trainer section's check
     model_parallel = t.tp * t.pp * t.cp
-    if t.world_size % model_parallel:
+    if t.world_size < model_parallel:
+        yield (
+            f"trainer.world_size={t.world_size}: fewer ranks than one model replica needs, "
+            f"tp*pp*cp={t.tp}*{t.pp}*{t.cp}={model_parallel}; lower trainer.tp / trainer.pp "
+            "(a checkpoint reshards to them: `armor plan CONFIG --checkpoint CKPT` lists the "
+            "layouts it resumes at) or add GPUs"
+        )
+    elif t.world_size % model_parallel:
         yield (
             f"trainer.world_size={t.world_size}: must be divisible by tp*pp*cp="
             f"{t.tp}*{t.pp}*{t.cp}={model_parallel} (data-parallel size = world_size / "

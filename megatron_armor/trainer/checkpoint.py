@@ -14,14 +14,17 @@ Layout of ``path`` (the caller writes it inside a temporary directory and rename
 Every file is read back with ``torch.load(weights_only=True)`` (megatron's ``common.pt``
 too, torch's default), so a checkpoint cannot run code when it is loaded.
 
-The model and the reference weights (saved through the model's own sharded state dict, keys
-prefixed ``reference.``) reshard over TP, PP and DP. The distributed optimizer's state is saved
-``dp_reshardable`` (every DP rank writes its own buffer slice in parallel, no gather): it
-reshards over DP only, so a resume of such a checkpoint with another ``trainer.tp`` /
-``trainer.pp`` / ``trainer.ep`` / ``trainer.etp`` (or with the distributed optimizer switched) is refused before anything starts
-(``orchestration/run/resume_check.optimizer_layout_problem``, which reads the layout the save
-records as ``parallel_layout``). The non-distributed optimizer saves per-parameter state,
-which reshards like the model.
+The model, the reference and the behavior weights (saved through the model's sharded state
+dict, keys prefixed ``reference.`` / ``behavior.``) reshard over TP, PP, EP and DP. The
+distributed optimizer's state is saved :data:`~megatron_armor.config.resume_layout.FULLY_RESHARDABLE`
+(:data:`OPTIMIZER_FORMAT`): Adam moments and fp32 master weights per parameter, in the
+parameter's own shape and sharding, so it reshards like the model (docs/trainer.md,
+"Checkpoints", has the measured cost against ``dp_reshardable``). A checkpoint saved
+``dp_reshardable`` (one that records no ``optimizer_format``) is loaded in that format: over
+another DP size only, which ``orchestration/run/resume_check.py`` checks before anything
+starts. The layout a save was made at is recorded as ``parallel_layout`` (read by
+``config/resume_layout.py``). The non-distributed optimizer saves per-parameter state, which
+reshards like the model.
 """
 
 from __future__ import annotations
@@ -41,15 +44,20 @@ from megatron.core.dist_checkpointing.mapping import ShardedBase
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
+from megatron_armor.config.resume_layout import (
+    DP_RESHARDABLE,
+    FULLY_RESHARDABLE,
+    Layout,
+    parse_layout,
+)
 from megatron_armor.trainer import parallel
 from megatron_armor.trainer.hf_weights import unwrap
 from megatron_armor.trainer.weight_store import BEHAVIOR
 
 REFERENCE_PREFIX = "reference."
 BEHAVIOR_PREFIX = "behavior."
-# distributed optimizer: one ShardedTensor per contiguous buffer, saved and loaded by every DP
-# rank in parallel (reshardable across DP sizes); ignored by the non-distributed optimizers
-_OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+OPTIMIZER_FORMAT = FULLY_RESHARDABLE
+"""The distributed optimizer's save format (ignored by the non-distributed optimizer)."""
 PR_SET_PDEATHSIG = 1
 _writers_tied: list[int] = []  # the pid whose forks die with it (once per process)
 
@@ -103,16 +111,36 @@ def _strip_prefix(state: dict, prefix: str) -> dict:
     return {k[len(prefix) :] if k.startswith(prefix) else k: v for k, v in state.items()}
 
 
+def optimizer_metadata(optimizer_format: str) -> dict:
+    """megatron-core's ``sharded_state_dict`` metadata for ``optimizer_format``. The keys of a
+    chained optimizer's (a MoE model's dense and expert optimizers) reshardable state are
+    the parameters' own, without the ``chained_N.`` prefix: a pipeline stage without expert
+    layers chains one optimizer where another chains two."""
+    return {"distrib_optim_sharding_type": optimizer_format, "chained_optim_avoid_prefix": True}
+
+
+def current_layout() -> Layout:
+    """This process's trainer layout (after ``parallel.init_parallel``)."""
+    return Layout(parallel.tp_size(), parallel.pp_size(), parallel.ep_size(),
+                  parallel.expert_tp_size(), parallel.dp_size())  # fmt: skip
+
+
 def _sharded_state(
-    trainer, is_loading: bool, with_optimizer: bool = True, with_behavior: bool = False
+    trainer,
+    is_loading: bool,
+    with_optimizer: bool = True,
+    with_behavior: bool = False,
+    optimizer_format: str = OPTIMIZER_FORMAT,
 ) -> dict:
     """What :func:`save_trainer` writes; without the optimizer when it never stepped
     (:func:`optimizer_stepped`), recorded as ``optimizer_stepped``; the behavior weights
-    with ``with_behavior`` (recorded as ``behavior_kept``)."""
+    with ``with_behavior`` (recorded as ``behavior_kept``); the distributed optimizer's state
+    in ``optimizer_format``, recorded with the layout as ``parallel_layout``."""
     core = unwrap(trainer.model)
     model_sd = core.sharded_state_dict()
     with trainer.store.swapped("ref"):
         ref_sd = _detached_copy(core.sharded_state_dict(prefix=REFERENCE_PREFIX))
+    distributed = bool(trainer.config.trainer.use_distributed_optimizer)
     state = {
         "model": model_sd,
         "reference": ref_sd,
@@ -121,11 +149,10 @@ def _sharded_state(
         "optimizer_stepped": with_optimizer,
         "behavior_kept": with_behavior,
         "parallel_layout": {
-            "tp": parallel.tp_size(),
-            "pp": parallel.pp_size(),
-            "ep": parallel.ep_size(),
-            "etp": parallel.expert_tp_size(),
-            "distributed_optimizer": bool(trainer.config.trainer.use_distributed_optimizer),
+            **current_layout().as_dict(),
+            "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+            "distributed_optimizer": distributed,
+            **({"optimizer_format": optimizer_format} if distributed else {}),
         },
     }
     if with_behavior:  # loading: the live tensors' shapes (the copy is made from the load)
@@ -134,7 +161,7 @@ def _sharded_state(
             state["behavior"] = _detached_copy(core.sharded_state_dict(prefix=BEHAVIOR_PREFIX))
     if with_optimizer:
         state["optimizer"] = trainer.optimizer.sharded_state_dict(
-            model_sd, is_loading=is_loading, metadata=_OPTIMIZER_METADATA
+            model_sd, is_loading=is_loading, metadata=optimizer_metadata(optimizer_format)
         )
     return state
 
@@ -190,13 +217,73 @@ def _unshare_adam_steps(optimizer) -> None:
                 state["step"] = state["step"].clone()
 
 
+def _chain(optimizer) -> list:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _sub_states(state: dict, chained: int | None = None) -> list[dict]:
+    """Each chained optimizer's part of an optimizer state dict: a chain of one keeps its
+    state as that optimizer's, a longer one as ``{index: state}``. ``chained``: the length of
+    the chain the dict was made for (``None``: read it from the keys)."""
+    if chained is None:
+        chained = sum(isinstance(k, int) for k in state) or 1
+    return [state] if chained == 1 else [state[i] for i in range(chained)]
+
+
+def _saved_step_and_scaler(saved: dict) -> tuple[float | None, dict | None]:
+    """The Adam step and the fp16 loss scaler state of a save's optimizer common state (every
+    optimizer of a chain steps together: megatron-core synchronises their steps)."""
+    steps, scaler = set(), None
+    for sub in _sub_states(saved):
+        steps.update(g["step"] for g in sub["optimizer"]["param_groups"] if "step" in g)
+        scaler = scaler or sub.get("grad_scaler")
+    if len(steps) > 1:
+        raise ValueError(f"the saved optimizers record different Adam steps: {sorted(steps)}")
+    return (steps.pop() if steps else None), scaler
+
+
+def _load_optimizer(optimizer, loaded: dict, saved_common: dict, optimizer_format: str) -> None:
+    """Load the optimizer state ``dist_checkpointing`` read (``loaded``) into ``optimizer``.
+
+    ``dp_reshardable``: megatron-core's ``load_state_dict`` (the save's layout). A
+    :data:`FULLY_RESHARDABLE` save: each parameter's state is this layout's slice of the saved
+    one; the parameter groups are the live optimizer's (the config's hyper-parameters: the
+    save's groups follow its layout's chain of optimizers, e.g. a separate expert optimizer
+    only at ``ep > 1``) with the saved Adam ``step``. megatron-core 0.16.1 copies each key of
+    the parameter state into the optimizer's state and fails (``KeyError: 'step'``) where
+    torch Adam keeps ``step`` there (no TE or Apex: the CPU path), so ``step`` is set aside
+    meanwhile and restored from the groups."""
+    if optimizer_format != FULLY_RESHARDABLE:
+        optimizer.load_state_dict(loaded)
+        return
+    step, scaler = _saved_step_and_scaler(saved_common)
+    chain = _chain(optimizer)
+    for opt, part in zip(chain, _sub_states(loaded, len(chain)), strict=True):
+        groups = opt.state_dict()
+        for group in groups["optimizer"]["param_groups"]:
+            group["step"] = step
+        if scaler is not None:
+            groups["grad_scaler"] = scaler
+        opt.load_state_dict(groups)
+        inner = opt.optimizer.state
+        set_aside = {p: s.pop("step") for p, s in inner.items() if "step" in s}
+        try:
+            opt.load_parameter_state_from_fully_reshardable(part["param_state"])
+        finally:
+            for p, value in set_aside.items():
+                inner[p]["step"] = value
+
+
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
 
 
-def save_trainer(trainer, path: str, run_state: dict) -> None:
-    """Collectively write the trainer state and ``run_state`` under ``path``."""
+def save_trainer(
+    trainer, path: str, run_state: dict, optimizer_format: str = OPTIMIZER_FORMAT
+) -> None:
+    """Collectively write the trainer state and ``run_state`` under ``path`` (the distributed
+    optimizer's state in ``optimizer_format``)."""
     rank = parallel.global_rank()
     os.makedirs(os.path.join(path, "dist"), exist_ok=True)
     os.makedirs(os.path.join(path, "rng"), exist_ok=True)
@@ -204,10 +291,8 @@ def save_trainer(trainer, path: str, run_state: dict) -> None:
     stepped = optimizer_stepped(trainer.optimizer)
     behavior = trainer.store.has(BEHAVIOR)  # orchestration.async_rollout: one_step
     tie_writer_processes()
-    dist_checkpointing.save(
-        _sharded_state(trainer, is_loading=False, with_optimizer=stepped, with_behavior=behavior),
-        os.path.join(path, "dist"),
-    )
+    state = _sharded_state(trainer, False, stepped, behavior, optimizer_format)
+    dist_checkpointing.save(state, os.path.join(path, "dist"))
     torch.save(_rng_state(), os.path.join(path, "rng", f"rank_{rank}.pt"))
     if rank == 0:
         torch.save(run_state, os.path.join(path, "run_state.pt"))
@@ -215,17 +300,35 @@ def save_trainer(trainer, path: str, run_state: dict) -> None:
 
 
 def load_trainer(trainer, path: str) -> dict:
-    """Restore what :func:`save_trainer` wrote; returns the orchestrator's ``run_state``."""
+    """Restore what :func:`save_trainer` wrote, at this process's layout (which may differ
+    from the saved one: ``config/resume_layout.py``); returns the orchestrator's
+    ``run_state``."""
     dist_dir = os.path.join(path, "dist")
     if not os.path.isdir(dist_dir):
         raise FileNotFoundError(f"{path!r} is not a trainer checkpoint (no dist/ directory)")
-    # checkpoints written before optimizer_stepped was recorded all hold the optimizer
     common = dist_checkpointing.load_common_state_dict(dist_dir)
-    stepped = common.get("optimizer_stepped", True)
+    saved = parse_layout(common)
     behavior = common.get("behavior_kept", False)
-    if stepped:
+    if saved.optimizer_stepped:
         _materialize_optimizer_state(trainer.optimizer)
-    loaded = dist_checkpointing.load(_sharded_state(trainer, True, stepped, behavior), dist_dir)
+    optimizer_format = saved.optimizer_format or DP_RESHARDABLE  # ignored without distopt
+    state = _sharded_state(trainer, True, saved.optimizer_stepped, behavior, optimizer_format)
+    loaded = dist_checkpointing.load(state, dist_dir)
+    _restore_weights(trainer, loaded, behavior)
+    if saved.optimizer_stepped:  # else the fresh optimizer is the saved one (no state)
+        with torch.no_grad():  # the optimizer copies into views of parameters
+            _load_optimizer(
+                trainer.optimizer, loaded["optimizer"], common["optimizer"], optimizer_format
+            )
+        _unshare_adam_steps(trainer.optimizer)
+    trainer.scheduler.load_state_dict(loaded["scheduler"])
+    trainer.updates = int(loaded["updates"])
+    _restore_rng(path, same_layout=_same_ranks(common))
+    return torch.load(os.path.join(path, "run_state.pt"), weights_only=True)
+
+
+def _restore_weights(trainer, loaded: dict, behavior: bool) -> None:
+    """The loaded model, reference and behavior weights into the live model and the store."""
     core = unwrap(trainer.model)
     # dist_checkpointing loads the model in place (its tensors are the live parameters), so
     # keep a copy before the reference passes through the live parameters
@@ -240,13 +343,23 @@ def load_trainer(trainer, path: str) -> dict:
     else:  # a run without async rollout
         trainer.store.copies.pop(BEHAVIOR, None)
     core.load_state_dict(model_state)
-    if stepped:  # else the fresh optimizer is the saved one (no state)
-        with torch.no_grad():  # the optimizer copies into views of parameters
-            trainer.optimizer.load_state_dict(loaded["optimizer"])
-        _unshare_adam_steps(trainer.optimizer)
-    trainer.scheduler.load_state_dict(loaded["scheduler"])
-    trainer.updates = int(loaded["updates"])
+
+
+def _same_ranks(common: dict) -> bool:
+    """Whether the checkpoint was saved by ranks in the roles this process's ranks have (a
+    save that records no world size: assumed so, as it was loaded before layouts changed)."""
+    saved = common.get("parallel_layout") or {}
+    if "world_size" not in saved:
+        return True
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    now = current_layout().as_dict()
+    return saved.get("world_size") == world and all(saved.get(k) == v for k, v in now.items())
+
+
+def _restore_rng(path: str, same_layout: bool) -> None:
+    """Global rank R's RNG states from the save of rank R when the ranks keep their roles;
+    after a layout change rank R is another shard, so it keeps the seeded states
+    (``parallel.init_parallel``; the loss draws no random numbers: dropout is 0)."""
     rng_file = os.path.join(path, "rng", f"rank_{parallel.global_rank()}.pt")
-    if os.path.exists(rng_file):
+    if same_layout and os.path.exists(rng_file):
         _set_rng_state(torch.load(rng_file, weights_only=True))
-    return torch.load(os.path.join(path, "run_state.pt"), weights_only=True)

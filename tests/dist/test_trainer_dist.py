@@ -284,7 +284,8 @@ def test_distributed_optimizer_resume_and_convert(single, models, tmp_path) -> N
     assert_offloaded(result)
     # the layout the resume check compares (orchestration/run/resume_check.py)
     common = torch.load(tmp_path / "ckpt" / "dist" / "common.pt", weights_only=True)
-    layout = {"tp": 1, "pp": 1, "ep": 1, "etp": 1, "distributed_optimizer": True}
+    layout = {"tp": 1, "pp": 1, "ep": 1, "etp": 1, "dp": 2, "world_size": 2,
+              "distributed_optimizer": True, "optimizer_format": "fully_reshardable"}  # fmt: skip
     assert common["parallel_layout"] == layout
     resumed = launch("resume", str(tmp_path), models, 1, 1, 2, distopt=True)
     assert resumed["step"] == 1
