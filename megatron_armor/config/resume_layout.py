@@ -117,9 +117,9 @@ def layout_problem(saved: SavedLayout, trainer, where: str) -> str | None:
     if saved.layout.model_parallel() == target.model_parallel():
         return None
     old = saved.layout
-    return (f"{where} holds distributed-optimizer state saved {DP_RESHARDABLE} (by a version "
-            f"before layout changes were supported) at {old}; it reshards over data parallelism "
-            f"only, not to {target}: resume once with trainer.tp={old.tp} trainer.pp={old.pp} "
+    return (f"{where} holds distributed-optimizer state saved {DP_RESHARDABLE} at {old} (it "
+            f"records no optimizer_format); it reshards over data parallelism only, not to "
+            f"{target}: resume once with trainer.tp={old.tp} trainer.pp={old.pp} "
             f"trainer.ep={old.ep} trainer.etp={old.etp} (any world_size that fits them): the "
             f"checkpoints that run writes are saved {FULLY_RESHARDABLE} and resume at any "
             "layout")  # fmt: skip

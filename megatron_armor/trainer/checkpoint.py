@@ -35,14 +35,22 @@ import os
 import queue
 import random
 import signal
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedBase
+from megatron.core.dist_checkpointing.serialization import (
+    get_default_load_sharded_strategy,
+    get_default_save_sharded_strategy,
+)
 from megatron.core.dist_checkpointing.strategies import filesystem_async
-from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+    FullyParallelLoadStrategyWrapper,
+    FullyParallelSaveStrategyWrapper,
+)
 
 from megatron_armor.config.resume_layout import (
     DP_RESHARDABLE,
@@ -52,12 +60,38 @@ from megatron_armor.config.resume_layout import (
 )
 from megatron_armor.trainer import parallel
 from megatron_armor.trainer.hf_weights import unwrap
+from megatron_armor.trainer.optimizer_state import (
+    load_optimizer,
+    materialize_optimizer_state,
+    optimizer_metadata,
+    optimizer_stepped,
+    unshare_adam_steps,
+)
 from megatron_armor.trainer.weight_store import BEHAVIOR
 
 REFERENCE_PREFIX = "reference."
 BEHAVIOR_PREFIX = "behavior."
-OPTIMIZER_FORMAT = FULLY_RESHARDABLE
-"""The distributed optimizer's save format (ignored by the non-distributed optimizer)."""
+
+
+@dataclass(frozen=True)
+class SaveFormat:
+    """How a save writes the trainer state, and how a load reads it
+    (``benchmarks/bench_checkpoint_formats.py`` measures the variants: docs/trainer.md)."""
+
+    optimizer: str = FULLY_RESHARDABLE
+    """The distributed optimizer's format (``FULLY_RESHARDABLE`` or ``DP_RESHARDABLE``;
+    ignored by the non-distributed optimizer)."""
+    gather_on_dp0: bool = False
+    """``FULLY_RESHARDABLE``: gather the state over gloo on data-parallel rank 0 only
+    (megatron-core's memory-efficient mode) instead of on every data-parallel rank."""
+    parallel_io: bool = True
+    """Spread the writes of a save, and the reads of a load, of the tensors the data-parallel
+    ranks hold alike over those ranks (megatron-core's fully parallel strategies); without
+    it data-parallel rank 0 writes them all and every rank reads what it needs."""
+
+
+SAVE_FORMAT = SaveFormat()
+"""What :func:`save_trainer` writes and :func:`load_trainer` reads with."""
 PR_SET_PDEATHSIG = 1
 _writers_tied: list[int] = []  # the pid whose forks die with it (once per process)
 
@@ -111,14 +145,6 @@ def _strip_prefix(state: dict, prefix: str) -> dict:
     return {k[len(prefix) :] if k.startswith(prefix) else k: v for k, v in state.items()}
 
 
-def optimizer_metadata(optimizer_format: str) -> dict:
-    """megatron-core's ``sharded_state_dict`` metadata for ``optimizer_format``. The keys of a
-    chained optimizer's (a MoE model's dense and expert optimizers) reshardable state are
-    the parameters' own, without the ``chained_N.`` prefix: a pipeline stage without expert
-    layers chains one optimizer where another chains two."""
-    return {"distrib_optim_sharding_type": optimizer_format, "chained_optim_avoid_prefix": True}
-
-
 def current_layout() -> Layout:
     """This process's trainer layout (after ``parallel.init_parallel``)."""
     return Layout(parallel.tp_size(), parallel.pp_size(), parallel.ep_size(),
@@ -130,12 +156,12 @@ def _sharded_state(
     is_loading: bool,
     with_optimizer: bool = True,
     with_behavior: bool = False,
-    optimizer_format: str = OPTIMIZER_FORMAT,
+    fmt: SaveFormat = SAVE_FORMAT,
 ) -> dict:
     """What :func:`save_trainer` writes; without the optimizer when it never stepped
     (:func:`optimizer_stepped`), recorded as ``optimizer_stepped``; the behavior weights
     with ``with_behavior`` (recorded as ``behavior_kept``); the distributed optimizer's state
-    in ``optimizer_format``, recorded with the layout as ``parallel_layout``."""
+    in ``fmt.optimizer``, recorded with the layout as ``parallel_layout``."""
     core = unwrap(trainer.model)
     model_sd = core.sharded_state_dict()
     with trainer.store.swapped("ref"):
@@ -152,7 +178,7 @@ def _sharded_state(
             **current_layout().as_dict(),
             "world_size": dist.get_world_size() if dist.is_initialized() else 1,
             "distributed_optimizer": distributed,
-            **({"optimizer_format": optimizer_format} if distributed else {}),
+            **({"optimizer_format": fmt.optimizer} if distributed else {}),
         },
     }
     if with_behavior:  # loading: the live tensors' shapes (the copy is made from the load)
@@ -161,17 +187,10 @@ def _sharded_state(
             state["behavior"] = _detached_copy(core.sharded_state_dict(prefix=BEHAVIOR_PREFIX))
     if with_optimizer:
         state["optimizer"] = trainer.optimizer.sharded_state_dict(
-            model_sd, is_loading=is_loading, metadata=optimizer_metadata(optimizer_format)
-        )
+            model_sd, is_loading=is_loading,
+            metadata=optimizer_metadata(fmt.optimizer, fmt.gather_on_dp0),
+        )  # fmt: skip
     return state
-
-
-def optimizer_stepped(optimizer) -> bool:
-    """Whether the optimizer took a step (its Adam states exist). One that never did (every
-    update so far skipped as non-finite, docs/trainer.md) has nothing to save: a fresh
-    optimizer is the same. Every rank answers alike (ranks step together)."""
-    opts = getattr(optimizer, "chained_optimizers", [optimizer])
-    return any(len(getattr(o, "optimizer", o).state) for o in opts)
 
 
 def _rng_state() -> dict:
@@ -196,94 +215,31 @@ def _set_rng_state(state: dict) -> None:
     np.random.set_state((kind, keys.numpy().astype(np.uint32), int(pos), int(has_gauss), gauss))
 
 
-def _materialize_optimizer_state(optimizer) -> None:
-    """A distributed optimizer that has not stepped yet has no Adam state (``step``,
-    ``exp_avg``...) to load into; megatron's own zero-gradient dummy step creates it (the values
-    are overwritten by the load)."""
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if isinstance(opt, DistributedOptimizer) and not opt.optimizer.state:
-            opt._init_optimizer_states_with_dummy_values()
-
-
-def _unshare_adam_steps(optimizer) -> None:
-    """Without TE/Apex, megatron's distributed optimizer restores one ``step`` tensor shared
-    by every parameter's Adam state; torch Adam increments each state's ``step`` in place, so a
-    shared tensor would advance once per parameter and corrupt the bias correction. Give every
-    state its own copy."""
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(opt, "optimizer", None)
-        for state in getattr(inner, "state", {}).values():
-            if isinstance(state.get("step"), torch.Tensor):
-                state["step"] = state["step"].clone()
-
-
-def _chain(optimizer) -> list:
-    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
-
-
-def _sub_states(state: dict, chained: int | None = None) -> list[dict]:
-    """Each chained optimizer's part of an optimizer state dict: a chain of one keeps its
-    state as that optimizer's, a longer one as ``{index: state}``. ``chained``: the length of
-    the chain the dict was made for (``None``: read it from the keys)."""
-    if chained is None:
-        chained = sum(isinstance(k, int) for k in state) or 1
-    return [state] if chained == 1 else [state[i] for i in range(chained)]
-
-
-def _saved_step_and_scaler(saved: dict) -> tuple[float | None, dict | None]:
-    """The Adam step and the fp16 loss scaler state of a save's optimizer common state (every
-    optimizer of a chain steps together: megatron-core synchronises their steps)."""
-    steps, scaler = set(), None
-    for sub in _sub_states(saved):
-        steps.update(g["step"] for g in sub["optimizer"]["param_groups"] if "step" in g)
-        scaler = scaler or sub.get("grad_scaler")
-    if len(steps) > 1:
-        raise ValueError(f"the saved optimizers record different Adam steps: {sorted(steps)}")
-    return (steps.pop() if steps else None), scaler
-
-
-def _load_optimizer(optimizer, loaded: dict, saved_common: dict, optimizer_format: str) -> None:
-    """Load the optimizer state ``dist_checkpointing`` read (``loaded``) into ``optimizer``.
-
-    ``dp_reshardable``: megatron-core's ``load_state_dict`` (the save's layout). A
-    :data:`FULLY_RESHARDABLE` save: each parameter's state is this layout's slice of the saved
-    one; the parameter groups are the live optimizer's (the config's hyper-parameters: the
-    save's groups follow its layout's chain of optimizers, e.g. a separate expert optimizer
-    only at ``ep > 1``) with the saved Adam ``step``. megatron-core 0.16.1 copies each key of
-    the parameter state into the optimizer's state and fails (``KeyError: 'step'``) where
-    torch Adam keeps ``step`` there (no TE or Apex: the CPU path), so ``step`` is set aside
-    meanwhile and restored from the groups."""
-    if optimizer_format != FULLY_RESHARDABLE:
-        optimizer.load_state_dict(loaded)
-        return
-    step, scaler = _saved_step_and_scaler(saved_common)
-    chain = _chain(optimizer)
-    for opt, part in zip(chain, _sub_states(loaded, len(chain)), strict=True):
-        groups = opt.state_dict()
-        for group in groups["optimizer"]["param_groups"]:
-            group["step"] = step
-        if scaler is not None:
-            groups["grad_scaler"] = scaler
-        opt.load_state_dict(groups)
-        inner = opt.optimizer.state
-        set_aside = {p: s.pop("step") for p, s in inner.items() if "step" in s}
-        try:
-            opt.load_parameter_state_from_fully_reshardable(part["param_state"])
-        finally:
-            for p, value in set_aside.items():
-                inner[p]["step"] = value
-
-
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
 
 
-def save_trainer(
-    trainer, path: str, run_state: dict, optimizer_format: str = OPTIMIZER_FORMAT
-) -> None:
-    """Collectively write the trainer state and ``run_state`` under ``path`` (the distributed
-    optimizer's state in ``optimizer_format``)."""
+def _save_strategy(fmt: SaveFormat):
+    """megatron-core's save strategy for ``fmt`` (``None``: its default)."""
+    if not fmt.parallel_io:
+        return None
+    return FullyParallelSaveStrategyWrapper(
+        get_default_save_sharded_strategy(), parallel.dp_group()
+    )
+
+
+def _load_strategy(fmt: SaveFormat, dist_dir: str):
+    """megatron-core's load strategy for ``fmt`` and the checkpoint in ``dist_dir``."""
+    default = get_default_load_sharded_strategy(dist_dir)
+    if not fmt.parallel_io:
+        return default
+    return FullyParallelLoadStrategyWrapper(default, parallel.dp_group())
+
+
+def save_trainer(trainer, path: str, run_state: dict, fmt: SaveFormat = SAVE_FORMAT) -> None:
+    """Collectively write the trainer state and ``run_state`` under ``path`` (as ``fmt``
+    says)."""
     rank = parallel.global_rank()
     os.makedirs(os.path.join(path, "dist"), exist_ok=True)
     os.makedirs(os.path.join(path, "rng"), exist_ok=True)
@@ -291,18 +247,18 @@ def save_trainer(
     stepped = optimizer_stepped(trainer.optimizer)
     behavior = trainer.store.has(BEHAVIOR)  # orchestration.async_rollout: one_step
     tie_writer_processes()
-    state = _sharded_state(trainer, False, stepped, behavior, optimizer_format)
-    dist_checkpointing.save(state, os.path.join(path, "dist"))
+    state = _sharded_state(trainer, False, stepped, behavior, fmt)
+    dist_checkpointing.save(state, os.path.join(path, "dist"), _save_strategy(fmt))
     torch.save(_rng_state(), os.path.join(path, "rng", f"rank_{rank}.pt"))
     if rank == 0:
         torch.save(run_state, os.path.join(path, "run_state.pt"))
     _barrier()
 
 
-def load_trainer(trainer, path: str) -> dict:
+def load_trainer(trainer, path: str, fmt: SaveFormat = SAVE_FORMAT) -> dict:
     """Restore what :func:`save_trainer` wrote, at this process's layout (which may differ
-    from the saved one: ``config/resume_layout.py``); returns the orchestrator's
-    ``run_state``."""
+    from the saved one: ``config/resume_layout.py``), reading as ``fmt.parallel_io`` says (the
+    optimizer format is the saved one); returns the orchestrator's ``run_state``."""
     dist_dir = os.path.join(path, "dist")
     if not os.path.isdir(dist_dir):
         raise FileNotFoundError(f"{path!r} is not a trainer checkpoint (no dist/ directory)")
@@ -310,17 +266,16 @@ def load_trainer(trainer, path: str) -> dict:
     saved = parse_layout(common)
     behavior = common.get("behavior_kept", False)
     if saved.optimizer_stepped:
-        _materialize_optimizer_state(trainer.optimizer)
-    optimizer_format = saved.optimizer_format or DP_RESHARDABLE  # ignored without distopt
-    state = _sharded_state(trainer, True, saved.optimizer_stepped, behavior, optimizer_format)
-    loaded = dist_checkpointing.load(state, dist_dir)
+        materialize_optimizer_state(trainer.optimizer)
+    read = SaveFormat(saved.optimizer_format or DP_RESHARDABLE, parallel_io=fmt.parallel_io)
+    state = _sharded_state(trainer, True, saved.optimizer_stepped, behavior, read)
+    loaded = dist_checkpointing.load(state, dist_dir, _load_strategy(read, dist_dir))
     _restore_weights(trainer, loaded, behavior)
     if saved.optimizer_stepped:  # else the fresh optimizer is the saved one (no state)
         with torch.no_grad():  # the optimizer copies into views of parameters
-            _load_optimizer(
-                trainer.optimizer, loaded["optimizer"], common["optimizer"], optimizer_format
-            )
-        _unshare_adam_steps(trainer.optimizer)
+            load_optimizer(trainer.optimizer, loaded["optimizer"], common["optimizer"],
+                           read.optimizer)  # fmt: skip
+        unshare_adam_steps(trainer.optimizer)
     trainer.scheduler.load_state_dict(loaded["scheduler"])
     trainer.updates = int(loaded["updates"])
     _restore_rng(path, same_layout=_same_ranks(common))
