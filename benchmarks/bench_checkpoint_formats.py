@@ -18,8 +18,8 @@ Variants:
   ranks hold alike spread over them and the reads of a load too (megatron-core's fully
   parallel save and load strategies).
 
-``armor train`` saves as ``fully_reshardable/parallel`` and loads as ``fully_reshardable``
-(``trainer/checkpoint.py: SAVE_FORMAT``; docs/trainer.md says why).
+``armor train`` saves and loads as ``fully_reshardable/parallel`` (``trainer/checkpoint.py:
+SAVE_FORMAT``; docs/trainer.md says why).
 
 Models: ``tiny`` (``armor tiny``'s model: ``ARMOR_TINY_DIR`` or ``artifacts/tiny``) at dp 2,
 the dist tier's tiny Qwen2 at tp 2 and at pp 2 (dp 2 each: 4 ranks), and ``--wide`` a 14 M
@@ -44,11 +44,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "tests" / "dist")]
 
-VARIANTS = {  # name: (optimizer format, gather on DP rank 0, parallel save, parallel load)
-    "dp_reshardable": ("dp_reshardable", False, False, False),
-    "fully_reshardable": ("fully_reshardable", False, False, False),
-    "fully_reshardable/dp0": ("fully_reshardable", True, False, False),
-    "fully_reshardable/parallel": ("fully_reshardable", False, True, True),
+VARIANTS = {  # name: (optimizer format, gather on DP rank 0, parallel I/O)
+    "dp_reshardable": ("dp_reshardable", False, False),
+    "fully_reshardable": ("fully_reshardable", False, False),
+    "fully_reshardable/dp0": ("fully_reshardable", True, False),
+    "fully_reshardable/parallel": ("fully_reshardable", False, True),
 }
 WIDE = {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 4,
         "num_attention_heads": 8, "num_key_value_heads": 4}  # fmt: skip

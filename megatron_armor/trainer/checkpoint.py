@@ -84,14 +84,11 @@ class SaveFormat:
     gather_on_dp0: bool = False
     """``FULLY_RESHARDABLE``: gather the state over gloo on data-parallel rank 0 only
     (megatron-core's memory-efficient mode) instead of on every data-parallel rank."""
-    parallel_save: bool = True
-    """Spread the writes of the tensors the data-parallel ranks hold alike over those ranks
-    (megatron-core's fully parallel save strategy); without it data-parallel rank 0 writes
-    them all."""
-    parallel_load: bool = False
-    """Each data-parallel rank reads a part of what the ranks need alike and the parts are
-    exchanged (megatron-core's fully parallel load strategy); without it every rank reads
-    what it needs."""
+    parallel_io: bool = True
+    """Spread the writes of a save of what the data-parallel ranks hold alike over those ranks,
+    and the reads of a load (each rank reads a part, the parts are exchanged): megatron-core's
+    fully parallel strategies. Without it data-parallel rank 0 writes all of it and every
+    rank reads what it needs."""
 
 
 SAVE_FORMAT = SaveFormat()
@@ -226,7 +223,7 @@ def _barrier() -> None:
 
 def _save_strategy(fmt: SaveFormat):
     """megatron-core's save strategy for ``fmt`` (``None``: its default)."""
-    if not fmt.parallel_save:
+    if not fmt.parallel_io:
         return None
     return FullyParallelSaveStrategyWrapper(
         get_default_save_sharded_strategy(), parallel.dp_group()
@@ -236,7 +233,7 @@ def _save_strategy(fmt: SaveFormat):
 def _load_strategy(fmt: SaveFormat, dist_dir: str):
     """megatron-core's load strategy for ``fmt`` and the checkpoint in ``dist_dir``."""
     default = get_default_load_sharded_strategy(dist_dir)
-    if not fmt.parallel_load:
+    if not fmt.parallel_io:
         return default
     return FullyParallelLoadStrategyWrapper(default, parallel.dp_group())
 
@@ -261,8 +258,8 @@ def save_trainer(trainer, path: str, run_state: dict, fmt: SaveFormat = SAVE_FOR
 
 def load_trainer(trainer, path: str, fmt: SaveFormat = SAVE_FORMAT) -> dict:
     """Restore what :func:`save_trainer` wrote, at this process's layout (which may differ
-    from the saved one: ``config/resume_layout.py``), reading as ``fmt.parallel_load`` says
-    (the optimizer format is the saved one); returns the orchestrator's ``run_state``."""
+    from the saved one: ``config/resume_layout.py``), reading as ``fmt.parallel_io`` says (the
+    optimizer format is the saved one); returns the orchestrator's ``run_state``."""
     dist_dir = os.path.join(path, "dist")
     if not os.path.isdir(dist_dir):
         raise FileNotFoundError(f"{path!r} is not a trainer checkpoint (no dist/ directory)")
@@ -271,7 +268,7 @@ def load_trainer(trainer, path: str, fmt: SaveFormat = SAVE_FORMAT) -> dict:
     behavior = common.get("behavior_kept", False)
     if saved.optimizer_stepped:
         materialize_optimizer_state(trainer.optimizer)
-    read = SaveFormat(saved.optimizer_format or DP_RESHARDABLE, parallel_load=fmt.parallel_load)
+    read = SaveFormat(saved.optimizer_format or DP_RESHARDABLE, parallel_io=fmt.parallel_io)
     state = _sharded_state(trainer, True, saved.optimizer_stepped, behavior, read)
     loaded = dist_checkpointing.load(state, dist_dir, _load_strategy(read, dist_dir))
     _restore_weights(trainer, loaded, behavior)

@@ -141,7 +141,7 @@ def save_as_before_layout_changes(trainer, path: str, state: dict) -> None:
     from megatron_armor.config.resume_layout import DP_RESHARDABLE
     from megatron_armor.trainer.checkpoint import SaveFormat, save_trainer
 
-    save_trainer(trainer, path, state, SaveFormat(DP_RESHARDABLE, parallel_save=False))
+    save_trainer(trainer, path, state, SaveFormat(DP_RESHARDABLE, parallel_io=False))
     if dist.get_rank() == 0:
         common_file = os.path.join(path, "dist", "common.pt")
         common = torch.load(common_file, weights_only=True)
