@@ -9,7 +9,8 @@ model's sharded state dict and reshard to any layout; so does the optimizer stat
 parameter's own shape and sharding). The older :data:`DP_RESHARDABLE` format (every DP rank's
 flat buffer slice, the format of checkpoints that record none) reshards over data parallelism
 only: such a checkpoint resumes at its own ``tp``, ``pp``, ``ep`` and ``etp``. Switching the
-optimizer kind (``trainer.use_distributed_optimizer``) does not convert.
+optimizer kind (``trainer.use_distributed_optimizer``) does not convert; the non-distributed
+optimizer of a mixture-of-experts model loads across ``ep = 1`` and ``ep > 1`` neither.
 
 :func:`layout_problem` is the one decision, read before Ray starts by ``armor train --resume``
 (``orchestration/run/resume_check.py``) and by ``armor plan --checkpoint``
@@ -112,6 +113,8 @@ def layout_problem(saved: SavedLayout, trainer, where: str) -> str | None:
                 f"the config sets {now}: the two formats do not convert; resume with "
                 f"trainer.use_distributed_optimizer={was}")  # fmt: skip
     target = layout_of(trainer)
+    if not was:
+        return _chain_problem(saved.layout, target, where)
     if saved.optimizer_format != DP_RESHARDABLE:
         return None
     if saved.layout.model_parallel() == target.model_parallel():
@@ -123,6 +126,20 @@ def layout_problem(saved: SavedLayout, trainer, where: str) -> str | None:
             f"trainer.ep={old.ep} trainer.etp={old.etp} (any world_size that fits them): the "
             f"checkpoints that run writes are saved {FULLY_RESHARDABLE} and resume at any "
             "layout")  # fmt: skip
+
+
+def _chain_problem(old: Layout, target: Layout, where: str) -> str | None:
+    """The non-distributed optimizer keeps a mixture-of-experts model's expert state in a
+    second optimizer at ``ep > 1`` only (megatron-core marks experts expert-parallel there),
+    and its checkpoint keys carry the optimizer's place in that chain: such a save loads at
+    ``ep > 1`` or at ``ep = 1`` as it was saved, not across."""
+    if (old.ep > 1) == (target.ep > 1):
+        return None
+    keep = "trainer.ep > 1 (any that divides the experts)" if old.ep > 1 else "trainer.ep=1"
+    return (f"{where} holds non-distributed optimizer state of a mixture-of-experts model "
+            f"saved at ep={old.ep}: its expert state sits in a separate optimizer only at ep > 1, "
+            f"so it does not load at ep={target.ep}; resume with {keep} (the distributed "
+            "optimizer's checkpoints load at any ep)")  # fmt: skip
 
 
 def layout_change(saved: SavedLayout, trainer) -> dict[str, dict] | None:

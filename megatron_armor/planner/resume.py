@@ -37,6 +37,8 @@ class ResumeOption:
     plan: Plan
     resume_problem: str | None
     """Why the checkpoint cannot resume here (``None``: it can)."""
+    distributed_optimizer: bool
+    """The config's ``trainer.use_distributed_optimizer``."""
 
     @property
     def admitted(self) -> bool:
@@ -51,8 +53,10 @@ class ResumeOption:
             verdict = "resumes" + ("" if same else " (resharded)")
         elif saved.optimizer_format == DP_RESHARDABLE:
             verdict = "does not resume (dp_reshardable state: another tp/pp/ep/etp)"
-        else:
+        elif saved.distributed_optimizer != self.distributed_optimizer:
             verdict = "does not resume (trainer.use_distributed_optimizer switched)"
+        else:
+            verdict = "does not resume (non-distributed MoE optimizer: ep 1 <-> ep > 1)"
         peak = f"{self.plan.peak_bytes / 2**30:.1f} GiB"
         fit = "fits" if self.plan.fits_memory else f"does not fit ({self.plan.largest_term[0]})"
         return f"{mark} {str(self.layout):<30} {verdict}; {fit}, {peak}"
@@ -91,6 +95,7 @@ def resume_options(
             configured=(tp, pp, ep) == (configured.tp, configured.pp, configured.ep),
             plan=make_plan(trial, model=model, gpu_mem_gib=gpu_mem_gib),
             resume_problem=layout_problem(saved, t, where),
+            distributed_optimizer=t.use_distributed_optimizer,
         )
         if option.admitted:
             options.append(option)

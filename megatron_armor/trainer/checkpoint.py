@@ -189,7 +189,7 @@ def _sharded_state(
     if with_optimizer:
         state["optimizer"] = trainer.optimizer.sharded_state_dict(
             model_sd, is_loading=is_loading,
-            metadata=optimizer_metadata(fmt.optimizer, fmt.gather_on_dp0),
+            metadata=optimizer_metadata(distributed, fmt.optimizer, fmt.gather_on_dp0),
         )  # fmt: skip
     return state
 

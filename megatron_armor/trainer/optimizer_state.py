@@ -21,12 +21,15 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron_armor.config.resume_layout import FULLY_RESHARDABLE
 
 
-def optimizer_metadata(optimizer_format: str, gather_on_dp0: bool = False) -> dict:
-    """megatron-core's ``sharded_state_dict`` metadata for ``optimizer_format`` (with
-    ``gather_on_dp0``: the ``fully_reshardable`` state gathered on data-parallel rank 0 only).
-    The keys of a chained optimizer's (a MoE model's dense and expert optimizers) reshardable
-    state are the parameters' own, without the ``chained_N.`` prefix: the chain's length
-    depends on the layout."""
+def optimizer_metadata(distributed: bool, optimizer_format: str, gather_on_dp0: bool) -> dict:
+    """megatron-core's ``sharded_state_dict`` metadata. The distributed optimizer's state in
+    ``optimizer_format`` (with ``gather_on_dp0``: ``fully_reshardable`` state gathered on
+    data-parallel rank 0 only); the keys of a chained optimizer's (a MoE model's dense and
+    expert optimizers) reshardable state are the parameters' own, without the ``chained_N.``
+    prefix: the chain's length depends on the layout. The non-distributed optimizer: megatron's
+    defaults (``chained_N.`` prefixes), as its checkpoints have always been written."""
+    if not distributed:
+        return {}
     return {
         "distrib_optim_sharding_type": optimizer_format,
         "chained_optim_avoid_prefix": True,

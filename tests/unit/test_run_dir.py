@@ -367,3 +367,23 @@ def test_convert_reads_the_run_precision_and_overrides_and_writes_a_matching_con
     assert written["torch_dtype"] == "float32"
     assert written["rope_parameters"] == {"rope_type": "default", "rope_theta": 40000.0}
     assert written["rope_theta"] == 40000.0 and written["rope_scaling"] is None
+
+
+def test_non_distributed_moe_optimizer_state_does_not_cross_ep_one(tmp_path):
+    """The non-distributed optimizer keeps a MoE model's expert state in a second optimizer
+    only at ep > 1: its checkpoint resumes at another ep > 1 but not at ep 1 (nor the other
+    way), refused before anything starts naming the ep to resume with."""
+    config = ArmorConfig()
+    run_dir, ckpt, save = _checkpoint_with_layout(tmp_path, config)
+    t = config.trainer
+    t.use_distributed_optimizer, t.world_size = False, 4
+    save({"tp": 1, "pp": 1, "ep": 2, "etp": 1, "dp": 2, "world_size": 2,
+          "distributed_optimizer": False})  # fmt: skip
+    t.ep = 4
+    assert _resumes(config, run_dir, ckpt) == ckpt
+    t.ep = 1
+    with pytest.raises(checkpoints.CheckpointError) as err:
+        open_run_dir(config, run_dir, str(ckpt))
+    message = str(err.value)
+    assert "non-distributed optimizer state of a mixture-of-experts model saved at ep=2" in message
+    assert "does not load at ep=1; resume with trainer.ep > 1" in message, message
