@@ -1,10 +1,15 @@
-"""``armor plan CONFIG [key=value ...] [--model NAME|DIR] [--gpu-mem-gib 80]``: preflight check.
+"""``armor plan CONFIG [key=value ...] [--model NAME|DIR] [--gpu-mem-gib 80]
+[--checkpoint CKPT]``: preflight check.
 
 Prints per-GPU memory per phase (weights, grads, optimizer, activations, logits, SGLang share;
 a mixture-of-experts model adds its all-to-all buffers and its active parameters), the size of
 one checkpoint and the disk peak during a save, the layout-rule findings and a verdict naming
-the largest term. Exit code 0 when the plan
-fits, 1 when it does not (or a rule fails), 2 on a config/model error: run it before sbatch.
+the largest term. With ``--checkpoint`` (a run checkpoint ``step_XXXXXX``, or a run directory:
+its newest complete one), also the layouts of the config's allocation (``trainer.world_size``)
+the model admits, whether the checkpoint resumes at each and whether each fits
+(``planner/resume.py``). Exit code 0 when the plan fits (and the checkpoint resumes at the
+configured layout), 1 when it does not (or a rule fails), 2 on a config/model/checkpoint
+error: run it before sbatch.
 """
 
 from __future__ import annotations
@@ -12,10 +17,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from megatron_armor.config import ConfigError, load_config
+from megatron_armor.config.resume_layout import read_saved_layout
+from megatron_armor.orchestration.run.checkpoints import latest_checkpoint
+from megatron_armor.orchestration.run.resume_check import model_shape_problem
 from megatron_armor.planner.model import PRESETS
 from megatron_armor.planner.plan import make_plan
+from megatron_armor.planner.resume import resume_report
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -30,6 +40,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--gpu-mem-gib", type=float, default=None,
                    help="memory of one GPU (GiB); default: orchestration.gpu_memory_gib (80)")  # fmt: skip
+    p.add_argument("--checkpoint", default=None,
+                   help="a run checkpoint (or run directory: its newest): the layouts of this "
+                   "allocation it resumes at")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the terms as JSON")
     p.set_defaults(run=run)
 
@@ -44,14 +57,35 @@ def run(args: argparse.Namespace) -> int:
         config = load_config(args.file, args.overrides)
         gib = args.gpu_mem_gib or config.orchestration.gpu_memory_gib
         plan = make_plan(config, model=args.model, gpu_mem_gib=gib)
+        resume = _resume_lines(args, config, gib) if args.checkpoint else None
     except (ConfigError, ValueError) as e:
         print(f"armor plan: {e}", file=sys.stderr)
         return 2
+    lines, resumes = resume or ([], True)
     if args.json:
-        print(json.dumps(_as_dict(plan), indent=2))
+        print(json.dumps({**_as_dict(plan), **({"resume": lines} if resume else {})}, indent=2))
     else:
-        print(plan.report())
-    return 0 if plan.fits else 1
+        print("\n".join([plan.report(), *lines]))
+    return 0 if plan.fits and resumes else 1
+
+
+def _resume_lines(args: argparse.Namespace, config, gib: float) -> tuple[list[str], bool]:
+    """``planner.resume.resume_report`` of ``--checkpoint`` (a checkpoint of another model
+    shape, or one that records no layout, is a ``ValueError``)."""
+    path = Path(args.checkpoint)
+    if not (path / "trainer").is_dir():
+        path = latest_checkpoint(path) or path
+    saved = read_saved_layout(path)
+    if saved is None:
+        raise ValueError(
+            f"--checkpoint {args.checkpoint}: {path} holds no trainer checkpoint that records its "
+            "parallel layout (trainer/dist/common.pt); name a run checkpoint step_XXXXXX or its "
+            "run directory"
+        )
+    wrong = model_shape_problem(path, config.trainer.model_path)
+    if wrong is not None:
+        raise ValueError(f"--checkpoint {args.checkpoint}: {wrong}")
+    return resume_report(config, saved, str(path), args.model, gib)
 
 
 def _as_dict(plan) -> dict:

@@ -116,7 +116,13 @@ def expert_layout_problems(trainer, world_size: int, etp: int, hf: dict | None,
         yield from _dense_model_problems(t, hf, where)
         return
     expert_parallel = etp * t.ep * t.pp
-    if world_size % expert_parallel:
+    if world_size < expert_parallel:
+        yield (
+            f"trainer.world_size={world_size}: fewer ranks than the expert layers' "
+            f"model-parallel size etp*ep*pp={etp}*{t.ep}*{t.pp}={expert_parallel}; lower "
+            "trainer.ep, trainer.etp or trainer.pp, or add GPUs"
+        )
+    elif world_size % expert_parallel:
         yield (
             f"trainer.world_size={world_size}: must be divisible by etp*ep*pp="
             f"{etp}*{t.ep}*{t.pp}={expert_parallel} (the expert layers' model-parallel "

@@ -379,7 +379,14 @@ def check_parallel(config: ArmorConfig) -> Problems:
     if min(t.tp, t.pp, t.cp, t.vpp, world_size) < 1:
         return  # named by the trainer section's check
     model_parallel = t.tp * t.pp * t.cp
-    if world_size % model_parallel:
+    if world_size < model_parallel:
+        yield (
+            f"trainer.world_size={world_size}: fewer ranks than one model replica needs, "
+            f"tp*pp*cp={t.tp}*{t.pp}*{t.cp}={model_parallel}; lower trainer.tp / trainer.pp "
+            "(a checkpoint reshards to them: `armor plan CONFIG --checkpoint CKPT` lists the "
+            "layouts it resumes at) or add GPUs"
+        )
+    elif world_size % model_parallel:
         yield (
             f"trainer.world_size={world_size}: must be divisible by tp*pp*cp="
             f"{t.tp}*{t.pp}*{t.cp}={model_parallel} (data-parallel size = world_size / "

@@ -161,6 +161,8 @@ CASES = [
     ("idle_gpus", train("orchestration.layout=colocated", "orchestration.nodes=4", "trainer.world_size=8"),
      "trainer.world_size=8 leaves 24 of the job's orchestration.nodes=4 x gpus_per_node=8 = 32 GPUs idle"),
     ("context_parallel", train("trainer.cp=2", "trainer.world_size=2"), "trainer.cp=2: context parallelism is not implemented"),
+    ("too_few_ranks", train("trainer.tp=4", "trainer.pp=2", "trainer.world_size=4"),
+     "trainer.world_size=4: fewer ranks than one model replica needs, tp*pp*cp=4*2*1=8"),
     ("expert_tp_dense", train("trainer.etp=2", "trainer.world_size=2"), "trainer.etp=2: {model}/config.json is a dense model"),
     ("distributed_colocated", train("rollout.backend=sglang", "orchestration.layout=colocated",
                                     "rollout.sglang.weight_transport=distributed"),

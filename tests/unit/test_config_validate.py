@@ -212,6 +212,10 @@ def test_fp8_with_te_is_valid():
     [
         (["trainer.tp=2", "trainer.world_size=3"], ["trainer.world_size=3", "tp*pp*cp=2*1*1=2"]),
         (
+            ["trainer.tp=4", "trainer.pp=2", "trainer.world_size=4"],
+            ["trainer.world_size=4: fewer ranks", "tp*pp*cp=4*2*1=8", "--checkpoint CKPT"],
+        ),
+        (
             ["trainer.tp=2", "trainer.pp=2", "trainer.cp=2", "trainer.world_size=12"],
             ["tp*pp*cp=2*2*2=8"],
         ),
@@ -454,7 +458,7 @@ def moe_dir(tmp_path):
         (["trainer.ep=2", "trainer.world_size=3"], ["trainer.world_size=3", "etp*ep*pp=1*2*1=2"]),
         (
             ["trainer.etp=2", "trainer.ep=3", "trainer.world_size=3"],
-            ["trainer.world_size=3", "etp*ep*pp=2*3*1=6", "trainer.etp"],
+            ["trainer.world_size=3: fewer ranks", "etp*ep*pp=2*3*1=6", "trainer.etp"],
         ),
         (
             ["trainer.etp=2", "trainer.world_size=2"],

@@ -367,7 +367,7 @@ class Session:
         self.restore_metrics_line(state)
         self.state = state
         self.offload_for_rollout()
-        announce_resume(self.run_dir, self.config, state.step)  # resumes.jsonl: it succeeded
+        announce_resume(self.run_dir, self.config, state.step, path)  # resumes.jsonl: it succeeded
         print(f"resumed from {path} at step {state.step}", flush=True)
         return state.step
 
