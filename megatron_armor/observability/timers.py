@@ -51,8 +51,8 @@ class PhaseClock:
         self._seconds.clear()
         self._since = time.perf_counter()
 
-    def _switch(self) -> None:
-        now = time.perf_counter()
+    def _switch(self, now: float | None = None) -> None:
+        now = time.perf_counter() if now is None else now
         self._seconds[self._stack[-1]] += now - self._since
         self._since = now
 
@@ -71,10 +71,11 @@ class PhaseClock:
             self._switch()
             self._stack.pop()
 
-    def metrics(self) -> dict[str, float]:
-        """``phase/<key>_s`` of every phase so far this step (zeros included), read from the
-        owning thread; the clock keeps running."""
-        self._switch()
+    def metrics(self, now: float | None = None) -> dict[str, float]:
+        """``phase/<key>_s`` of every phase so far this step (zeros included), up to ``now``
+        (a ``time.perf_counter()`` reading; default: now), read from the owning thread; the
+        clock keeps running."""
+        self._switch(now)
         return {p.metric: self._seconds.get(p.name, 0.0) for p in STEP_PHASES}
 
 

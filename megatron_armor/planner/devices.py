@@ -78,7 +78,7 @@ def _timed_rate(work: float, run, seconds: float) -> float:
     return best
 
 
-def cpu_peaks(cores: int, seconds: float = 0.2) -> DevicePeaks:
+def cpu_peaks(cores: int, seconds: float = 0.05) -> DevicePeaks:
     """Measured peaks of ``cores`` cores of this CPU: one thread's fp32 matmul FLOP/s
     (512 x 512) and copy bandwidth (64 MiB read + written), times ``cores``. A CPU's data
     sheet peak depends on its clock and vector units; this is what torch reaches on it."""
