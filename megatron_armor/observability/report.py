@@ -5,13 +5,14 @@
 ``predicted_vs_measured.png`` (per phase, the planner's prediction for the work done beside
 the measurement). The page holds the run's hardware, layout and config hash, its figures in
 the peers' definitions, every phase's seconds, efficiency and prediction, a per-step table,
-and the peers' published figures (:data:`PEER_FIGURES`, theirs, with sources and dates).
+the profiles in ``RUN_DIR/profile`` and the peers' published figures (:data:`PEER_FIGURES`, theirs, with sources and dates).
 Every figure comes from ``observability/step_figures.py``; docs/profiling.md walks through it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import shutil
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -214,6 +215,7 @@ def markdown(run_dir: Path, ctx: RunContext, facts: dict, rows: list[dict], s: d
         "![tokens/s/GPU](tokens_per_s_per_gpu.png)", "",
         "![predicted vs measured](predicted_vs_measured.png)", "",
         "## Per step", "", *steps_table(rows), "",
+        "## Profiles", "", *profile_lines(run_dir), "",
         "## The peers' published figures (theirs, for context)", "",
         "Each in its own definition, on its own model and hardware; only a row in the same "
         "definition, model and hardware compares with this run.", "", *context_table(), "",
@@ -270,9 +272,45 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-def write_report(run_dir: str | Path, out: str | Path | None = None) -> list[Path]:
-    """Write the page and its PNGs into ``out`` (default ``RUN_DIR/report``); their paths."""
+PROFILE_DIR = "profile"
+NSYS_REPORTS = ("*.nsys-rep", "*.qdrep")
+
+
+def gather_profiles(run_dir: Path, sources: list[str | Path]) -> list[Path]:
+    """Copy the Nsight Systems reports of ``sources`` (``launch/profile.sh``'s ``--out``) into
+    ``RUN_DIR/profile/``, beside the torch traces and the SGLang servers' reports written
+    there; the copies' paths."""
+    target = run_dir / PROFILE_DIR
+    copied = []
+    for source in map(Path, sources):
+        if source.resolve() == target.resolve():
+            continue
+        for pattern in NSYS_REPORTS:
+            for report in sorted(source.glob(pattern)):
+                target.mkdir(parents=True, exist_ok=True)
+                copied.append(Path(shutil.copy2(report, target / report.name)))
+    return copied
+
+
+def profile_lines(run_dir: Path) -> list[str]:
+    """The page's list of the run's profiles (``RUN_DIR/profile/``), or why there are none."""
+    files = sorted(p for p in (run_dir / PROFILE_DIR).rglob("*") if p.is_file())
+    if not files:
+        return ["No profile in `profile/`: `launch/profile.sh` or `logging.profile` captures "
+                "chosen steps (docs/profiling.md)."]  # fmt: skip
+    lines = ["| file | MB |", "|---|---|"]
+    for path in files:
+        lines.append(f"| `{path.relative_to(run_dir)}` | {path.stat().st_size / 1e6:.1f} |")
+    return lines
+
+
+def write_report(
+    run_dir: str | Path, out: str | Path | None = None, gather: list[str | Path] = ()
+) -> list[Path]:
+    """Write the page and its PNGs into ``out`` (default ``RUN_DIR/report``), after copying
+    the Nsight Systems reports of ``gather`` into ``RUN_DIR/profile``; their paths."""
     run_dir = Path(run_dir)
+    gather_profiles(run_dir, list(gather))
     ctx, facts, rows, s = report_figures(run_dir)
     out = Path(out) if out else run_dir / REPORT_DIR
     out.mkdir(parents=True, exist_ok=True)

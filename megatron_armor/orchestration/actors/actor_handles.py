@@ -341,6 +341,10 @@ def worker_roles(hosts: list[RolloutHost], has_ref_pool: bool) -> tuple[list[int
     return policy, reference
 
 
+ROLLOUT_PROFILERS = ("torch", "nsys")
+"""``logging.profile`` values the rollout workers take part in (docs/profiling.md)."""
+
+
 class RolloutActors:
     """All rollout workers; prompts are split contiguously, worker ``i`` seeded ``seed + i``.
 
@@ -368,6 +372,7 @@ class RolloutActors:
         anchors = get_anchor_mode(config.algo.anchor).draws_reference
         self.caches_anchors = anchors and served.caches_anchors
         self.weight_sync = None  # set by the session (orchestration/actors/weight_sync.py)
+        self.profiling = config.logging.profile in ROLLOUT_PROFILERS
         if hosts:
             for i, host in enumerate(hosts):
                 opts = server_owner_options(actor_options(plan, pg, order or [], host.bundle, 0.0))
@@ -392,6 +397,16 @@ class RolloutActors:
         except BaseException:
             self._close_started()  # the workers that did start stop their servers
             raise
+
+    def profile_begin(self, step: int) -> None:
+        """Start the rollout side's capture of ``step`` where it is a chosen one
+        (``RolloutWorker.profile_begin``; no call when nothing is profiled)."""
+        if self.profiling:
+            wait([a.profile_begin.remote(step) for a in self.actors], "rollout profiler begin")
+
+    def profile_end(self, step: int) -> None:
+        if self.profiling:
+            wait([a.profile_end.remote(step) for a in self.actors], "rollout profiler end")
 
     def _close_started(self) -> None:
         import ray

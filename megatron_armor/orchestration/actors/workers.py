@@ -102,6 +102,19 @@ def enable_worker_nvtx(config: ArmorConfig) -> None:
         enable_nvtx("nvtx")
 
 
+def embedded_engine_profiler(config: ArmorConfig, index: int):
+    """``logging.profile=torch`` with the embedded engine: rollout worker ``index``'s
+    torch.profiler traces of the chosen steps, ``RUN_DIR/profile/trace_rollout<i>_step<S>.json``
+    (its generation and reference sampling); ``None`` otherwise (SGLang servers capture
+    themselves; under nsys the worker is in the driver's report)."""
+    if config.logging.profile != "torch" or backend_of(config).serves_over_http:
+        return None
+    from megatron_armor.observability.profiler import TorchStepProfiler
+
+    out_dir = os.path.join(config.run.output_dir, config.run.name, "profile")
+    return TorchStepProfiler(list(config.logging.profile_steps), out_dir, index, f"rollout{index}")
+
+
 def node_info() -> dict[str, Any]:
     """Where this worker runs: node IP, Ray node id, hostname, visible GPU ids, a free TCP
     port, its pid."""
@@ -382,6 +395,7 @@ class RolloutWorker(Watched):
         self.index = index
         self.clock = ComputeClock()
         self.engine = self.ref_engine = None
+        self.profiler = embedded_engine_profiler(config, index)
         try:  # whatever fails, the servers already started are stopped
             self._start(config, device, pools, servers, wanted_ref)
         except BaseException:
@@ -419,6 +433,22 @@ class RolloutWorker(Watched):
                 plan.strategy, self.engine, weights_fn=self._weights, ref_engine=ref_engine,
                 cache_fill=plan.cache_fill,
             )  # fmt: skip
+
+    def profile_begin(self, step: int) -> None:
+        """Start the capture of ``step`` where it is chosen: this worker's embedded engine in a
+        torch.profiler trace, an SGLang pool's servers by their own profilers."""
+        if self.profiler is not None:
+            self.profiler.begin_step(step)
+        for engine in (self.engine, self.ref_engine):
+            if engine is not None:
+                engine.profile_begin(step)
+
+    def profile_end(self, step: int) -> None:
+        for engine in (self.engine, self.ref_engine):
+            if engine is not None:
+                engine.profile_end(step)
+        if self.profiler is not None:
+            self.profiler.end_step(step)
 
     def _weights(self, which: str) -> NamedTensors:
         if which not in self.copies:

@@ -140,8 +140,9 @@ def finish_timing(s: Session, metrics: dict[str, float], t0: float) -> None:
     seconds of each phase (``phase/*``, summing to it), the end-to-end tokens/s/GPU and the
     one-step-off overlap share. Again after a checkpoint, which the step's time includes."""
     metrics.update(s.timers.pop_metrics())
-    metrics["timing/step_s"] = time.perf_counter() - t0
-    metrics.update(s.timers.clock.metrics())
+    end = time.perf_counter()  # one reading for both: a pause between two would split them
+    metrics["timing/step_s"] = end - t0
+    metrics.update(s.timers.clock.metrics(end))
     metrics.update(e2e_metrics(metrics, e2e_devices(s.config)))
     overlap_fraction(metrics)
 
@@ -202,7 +203,9 @@ def run_loop(s: Session, start: int, stop: StopSignal) -> int:
         t0 = time.perf_counter()
         s.timers.clock.start()  # every second from here on goes to one phase (phase/*)
         s.trainer.profile_begin(step)
+        s.rollout.profile_begin(step)  # its workers' and servers' capture of the step
         metrics = pipeline.run_step(step) if pipeline else run_step(s, rollout, step)
+        s.rollout.profile_end(step)
         s.trainer.profile_end(step)
         metrics.update(s.meter.pop_metrics())
         metrics.update(s.weight_sync.pop_metrics())
