@@ -16,7 +16,9 @@ broken check (exit 1, the report names it):
    of it, configs/base.yaml).
 4. ``cuda_ipc_bucket``: a 256 MiB bf16 bucket handed to another process through a CUDA IPC
    handle (torch's reductions, as the ``tensor`` weight transport does) and summed there.
-5. ``gpu_tests``: ``pytest -m gpu`` over tests/unit, tests/dist and tests/gpu (each test skips
+5. ``throughput_report``: the tiny config trained for 4 steps on this GPU and its
+   ``armor report`` (``benchmarks/throughput_run.py``): a dated tokens/s/GPU and the page.
+6. ``gpu_tests``: ``pytest -m gpu`` over tests/unit, tests/dist and tests/gpu (each test skips
    what the installed packages lack), in the time left.
 
 One JSON report (``--out``, default ``runs/gpu_first_contact.json``), at most ``--budget-s``
@@ -284,11 +286,24 @@ def check_gpu_tests(state: dict) -> dict:
     return {"summary": summary}
 
 
+def check_throughput_report(state: dict) -> dict:
+    """The tiny config trained for 4 steps on this GPU and its ``armor report``
+    (``benchmarks/throughput_run.py``): the node's first dated end-to-end tokens/s/GPU in
+    NeMo-RL's definition, and where each step's time went."""
+    from throughput_run import train_and_report
+
+    left = state["deadline"] - time.monotonic() - 30  # the gpu tests' turn after it
+    if left < 120:
+        return {"skipped": f"{left:.0f} s left of the budget"}
+    return train_and_report(REPO / "runs" / "gpu_first_contact_run", 4, True, left)
+
+
 CHECKS = [
     ("embedded_engine", check_embedded_engine),
     ("trainer_step", check_trainer_step),
     ("colocated_handoff", check_colocated_handoff),
     ("cuda_ipc_bucket", check_cuda_ipc_bucket),
+    ("throughput_report", check_throughput_report),
     ("gpu_tests", check_gpu_tests),
 ]
 

@@ -2,7 +2,8 @@
 # The first ten minutes on a GPU node (benchmarks/gpu_first_contact.py, docs/gpu.md "First
 # contact"): the embedded engine's tokens/s, a bf16 trainer step of a random ~1B Qwen2 at
 # 8k-token micro-batches with MFU, the colocated memory hand-off, a CUDA IPC weight bucket
-# between two processes, then every `gpu` test the installed packages allow. One JSON report;
+# between two processes, a short run of the tiny config with its `armor report` page
+# (benchmarks/throughput_run.py), then every `gpu` test the installed packages allow. One JSON report;
 # exit 1 naming the first broken check; without a GPU it says so and exits 0.
 #
 #   scripts/gpu_first_contact.sh [--out runs/gpu_first_contact.json] [--budget-s 480]
