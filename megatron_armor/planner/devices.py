@@ -5,15 +5,16 @@ MFU of the log-prob passes and the updates, memory-bandwidth utilization of deco
 push's bytes/s against its link) and the planner predicts phase times from them
 (``planner/phase_time.py``). GPU rows are the vendors' data sheets (dense tensor-core
 figures: half the "with sparsity" ones; fp32 = TF32; memory = HBM; link = NVLink, total of
-both directions as the sheets state it). A CPU has no sheet here: its row is measured on the
-run's own machine when the run starts (:func:`cpu_peaks`: one core's fp32 matmul and copy
-bandwidth, times the cores a trainer rank uses), and says so.
+both directions as the sheets state it). A CPU has no sheet here:
+its row is the nominal fp32 rate of its clock and vector unit and a copy rate measured when
+the run starts, times the cores a trainer rank uses (:func:`cpu_peaks`), and says so.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -67,37 +68,59 @@ def gpu_peaks(device_name: str) -> DevicePeaks | None:
     return GPU_PEAKS[key] if key else None
 
 
-def _timed_rate(work: float, run, seconds: float) -> float:
-    """``work`` units per second of ``run()``, repeated for about ``seconds`` (best of the
-    repeats: the least disturbed by other processes)."""
-    best, deadline = 0.0, time.perf_counter() + seconds
-    while time.perf_counter() < deadline or best == 0.0:
-        start = time.perf_counter()
-        run()
-        best = max(best, work / (time.perf_counter() - start))
-    return best
+CPU_FLOPS_PER_CYCLE = {"avx512f": 32, "avx2": 32, "sse2": 8}
+"""fp32 FLOPs per cycle of one core by its widest vector flag: two FMA units of 8 fp32 lanes
+(AVX2, and AVX-512 on parts that split it in two halves); Intel parts with two 512-bit FMA
+units reach twice this. SSE2: 4 lanes, 2 units, no FMA."""
 
 
-def cpu_peaks(cores: int, seconds: float = 0.05) -> DevicePeaks:
-    """Measured peaks of ``cores`` cores of this CPU: one thread's fp32 matmul FLOP/s
-    (512 x 512) and copy bandwidth (64 MiB read + written), times ``cores``. A CPU's data
-    sheet peak depends on its clock and vector units; this is what torch reaches on it."""
+def cpu_flops_per_core(cpuinfo: str) -> float:
+    """Nominal fp32 FLOP/s of one core from ``/proc/cpuinfo``'s text: its clock (``cpu MHz``)
+    times :data:`CPU_FLOPS_PER_CYCLE` of its widest vector flag (0 when unknown)."""
+    mhz = flags = None
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "cpu MHz" and mhz is None:
+            mhz = float(value)
+        elif key.strip() == "flags" and flags is None:
+            flags = set(value.split())
+    if not mhz or not flags:
+        return 0.0
+    per_cycle = next((n for flag, n in CPU_FLOPS_PER_CYCLE.items() if flag in flags), 0)
+    return mhz * 1e6 * per_cycle
+
+
+def copy_gbps(mib: int = 256, repeats: int = 3) -> float:
+    """One thread's copy rate of ``mib`` MiB (read + written, larger than the caches), the
+    best of ``repeats``: measured, so a busy machine measures low."""
     import torch
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        a, b = torch.randn(512, 512), torch.randn(512, 512)
-        flops = _timed_rate(2 * 512**3, lambda: torch.mm(a, b), seconds)
-        src = torch.ones(16 * 2**20)  # 64 MiB of fp32
+        src = torch.ones(mib * 2**18)  # fp32
         dst = torch.empty_like(src)
-        copy = _timed_rate(2 * src.numel() * 4, lambda: dst.copy_(src), seconds)
+        best = 0.0
+        for _ in range(repeats):
+            start = time.perf_counter()
+            dst.copy_(src)
+            best = max(best, 2 * src.numel() * 4 / (time.perf_counter() - start))
     finally:
         torch.set_num_threads(threads)
+    return best / 1e9
+
+
+def cpu_peaks(cores: int, cpuinfo: str | None = None, copy: float | None = None) -> DevicePeaks:
+    """``cores`` cores of this CPU: the nominal fp32 FLOP/s of :func:`cpu_flops_per_core`
+    and one core's measured copy rate (:func:`copy_gbps`), each times ``cores``."""
+    if cpuinfo is None:
+        path = Path("/proc/cpuinfo")
+        cpuinfo = path.read_text() if path.is_file() else ""
+    per_core = copy_gbps() if copy is None else copy
     return DevicePeaks(
-        "cpu", {"fp32": cores * flops / 1e12}, cores * copy / 1e9, 0.0,
-        source=f"measured at the run's start: {cores} core(s) x one core's torch fp32 matmul "
-        "and copy rate",
+        "cpu", {"fp32": cores * cpu_flops_per_core(cpuinfo) / 1e12}, cores * per_core, 0.0,
+        source=f"{cores} core(s): fp32 nominal (clock x FLOPs per cycle of its vector unit), "
+        "memory a copy measured at the run's start",
     )  # fmt: skip
 
 

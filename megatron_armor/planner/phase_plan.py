@@ -13,6 +13,8 @@ from megatron_armor.planner.phase_time import (
     Efficiency,
     Workload,
     WorkloadGuess,
+    concurrent_sequences,
+    layout_of,
     planned_workload,
     predict_step,
 )
@@ -30,6 +32,8 @@ class PhasePlan:
     workload: Workload
     efficiency: Efficiency
     guess: WorkloadGuess
+    concurrency: float
+    """Policy sequences one engine decodes at once (its KV cache's or batch's limit)."""
 
     @property
     def step_seconds(self) -> float:
@@ -46,7 +50,8 @@ class PhasePlan:
         lines.append(
             f"  workload: {w.policy_sequences:.0f} policy + {w.reference_sequences:.0f} reference "
             f"samples of {w.prompt_len:.0f} + {w.policy_response_len:.0f} tokens; "
-            f"{w.trained_sequences:.0f} trained sequences"
+            f"{w.trained_sequences:.0f} trained sequences; {self.concurrency:.0f} sequences "
+            "decoded at once per engine"
         )
         lines.append("  assumed: " + _fields(self.guess) + "; " + _fields(self.efficiency))
         lines.append("  not modelled (measured only): reward, driver; docs/profiling.md")
@@ -55,6 +60,7 @@ class PhasePlan:
     def as_dict(self) -> dict:
         return {"device": self.device.as_dict(), "seconds": self.seconds,
                 "step_seconds": self.step_seconds, "workload": asdict(self.workload),
+                "concurrency": self.concurrency,
                 "efficiency": asdict(self.efficiency), "guess": asdict(self.guess)}  # fmt: skip
 
 
@@ -81,4 +87,7 @@ def make_phase_plan(
     work = planned_workload(config, guess)
     ckpt, _ = checkpoint_disk(config, dims)
     seconds = predict_step(config, dims, device, work, efficiency, gpu_mem_gib * GiB, ckpt)
-    return PhasePlan(device, seconds, work, efficiency, guess)
+    lay = layout_of(config, dims, gpu_mem_gib * GiB)
+    at_once = concurrent_sequences(lay, work.policy_sequences, work.prompt_len,
+                                   work.policy_response_len)  # fmt: skip
+    return PhasePlan(device, seconds, work, efficiency, guess, at_once)

@@ -203,6 +203,14 @@ def _expert_share(dims: ModelDims, concurrent: float) -> float:
     return 1.0 - (1.0 - dims.topk / dims.num_experts) ** max(concurrent, 1.0)
 
 
+def concurrent_sequences(
+    layout: Layout, sequences: float, prompt_len: float, response_len: float
+) -> float:
+    """Sequences one engine decodes at once: its share of ``sequences``, or what its KV cache
+    (the embedded engine: its batch) holds of them."""
+    return min(sequences / layout.engines, layout.kv_tokens / (prompt_len + response_len))
+
+
 def decode_bytes(
     dims: ModelDims, layout: Layout, sequences: float, prompt_len: float, response_len: float,
     longest_steps: float,
@@ -211,7 +219,7 @@ def decode_bytes(
     docstring, decoding): the weights once per iteration, each generated token's context of
     KV cache."""
     per_engine = sequences / layout.engines
-    concurrent = min(per_engine, layout.kv_tokens / (prompt_len + response_len))
+    concurrent = concurrent_sequences(layout, sequences, prompt_len, response_len)
     iterations = max(longest_steps, per_engine * response_len / max(concurrent, 1.0))
     weight = 2 if layout.precision != "fp32" else 4
     expert = dims.decoder_expert_params()

@@ -11,7 +11,13 @@ import pytest
 
 from megatron_armor.cli import main as armor_main
 from megatron_armor.config import load_config
-from megatron_armor.planner.devices import GPU_PEAKS, DevicePeaks, gpu_peaks
+from megatron_armor.planner.devices import (
+    GPU_PEAKS,
+    DevicePeaks,
+    cpu_flops_per_core,
+    cpu_peaks,
+    gpu_peaks,
+)
 from megatron_armor.planner.flops import forward_flops
 from megatron_armor.planner.model import PRESETS, ModelDims
 from megatron_armor.planner.phase_time import (
@@ -39,6 +45,16 @@ def test_device_table_knows_the_h100_parts():
     assert gpu_peaks("NVIDIA H100 80GB HBM3") is GPU_PEAKS["H100 SXM"]
     assert GPU_PEAKS["H100 SXM"].memory_gbps == 3350.0 and GPU_PEAKS["H200"].memory_gbps == 4800.0
     assert gpu_peaks("Tesla T4") is None
+
+
+def test_a_cpus_nominal_rate_is_its_clock_times_its_vector_units():
+    assert cpu_flops_per_core("cpu MHz\t: 2500.0\nflags\t: fpu sse2 avx2 fma\n") == 2.5e9 * 32
+    assert cpu_flops_per_core("cpu MHz\t: 2000.0\nflags\t: fpu sse2\n") == 2e9 * 8
+    assert cpu_flops_per_core("processor : 0\n") == 0.0  # no clock or flags: unknown
+    peaks = cpu_peaks(2, "cpu MHz : 2500.0\nflags : avx512f\n", copy=10.0)
+    assert (
+        peaks.tflops == {"fp32": 0.16} and peaks.memory_gbps == 20.0 and "nominal" in peaks.source
+    )
 
 
 def test_decode_bytes_by_hand():
