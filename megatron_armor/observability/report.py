@@ -75,7 +75,7 @@ def load_context(run_dir: Path) -> tuple[RunContext, dict]:
     config = load_config(run_dir / "config.yaml")
     gib = config.orchestration.gpu_memory_gib
     ctx = RunContext(config, facts_model(facts), facts_peaks(facts), int(facts["devices"]),
-                     gib * 2**30)  # fmt: skip
+                     facts.get("precision", ""), gib * 2**30)  # fmt: skip
     return ctx, facts
 
 
@@ -174,15 +174,11 @@ def overlap_lines(s: dict) -> list[str]:
 
 
 def steps_table(rows: list[dict]) -> list[str]:
-    short = [p for p in STEP_PHASES]
-    head = (
-        "| step | `timing/step_s` | phases sum | tokens/s/GPU | "
-        + " | ".join(p.name for p in short)
-        + " |"
-    )
-    lines = [head, "|" + "---|" * (4 + len(short))]
+    names = " | ".join(p.name for p in STEP_PHASES)
+    lines = [f"| step | `timing/step_s` | phases sum | tokens/s/GPU | {names} |",
+             "|" + "---|" * (4 + len(STEP_PHASES))]  # fmt: skip
     for r in rows:
-        cells = " | ".join(f"{r['phases'][p.name]:.3f}" for p in short)
+        cells = " | ".join(f"{r['phases'][p.name]:.3f}" for p in STEP_PHASES)
         lines.append(f"| {r['step']} | {r['step_s']:.3f} | {r['phase_sum_s']:.3f} | "
                      f"{r['throughput']['nemo_rl_tokens_per_s_per_gpu']:.1f} | {cells} |")  # fmt: skip
     return lines

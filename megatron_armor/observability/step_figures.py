@@ -55,6 +55,9 @@ class RunContext:
     dims: ModelDims | None
     peaks: DevicePeaks | None
     devices: int
+    precision: str = ""
+    """The passes' tensor-core precision (``report_facts.json``: fp8 under
+    ``trainer.fp8.enabled``); default ``trainer.precision``."""
     gpu_bytes: float = 80 * GiB
     efficiency: Efficiency = field(default_factory=Efficiency)
 
@@ -75,9 +78,8 @@ def throughput_figures(record: dict, ctx: RunContext) -> dict[str, float]:
     e2e = tokens / step_s / ctx.devices if step_s else 0.0
     train_s = _get(record, "phase/train_s")
     trainer_devices = max(1, int(ctx.config.trainer.world_size))
-    out = {"nemo_rl_tokens_per_s_per_gpu": e2e, "verl_throughput": e2e,
-           "prime_rl_tokens_per_s_per_gpu": tokens / train_s / trainer_devices if train_s else 0.0}  # fmt: skip
-    return out
+    return {"nemo_rl_tokens_per_s_per_gpu": e2e, "verl_throughput": e2e,
+            "prime_rl_tokens_per_s_per_gpu": tokens / train_s / trainer_devices if train_s else 0.0}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -96,7 +98,7 @@ class Ratio:
 
 def _trainer_capacity(seconds: float, ctx: RunContext) -> float:
     """FLOPs the trainer's devices could do in ``seconds`` at the precision's peak."""
-    peak = ctx.peaks.peak_tflops(ctx.config.trainer.precision) or 0.0
+    peak = ctx.peaks.peak_tflops(ctx.precision or ctx.config.trainer.precision) or 0.0
     return seconds * max(1, int(ctx.config.trainer.world_size)) * peak * 1e12
 
 
