@@ -90,7 +90,7 @@ def cpu_flops_per_core(cpuinfo: str) -> float:
     return mhz * 1e6 * per_cycle
 
 
-def copy_gbps(mib: int = 256, repeats: int = 3) -> float:
+def copy_gbps(mib: int = 128, repeats: int = 2) -> float:
     """One thread's copy rate of ``mib`` MiB (read + written, larger than the caches), the
     best of ``repeats``: measured, so a busy machine measures low."""
     import torch
