@@ -18,7 +18,10 @@ broken check (exit 1, the report names it), each within its own budget on an H10
    of it, configs/base.yaml).
 5. ``cuda_ipc_bucket``: a 256 MiB bf16 bucket handed to another process through a CUDA IPC
    handle (torch's reductions, as the ``tensor`` weight transport does) and summed there.
-6. ``gpu_tests``: the ``gpu`` tests that show what only a GPU can (:data:`GPU_TESTS`: CUDA
+6. ``throughput_report``: the tiny config trained on this GPU for 4 steps (1 step rehearsing)
+   and its ``armor report`` (``benchmarks/throughput_run.py``): a dated tokens/s/GPU in
+   NeMo-RL's definition and the page.
+7. ``gpu_tests``: the ``gpu`` tests that show what only a GPU can (:data:`GPU_TESTS`: CUDA
    IPC into a real SGLang server, the memory saver's release and resume around a push, bf16
    kernels against transformers, TE and FP8, packed ``thd``, grouped-GEMM experts, routed
    experts), in one pytest run.
@@ -403,13 +406,26 @@ class FirstCheck:
     cpu_deadline_s: float
 
 
+def check_throughput_report(state: dict) -> dict:
+    """The tiny config trained on this GPU (4 steps; rehearsing, 1 step on CPU with smaller
+    batches) and its ``armor report`` (``benchmarks/throughput_run.py``): the node's first
+    dated end-to-end tokens/s/GPU in NeMo-RL's definition, and where each step's time went."""
+    from throughput_run import REHEARSAL, train_and_report
+
+    gpu = state["device"].type == "cuda"
+    left = state["check_deadline"] - time.monotonic() - 5
+    out = state["run_out"]  # beside the report: the page outlives the check
+    return train_and_report(out, 4 if gpu else 1, gpu, left, () if gpu else REHEARSAL)
+
+
 CHECKS = [
     FirstCheck("random_model", check_random_model, 20, 120),
     FirstCheck("embedded_engine", check_embedded_engine, 45, 120),
     FirstCheck("trainer_step", check_trainer_step, 90, 300),
     FirstCheck("colocated_handoff", check_colocated_handoff, 30, 120),
     FirstCheck("cuda_ipc_bucket", check_cuda_ipc_bucket, 20, 120),
-    FirstCheck("gpu_tests", check_gpu_tests, 270, 240),
+    FirstCheck("throughput_report", check_throughput_report, 45, 240),
+    FirstCheck("gpu_tests", check_gpu_tests, 225, 240),
 ]
 H100_BUDGET_S = sum(c.h100_budget_s for c in CHECKS)
 """475 s: under 8 minutes, a rerun fits a 15-minute lease."""
@@ -479,7 +495,8 @@ def run_check(report: Report, check: FirstCheck, state: dict) -> bool:
 
 def run_checks(report: Report, device: torch.device) -> int:
     """Every check in order; the first broken one ends the run (exit 1) and is named."""
-    state = {"device": device, "sizes": GPU if device.type == "cuda" else CPU, "children": []}
+    state = {"device": device, "sizes": GPU if device.type == "cuda" else CPU, "children": [],
+             "run_out": report.path.with_name(report.path.stem + "_run")}  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="armor-first-contact-") as tmp:
         state["tmp"] = tmp
         for check in CHECKS:

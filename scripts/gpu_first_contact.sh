@@ -2,9 +2,10 @@
 # The first minutes on a GPU node (benchmarks/gpu_first_contact.py, docs/gpu.md "First
 # contact"): a random ~1B Qwen2, the embedded engine's tokens/s, a bf16 trainer step at
 # 8k-token micro-batches with MFU, the colocated memory hand-off, a CUDA IPC weight bucket
-# between two processes, then the gpu tests that show what only a GPU can. Each check within its
-# H100 budget (475 s in all); one JSON report, rewritten after every check; exit 1 naming the
-# first broken check; without a GPU it says so and exits 0.
+# between two processes, a short run of the tiny config with its `armor report` page
+# (benchmarks/throughput_run.py), then the gpu tests that show what only a GPU can. Each check
+# within its H100 budget (475 s in all); one JSON report, rewritten after every check; exit 1
+# naming the first broken check; without a GPU it says so and exits 0.
 #
 #   scripts/gpu_first_contact.sh [--out runs/gpu_first_contact.json] [--rehearse]
 #

@@ -22,6 +22,7 @@ SUBCOMMANDS = {
     "convert": "megatron_armor.cli.convert_cmd",
     "plan": "megatron_armor.cli.plan_cmd",
     "plot": "megatron_armor.cli.plot_cmd",
+    "report": "megatron_armor.cli.report_cmd",
     "pipeline": "megatron_armor.cli.pipeline_cmd",
     "compare": "megatron_armor.cli.compare_cmd",
     "doctor": "megatron_armor.cli.doctor_cmd",

@@ -1,15 +1,16 @@
-"""``armor plan CONFIG [key=value ...] [--model NAME|DIR] [--gpu-mem-gib 80]
-[--checkpoint CKPT]``: preflight check.
+"""``armor plan CONFIG [key=value ...] [--model NAME|DIR] [--gpu-mem-gib 80] [--device GPU]
+[--assume NAME=VALUE ...] [--checkpoint CKPT]``: preflight check.
 
 Prints per-GPU memory per phase (weights, grads, optimizer, activations, logits, SGLang share;
 a mixture-of-experts model adds its all-to-all buffers and its active parameters), the size of
 one checkpoint and the disk peak during a save, the layout-rule findings and a verdict naming
-the largest term. With ``--checkpoint`` (a run checkpoint ``step_XXXXXX``, or a run directory:
-its newest complete one), also the layouts of the config's allocation (``trainer.world_size``)
-the model admits, whether the checkpoint resumes at each and whether each fits
-(``planner/resume.py``). Exit code 0 when the plan fits (and the checkpoint resumes at the
-configured layout), 1 when it does not (or a rule fails), 2 on a config/model/checkpoint
-error: run it before sbatch.
+the largest term; then each step phase's predicted seconds on ``--device`` with the workload
+and efficiencies assumed (``planner/phase_plan.py``). With ``--checkpoint`` (a run checkpoint
+``step_XXXXXX``, or a run directory: its newest complete one), also the layouts of the config's
+allocation (``trainer.world_size``) the model admits, whether the checkpoint resumes at each and
+whether each fits (``planner/resume.py``). Exit code 0 when the plan fits (and the checkpoint
+resumes at the configured layout), 1 when it does not (or a rule fails), 2 on a
+config/model/checkpoint error: run it before sbatch.
 """
 
 from __future__ import annotations
@@ -44,6 +45,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="a run checkpoint (or run directory: its newest): the layouts of this "
                    "allocation it resumes at")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the terms as JSON")
+    p.add_argument("--device", default="H100 SXM",
+                   help="GPU of the predicted phase times (planner/devices.py); the cpu layout "
+                   "measures this machine's CPU")  # fmt: skip
+    p.add_argument("--assume", action="append", default=[], metavar="NAME=VALUE",
+                   help="an efficiency or workload assumption of the predicted phase times "
+                   "(planner/phase_time.py), e.g. train_mfu=0.3 or acceptance=0.4")  # fmt: skip
     p.set_defaults(run=run)
 
 
@@ -58,14 +65,16 @@ def run(args: argparse.Namespace) -> int:
         gib = args.gpu_mem_gib or config.orchestration.gpu_memory_gib
         plan = make_plan(config, model=args.model, gpu_mem_gib=gib)
         resume = _resume_lines(args, config, gib) if args.checkpoint else None
+        times = phase_times(config, plan.model, args.device, args.assume, gib)
     except (ConfigError, ValueError) as e:
         print(f"armor plan: {e}", file=sys.stderr)
         return 2
     lines, resumes = resume or ([], True)
     if args.json:
-        print(json.dumps({**_as_dict(plan), **({"resume": lines} if resume else {})}, indent=2))
+        print(json.dumps({**_as_dict(plan), "phase_times": times.as_dict(),
+                          **({"resume": lines} if resume else {})}, indent=2))  # fmt: skip
     else:
-        print("\n".join([plan.report(), *lines]))
+        print("\n".join([plan.report(), times.report(), *lines]))
     return 0 if plan.fits and resumes else 1
 
 
@@ -86,6 +95,29 @@ def _resume_lines(args: argparse.Namespace, config, gib: float) -> tuple[list[st
     if wrong is not None:
         raise ValueError(f"--checkpoint {args.checkpoint}: {wrong}")
     return resume_report(config, saved, str(path), args.model, gib)
+
+
+def phase_times(config, dims, device: str, assume: list[str], gpu_mem_gib: float):
+    """The predicted step (``planner/phase_plan.py``) on ``device``, or on this machine's CPU
+    (measured now) for the ``cpu`` layout, under the ``--assume`` values."""
+    from megatron_armor.planner.devices import cpu_peaks
+    from megatron_armor.planner.phase_plan import make_phase_plan, plan_device
+    from megatron_armor.planner.phase_time import (
+        Efficiency,
+        WorkloadGuess,
+        check_assumptions,
+        parse_assumptions,
+    )
+
+    check_assumptions(assume)
+    if config.orchestration.layout == "cpu":
+        from megatron_armor.orchestration.actors.placement import plan_layout
+
+        peaks = cpu_peaks(plan_layout(config).threads)
+    else:
+        peaks = plan_device(device)
+    eff, guess = parse_assumptions(assume, Efficiency), parse_assumptions(assume, WorkloadGuess)
+    return make_phase_plan(config, dims, peaks, eff, guess, gpu_mem_gib)
 
 
 def _as_dict(plan) -> dict:

@@ -67,7 +67,7 @@ def metrics_record(step: int, metrics: dict[str, Any]) -> dict[str, Any]:
     return {"step": int(step), "wall_time": time.time(), **clean}
 
 
-WALL_CLOCK_KEYS = ("timing/", "perf/", "wall_time", "reward/verify_seconds",
+WALL_CLOCK_KEYS = ("timing/", "phase/", "perf/", "wall_time", "reward/verify_seconds",
                    "mem/", "disk/", "watch/memory", "watch/disk", "async/rollout_wait",
                    "async/trainer_wait", "async/overlap", "faults/")  # fmt: skip
 """Prefixes of the metrics that depend on the wall clock or on the machine's state (host

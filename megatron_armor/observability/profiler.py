@@ -60,10 +60,12 @@ class StepProfiler:
 class TorchStepProfiler(StepProfiler):
     """``torch.profiler`` capture of each chosen step, exported as a Chrome trace."""
 
-    def __init__(self, steps: list[int], out_dir: str | Path, rank: int) -> None:
+    def __init__(self, steps: list[int], out_dir: str | Path, rank: int, name: str = "") -> None:
+        """``name`` of the traces (``trace_<name>_step<S>.json``; default ``rank<rank>``)."""
         super().__init__(steps)
         self.out_dir = Path(out_dir)
         self.rank = rank
+        self.name = name or f"rank{rank}"
         self._prof: Any = None
         self.traces: list[Path] = []
 
@@ -88,7 +90,7 @@ class TorchStepProfiler(StepProfiler):
         self._prof.add_metadata("armor_host", socket.gethostname())
         self._prof.__exit__(None, None, None)
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        path = self.out_dir / f"trace_rank{self.rank}_step{step}.json"
+        path = self.out_dir / f"trace_{self.name}_step{step}.json"
         self._prof.export_chrome_trace(str(path))
         self.traces.append(path)
         self._prof = None

@@ -94,6 +94,16 @@ class RolloutEngine(ABC):
         """Stop what the engine started (server processes, routers); default: nothing."""
         return None
 
+    def profile_begin(self, step: int) -> None:
+        """Start the capture of training step ``step`` in processes of the engine's own
+        (SGLang servers: ``rollout/sglang/profile.py``); default: none, an embedded engine is
+        in its worker's trace."""
+        return None
+
+    def profile_end(self, step: int) -> None:
+        """End what :meth:`profile_begin` started; default: nothing."""
+        return None
+
     # ------------------------------------------------------------------ server pools
     servers: Sequence[Any] = ()
     """The engine's server processes (``.url``, ``.tp``, ``.index``); an embedded engine: none."""

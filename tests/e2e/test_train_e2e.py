@@ -5,7 +5,8 @@ resets and checkpoints every 2 steps (``e2e_runs.Run``); the uninterrupted refer
 the tiny model and data (built once with ``armor tiny``, or reused from ``$ARMOR_TINY_DIR`` /
 ``artifacts/tiny``) are fixtures of ``conftest.py``, shared with ``test_signals_e2e.py``.
 
-What is checked: a run end to end (metrics, anchors, checkpoints, plots, summary) (signals,
+What is checked: a run end to end (metrics, anchors, checkpoints, plots, summary), every
+second of each step in one phase (``armor report``: ``test_throughput_run_e2e.py``) (signals,
 ``kill -9``, damaged checkpoints, one writer per run dir, loopback ports and exact resume:
 ``test_signals_e2e.py``); ARMOR's group composition of docs/algorithm.md, anchor rollout
 (``anchor: none | filter_only``: on the runs of ``test_compare_e2e.py``); a reset makes the
@@ -26,6 +27,7 @@ import pytest
 
 from megatron_armor.observability.metrics import read_metrics, without_wall_clock
 from megatron_armor.orchestration.step.step_metrics import read_anchor_file
+from megatron_armor.planner.step_phases import STEP_PHASES
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from e2e_runs import CACHED, Run  # noqa: E402
@@ -61,6 +63,20 @@ def test_short_run_end_to_end(reference_run):
     armor = [x for x in anchor_lines(reference_run, 1) if x.get("kept")]
     assert len(armor) == 4
     assert all(x["policy_n"] == 3 and x["ref_n"] == 2 and x["anchor_len"] > 0 for x in armor)
+
+
+@pytest.mark.timeout(900)
+def test_phases_sum_to_each_step(reference_run):
+    steps = [r for r in read_metrics(reference_run) if r["step"] >= 1]
+    for r in steps:  # every second of the step in one phase (docs/metrics.md, phase/*)
+        total = sum(r[p.metric] for p in STEP_PHASES)
+        assert abs(total - r["timing/step_s"]) <= 0.02 * r["timing/step_s"], r["step"]
+        for key in ("phase/rollout_policy_s", "phase/rollout_reference_s", "phase/train_s"):
+            assert r[key] > 0, (r["step"], key)
+        tokens = r["train/prompt_tokens"] + r["train/response_tokens"]  # one CPU trainer rank
+        assert r["perf/e2e_tokens_per_s_per_gpu"] == pytest.approx(tokens / r["timing/step_s"])
+    assert [r["step"] for r in steps if r["phase/checkpoint_s"] > 0] == [2, 4]
+    assert [r["step"] for r in steps if r["phase/validate_s"] > 0] == [2, 4]
 
 
 @pytest.mark.timeout(900)

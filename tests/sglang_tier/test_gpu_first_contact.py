@@ -64,4 +64,10 @@ def test_the_rehearsal_runs_every_check_in_order_within_its_deadline(tmp_path):
     for name, entry in report["checks"].items():
         assert entry["ok"] and entry["seconds"] <= entry["deadline_s"], (name, entry)
     assert report["checks"]["gpu_tests"]["collected"] >= len(fc.GPU_TESTS)
+    run = report["checks"]["throughput_report"]  # the tiny config's page of its one step
+    assert run["steps"] == 1 and run["e2e_tokens_per_s_per_gpu_mean"] > 0
+    page = Path(run["report"]).read_text()
+    assert "## Throughput in the peers' definitions" in page and "| 1 |" in page
+    for png in ("phases.png", "tokens_per_s_per_gpu.png", "predicted_vs_measured.png"):
+        assert (Path(run["run_dir"]) / "report" / png).stat().st_size > 5000
     print("rehearsal:", {n: report["checks"][n]["seconds"] for n in names})

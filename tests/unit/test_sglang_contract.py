@@ -29,6 +29,7 @@ from megatron_armor.doctor import pins
 from megatron_armor.rollout.protocol import SamplingParams
 from megatron_armor.rollout.sglang import client, launch
 from megatron_armor.rollout.sglang import weights as transport
+from megatron_armor.rollout.sglang.profile import ServerProfile
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +128,12 @@ def our_bodies() -> dict[str, tuple[str, dict]]:
         "/continue_generation": ("ContinueGenerationReqInput", {}),
         transport.BEGIN_ENDPOINT: ("BeginWeightUpdateReqInput", {}),
         transport.END_ENDPOINT: ("EndWeightUpdateReqInput", {}),
+        client.PROFILE_START: ("ProfileReq", TORCH_PROFILE.start_payload("sglang_0")),
     }
+
+
+TORCH_PROFILE = ServerProfile("torch", (2,), "/runs/r/profile", own_nsys=False)
+NSYS_PROFILE = ServerProfile("nsys", (2,), "/runs/r/profile", own_nsys=True)
 
 
 @pytest.mark.unit
@@ -157,6 +163,20 @@ def test_every_body_has_exactly_fields_of_its_request_struct(sglang_src):
         assert "POST" in served.get(endpoint, set()), f"SGLang serves no POST {endpoint}"
     assert "GET" in served["/health_generate"]  # SGLangClient.healthy: GET, no body
     assert "GET" in served["/server_info"]  # SGLangClient.scheduler_answers: GET, no body
+    fields, _ = class_fields(tree, "ProfileReq")
+    assert set(NSYS_PROFILE.start_payload("sglang_0")) <= fields
+    assert "POST" in served[client.PROFILE_STOP]  # no body
+
+
+@pytest.mark.unit
+def test_profiled_servers_start_and_stop_the_capture_the_wheel_knows(sglang_src):
+    """``CUDA_PROFILER`` makes a server call ``cudaProfilerStart``/``Stop`` (its own nsys
+    session's capture range); CPU and GPU are its torch profiler's activities."""
+    manager = (sglang_src / "srt/managers/scheduler_components/profiler_manager.py").read_text()
+    assert '"CUDA_PROFILER" in activities' in manager and "cudaProfilerStart()" in manager
+    for activity in (*NSYS_PROFILE.start_payload("s")["activities"],
+                     *TORCH_PROFILE.start_payload("s")["activities"]):  # fmt: skip
+        assert f'"{activity}"' in manager, activity
 
 
 @pytest.mark.unit

@@ -58,20 +58,26 @@ def worker_roles(hosts: list[RolloutHost], has_ref_pool: bool) -> tuple[list[int
     return policy, reference
 
 
+ROLLOUT_PROFILERS = ("torch", "nsys")
+"""``logging.profile`` values the rollout workers take part in (docs/profiling.md)."""
+
+
 class RolloutFleet:
     """All rollout workers of a run: started (:meth:`start`), sorted by role, called,
     replaced, closed."""
 
     def __init__(self, watch: CallWatch, actors: list, policy: list[int], reference: list[int],
                  has_ref_pool: bool, specs: list[tuple[dict, tuple]] | None = None,
-                 startup_timeout: float = 0.0):  # fmt: skip
+                 startup_timeout: float = 0.0, profiling: bool = False):  # fmt: skip
         """The workers ``actors``, those of ``policy`` and ``reference`` (indices) in each
         role; ``specs``: the ``(options, args)`` a replacement of each is made with (the
-        embedded engine's workers only)."""
+        embedded engine's workers only); ``profiling``: the workers take part in
+        ``logging.profile`` (:data:`ROLLOUT_PROFILERS`)."""
         self.watch, self.actors, self.has_ref_pool = watch, list(actors), has_ref_pool
         self.policy_actors = [self.actors[i] for i in policy]
         self.reference_actors = [self.actors[i] for i in reference]
         self.specs, self.startup_timeout = specs or [], startup_timeout
+        self.profiling = profiling
 
     @classmethod
     def start(cls, config: ArmorConfig, plan: LayoutPlan, watch: CallWatch, pg=None,
@@ -96,7 +102,9 @@ class RolloutFleet:
         startup = config.orchestration.ray_init_timeout_s
         if backend_of(config).serves_over_http:  # the worker waits for every server's health
             startup = max(startup, 2 * config.rollout.sglang.startup_timeout_s)
-        fleet = cls(watch, actors, policy, reference, uses_ref_pool(config), specs, startup)
+        profiling = config.logging.profile in ROLLOUT_PROFILERS
+        fleet = cls(watch, actors, policy, reference, uses_ref_pool(config), specs, startup,
+                    profiling)  # fmt: skip
         try:
             fleet.send(actors, lambda a: a.health.remote(), CallKind.STARTUP,
                        "rollout engine start-up", timeout=startup).result()  # fmt: skip
@@ -163,6 +171,18 @@ class RolloutFleet:
             "compute intervals",
         ).result()
         return [interval for intervals in per_worker for interval in intervals]
+
+    def profile_begin(self, step: int) -> None:
+        """Start the workers' capture of ``step`` where it is a chosen one
+        (``RolloutWorker.profile_begin``; no call when nothing is profiled)."""
+        if self.profiling:
+            self.send(self.actors, lambda a: a.profile_begin.remote(step), CallKind.PROFILER,
+                      "rollout profiler begin").result()  # fmt: skip
+
+    def profile_end(self, step: int) -> None:
+        if self.profiling:
+            self.send(self.actors, lambda a: a.profile_end.remote(step), CallKind.PROFILER,
+                      "rollout profiler end").result()  # fmt: skip
 
     def peak_gpu_memory(self) -> list[tuple[float, float] | None]:
         """Every worker's peak GPU memory (allocated, reserved) since the last call."""

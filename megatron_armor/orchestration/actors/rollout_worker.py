@@ -11,6 +11,7 @@ services (``rollout_services.py``), one class per concern; the driver reaches th
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -63,6 +64,19 @@ def start_pools(config: ArmorConfig, index: int, device: str,
         started.close()
         raise
     return started
+
+
+def embedded_engine_profiler(config: ArmorConfig, index: int):
+    """``logging.profile=torch`` with the embedded engine: rollout worker ``index``'s
+    torch.profiler traces of the chosen steps, ``RUN_DIR/profile/trace_rollout<i>_step<S>.json``
+    (its generation and reference sampling); ``None`` otherwise (SGLang servers capture
+    themselves; under nsys the worker is in the driver's report)."""
+    if config.logging.profile != "torch" or backend_of(config).serves_over_http:
+        return None
+    from megatron_armor.observability.profiler import TorchStepProfiler
+
+    out_dir = os.path.join(config.run.output_dir, config.run.name, "profile")
+    return TorchStepProfiler(list(config.logging.profile_steps), out_dir, index, f"rollout{index}")
 
 
 def reference_sampler(config: ArmorConfig, pools: EnginePools,
@@ -141,6 +155,7 @@ class RolloutWorker(
             pools.close()
             raise
         self.index, clock = index, ComputeClock()
+        self.profiler = embedded_engine_profiler(config, index)
         GenerationService.__init__(self, pools, tokenizer, clock)
         ReferenceService.__init__(self, reference, tokenizer, clock)
         WeightIntake.__init__(self, pools, copies, reference)
@@ -159,6 +174,20 @@ class RolloutWorker(
 
     def node_info(self) -> dict[str, Any]:
         return node_info()
+
+    def profile_begin(self, step: int) -> None:
+        """Start the capture of ``step`` where it is chosen: this worker's embedded engine in a
+        torch.profiler trace, an SGLang pool's servers by their own profilers."""
+        if self.profiler is not None:
+            self.profiler.begin_step(step)
+        for pool in self.pools.names():
+            self.pools.engines[pool].profile_begin(step)
+
+    def profile_end(self, step: int) -> None:
+        for pool in self.pools.names():
+            self.pools.engines[pool].profile_end(step)
+        if self.profiler is not None:
+            self.profiler.end_step(step)
 
     def close(self) -> None:
         """Stop the engines this worker launched (SGLang servers and routers)."""

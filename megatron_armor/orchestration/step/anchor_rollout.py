@@ -52,7 +52,6 @@ from megatron_armor.algo.anchors import AcceptanceStats, acceptance_reason, sele
 from megatron_armor.algo.registry import get_anchor_mode
 from megatron_armor.config.validate import short_batch_floor
 from megatron_armor.data.retirement import retire_drawn
-from megatron_armor.observability.nvtx import nvtx_range
 from megatron_armor.observability.timers import PhaseTimers
 from megatron_armor.orchestration.actors.actor_handles import merge_reward_stats
 from megatron_armor.orchestration.actors.workers import shard
@@ -86,6 +85,15 @@ class RolloutResult:
     reward_stats: dict[str, float] = field(default_factory=dict)
     generated_tokens: int = 0
     """Response tokens generated this step (policy + reference, fresh or cached)."""
+    prompt_tokens: int = 0
+    """Prompt tokens of those samples (each sample's prompt counted once)."""
+    policy_sequences: int = 0
+    reference_sequences: int = 0
+    """Samples drawn this step, by source (as ``generated_tokens`` counts them)."""
+    policy_decode_steps: int = 0
+    reference_decode_steps: int = 0
+    """The longest response of each generation batch's policy (reference) samples, summed:
+    the decode iterations the engines ran for them at least (``planner/phase_time.py``)."""
     reference_first: bool = False
     """Whether this step drew the reference samples first (``rollout.reference_first``)."""
     reference_prefetched: bool = False
@@ -105,6 +113,21 @@ def followup_size(gen_batch: int, need: int, accepted: int, seen: int) -> int:
     floor = max(1, math.ceil(FOLLOWUP_FLOOR * gen_batch))
     wanted = math.ceil((need - accepted) * seen / accepted)
     return max(floor, min(gen_batch, wanted))
+
+
+def count_drawn(
+    result: RolloutResult, policy: list[list[Sample]], reference: list[list[Sample]]
+) -> None:
+    """Add a generation batch's samples (``policy`` and ``reference`` rows) to ``result``'s
+    counts: response and prompt tokens, samples by source and their decode iterations."""
+    drawn = [s for row in policy for s in row], [s for row in reference for s in row]
+    for samples in drawn:
+        result.generated_tokens += sum(s.response_len for s in samples)
+        result.prompt_tokens += sum(len(s.prompt_ids) for s in samples)
+    result.policy_sequences += len(drawn[0])
+    result.reference_sequences += len(drawn[1])
+    result.policy_decode_steps += max((s.response_len for s in drawn[0]), default=0)
+    result.reference_decode_steps += max((s.response_len for s in drawn[1]), default=0)
 
 
 def reference_role(part: int) -> str:
@@ -259,7 +282,7 @@ class AnchorRollout:
 
     def _draw_policy(self, items: list, step: int, batch: int) -> list[list[Sample]]:
         """The ``n_on`` policy samples of each of ``items`` (seed role ``policy``), unscored."""
-        with self.timers.phase("generate"), nvtx_range("rollout/policy"):
+        with self.timers.phase("generate", "rollout/policy"):
             return self.policy.generate(items, self._n_on(), self._params(step, batch, "policy"))
 
     def _n_on(self) -> int:
@@ -270,7 +293,7 @@ class AnchorRollout:
         to it (their ``submit_scored``): ``(rows, reward stats)``; ``role`` names the range in
         the profile. The time until the rows are in is ``generate``, the wait for their scores
         after that ``score``."""
-        with self.timers.phase("generate"), nvtx_range(role):
+        with self.timers.phase("generate", role):
             call = draws.submit_scored(items, n, params, self.reward)
             rows = call.rows()
         with self.timers.phase("score"):
@@ -289,7 +312,7 @@ class AnchorRollout:
         if not self.caches_anchors:
             return self._draw_scored(self.reference, "rollout/reference", items,
                                      self.algo.ref_n, params)  # fmt: skip
-        with self.timers.phase("generate"), nvtx_range("rollout/reference"):
+        with self.timers.phase("generate", "rollout/reference"):
             drawn = self.reference.sample(items, self.algo.ref_n, params)
         return drawn, self._score_reference(items, drawn)
 
@@ -310,7 +333,9 @@ class AnchorRollout:
         else:
             policy = self._draw_policy(items, step, batch)
             jobs = [(items, policy, ids, step, batch, p) for p, ids in enumerate(parts)]
-            with ThreadPoolExecutor(max_workers=min(len(jobs), MAX_PART_THREADS)) as pool:
+            workers = ThreadPoolExecutor(max_workers=min(len(jobs), MAX_PART_THREADS))
+            # the step waits on the parts' reference calls and their scoring together
+            with workers as pool, self.timers.step_phase("rollout/reference"):
                 done = list(pool.map(lambda job: self._score_then_reference(*job), jobs))
         reference: list[list[Sample]] = [[] for _ in items]
         stats: dict[str, float] = {}
@@ -471,7 +496,7 @@ class AnchorRollout:
             return None
         call = pending[2]
         try:
-            with self.timers.phase("generate"), nvtx_range("rollout/reference"):
+            with self.timers.phase("generate", "rollout/reference"):
                 rows = call.rows()
             with self.timers.phase("score"):
                 return rows, call.score()
@@ -505,10 +530,7 @@ class AnchorRollout:
             result.reward_stats = merge_reward_stats(result.reward_stats, stats)
             result.stats.add_generation_batch()
             result.policy_samples.extend(s for row in policy for s in row)
-            result.generated_tokens += sum(
-                s.response_len for rows in (policy, reference, verdicts) for row in rows
-                if row for s in row
-            )  # fmt: skip
+            count_drawn(result, policy, [*reference, *(v for v in verdicts if v)])
             first = len(result.records)
             self._accept(items, verdicts, policy, reference, gen_batch, result)
             retire_drawn(self.sampler, indices, result.records[first:])

@@ -226,7 +226,7 @@ class AsyncPipeline:
         result, overlap = batch.result, self.overlaps(step)
         if overlap:
             restarted += s.heal_rollout(step + 1)  # before the engines get step t+1's calls
-        metrics = {"train/updates": 0.0, "train/response_tokens": 0.0}
+        metrics = dict(phases.NO_UPDATE)
         train_start = time.perf_counter()
         # the ranks: log-probs (old under the batch's behavior weights), then keep the live
         # weights as the next batch's behavior weights, then the updates (in this order)
@@ -248,7 +248,8 @@ class AsyncPipeline:
             kept.result()
         train_end = time.perf_counter()
         if overlap:
-            self.pending = self.collector.join()
+            with s.timers.step_phase("rollout/wait"):  # the updates are done: waiting
+                self.pending = self.collector.join()
             s.recovery.serve("policy")
         join_end = time.perf_counter()
         metrics.update(batch.metrics)

@@ -23,14 +23,16 @@ import torch
 from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.config.validate import runs_async_rollout
 from megatron_armor.data.sampler import SamplerExhausted
+from megatron_armor.observability.facts import run_facts, write_facts
 from megatron_armor.observability.metrics import metrics_record
 from megatron_armor.observability.signal_lead import SignalLeadWatch
 from megatron_armor.observability.status import StepClock
 from megatron_armor.observability.summary import step_line
+from megatron_armor.observability.throughput import e2e_devices, e2e_metrics
 from megatron_armor.observability.timers import PhaseTimers
 from megatron_armor.orchestration.actors.call_watch import CallWatch, StopDuringCallError
 from megatron_armor.orchestration.actors.faults import RequeueError, locate, requeue_error
-from megatron_armor.orchestration.actors.placement import shutdown_ray
+from megatron_armor.orchestration.actors.placement import plan_layout, shutdown_ray
 from megatron_armor.orchestration.actors.recovery import WHY_TRAINER, handles
 from megatron_armor.orchestration.run import checkpoints
 from megatron_armor.orchestration.run.disk_space import DiskFullError, full_disk_error
@@ -48,6 +50,7 @@ from megatron_armor.orchestration.step.async_rollout import (
     overlap_fraction,
 )
 from megatron_armor.orchestration.step.phases import (
+    NO_UPDATE,
     checkpoint_due,
     finish_logprobs,
     finish_minibatches,
@@ -91,7 +94,7 @@ def run_step(s: Session, rollout: AnchorRollout, step: int) -> dict[str, float]:
         metrics = train_on(s, rollout, step, result)
     else:
         write_anchor_file(s.run_dir, step, result)
-        metrics = {"train/updates": 0.0, "train/response_tokens": 0.0}
+        metrics = dict(NO_UPDATE)
     s.meter.add_rollout(result.generated_tokens, s.timers.seconds("generate"))
     metrics.update(rollout_metrics(result))
     metrics.update(s.sampler.metrics())  # data/epoch, data/retired*
@@ -136,6 +139,18 @@ def train_on(s: Session, rollout: AnchorRollout, step: int, result) -> dict[str,
     return train_metrics(s, batch, metrics, exact_kl)
 
 
+def finish_timing(s: Session, metrics: dict[str, float], t0: float) -> None:
+    """The step's wall-clock figures so far: its timers, ``timing/step_s`` since ``t0``, the
+    seconds of each phase (``phase/*``, summing to it), the end-to-end tokens/s/GPU and the
+    one-step-off overlap share. Again after a checkpoint, which the step's time includes."""
+    metrics.update(s.timers.pop_metrics())
+    end = time.perf_counter()  # one reading for both: a pause between two would split them
+    metrics["timing/step_s"] = end - t0
+    metrics.update(s.timers.clock.metrics(end))
+    metrics.update(e2e_metrics(metrics, e2e_devices(s.config)))
+    overlap_fraction(metrics)
+
+
 def stop_message(s: Session, stop: StopSignal, saved: bool) -> str:
     """What a signal did, with the newest checkpoint as it is on disk."""
     newest = checkpoints.list_checkpoints(s.run_dir)
@@ -177,7 +192,7 @@ def run_loop(s: Session, start: int, stop: StopSignal) -> int:
             s.save(0, line)
     pipeline = None
     if runs_async_rollout(cfg):  # the rollout on its own timers, without a progress bar
-        timers = PhaseTimers()
+        timers = PhaseTimers(s.timers.clock)  # a batch drawn in the step's thread is its time
         rollout = AnchorRollout(cfg, s.dataset, s.sampler, s.rollout.policy, s.rollout.reference,
                                 s.reward, None, timers)  # fmt: skip
         pipeline = AsyncPipeline(s, rollout, timers, collected_from_state(s.state.pending))
@@ -192,8 +207,11 @@ def run_loop(s: Session, start: int, stop: StopSignal) -> int:
             return stopped(stop_message(s, stop, saved=False))
         report_phase("step", step)
         t0 = time.perf_counter()
+        s.timers.clock.start()  # every second from here on goes to one phase (phase/*)
         s.trainer.profile_begin(step)
+        s.rollout.fleet.profile_begin(step)  # its workers' and servers' capture of the step
         metrics = pipeline.run_step(step) if pipeline else run_step(s, rollout, step)
+        s.rollout.fleet.profile_end(step)
         s.trainer.profile_end(step)
         metrics.update(s.meter.pop_metrics())
         metrics.update(s.weight_sync.pop_metrics())
@@ -201,17 +219,14 @@ def run_loop(s: Session, start: int, stop: StopSignal) -> int:
         metrics.update(s.gpu_memory_metrics())
         metrics.update(s.host_metrics(checkpoint_due(cfg, step)))
         metrics.update(s.watch.observe(step, metrics))
-        metrics.update(s.timers.pop_metrics())
-        metrics["timing/step_s"] = time.perf_counter() - t0
-        overlap_fraction(metrics)
+        finish_timing(s, metrics, t0)
         diverged = s.state.skipped_in_a_row >= cfg.trainer.max_skipped_updates
         saved = stop.received or checkpoint_due(cfg, step) or s.watch.wants_checkpoint or diverged
         if saved:  # the line travels in the checkpoint: a kill before it is appended loses nothing
             report_phase("checkpoint")
             with s.timers.phase("checkpoint"):
                 written = s.save(step, metrics_record(step, metrics), in_flight(pipeline))
-            metrics.update(s.timers.pop_metrics())
-            metrics["timing/step_s"] = time.perf_counter() - t0
+            finish_timing(s, metrics, t0)
         report_phase("log")
         line = metrics_record(step, metrics)
         clean = s.logger.write(line)
@@ -293,6 +308,14 @@ def report_start(config: ArmorConfig) -> None:
     report_phase("start", 0)
 
 
+def record_facts(s: Session) -> None:
+    """``RUN_DIR/report_facts.json``: the hardware and peaks ``armor report`` measures this
+    start of the run against (``observability/facts.py``)."""
+    cores = plan_layout(s.config).threads  # a CPU trainer rank's torch threads
+    device = s.trainer.info.get("device_name", "cpu")
+    write_facts(s.run_dir, run_facts(s.config, device, cores))
+
+
 def start_line(config: ArmorConfig) -> str:
     """What the driver prints once the run directory is its own (locked, resume decided)."""
     return (f"armor train: starting {run_dir_of(config)} (SIGTERM, SIGINT, SIGUSR1: "
@@ -316,6 +339,7 @@ def train(config: ArmorConfig, resume: str = "auto") -> int:
                 )
             if stop.received:
                 return stopped(stop_message(session, stop, saved=False))
+            record_facts(session)
             watch.announce()
             return run_with_faults(session, stop)
         except (AcceptanceError, SamplerExhausted) as err:  # a requeue would meet them again

@@ -30,6 +30,9 @@ from megatron_armor.orchestration.step.update_guard import skip_metrics
 from megatron_armor.rollout.protocol import SamplingParams
 from megatron_armor.types import Group, TrainBatch, pack_groups
 
+NO_UPDATE = {"train/updates": 0.0, "train/response_tokens": 0.0, "train/prompt_tokens": 0.0}
+"""The trainer's counts of a step that accepted no query (no update)."""
+
 
 def minibatch_sample_ids(
     groups: list[Group], num_minibatches: int, min_groups: int = 1
@@ -140,12 +143,13 @@ def train_metrics(
     s: Session, batch: TrainBatch, metrics: dict[str, float], exact_kl: dict[str, float]
 ) -> dict[str, float]:
     """``metrics`` of the step's updates (:func:`finish_minibatches`) with the exact KL, the
-    engine/trainer log-prob agreement and the response tokens trained; the throughput meter
-    counts the step's sequences."""
+    engine/trainer log-prob agreement and the response and prompt tokens trained; the
+    throughput meter counts the step's sequences."""
     s.meter.add_train(batch.seq_lengths(), s.timers.seconds("train"))
     metrics.update(exact_kl)
     metrics.update(logprob_mismatch_metrics(batch, needs_reference_logprobs(s.config.algo)))
     metrics["train/response_tokens"] = float(batch.num_response_tokens)
+    metrics["train/prompt_tokens"] = float(batch.num_tokens - batch.num_response_tokens)
     return metrics
 
 

@@ -211,6 +211,10 @@ memory too, which the loop never resumes (a resume of a tag not released raises 
 scheduler's ``offload_tags.remove``), so every release and every resume names these."""
 
 
+PROFILE_START, PROFILE_STOP = "/start_profile", "/stop_profile"
+"""A server's profiler (``rollout/sglang/profile.py``: the body of a start; a stop has none)."""
+
+
 def release_memory_occupation_payload(tags: list[str] | None = None) -> dict:
     """Body of ``/release_memory_occupation`` (``ReleaseMemoryOccupationReqInput``): ``tags``
     among :data:`RELEASED_TAGS` (``None``: the weights and the KV cache)."""

@@ -30,6 +30,8 @@ from megatron_armor.rollout.protocol import GenerationOutput, RolloutEngine, Sam
 from megatron_armor.rollout.sglang import launch
 from megatron_armor.rollout.sglang import weights as transport
 from megatron_armor.rollout.sglang.client import (
+    PROFILE_START,
+    PROFILE_STOP,
     ClientSettings,
     EventLoopThread,
     SGLangClient,
@@ -43,6 +45,7 @@ from megatron_armor.rollout.sglang.client import (
     sample_seed,
     update_weights_from_disk_payload,
 )
+from megatron_armor.rollout.sglang.profile import ServerProfile, server_profile
 from megatron_armor.rollout.sglang.router import RouterAdmin
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
@@ -90,9 +93,11 @@ class SGLangEngine(RolloutEngine):
         model_overrides: dict | None = None,
         on_cpu: bool = False,
         routes: tuple[int, int] | None = None,
+        profile: ServerProfile | None = None,
     ) -> None:
         """``model_overrides``: ``trainer.model_overrides``, served as the trainer trains.
         ``on_cpu``: servers without GPUs (``orchestration.layout: cpu``; ``launch.CPU_SERVER_ARGS``).
+        ``profile``: how ``logging.profile`` captures the servers (``rollout/sglang/profile.py``).
         ``routes``: ``(layers, k)`` of a mixture-of-experts model whose experts each sample
         returns (``--enable-return-routed-experts``, ``return_routed_experts`` per request;
         ``config/moe.py``: ``route_shape``); ``None``: no routes asked for.
@@ -106,6 +111,8 @@ class SGLangEngine(RolloutEngine):
         self.model_overrides = dict(model_overrides or {})
         self.on_cpu = on_cpu
         self.routes = routes
+        self.profile = profile
+        self._profiling = False
         self.pool = pool or policy_pool(cfg, len(urls) if urls else max(cfg.num_engines, 1))
         self.host = host
         self.weights_dir = weights_dir
@@ -167,6 +174,7 @@ class SGLangEngine(RolloutEngine):
             indices=indices, model_overrides=dict(config.trainer.model_overrides),
             on_cpu=config.orchestration.layout == "cpu",
             routes=route_shape(config.trainer.model_path) if wants_engine_routes(config) else None,
+            profile=server_profile(config),
         )  # fmt: skip
         if start:
             try:
@@ -212,10 +220,33 @@ class SGLangEngine(RolloutEngine):
             weights_cpu_backup=self.pool.name == "ref",
             return_routed_experts=self.routes is not None,
         )
-        pool = "" if self.pool.name == "policy" else f"{self.pool.name}_"
-        log = os.path.join(log_dir, f"sglang_{pool}{server.index}.log") if log_dir else None
+        name = self.server_name(server)
+        log = os.path.join(log_dir, f"{name}.log") if log_dir else None
         command = launch.build_server_command(args, module=self.cfg.server_module)
+        if self.profile is not None:
+            command = self.profile.command(command, name)
         return launch.ManagedProcess(command, f"{server.url}/health_generate", log)
+
+    def server_name(self, server: EngineServer) -> str:
+        """``sglang_<i>`` (policy) or ``sglang_<pool>_<i>``: its log's and profile's name."""
+        pool = "" if self.pool.name == "policy" else f"{self.pool.name}_"
+        return f"sglang_{pool}{server.index}"
+
+    def profile_begin(self, step: int) -> None:
+        """At a chosen step, ask every server to start its capture (``rollout/sglang/profile.py``)."""
+        if self.profile is None or not self.profile.wants(step):
+            return
+        if self.profile.start_payload(self.server_name(self.servers[0])) is None:
+            return  # the driver's Nsight Systems session follows the servers
+        self._post_all(self.servers, PROFILE_START,
+                       lambda s: self.profile.start_payload(self.server_name(s)))  # fmt: skip
+        self._profiling = True
+
+    def profile_end(self, step: int) -> None:
+        """Stop the capture :meth:`profile_begin` started."""
+        if self._profiling:
+            self._post_all(self.servers, PROFILE_STOP, lambda s: {})
+            self._profiling = False
 
     def _launch_router(self, log_dir: str | None) -> None:
         port = self.pool.router_port
