@@ -31,7 +31,7 @@ def _missing_dir(key: str, model_path: str) -> str:
     text = f"{key}={model_path!r}: no such directory; point it at {MODEL_DIR_FIX}"
     if "/" in model_path and not model_path.startswith((".", "/", "~")):
         text += (
-            f" (models are never fetched from the hub: `huggingface-cli download "
+            f" (models are never fetched from the hub: `hf download "
             f"{model_path} --local-dir DIR` first, then {key}=DIR)"
         )
     return text
