@@ -7,8 +7,9 @@
 #
 #   DIR/rootfs   the image's root: this machine's top-level layout (/bin -> usr/bin, ...), empty
 #                /root, /home, /tmp, /var/tmp (the image ships no home directory)
-#   DIR/usr-bin  /usr/bin without the Slurm client commands (hard links: no copy), mounted over
-#                /usr/bin: like the project's image, the container has no scontrol/squeue/srun
+#   DIR/usr-bin, DIR/usr-local-bin  /usr/bin and /usr/local/bin without the Slurm client
+#                commands (hard links: no copy), mounted over them: like the project's image,
+#                the container has no scontrol/squeue/srun
 #   DIR/layers   the host directories the image holds, read-only ("SRC DST" per line; SRC
 #                tmpfs: an empty directory): /usr, /etc (/etc/slurm and /etc/munge empty: no
 #                Slurm configuration, no munge key), and the Python installation that
@@ -28,14 +29,14 @@ say() { echo "cpu_image: $*" >&2; }
 
 [ -x "$PYTHON" ] || { say "no Python at $PYTHON; run scripts/bootstrap.sh first or pass PYTHON"; exit 1; }
 prefix=$("$PYTHON" -c 'import sys; print(sys.base_prefix)')
-layers=$(printf '%s %s\n' /usr /usr "$OUT/usr-bin" /usr/bin /etc /etc tmpfs /etc/slurm tmpfs /etc/munge \
-  "$prefix" "$prefix")
+layers=$(printf '%s %s\n' /usr /usr "$OUT/usr-bin" /usr/bin "$OUT/usr-local-bin" /usr/local/bin \
+  /etc /etc tmpfs /etc/slurm tmpfs /etc/munge "$prefix" "$prefix")
 if [ -f "$OUT/layers" ] && [ "$(cat "$OUT/layers")" = "$layers" ] && [ -d "$OUT/rootfs" ]; then
   say "$OUT is up to date"
   exit 0
 fi
 rm -rf "$OUT.tmp"
-mkdir -p "$OUT.tmp/rootfs" "$OUT.tmp/usr-bin"
+mkdir -p "$OUT.tmp/rootfs" "$OUT.tmp/usr-bin" "$OUT.tmp/usr-local-bin"
 for entry in /*; do
   name=${entry#/}
   if [ -L "$entry" ]; then ln -s "$(readlink "$entry")" "$OUT.tmp/rootfs/$name"
@@ -43,9 +44,13 @@ for entry in /*; do
 done
 mkdir -p "$OUT.tmp/rootfs/var/tmp" "$OUT.tmp/rootfs/run"
 chmod 1777 "$OUT.tmp/rootfs/tmp" "$OUT.tmp/rootfs/var/tmp"
-# /usr/bin by hard links (cp -l), without the Slurm clients
-cp -al /usr/bin/. "$OUT.tmp/usr-bin/" 2>/dev/null || cp -a /usr/bin/. "$OUT.tmp/usr-bin/"
-for name in "${SLURM_CLIENTS[@]}"; do rm -f "$OUT.tmp/usr-bin/$name"; done
+# /usr/bin and /usr/local/bin (the CI cluster's pyxis stand-in is /usr/local/bin/srun) by hard
+# links (cp -l), without the Slurm clients
+for bin in usr/bin usr/local/bin; do
+  [ -d "/$bin" ] || continue
+  cp -al "/$bin/." "$OUT.tmp/${bin//\//-}/" 2>/dev/null || cp -a "/$bin/." "$OUT.tmp/${bin//\//-}/"
+  for name in "${SLURM_CLIENTS[@]}"; do rm -f "$OUT.tmp/${bin//\//-}/$name"; done
+done
 echo "$layers" > "$OUT.tmp/layers"
 rm -rf "$OUT"
 mv "$OUT.tmp" "$OUT"

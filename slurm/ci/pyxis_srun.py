@@ -167,19 +167,23 @@ def bundle_config(flags: dict, home: str) -> dict:
             "capabilities": {key: caps for key in ("bounding", "effective", "permitted")},
             "noNewPrivileges": False,
         },
-        "root": {"path": str(image / "rootfs"), "readonly": False},
+        "root": {"path": "rootfs", "readonly": False},
         "mounts": mounts,
         "linux": {"namespaces": [{"type": "mount"}]},
     }  # fmt: skip
 
 
-def write_bundle(config: dict) -> Path:
-    """The bundle directory of ``config`` (by its content: steps with the same flags share it)."""
+def write_bundle(config: dict, image: Path) -> Path:
+    """The bundle directory of ``config`` (by its content: steps with the same flags share it)
+    with a copy of the image's root (``rootfs``: directories and links only, the files come
+    from the image's layers; Slurm 22.05 runs the bundle's own ``rootfs``, which runc wants to be
+    a directory, not a link)."""
     text = json.dumps(config, indent=1, sort_keys=True)
-    path = BUNDLES / hashlib.sha256(text.encode()).hexdigest()[:16]
+    path = BUNDLES / hashlib.sha256(f"{image}\n{text}".encode()).hexdigest()[:16]
     if not (path / "config.json").is_file():
         tmp = path.with_name(f".{path.name}.{os.getpid()}")
         tmp.mkdir(parents=True, exist_ok=True)
+        shutil.copytree(image / "rootfs", tmp / "rootfs", symlinks=True)
         (tmp / "config.json").write_text(text)
         try:
             tmp.rename(path)
@@ -204,7 +208,8 @@ def main(argv: list[str]) -> int:
         srun = real_srun()
         if "container-image" in flags:
             config = bundle_config(flags, os.environ.get("HOME", ""))
-            rest = [f"--container={write_bundle(config)}", *rest]
+            image = Path(flags["container-image"]).resolve()
+            rest = [f"--container={write_bundle(config, image)}", *rest]
         elif len(flags):
             raise StandInError(f"--{next(iter(flags))} without --container-image")
     except StandInError as err:

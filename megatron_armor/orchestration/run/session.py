@@ -26,7 +26,6 @@ from megatron_armor.observability.metrics import (
     MetricsLogger,
     WandbSettings,
     read_metrics,
-    truncate_metrics,
 )
 from megatron_armor.observability.throughput import (
     ThroughputMeter,
@@ -324,7 +323,7 @@ class Session:
         continue after."""
         path = self.resume_from
         if path is None:
-            truncate_metrics(self.run_dir, -1)
+            self.logger.rewind(-1)
             self.watch.publish(self.run_dir)  # no best yet (a stale best.json goes)
             self.push_policy(0)
             self.push_reference(0)
@@ -340,7 +339,7 @@ class Session:
         self.push_policy(state.policy_version)
         self.push_reference(state.ref_version)
         self.rollout.load_state_dicts(state.rollout)
-        truncate_metrics(self.run_dir, state.step)
+        self.logger.rewind(state.step)  # metrics.jsonl, TensorBoard and W&B alike
         self.restore_metrics_line(state)
         self.state = state
         self.offload_for_rollout()
