@@ -10,10 +10,11 @@
 #   install_slurm.sh [up]   install, write slurm.conf, start the daemons, wait for idle nodes
 #   install_slurm.sh down   stop slurmctld, every slurmd, the namespace nodes and munged
 #
-# Containers: runc (Debian) behind Slurm's own OCI support (oci.conf next to slurm.conf), and
-# slurm/ci/pyxis_srun.py as /usr/local/bin/srun, which gives srun pyxis's --container-* flags
-# (the `cpu-container` preset, docs/slurm.md "CI cluster"). Preemption: partition `ci` (the
-# default) is preempted by jobs of partition `ci-urgent` (PreemptMode=REQUEUE, GraceTime).
+# Containers: slurm/ci/pyxis_srun.py as /usr/local/bin/srun gives srun pyxis's --container-*
+# flags, each task then a container with enroot's isolation (slurm/ci/enroot_standin.sh, in
+# /usr/local/lib/armor-pyxis/; the `cpu-container` preset, docs/slurm.md "CI cluster").
+# Preemption: partition `ci` (the default) is preempted by jobs of partition `ci-urgent`
+# (PreemptMode=REQUEUE, GraceTime).
 #
 # Needs root and apt-get (for the install). Exits non-zero, saying why, when it cannot.
 # Settings (environment):
@@ -34,26 +35,26 @@ HOST=$(hostname -s)
 NETNS="$(cd "$(dirname "$0")" && pwd)/netns_nodes.sh"
 SLURMD_PID=/var/spool/slurmd/slurmd.pid   # inside each node's spool dir for namespace nodes
 PYXIS_STANDIN=/usr/local/bin/srun           # slurm/ci/pyxis_srun.py, installed by `up`
+STANDIN_LIB=/usr/local/lib/armor-pyxis      # and its slurm/ci/enroot_standin.sh
 STANDIN_MARK="pyxis's container flags for \`\`srun\`\` on the CI cluster"
-RUNC_ROOT=/run/armor-runc
 GRACE_S=${ARMOR_SLURM_GRACE_S:-60}         # GraceTime of partition ci when ci-urgent preempts it
 
 say() { echo "install_slurm: $*" >&2; }
 die() { say "$*"; exit 1; }
 
 have_slurm() { command -v slurmctld >/dev/null && command -v slurmd >/dev/null \
-  && command -v sbatch >/dev/null && command -v munged >/dev/null && command -v runc >/dev/null; }
+  && command -v sbatch >/dev/null && command -v munged >/dev/null; }
 
 install_packages() {
   have_slurm && return 0
-  [ "$(id -u)" -eq 0 ] || die "Slurm is not installed and this is not root (uid $(id -u)); run as root or install slurm-wlm, munge and runc yourself"
-  command -v apt-get >/dev/null || die "Slurm is not installed and apt-get is absent; install slurm-wlm, munge and runc with this system's package manager"
-  say "installing slurm-wlm, munge and runc from Debian packages"
+  [ "$(id -u)" -eq 0 ] || die "Slurm is not installed and this is not root (uid $(id -u)); run as root or install slurm-wlm and munge yourself"
+  command -v apt-get >/dev/null || die "Slurm is not installed and apt-get is absent; install slurm-wlm and munge with this system's package manager"
+  say "installing slurm-wlm and munge from Debian packages"
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq || die "apt-get update failed (no network to the Debian mirror?)"
-  apt-get install -y -qq --no-install-recommends slurm-wlm munge runc >/dev/null \
-    || die "apt-get install slurm-wlm munge runc failed"
-  have_slurm || die "slurm-wlm and runc installed but slurmctld/slurmd/sbatch/munged/runc are not on PATH"
+  apt-get install -y -qq --no-install-recommends slurm-wlm munge >/dev/null \
+    || die "apt-get install slurm-wlm munge failed"
+  have_slurm || die "slurm-wlm installed but slurmctld/slurmd/sbatch/munged are not on PATH"
 }
 
 munge_ok() { munge -n 2>/dev/null | unmunge >/dev/null 2>&1; }
@@ -222,29 +223,20 @@ wait_idle() {
   die "nodes not idle after ${WAIT_S}s (sinfo: $(echo "$state" | tr '\n' ' ')); see ${LOG_DIR}/slurmd.log or ${ARMOR_SLURM_STATE}/<node>/log/slurmd.log"
 }
 
-render_oci_conf() {
-  # Slurm's OCI container support (srun --container=BUNDLE): each task through runc
-  cat <<CONF
-# written by slurm/ci/install_slurm.sh: srun --container=BUNDLE runs each task with runc
-RunTimeQuery="runc --root=${RUNC_ROOT} state %n.%u.%j.%s.%t"
-RunTimeKill="runc --root=${RUNC_ROOT} kill -a %n.%u.%j.%s.%t"
-RunTimeDelete="runc --root=${RUNC_ROOT} delete --force %n.%u.%j.%s.%t"
-RunTimeRun="runc --root=${RUNC_ROOT} run %n.%u.%j.%s.%t -b %b"
-CONF
-}
-
 install_standin() {
   # pyxis's srun flags (slurm/ci/pyxis_srun.py); an srun there that is not ours stays
   if [ -e "$PYXIS_STANDIN" ] && ! grep -qF "$STANDIN_MARK" "$PYXIS_STANDIN"; then
     die "$PYXIS_STANDIN exists and is not slurm/ci/pyxis_srun.py; remove it or install pyxis"
   fi
+  mkdir -p "$STANDIN_LIB"
+  install -m 0755 "$(dirname "$0")/enroot_standin.sh" "$STANDIN_LIB/enroot_standin.sh"
   install -m 0755 "$(dirname "$0")/pyxis_srun.py" "$PYXIS_STANDIN.tmp.$$"
   mv "$PYXIS_STANDIN.tmp.$$" "$PYXIS_STANDIN"
 }
 
 remove_standin() {
   [ -e "$PYXIS_STANDIN" ] && grep -qF "$STANDIN_MARK" "$PYXIS_STANDIN" || return 0
-  rm -f "$PYXIS_STANDIN"
+  rm -rf "$PYXIS_STANDIN" "$STANDIN_LIB"
 }
 
 up() {
@@ -267,8 +259,6 @@ up() {
     say "wrote $CONF (${TOPOLOGY}: ${NODE_NAMES})"
     start_daemons
   fi
-  # read by slurmstepd at each container step: no restart for it
-  render_oci_conf > "$CONF.oci.tmp.$$" && mv "$CONF.oci.tmp.$$" "$(dirname "$CONF")/oci.conf"
   install_standin
   wait_idle
 }

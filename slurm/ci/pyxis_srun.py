@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """pyxis's container flags for ``srun`` on the CI cluster: a stand-in for pyxis/enroot.
 
-    srun [OPTIONS] --container-image=IMAGE [--container-mounts=SRC[:DST[:ro]][,...]]
+    srun [OPTIONS] --container-image=IMAGE [--container-mounts=SRC[:DST[:ro|rw]][,...]]
          [--container-workdir=DIR] [--[no-]container-mount-home] COMMAND...
 
 ``slurm/ci/install_slurm.sh`` installs this file as ``/usr/local/bin/srun`` (ahead of Debian's
@@ -10,35 +10,38 @@ takes the flags that ``slurm/env/h100-ib.sh`` (``ARMOR_LAUNCHER=pyxis``) and doc
 use, and ``slurm/env/cpu-container.sh`` runs that launcher on the CI cluster. Without
 ``--container-image`` it is Debian's ``srun``, unchanged.
 
-With ``--container-image`` the step runs through Slurm's own OCI container support: this writes
-an OCI bundle (``config.json``; its ``process`` Slurm fills in per task) and runs
-``srun --container=BUNDLE`` with the other options; slurmstepd starts every task with ``runc``
-(``oci.conf``, written by install_slurm.sh). What each task gets is what an enroot container
-gets (enroot's ``mounts/10-system.fstab``): its own mount namespace; a fresh tmpfs on ``/tmp``,
-``/run`` and ``/var/lock``; the host's ``/dev`` (so ``/dev/shm``), ``/proc`` and ``/sys``; the
-node's network, hostname and process ids (no network, UTS or PID namespace); the image's files;
-only the ``--container-mounts`` from the host; the home directory only with
-``--container-mount-home`` (pyxis's default); the working directory ``--container-workdir``.
+With ``--container-image`` every task of the step runs its COMMAND through
+``enroot_standin.sh`` (installed beside it as ``/usr/local/lib/armor-pyxis/``), which gives it
+what an enroot container of a pyxis task gets (enroot's ``mounts/10-system.fstab``): a mount
+namespace of its own, a fresh tmpfs on ``/tmp``, ``/run`` and ``/var/lock``, the host's
+``/dev`` (so ``/dev/shm``), ``/proc`` and ``/sys``, the image's files, only the
+``--container-mounts`` from the host, the home directory only with ``--container-mount-home``
+(pyxis's default), the working directory ``--container-workdir``; the node's network, hostname
+and process ids; and Slurm's task environment as it is. IMAGE is a directory of
+``slurm/ci/cpu_image.sh`` (this machine's ``/usr`` without the Slurm clients, its ``/etc``
+without Slurm's configuration and munge key, the Python installation of the project's
+``.venv``), not an enroot squashfs.
 
-IMAGE is a directory made by ``slurm/ci/cpu_image.sh`` (this machine's ``/usr`` without the
-Slurm clients, its ``/etc`` without Slurm's configuration and munge key, the Python installation
-of the project's ``.venv``), not an enroot squashfs. What this cannot show: importing an image
-(``enroot import`` of a registry or dockerd image), enroot's user namespace (the user is root
-here), the GPU and InfiniBand hooks (``98-nvidia``, ``99-mellanox``: devices and driver
-libraries in the container), PMIx, pyxis's named containers and its other flags (refused here,
-naming the flag).
+Slurm's own OCI support was tried first (``srun --container=BUNDLE`` with Debian's ``runc``,
+``oci.conf``): it runs each task in a container, but Slurm 22.05 writes one environment into the
+bundle for every task of a step (``SLURM_PROCID=0``, ``SLURM_NODEID=0`` and the submitting
+shell's ``SLURMD_NODENAME`` on every node), so ``armor doctor --all-nodes`` and the Ray nodes'
+names break; a launcher in the task's own process keeps Slurm's per-task environment.
+
+What this cannot show: importing an image (``enroot import`` of a registry or dockerd image),
+enroot's user namespace and ``pivot_root`` (a ``chroot`` as root here), its hooks (the GPU and
+InfiniBand devices and libraries of ``98-nvidia``/``99-mellanox``, PMIx), pyxis's named
+containers and its other flags (refused here, naming the flag).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import shutil
 import sys
 from pathlib import Path
 
-BUNDLES = Path(os.environ.get("ARMOR_SLURM_STATE", "/var/lib/armor-slurm-ci")) / "oci-bundles"
+LAUNCHER_NAME = "enroot_standin.sh"
+INSTALLED_LAUNCHER = Path("/usr/local/lib/armor-pyxis") / LAUNCHER_NAME
 SHORT_WITH_VALUE = set("AbcdDeiJLMmnNopqrSTtWCwxBG")
 """srun's short options that take a value (``srun --help``): the next word is theirs."""
 LONG_WITH_VALUE = {
@@ -58,31 +61,27 @@ LONG_WITH_VALUE = {
 """srun's long options that take a value (``srun --help``), when given as ``--opt VALUE``."""
 PYXIS_VALUE_FLAGS = ("container-image", "container-mounts", "container-workdir")
 PYXIS_SWITCHES = {"container-mount-home": True, "no-container-mount-home": False}
-ENROOT_TMPFS = ("/tmp", "/run", "/var/lock")
-ALL_CAPABILITIES = [
-    "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_DAC_READ_SEARCH", "CAP_FOWNER", "CAP_FSETID",
-    "CAP_KILL", "CAP_SETGID", "CAP_SETUID", "CAP_SETPCAP", "CAP_NET_BIND_SERVICE",
-    "CAP_NET_RAW", "CAP_IPC_LOCK", "CAP_IPC_OWNER", "CAP_SYS_CHROOT", "CAP_SYS_PTRACE",
-    "CAP_SYS_NICE", "CAP_AUDIT_WRITE", "CAP_SETFCAP",
-]  # fmt: skip
-"""The container's capabilities: the root user's, without admin ones (mounts, modules)."""
 
 
 class StandInError(ValueError):
     """A flag or an image this stand-in does not take (the message names it and the fix)."""
 
 
-def split_flags(argv: list[str]) -> tuple[dict, list[str]]:
-    """``({flag: value}, srun's own arguments)``: pyxis's flags taken out of the options before
-    the command (the first word that is neither an option nor an option's value)."""
+def takes_value(word: str) -> bool:
+    """Whether srun option ``word`` is followed by its value as the next word."""
+    if word.startswith("--"):
+        return "=" not in word and word[2:] in LONG_WITH_VALUE
+    return len(word) == 2 and word[1] in SHORT_WITH_VALUE
+
+
+def split_command(argv: list[str]) -> tuple[dict, list[str], list[str]]:
+    """``({pyxis flag: value}, srun's options, the command)``: the command starts at the first
+    word that is neither an option nor an option's value."""
     flags: dict = {}
-    rest: list[str] = []
+    options: list[str] = []
     i = 0
-    while i < len(argv):
+    while i < len(argv) and argv[i].startswith("-") and argv[i] != "--":
         word = argv[i]
-        if not word.startswith("-") or word == "--":
-            rest.extend(argv[i:])
-            break
         name, eq, value = word[2:].partition("=") if word.startswith("--") else ("", "", "")
         if name in PYXIS_VALUE_FLAGS:
             if not eq:
@@ -91,105 +90,57 @@ def split_flags(argv: list[str]) -> tuple[dict, list[str]]:
             flags[name] = value
         elif name in PYXIS_SWITCHES:
             flags["mount-home"] = PYXIS_SWITCHES[name]
-        elif name.startswith("container-"):
+        elif name.startswith("container"):
             raise StandInError(f"--{name}: not taken by the CI cluster's pyxis stand-in "
                                f"(slurm/ci/pyxis_srun.py takes --{', --'.join(PYXIS_VALUE_FLAGS)} "
                                "and --[no-]container-mount-home)")  # fmt: skip
         else:
-            rest.append(word)
-            takes_next = (word.startswith("--") and not eq and name in LONG_WITH_VALUE) or (
-                not word.startswith("--") and len(word) == 2 and word[1] in SHORT_WITH_VALUE
-            )
-            if takes_next and i + 1 < len(argv):
+            options.append(word)
+            if takes_value(word) and i + 1 < len(argv):
                 i += 1
-                rest.append(argv[i])
+                options.append(argv[i])
         i += 1
-    return flags, rest
+    command = argv[i + 1 :] if i < len(argv) and argv[i] == "--" else argv[i:]
+    return flags, options, command
 
 
-def parse_mounts(text: str) -> list[dict]:
-    """``SRC[:DST[:ro|rw]][,...]`` (pyxis's ``--container-mounts``) as OCI bind mounts."""
-    mounts = []
+def check_image(image: Path) -> None:
+    if not (image / "layers").is_file() or not (image / "rootfs").is_dir():
+        raise StandInError(f"--container-image={image}: not an image of slurm/ci/cpu_image.sh "
+                           f"(no {image / 'layers'}); make it with "
+                           f"`bash slurm/ci/cpu_image.sh {image}`")  # fmt: skip
+
+
+def check_mounts(text: str) -> None:
+    """``SRC[:DST[:ro|rw]][,...]``, each source on this host (pyxis refuses a missing one)."""
     for item in filter(None, (part.strip() for part in text.split(","))):
         parts = item.split(":")
         if len(parts) > 3 or (len(parts) == 3 and parts[2] not in ("ro", "rw")):
             raise StandInError(f"--container-mounts: {item!r}: use SRC[:DST[:ro|rw]]")
-        src, dst = parts[0], parts[1] if len(parts) > 1 else parts[0]
-        if not Path(src).exists():
-            raise StandInError(f"--container-mounts: {src} does not exist on this host")
-        mode = parts[2] if len(parts) == 3 else "rw"
-        mounts.append(bind(src, dst, read_only=mode == "ro"))
-    return mounts
+        if not Path(parts[0]).exists():
+            raise StandInError(f"--container-mounts: {parts[0]} does not exist on this host")
 
 
-def bind(src: str, dst: str, read_only: bool = False) -> dict:
-    options = ["rbind", "nosuid"] + (["ro"] if read_only else [])
-    return {"destination": dst, "type": "none", "source": src, "options": options}
+def launcher() -> Path:
+    """``enroot_standin.sh``: the installed one, else the one beside this file (the repo's)."""
+    if INSTALLED_LAUNCHER.is_file():
+        return INSTALLED_LAUNCHER
+    beside = Path(__file__).resolve().parent / LAUNCHER_NAME
+    if beside.is_file():
+        return beside
+    raise StandInError(f"no {INSTALLED_LAUNCHER}: run slurm/ci/install_slurm.sh")
 
 
-def tmpfs(dst: str) -> dict:
-    return {"destination": dst, "type": "tmpfs", "source": "tmpfs",
-            "options": ["nosuid", "nodev", "mode=1777"]}  # fmt: skip
-
-
-def image_mounts(image: Path) -> list[dict]:
-    """The image's layers (``cpu_image.sh``'s ``layers`` file), read-only."""
-    layers = image / "layers"
-    if not layers.is_file() or not (image / "rootfs").is_dir():
-        raise StandInError(f"--container-image={image}: not an image of slurm/ci/cpu_image.sh "
-                           f"(no {layers}); make it with `bash slurm/ci/cpu_image.sh {image}`")  # fmt: skip
-    mounts = []
-    for line in layers.read_text().splitlines():
-        src, dst = line.split()
-        mounts.append(tmpfs(dst) if src == "tmpfs" else bind(src, dst, read_only=True))
-    return mounts
-
-
-def bundle_config(flags: dict, home: str) -> dict:
-    """The OCI ``config.json`` of the container (``process.args``/``env``: Slurm's, per task)."""
+def container_command(flags: dict, command: list[str], home: str) -> list[str]:
+    """The step's command run through ``enroot_standin.sh`` with the container's settings."""
     image = Path(flags["container-image"]).resolve()
-    mounts = [
-        {"destination": "/proc", "type": "proc", "source": "proc"},
-        bind("/dev", "/dev"),
-        bind("/sys", "/sys", read_only=True),
-        *image_mounts(image),
-        *(tmpfs(path) for path in ENROOT_TMPFS),
-    ]
-    if flags.get("mount-home", True) and home:
-        mounts.append(bind(home, home))
-    mounts += parse_mounts(flags.get("container-mounts", ""))
-    caps = list(ALL_CAPABILITIES)
-    return {
-        "ociVersion": "1.0.2",
-        "process": {
-            "terminal": False, "user": {"uid": os.getuid(), "gid": os.getgid()},
-            "args": ["/bin/false"], "env": [], "cwd": flags.get("container-workdir") or "/",
-            "capabilities": {key: caps for key in ("bounding", "effective", "permitted")},
-            "noNewPrivileges": False,
-        },
-        "root": {"path": "rootfs", "readonly": False},
-        "mounts": mounts,
-        "linux": {"namespaces": [{"type": "mount"}]},
-    }  # fmt: skip
-
-
-def write_bundle(config: dict, image: Path) -> Path:
-    """The bundle directory of ``config`` (by its content: steps with the same flags share it)
-    with a copy of the image's root (``rootfs``: directories and links only, the files come
-    from the image's layers; Slurm 22.05 runs the bundle's own ``rootfs``, which runc wants to be
-    a directory, not a link)."""
-    text = json.dumps(config, indent=1, sort_keys=True)
-    path = BUNDLES / hashlib.sha256(f"{image}\n{text}".encode()).hexdigest()[:16]
-    if not (path / "config.json").is_file():
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        tmp.mkdir(parents=True, exist_ok=True)
-        shutil.copytree(image / "rootfs", tmp / "rootfs", symlinks=True)
-        (tmp / "config.json").write_text(text)
-        try:
-            tmp.rename(path)
-        except OSError:  # another step wrote the same bundle meanwhile
-            shutil.rmtree(tmp, ignore_errors=True)
-    return path
+    check_image(image)
+    check_mounts(flags.get("container-mounts", ""))
+    if not command:
+        raise StandInError("no command to run in the container")
+    mount_home = home if flags.get("mount-home", True) else ""
+    return ["bash", str(launcher()), str(image), flags.get("container-workdir", ""),
+            mount_home, flags.get("container-mounts", ""), "--", *command]  # fmt: skip
 
 
 def real_srun() -> str:
@@ -204,18 +155,16 @@ def real_srun() -> str:
 
 def main(argv: list[str]) -> int:
     try:
-        flags, rest = split_flags(argv)
         srun = real_srun()
+        flags, options, command = split_command(argv)
         if "container-image" in flags:
-            config = bundle_config(flags, os.environ.get("HOME", ""))
-            image = Path(flags["container-image"]).resolve()
-            rest = [f"--container={write_bundle(config, image)}", *rest]
-        elif len(flags):
+            command = container_command(flags, command, os.environ.get("HOME", ""))
+        elif set(flags) & set(PYXIS_VALUE_FLAGS):
             raise StandInError(f"--{next(iter(flags))} without --container-image")
     except StandInError as err:
         print(f"srun (pyxis stand-in, slurm/ci/pyxis_srun.py): {err}", file=sys.stderr)
         return 2
-    os.execv(srun, [srun, *rest])
+    os.execv(srun, [srun, *options, *command])
     return 127
 
 

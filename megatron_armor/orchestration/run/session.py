@@ -27,6 +27,7 @@ from megatron_armor.observability.metrics import (
     WandbSettings,
     read_metrics,
 )
+from megatron_armor.observability.profiler import profile_steps_after_resume
 from megatron_armor.observability.throughput import (
     ThroughputMeter,
     compute_precision,
@@ -72,6 +73,18 @@ MIN_RAY_SHUTDOWN_S = 5.0
 
 def run_dir_of(config: ArmorConfig) -> Path:
     return Path(config.run.output_dir) / config.run.name
+
+
+def profile_after_resume(config: ArmorConfig, resume_from: Path | None) -> None:
+    """Profile steps the resumed run would never reach move after its resume step (the
+    trainer ranks' profilers are made from the config)."""
+    log = config.logging
+    if resume_from is None or log.profile == "none" or not log.profile_steps:
+        return
+    steps, note = profile_steps_after_resume(log.profile_steps, RunState.load(resume_from).step)
+    if note:
+        print(note, flush=True)
+        log.profile_steps = steps
 
 
 def check_resume_mode(config: ArmorConfig, resume_from: Path | None) -> None:
@@ -166,6 +179,7 @@ class Session:
         lock, resume_from = open_run_dir(config, run_dir, resume)
         try:
             check_resume_mode(config, resume_from)
+            profile_after_resume(config, resume_from)
             if announce is not None:
                 announce()
             session = cls._start(config, run_dir)
