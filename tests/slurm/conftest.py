@@ -83,6 +83,16 @@ def tiny_dir(cluster) -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def cpu_image(cluster) -> Path:
+    """The CPU image of the ``cpu-container`` preset (``slurm/ci/cpu_image.sh``)."""
+    path = REPO / "megatron-armor-cpu"
+    done = subprocess.run(["bash", str(REPO / "slurm" / "ci" / "cpu_image.sh"), str(path)],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, f"cpu_image.sh failed:\n{done.stdout}{done.stderr}"
+    return path
+
+
 @pytest.fixture
 def workdir(tiny_dir, tmp_path) -> Path:
     return make_workdir(tiny_dir, tmp_path)

@@ -71,7 +71,10 @@ class HubMirror:
                     self.send(json.dumps(info).encode(), "application/json", body)
                 elif path.startswith(f"{api}/tree/"):
                     self.send(json.dumps(mirror.tree()).encode(), "application/json", body)
-                elif path.startswith(resolve) and path[len(resolve) :].partition("/")[2] in mirror.files:
+                elif (
+                    path.startswith(resolve)
+                    and path[len(resolve) :].partition("/")[2] in mirror.files
+                ):
                     name = path[len(resolve) :].partition("/")[2]
                     self.send((mirror.directory / name).read_bytes(), "application/octet-stream",
                               body, etag=hashlib.sha256(name.encode() + mirror.sha.encode()).hexdigest())  # fmt: skip
