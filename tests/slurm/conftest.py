@@ -51,7 +51,7 @@ def cluster(request) -> Cluster:
     reporter = request.config.pluginmanager.get_plugin("terminalreporter")
     say = reporter.write_line if reporter else print
     cancel_stale_jobs(say)
-    nodes = sorted(slurm("sinfo", "-h", "-N", "-o", "%N").stdout.split())
+    nodes = sorted(set(slurm("sinfo", "-h", "-N", "-o", "%N").stdout.split()))  # (2 partitions)
     wait_idle(nodes)
     if kind == "two-node" and len(nodes) < 2:
         reason = f"the topology file says two-node but sinfo lists {nodes}"
