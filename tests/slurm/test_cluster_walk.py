@@ -110,7 +110,7 @@ class Shell:
 
         started = time.monotonic()
         try:
-            wait_until(seen, 120, what, lambda: "".join(out)[-3000:])
+            wait_until(seen, 300, what, lambda: "".join(out)[-3000:])
         finally:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(timeout=30)
@@ -142,12 +142,18 @@ def clear_earlier_walk() -> None:
 
 @pytest.fixture
 def walk_jobs(two_nodes):
-    """Job ids the walk submits; cancelled at teardown, however the test ended."""
+    """Job ids the walk submits; cancelled at teardown, however the test ended (again until
+    they have ended: a job whose driver checkpoints on the cancel's SIGTERM requeues itself)."""
     ids: list[str] = []
     yield ids
-    live = [j for j in ids if job_field(j, "JobState") not in FINAL_STATES]
-    if live:
-        slurm("scancel", *live)
+
+    def ended() -> bool:
+        live = [j for j in ids if job_field(j, "JobState") not in FINAL_STATES]
+        if live:
+            slurm("scancel", *live)
+        return not live
+
+    wait_until(ended, 120, f"the walk's jobs {ids} to end")
 
 
 class Walk:
@@ -157,6 +163,9 @@ class Walk:
         self.shell = shell
         self.jobs = jobs
         self.job_id = ""
+
+    def driver_started(self) -> bool:
+        return bool(driver_log(self.job_id))
 
     def bringing_up_ray(self) -> bool:
         out = REPO / f"armor-{self.job_id}.out"
@@ -173,7 +182,9 @@ class Walk:
             wait_until(self.job_ended, JOB_TIMEOUT_S, f"pipeline job {self.job_id} to end",
                        lambda: job_report(self.job_id))  # fmt: skip
             assert job_field(self.job_id, "JobState") == "COMPLETED", job_report(self.job_id)
-        if command.startswith("tail -f"):
+        if command.startswith("tail -f"):  # once the (requeued) job's driver started
+            wait_until(self.driver_started, JOB_TIMEOUT_S, "the driver's log",
+                       lambda: job_report(self.job_id))  # fmt: skip
             self.shell.until(command, lambda out: bool(STEP.search(out)), "a step line")
         elif command.startswith("tensorboard"):
             self.shell.until(command, tensorboard_answers, "TensorBoard's page")
