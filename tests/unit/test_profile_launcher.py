@@ -29,6 +29,7 @@ def test_nsys_captures_only_the_chosen_steps():
     assert "--trace-fork-before-exec=true" in cmd and "--output=/tmp/p/armor" in cmd
     assert "armor-train cfg.yaml run.steps=5 logging.profile=nsys" in cmd
     assert "logging.profile_steps=\\[3\\,4\\]" in cmd
+    assert "run.output_dir=/tmp/p" in cmd  # a run of its own: never the real run's directory
 
 
 def test_nvtx_capture_names_the_step_range():
