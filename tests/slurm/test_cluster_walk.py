@@ -19,6 +19,7 @@ removed first.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -112,7 +113,8 @@ class Shell:
         try:
             wait_until(seen, 300, what, lambda: "".join(out)[-3000:])
         finally:
-            os.killpg(proc.pid, signal.SIGTERM)
+            with contextlib.suppress(ProcessLookupError):  # (it ended: the assertion says how)
+                os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(timeout=30)
         self.seconds.append((time.monotonic() - started, command))
         self.log.append(f"$ {command}\n(shown, stopped)\n{''.join(out)[-2000:]}")
