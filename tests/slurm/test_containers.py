@@ -1,10 +1,12 @@
 """Slurm tier: the CI cluster's containers (``srun --container-image``: pyxis's flags,
 ``slurm/ci/pyxis_srun.py``, each task through ``slurm/ci/enroot_standin.sh``) isolate a step as
 an enroot container of pyxis does: a private ``/tmp``, no Slurm client, no home directory
-without ``--container-mount-home``, only the mounts given, Slurm's own task environment."""
+without ``--container-mount-home``, only the mounts given, Slurm's own task environment (with the
+submitting shell's ``WANDB_API_KEY``)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 
 import pytest
@@ -19,6 +21,7 @@ touch "/tmp/left-by-step-$SLURM_PROCID"
 for cmd in scontrol squeue sbatch srun; do command -v $cmd >/dev/null && echo "has $cmd"; done
 echo "home: $(ls -A "$HOME" | tr '\n' ' ')"
 echo "workdir: $(pwd)"
+echo "wandb key: ${WANDB_API_KEY:-none}"
 [ -e "$1" ] && echo "sees $1"
 [ -e "$2" ] && echo "sees $2"
 true
@@ -28,7 +31,8 @@ true
 def in_containers(*flags: str, args: tuple[str, str]) -> str:
     cmd = ["srun", "-N", "2", "--ntasks-per-node=1", "--job-name=armor-tier", *flags,
            "bash", "-c", INSIDE, "inside", *args]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    env = {**os.environ, "WANDB_API_KEY": "from-the-submitting-shell"}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
 
@@ -52,6 +56,8 @@ def test_every_step_is_a_container_with_enroots_isolation(two_nodes, cpu_image, 
         assert lines.count(f"workdir: {mounted}") == 2 and lines.count(f"sees {mounted}") == 2
         assert f"sees {hidden}" not in out  # only the mounts given
         assert "home: .pyenv" in lines, out  # the image's Python only, not the home directory
+        # W&B's login in a container without the home directory: the submitting shell's key
+        assert lines.count("wandb key: from-the-submitting-shell") == 2, out
     with_home = in_containers(f"--container-image={cpu_image}", args=("/", "/"))
     homes = [line.rstrip() for line in with_home.splitlines() if line.startswith("home: ")]
     assert len(homes) == 2 and "home: .pyenv" not in homes  # pyxis's default: home mounted

@@ -196,6 +196,8 @@ def test_preemptions_of_two_nodes_checkpoint_the_step_requeue_and_resume_with_it
     assert 1 <= first < second < STEPS, out  # each the step in flight, none lost
     assert re.search(rf"resumed from \S+step_{second:06d} at step {second}", since(job, 2)), out
     assert job_field(jobs.jobs[-1].job_id, "JobState") == "COMPLETED"  # the preemptor ran
+    states = (job.job_dir / "job_states").read_text()  # the run lock's view in the container
+    assert f"{job.job_id} RUNNING" in states, states
     assert_same_metrics(job, reference[0])
 
 
