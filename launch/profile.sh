@@ -10,6 +10,8 @@
 #         ranges (rollout, log-probs, train, weight sync, reset) on. Report: DIR/armor.nsys-rep.
 # dlprof: the DLProf tool (older NGC containers) in PyTorch mode, same step selection.
 # torch:  torch.profiler Chrome traces of the chosen steps in DIR (no external tool).
+# Every tool runs the config as a run of its own under DIR (run.output_dir): the real run's
+# directory and checkpoints are never touched.
 # Then `armor report RUN_DIR --gather DIR`: the reports copied into RUN_DIR/profile and the
 # run's page RUN_DIR/report/report.md (docs/profiling.md), after a failed run too.
 # ARMOR_DRY_RUN=1 prints the commands instead of running them.
@@ -57,7 +59,9 @@ done
 [[ "$STEPS" =~ ^[0-9]+(,[0-9]+)*$ ]] || die "--steps $STEPS: give step numbers like 3 or 3,4"
 OUT=${OUT:-runs/profile-$TOOL-$(date +%Y%m%d-%H%M%S)}
 driver_words
-cmd=("${DRIVER[@]}" "$@" "logging.profile=$TOOL" "logging.profile_steps=[$STEPS]")
+# the profiled run is its own (run.output_dir=OUT, from step 1): it never trains the real run,
+# and its steps 1.. are the chosen ones' (a run resumed after them would capture nothing)
+cmd=("${DRIVER[@]}" "$@" "logging.profile=$TOOL" "logging.profile_steps=[$STEPS]" "run.output_dir=$OUT")
 
 case "$TOOL" in
   nsys)
@@ -77,14 +81,12 @@ case "$TOOL" in
   dlprof)
     dry_run_or_have dlprof || die "the DLProf tool is not installed (it ships only in older NGC PyTorch containers; PyPI's nvidia-dlprof is a placeholder); use --tool nsys"
     cmd=(dlprof --mode=pytorch --force=true --output_path="$OUT" "${cmd[@]}") ;;
-  torch)
-    cmd+=("run.output_dir=$OUT") ;;
+  torch) ;;
   *) die "--tool $TOOL: use nsys, dlprof or torch" ;;
 esac
 
 log "profiling with $TOOL, steps $STEPS -> $OUT"
-run_args=("$@")
-[ "$TOOL" != torch ] || run_args+=("run.output_dir=$OUT")
+run_args=("$@" "run.output_dir=$OUT")  # the profiled run's own directory, under OUT
 if [ "${ARMOR_DRY_RUN:-0}" = 1 ]; then
   printf '%q ' "${cmd[@]}"; echo
   echo "then: armor report <the run directory of ${run_args[*]}> --gather $OUT"

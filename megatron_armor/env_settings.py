@@ -135,6 +135,8 @@ SETTINGS: dict[str, Setting] = {
         "how the job's processes enter the container", SLURM),
     "ARMOR_CONTAINER_IMAGE": Setting(text, TEXT, "the container image (pyxis, apptainer)", SLURM),
     "ARMOR_CONTAINER_MOUNTS": Setting(text, TEXT, "the container's bind mounts", SLURM),
+    "ARMOR_HOST_PYTHON": Setting(text, TEXT, "the batch host's Python for "
+                                 "slurm/lib/detached_srun.py (outside the container)", SLURM),  # fmt: skip
     "ARMOR_APPTAINER_ARGS": Setting(text, TEXT, "arguments of `apptainer exec`", SLURM),
     "ARMOR_PYXIS_ARGS": Setting(text, TEXT, "extra srun arguments under pyxis", SLURM),
     "ARMOR_PYTHON": Setting(text, TEXT, "the Python that runs armor and Ray", f"{SLURM}, launch/"),
@@ -209,11 +211,16 @@ SETTINGS: dict[str, Setting] = {
     "ARMOR_SLURM_NODES": Setting(text, TEXT, "the CI cluster's node names", CI_SLURM),
     "ARMOR_SLURM_BRIDGE": Setting(text, TEXT, "the CI cluster's bridge", CI_SLURM),
     "ARMOR_SLURM_SUBNET": Setting(text, TEXT, "the CI cluster's subnet", CI_SLURM),
+    "ARMOR_SLURM_GRACE_S": Setting(integer(1), WHOLE_SECONDS, "the GraceTime of the CI cluster's "
+                                   "preempted partition", CI_SLURM),  # fmt: skip
 }  # fmt: skip
 """Every ``ARMOR_*`` variable read anywhere in the project."""
 
-INTERNAL = ("ARMOR_SUPERVISOR",)
-"""Set by ``armor`` for its own child (``supervisor_pipe.ENV``), never by a user."""
+INTERNAL = ("ARMOR_SUPERVISOR", "ARMOR_SLURM_JOB_STATES", "ARMOR_STANDIN_INSIDE")
+"""Set by the project for its own processes, never by a user: by ``armor`` for its child
+(``supervisor_pipe.ENV``), by ``slurm/armor.sbatch`` for the run lock (the job states file,
+``run/run_lock.py``), by the CI's container stand-in for its second stage
+(``slurm/ci/enroot_standin.sh``)."""
 
 
 def problems(environ: Mapping[str, str]) -> list[str]:

@@ -83,8 +83,13 @@ def run_driver(argv: list[str] | None) -> int:
 
 
 def run_command(argv: list[str] | None) -> int:
+    args = parse_command_line(list(sys.argv[1:] if argv is None else argv))
+    return int(args.run(args) or 0)
+
+
+def parse_command_line(argv: list[str]) -> argparse.Namespace:
+    """``armor ARGV`` parsed as the command runs it (argparse exits 2 on a bad line)."""
     parser = build_parser()
-    argv = list(sys.argv[1:] if argv is None else argv)
     # Everything after `--` goes to a subcommand that passes it on (`armor compare SPEC
     # --slurm -- -N 2 ...`: its ``sbatch_args``), never to argparse.
     passed_on = argv[argv.index("--") + 1 :] if "--" in argv else []
@@ -101,7 +106,7 @@ def run_command(argv: list[str] | None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(unknown or overrides)}")
     if overrides:
         args.overrides = list(args.overrides or []) + overrides
-    return int(args.run(args) or 0)
+    return args
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ Prints a table (and JSON with ``--json``); exit code 1 when any check failed, 2 
 error. On a CPU machine the GPU checks are listed as ``n/a`` with the reason (docs/gpu.md).
 ``--all-nodes`` under ``srun --ntasks-per-node=1`` adds a cross-node all-reduce with its
 bandwidth and prints every node's table from rank 0 (``doctor/cluster.py``, docs/slurm.md).
+``ARMOR_ENV=<preset>`` applies ``slurm/env/<preset>.sh`` first, as the sbatch files do.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from megatron_armor.doctor.preset import apply_env_preset
     from megatron_armor.doctor.report import exit_code, render, write_json
     from megatron_armor.doctor.run import run_all
 
@@ -56,6 +58,9 @@ def run(args: argparse.Namespace) -> int:
     if file is not None and "=" in file and not os.path.exists(file):
         file, overrides = None, [file, *overrides]  # `armor doctor a.b=1`: no config file
     try:
+        applied = apply_env_preset()  # ARMOR_ENV: the cluster preset's NCCL settings, as a job's
+        if applied:
+            print(f"armor doctor: {applied}", flush=True)
         config = load_config(file, overrides)
     except (ConfigError, ValueError) as e:
         print(f"armor doctor: {e}", file=sys.stderr)

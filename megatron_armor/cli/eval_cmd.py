@@ -174,12 +174,43 @@ def load_benchmarks(files: list[str], tokenizer, template: str, max_prompt_len: 
     return datasets
 
 
-def make_engine(settings: dict, args: argparse.Namespace, config: ArmorConfig):
-    """The rollout engine named by ``settings['backend']``."""
+def eval_servers(sglang_engines: int, tp: int, visible_gpus: int) -> int:
+    """SGLang servers of an evaluation: ``rollout.sglang.num_engines`` when set, else one per
+    ``tp`` of the GPUs this process sees (``eval.sbatch --gpus-per-node=8`` at tp 1: 8); at
+    least one. An explicit count needing more GPUs than are visible is refused, naming both."""
+    tp = max(tp, 1)
+    if sglang_engines > 0:
+        if visible_gpus and sglang_engines * tp > visible_gpus:
+            raise ConfigError(
+                f"rollout.sglang.num_engines={sglang_engines} x tp {tp} needs "
+                f"{sglang_engines * tp} GPUs but {visible_gpus} are visible here; lower it or "
+                "set it to 0 (one server per tp GPUs)"
+            )
+        return sglang_engines
+    return max(visible_gpus // tp, 1)
+
+
+def servers_to_start(args: argparse.Namespace, config: ArmorConfig) -> int:
+    """How many SGLang servers ``armor eval`` starts (0: none, another backend or
+    ``--sglang-url``): :func:`eval_servers` of the GPUs visible here."""
+    if config.rollout.backend != "sglang" or args.sglang_url:
+        return 0
+    import torch
+
+    sg = config.rollout.sglang
+    return eval_servers(sg.num_engines, sg.tp, torch.cuda.device_count())
+
+
+def make_engine(settings: dict, args: argparse.Namespace, config: ArmorConfig, servers: int):
+    """The rollout engine named by ``settings['backend']`` (``servers``: SGLang servers to
+    start, :func:`servers_to_start`)."""
     if settings["backend"] == "sglang":
+        from megatron_armor.config.sglang_pools import policy_pool
         from megatron_armor.rollout.sglang.engine import SGLangEngine
 
-        engine = SGLangEngine(args.model, config.rollout.sglang, urls=args.sglang_url or None,
+        sg = config.rollout.sglang
+        pool = policy_pool(sg, servers) if servers else None
+        engine = SGLangEngine(args.model, sg, urls=args.sglang_url or None, pool=pool,
                               model_overrides=dict(config.trainer.model_overrides))  # fmt: skip
         if not args.sglang_url:
             Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -212,6 +243,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         config = eval_config(args)
+        servers = servers_to_start(args, config)
     except ConfigError as e:
         print(f"armor eval: {e}", file=sys.stderr)
         return 2
@@ -226,7 +258,7 @@ def run(args: argparse.Namespace) -> int:
         max_new_tokens=settings["max_new_tokens"],
         seed=settings["seed"],
     )
-    engine = make_engine(settings, args, config)
+    engine = make_engine(settings, args, config, servers)
     scorer = RewardScorer(
         verifier=settings["verifier"],
         timeout_s=config.reward.timeout_s,

@@ -32,7 +32,7 @@ def _missing_dir(key: str, model_path: str) -> str:
     text = f"{key}={model_path!r}: no such directory; point it at {MODEL_DIR_FIX}"
     if "/" in model_path and not model_path.startswith((".", "/", "~")):
         text += (
-            f" (models are never fetched from the hub: `huggingface-cli download "
+            f" (models are never fetched from the hub: `hf download "
             f"{model_path} --local-dir DIR` first, then {key}=DIR)"
         )
     return text
@@ -151,3 +151,27 @@ def wandb_problems(config: ArmorConfig) -> Problems:
             "logging.wandb=true but the `wandb` package is not installed here; "
             "`pip install -r requirements-wandb.txt` (the image has it) or set logging.wandb=false"
         )
+    if config.logging.wandb and config.logging.wandb_mode == "online" and not wandb_login():
+        yield (
+            "logging.wandb=true (logging.wandb_mode=online) but no W&B login here: WANDB_API_KEY "
+            "is not set and ~/.netrc has no api.wandb.ai entry (a container without your home "
+            "directory, e.g. pyxis with --no-container-mount-home, does not see `wandb login`'s "
+            "~/.netrc); export WANDB_API_KEY before sbatch (every step gets it) or set "
+            "logging.wandb_mode=offline"
+        )
+
+
+def wandb_login() -> bool:
+    """Whether W&B has credentials here: ``WANDB_API_KEY``, or ``wandb login``'s ``~/.netrc``
+    entry for its host (``WANDB_BASE_URL``, default api.wandb.ai)."""
+    import netrc
+    import os
+    from urllib.parse import urlparse
+
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or ""
+    try:
+        return netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False

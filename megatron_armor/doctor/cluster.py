@@ -16,8 +16,8 @@ shows them.
 
 Rank and world come from Slurm's task environment (``SLURM_PROCID``, ``SLURM_NTASKS``,
 ``SLURM_NODEID``, ``SLURM_LOCALID``); the rendezvous address is ``MASTER_ADDR`` or the first
-host of ``scontrol show hostnames $SLURM_JOB_NODELIST``, its port ``MASTER_PORT`` or one
-derived from ``SLURM_JOB_ID``.
+host of ``SLURM_JOB_NODELIST`` (expanded here: the container has no Slurm client), its port
+``MASTER_PORT`` or one derived from ``SLURM_JOB_ID``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
@@ -86,17 +85,61 @@ def slurm_placement(env: dict[str, str] | None = None) -> Placement:
 
 
 def first_host(nodelist: str) -> str:
-    """The first host of a Slurm node list (``node[01-04]`` -> ``node01``)."""
+    """The first host of a Slurm node list (``node[01-04]`` -> ``node01``), expanded here: the
+    project's image has no Slurm client (no ``scontrol show hostnames``)."""
     if not nodelist:
         raise ValueError("neither MASTER_ADDR nor SLURM_JOB_NODELIST is set; export MASTER_ADDR")
-    try:
-        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
-                             text=True, check=True, timeout=30).stdout  # fmt: skip
-    except (OSError, subprocess.SubprocessError) as e:
-        raise ValueError(
-            f"cannot expand SLURM_JOB_NODELIST={nodelist!r} with scontrol ({e}); export MASTER_ADDR"
-        ) from e
-    return out.split()[0]
+    return expand_hostlist(nodelist)[0]
+
+
+def expand_hostlist(nodelist: str) -> list[str]:
+    """Every host of a Slurm host list, in order: ``gpu[01-03,07],login`` -> ``gpu01, gpu02,
+    gpu03, gpu07, login``; several bracket groups multiply (``r[1-2]n[1-2]`` -> ``r1n1, r1n2,
+    r2n1, r2n2``); a range keeps its zero padding. ``ValueError`` naming a malformed list."""
+    hosts: list[str] = []
+    for item in _top_level_items(nodelist):
+        hosts.extend(_expand_item(item, nodelist))
+    if not hosts:
+        raise ValueError(f"SLURM_JOB_NODELIST={nodelist!r}: no host in it; export MASTER_ADDR")
+    return hosts
+
+
+def _top_level_items(nodelist: str) -> list[str]:
+    """``a[1,2],b`` -> ``["a[1,2]", "b"]``: the commas outside brackets separate hosts."""
+    items, depth, start = [], 0, 0
+    for i, char in enumerate(nodelist):
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            items.append(nodelist[start:i])
+            start = i + 1
+    items.append(nodelist[start:])
+    return [item.strip() for item in items if item.strip()]
+
+
+def _expand_item(item: str, nodelist: str) -> list[str]:
+    """One host pattern with zero or more ``[ranges]`` groups."""
+    head, bracket, rest = item.partition("[")
+    if not bracket:
+        if "]" in item:
+            raise ValueError(f"SLURM_JOB_NODELIST={nodelist!r}: unbalanced ']' in {item!r}")
+        return [item]
+    ranges, closed, tail = rest.partition("]")
+    if not closed:
+        raise ValueError(f"SLURM_JOB_NODELIST={nodelist!r}: unbalanced '[' in {item!r}")
+    return [head + number + suffix for number in _numbers(ranges, nodelist)
+            for suffix in _expand_item(tail, nodelist)]  # fmt: skip
+
+
+def _numbers(ranges: str, nodelist: str) -> list[str]:
+    """``01-03,7`` -> ``["01", "02", "03", "7"]`` (the width of a range's first number)."""
+    numbers = []
+    for part in ranges.split(","):
+        low, dash, high = part.strip().partition("-")
+        if not low.isdigit() or (dash and not high.isdigit()) or (dash and int(high) < int(low)):
+            raise ValueError(f"SLURM_JOB_NODELIST={nodelist!r}: bad range {part!r}")
+        width = len(low)
+        numbers.extend(f"{n:0{width}d}" for n in range(int(low), int(high or low) + 1))
+    return numbers
 
 
 def backend() -> str:

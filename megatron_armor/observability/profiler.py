@@ -189,6 +189,21 @@ def make_profiler(
     return CudaRangeProfiler(steps)
 
 
+def profile_steps_after_resume(steps: list[int], resume_step: int) -> tuple[list[int], str]:
+    """``logging.profile_steps`` for a run that resumes after ``resume_step``: steps at or
+    before it never run again, so they move just after it, spaced as given (``[2, 3]`` at a
+    resume after step 50: ``[51, 52]``); returns the steps and a line saying so ('' when none
+    moved)."""
+    if not steps or min(steps) > resume_step:
+        return list(steps), ""
+    shift = resume_step + 1 - min(steps)
+    moved = [step + shift for step in steps]
+    return moved, (
+        f"profiler: logging.profile_steps={list(steps)} are at or before the resume step "
+        f"{resume_step} (those steps already ran): profiling steps {moved} instead"
+    )
+
+
 def profiler_from_config(logging_cfg: Any, rank: int, out_dir: str | Path) -> StepProfiler:
     """:func:`make_profiler` from a ``LoggingConfig`` (``profile``, ``profile_steps``, ``profile_ranks``)."""
     return make_profiler(

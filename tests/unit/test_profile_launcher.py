@@ -33,6 +33,7 @@ def test_nsys_captures_only_the_chosen_steps():
     assert "--trace-fork-before-exec=true" in cmd and "--output=/tmp/p/armor" in cmd
     assert "armor-train cfg.yaml run.steps=5 logging.profile=nsys" in cmd
     assert "logging.profile_steps=\\[3\\,4\\]" in cmd
+    assert "run.output_dir=/tmp/p" in cmd  # a run of its own: never the real run's directory
 
 
 def test_nvtx_capture_names_the_step_range():
@@ -102,7 +103,8 @@ def test_the_run_ends_with_its_page_and_the_reports_in_its_run_directory(tmp_pat
     done = subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, env=env,
                           timeout=300, cwd=REPO)  # fmt: skip
     assert done.returncode == 0, done.stderr
-    run_dir = tmp_path / "prof"
+    run_dir = tmp_path / "capture" / "prof"  # the profiled run is its own, under --out
+    assert not (tmp_path / "prof").exists()  # the real run's directory is never touched
     assert (run_dir / "profile" / "armor.nsys-rep").is_file()  # gathered from --out
     page = (run_dir / "report" / "report.md").read_text()
     assert "`profile/armor.nsys-rep`" in page and "## Where the time goes" in page

@@ -25,8 +25,8 @@ from megatron_armor.observability.metrics import (
     MetricsLogger,
     WandbSettings,
     read_metrics,
-    truncate_metrics,
 )
+from megatron_armor.observability.profiler import profile_steps_after_resume
 from megatron_armor.observability.throughput import (
     ThroughputMeter,
     compute_precision,
@@ -85,6 +85,18 @@ MIN_RAY_SHUTDOWN_S = 5.0
 
 def run_dir_of(config: ArmorConfig) -> Path:
     return Path(config.run.output_dir) / config.run.name
+
+
+def profile_after_resume(config: ArmorConfig, resume_from: Path | None) -> None:
+    """Profile steps the resumed run would never reach move after its resume step (the
+    trainer ranks' profilers are made from the config)."""
+    log = config.logging
+    if resume_from is None or log.profile == "none" or not log.profile_steps:
+        return
+    steps, note = profile_steps_after_resume(log.profile_steps, RunState.load(resume_from).step)
+    if note:
+        print(note, flush=True)
+        log.profile_steps = steps
 
 
 def check_resume_mode(config: ArmorConfig, resume_from: Path | None) -> None:
@@ -180,6 +192,7 @@ class Session:
         lock, resume_from = open_run_dir(config, run_dir, resume)
         try:
             check_resume_mode(config, resume_from)
+            profile_after_resume(config, resume_from)
             if announce is not None:
                 announce()
             session = cls._start(config, run_dir, call_watch)
@@ -347,7 +360,7 @@ class Session:
         continue after."""
         path = self.resume_from
         if path is None:
-            truncate_metrics(self.run_dir, -1)
+            self.logger.rewind(-1)
             self.watch.publish(self.run_dir)  # no best yet (a stale best.json goes)
             self.push_policy(0)
             self.push_reference(0)
@@ -363,7 +376,7 @@ class Session:
         self.push_policy(state.policy_version)
         self.push_reference(state.ref_version)
         self.rollout.reference.load_state_dicts(state.rollout)
-        truncate_metrics(self.run_dir, state.step)
+        self.logger.rewind(state.step)  # metrics.jsonl, TensorBoard and W&B alike
         self.restore_metrics_line(state)
         self.state = state
         self.offload_for_rollout()
