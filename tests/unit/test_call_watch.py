@@ -472,7 +472,11 @@ def test_a_weight_update_session_that_never_closes_restarts_the_server_and_pushe
     from megatron_armor.orchestration.actors.rollout_fleet import RolloutFleet, ServerHealth
     from megatron_armor.orchestration.actors.weight_sync import DistributedSync
 
-    watch = half_second_watch(monkeypatch)  # the run's one watch
+    # the run's one watch: a learned deadline of 2 s (the stuck push's, from step 1's), 10 s
+    # for a kind's first call, 5 s for a heartbeat; healthy calls stay well inside them on a
+    # loaded machine, the stuck one is named within seconds
+    monkeypatch.setattr(cw, "HEARTBEAT_ANSWER_S", 5.0)
+    watch = CallWatch(OrchestrationConfig(call_deadline_floor_s=2.0, call_deadline_cap_s=10.0))
     monkeypatch.setattr(cw, "SERVER_PROBE_S", 2.0)
     script, hang = tmp_path / "server.py", tmp_path / "hang"
     script.write_text(SESSION_SERVER)
