@@ -173,6 +173,10 @@ class Walk:
         out = REPO / f"armor-{self.job_id}.out"
         return out.is_file() and "Ray head on" in out.read_text(errors="replace")
 
+    def has_checkpoint(self, command: str) -> bool:
+        where = REPO / command.split("--checkpoint", 1)[1].split()[0]
+        return any(where.glob("**/trainer/dist/common.pt"))
+
     def job_ended(self) -> bool:
         return job_field(self.job_id, "JobState") in FINAL_STATES
 
@@ -180,6 +184,9 @@ class Walk:
         if command.startswith("scancel"):  # once the batch shell handles signals
             wait_until(self.bringing_up_ray, JOB_TIMEOUT_S, "the job's Ray bring-up",
                        lambda: job_report(self.job_id))  # fmt: skip
+        if "--checkpoint" in command:  # once the run has written a checkpoint there
+            wait_until(lambda: self.has_checkpoint(command), JOB_TIMEOUT_S,
+                       f"a checkpoint for {command!r}", lambda: job_report(self.job_id))  # fmt: skip
         if "slurm/convert.sbatch" in command:  # step 7: once the pipeline has ended
             wait_until(self.job_ended, JOB_TIMEOUT_S, f"pipeline job {self.job_id} to end",
                        lambda: job_report(self.job_id))  # fmt: skip
