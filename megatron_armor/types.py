@@ -96,10 +96,26 @@ class Sample:
     routed_experts: RoutedExperts | None = None
     """A mixture-of-experts engine's routes of every position (``None``: not asked for, or a
     dense model)."""
+    response_versions: list[int] = field(default_factory=list)
+    """The weight version that produced each response token, for a sample generated across
+    weight pushes (a partial rollout continued under newer weights, docs/orchestration.md,
+    "Bounded staleness"); empty: every token came from ``weight_version``. ``weight_version``
+    is then the version of the last token."""
 
     @property
     def response_len(self) -> int:
         return len(self.response_ids)
+
+    def token_versions(self) -> list[int]:
+        """The weight version of each response token (``[len(response_ids)]``)."""
+        if self.response_versions:
+            return list(self.response_versions)
+        return [self.weight_version] * len(self.response_ids)
+
+    @property
+    def oldest_version(self) -> int:
+        """The version of the sample's oldest token (``weight_version`` when it has none)."""
+        return min(self.response_versions, default=self.weight_version)
 
 
 @dataclass

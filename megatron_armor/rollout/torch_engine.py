@@ -25,6 +25,7 @@ Weight sets: ``policy`` is the loaded model; ``ref`` is a second model created o
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 import re
 from collections.abc import Iterable
@@ -37,7 +38,14 @@ from transformers.cache_utils import DynamicLayer
 from megatron_armor.config.model_overrides import resolve_model_overrides
 from megatron_armor.heartbeat import beat
 from megatron_armor.rollout.decode_step import DecodeStep, decode_step_for
-from megatron_armor.rollout.protocol import GenerationOutput, RolloutEngine, SamplingParams
+from megatron_armor.rollout.protocol import (
+    GenerationOutput,
+    PartialRequest,
+    RolloutEngine,
+    SamplingParams,
+    window_finish_reason,
+    window_limits,
+)
 from megatron_armor.rollout.sampling import sample_next_tokens, scaled_log_probs
 from megatron_armor.types import RoutedExperts
 
@@ -328,6 +336,52 @@ class TorchEngine(RolloutEngine):
     ) -> list[list[GenerationOutput]]:
         if n < 1:
             raise ValueError(f"rollout: n={n} samples per prompt must be >= 1")
+        rows = [i for i in range(len(prompts)) for _ in range(n)]
+        results: list[list[GenerationOutput]] = [[] for _ in prompts]
+        for prompt_index, (tokens, logps, routes, version) in zip(
+            rows, self._sample_rows(prompts, rows, params, weights), strict=True
+        ):
+            results[prompt_index].append(self._output(tokens, logps, params, version, routes))
+        return results
+
+    def generate_window(
+        self,
+        requests: list[PartialRequest],
+        params: SamplingParams,
+        window_tokens: int,
+        weights: str = "policy",
+    ) -> list[GenerationOutput]:
+        """One window of a partial rollout (``RolloutEngine.generate_window``): each request's
+        prompt and response so far are prefilled under the current weights (its KV cache
+        computed anew, as SGLang recomputes a retracted request's), then it decodes up to its
+        limit (:func:`~megatron_armor.rollout.protocol.window_limits`). The rows of one call
+        share one ``torch.Generator`` (``params.seed``), as in :meth:`generate`."""
+        limits = window_limits(requests, params, window_tokens)
+        inputs = [list(r.prompt_ids) + list(r.response_ids) for r in requests]
+        rows = list(range(len(requests)))
+        room = dataclasses.replace(params, max_new_tokens=max(limits, default=1))
+        sampled = self._sample_rows(inputs, rows, room, weights, limits)
+        stops = self.stop_ids.union(params.stop_token_ids)
+        out = []
+        for request, (tokens, logps, routes, version) in zip(requests, sampled, strict=True):
+            stopped = bool(tokens) and tokens[-1] in stops
+            total = len(request.response_ids) + len(tokens)
+            reason = window_finish_reason(stopped, total, params)
+            experts = None if routes is None else RoutedExperts.from_array(routes.numpy())
+            out.append(GenerationOutput(tokens, logps, reason, version, experts))
+        return out
+
+    def _sample_rows(
+        self,
+        inputs: list[list[int]],
+        rows: list[int],
+        params: SamplingParams,
+        weights: str,
+        limits: list[int] | None = None,
+    ) -> list[tuple]:
+        """Decode one sample per entry of ``rows`` (an index into ``inputs``), in chunks of
+        ``max_batch`` rows, each up to ``params.max_new_tokens`` tokens or its entry of
+        ``limits``: ``(tokens, logprobs, routes, version)`` per row."""
         if self._released:
             raise RuntimeError("rollout: engine memory is released; call resume_memory() first")
         model = self._model(weights)
@@ -337,21 +391,19 @@ class TorchEngine(RolloutEngine):
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        rows = [(i, j) for i in range(len(prompts)) for j in range(n)]
-        results: list[list[GenerationOutput]] = [[] for _ in prompts]
+        out = []
         try:
             for start in range(0, len(rows), self.max_batch):
-                chunk_prompts = [i for i, _ in rows[start : start + self.max_batch]]
+                chunk = rows[start : start + self.max_batch]
+                chunk_limits = None if limits is None else limits[start : start + self.max_batch]
                 outs = self._generate_chunk(
-                    model, step, prompts, chunk_prompts, params, generator, capture
+                    model, step, inputs, chunk, params, generator, capture, chunk_limits
                 )
-                for prompt_index, (tokens, logps, routes) in zip(chunk_prompts, outs, strict=True):
-                    out = self._output(tokens, logps, params, version, routes)
-                    results[prompt_index].append(out)
+                out += [(tokens, logps, routes, version) for tokens, logps, routes in outs]
         finally:
             if capture is not None:
                 capture.close()
-        return results
+        return out
 
     def teacher_forced_logprobs(
         self, prompt: list[int], response: list[int], temperature: float, weights: str = "policy"
@@ -414,9 +466,12 @@ class TorchEngine(RolloutEngine):
         return out.logits[:, -1, :]
 
     @torch.inference_mode()
-    def _generate_chunk(self, model, step, prompts, chunk_prompts, params, generator, capture):
+    def _generate_chunk(
+        self, model, step, prompts, chunk_prompts, params, generator, capture, limits=None
+    ):
         """Decode one chunk; returns per row ``(token_ids, logprobs, routes)``: ``routes``
-        ``[prompt + response - 1, layers, k]`` with a :class:`RouteCapture`, else ``None``."""
+        ``[prompt + response - 1, layers, k]`` with a :class:`RouteCapture`, else ``None``.
+        ``limits``: each row's most new tokens (default: ``params.max_new_tokens``)."""
         distinct = sorted(set(chunk_prompts))
         ids, mask, positions = left_pad([prompts[i] for i in distinct], self.pad_id, self.device)
         width = ids.shape[1]
@@ -438,7 +493,8 @@ class TorchEngine(RolloutEngine):
             logits[expand],
         )
         chunk.rows = torch.arange(len(chunk_prompts), device=self.device)
-        decoded = self._decode(model, step, chunk, logits, params, generator, capture)
+        row_limits = None if limits is None else torch.tensor(limits, device=self.device)
+        decoded = self._decode(model, step, chunk, logits, params, generator, capture, row_limits)
         if capture is None:
             return [(t, lp, None) for t, lp, _ in decoded]
         out = []
@@ -448,12 +504,20 @@ class TorchEngine(RolloutEngine):
         return out
 
     def _decode(
-        self, model, step, chunk: _Chunk, logits, params: SamplingParams, generator, capture=None
+        self,
+        model,
+        step,
+        chunk: _Chunk,
+        logits,
+        params: SamplingParams,
+        generator,
+        capture=None,
+        limits: torch.Tensor | None = None,
     ):
-        """Sample up to ``max_new_tokens`` per row from the prefill's ``logits``; each further
-        token goes through ``step`` (a :class:`DecodeStep`) or, when ``None``, the HF forward.
-        Per row ``(tokens, logprobs, routes of the fed tokens)`` (``None`` without
-        ``capture``)."""
+        """Sample up to ``max_new_tokens`` per row (``limits[row]`` when given) from the
+        prefill's ``logits``; each further token goes through ``step`` (a :class:`DecodeStep`)
+        or, when ``None``, the HF forward. Per row ``(tokens, logprobs, routes of the fed
+        tokens)`` (``None`` without ``capture``)."""
         num_rows = chunk.rows.numel()
         fed = None if capture is None else capture.empty(num_rows, params.max_new_tokens)
         tokens = torch.zeros(
@@ -470,6 +534,8 @@ class TorchEngine(RolloutEngine):
             tokens[chunk.rows, t], logps[chunk.rows, t] = next_tokens, next_logps
             lengths[chunk.rows] = t + 1
             live = ~torch.isin(next_tokens, stops)
+            if limits is not None:  # a row whose window is used up leaves like a stopped one
+                live &= limits[chunk.rows] > t + 1
             if t + 1 == params.max_new_tokens or not bool(live.any()):
                 break
             if not bool(live.all()):
