@@ -11,6 +11,7 @@ An SGLang server holds one weight set (``policy``). The reference is served by
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import os
 import secrets
@@ -25,7 +26,14 @@ from megatron_armor.config.schema import ArmorConfig, SGLangConfig
 from megatron_armor.config.sglang_pools import PoolSpec, policy_pool, pool_specs
 from megatron_armor.heartbeat import beat
 from megatron_armor.rollout.hf_dir import save_hf_dir
-from megatron_armor.rollout.protocol import GenerationOutput, RolloutEngine, SamplingParams
+from megatron_armor.rollout.protocol import (
+    GenerationOutput,
+    PartialRequest,
+    RolloutEngine,
+    SamplingParams,
+    window_finish_reason,
+    window_limits,
+)
 from megatron_armor.rollout.sglang import launch
 from megatron_armor.rollout.sglang import weights as transport
 from megatron_armor.rollout.sglang.client import (
@@ -268,6 +276,42 @@ class SGLangEngine(RolloutEngine):
         )
         return [self._output(prompt, b) for b in bodies]
 
+    def generate_window(
+        self,
+        requests: list[PartialRequest],
+        params: SamplingParams,
+        window_tokens: int,
+        weights: str = "policy",
+    ) -> list[GenerationOutput]:
+        """One window of a partial rollout (``RolloutEngine.generate_window``): each request is
+        sent with its prompt and response so far as ``input_ids`` (the server prefills them
+        under its current weights) and ``max_new_tokens`` its window's limit
+        (:func:`~megatron_armor.rollout.protocol.window_limits`); request ``i``'s seed is
+        ``sample_seed(params.seed, i, 0, 1)``."""
+        self._check_weights(weights)
+        limits = window_limits(requests, params, window_tokens)
+
+        async def send_all():
+            return await asyncio.gather(*(
+                self._generate_one(self._pick_url(), generate_payload(
+                    list(r.prompt_ids) + list(r.response_ids),
+                    dataclasses.replace(params, max_new_tokens=limit), new_rid(),
+                    None if params.seed is None else sample_seed(params.seed, i, 0, 1),
+                    self.routes is not None))
+                for i, (r, limit) in enumerate(zip(requests, limits, strict=True))
+            ))  # fmt: skip
+
+        out = []
+        for request, body in zip(requests, self._loop.run(send_all()), strict=True):
+            sample = self._output(list(request.prompt_ids) + list(request.response_ids), body)
+            if sample.finish_reason in ("stop", "length"):
+                total = len(request.response_ids) + len(sample.token_ids)
+                sample.finish_reason = window_finish_reason(
+                    sample.finish_reason == "stop", total, params
+                )
+            out.append(sample)
+        return out
+
     def _output(self, prompt: list[int], body: dict) -> GenerationOutput:
         """The sample of a ``/generate`` answer, with its routes when they were asked for."""
         out = parse_generate_response(body, self._version)
@@ -398,12 +442,25 @@ class SGLangEngine(RolloutEngine):
         return self.servers if servers is None else servers
 
     # ------------------------------------------------------------------ memory / health
+    def pause_generation(self, servers: list[EngineServer] | None = None) -> None:
+        """``/pause_generation`` (``retract``) on ``servers`` (default: all): the running
+        requests wait, none is lost; a weight update may come meanwhile (its cache flush is
+        allowed while paused), and after :meth:`continue_generation` each request goes on from
+        the tokens it has under the weights then loaded, its KV cache recomputed, its answer
+        carrying every token's version (``client.token_versions_of``)."""
+        self._post_all(self._chosen(servers), "/pause_generation",
+                       lambda s: pause_generation_payload())  # fmt: skip
+
+    def continue_generation(self, servers: list[EngineServer] | None = None) -> None:
+        """``/continue_generation`` on ``servers`` (default: all): paused requests go on."""
+        self._post_all(self._chosen(servers), "/continue_generation", lambda s: {})
+
     def release_memory(self) -> None:
-        """Pause generation (``/pause_generation``, ``retract``: a release while the scheduler
-        is not idle trips an assertion that ends the server), then
-        ``/release_memory_occupation`` of weights and KV cache (``client.RELEASED_TAGS``, never
-        the CUDA graphs) on every server (colocated)."""
-        self._post_all(self.servers, "/pause_generation", lambda s: pause_generation_payload())
+        """Pause generation (:meth:`pause_generation`: a release while the scheduler is not idle
+        trips an assertion that ends the server), then ``/release_memory_occupation`` of
+        weights and KV cache (``client.RELEASED_TAGS``, never the CUDA graphs) on every server
+        (colocated)."""
+        self.pause_generation()
         self._post_all(
             self.servers,
             "/release_memory_occupation",
@@ -421,7 +478,7 @@ class SGLangEngine(RolloutEngine):
             lambda s: resume_memory_occupation_payload(tags),
         )
         if tags is None or KV_CACHE in tags:
-            self._post_all(self.servers, "/continue_generation", lambda s: {})
+            self.continue_generation()
 
     def server_healthy(self, server: EngineServer) -> bool:
         if server.process is not None and not server.process.alive():
