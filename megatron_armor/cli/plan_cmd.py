@@ -5,6 +5,8 @@ a mixture-of-experts model adds its all-to-all buffers and its active parameters
 one checkpoint and the disk peak during a save, the layout-rule findings and a verdict naming
 the largest term. Exit code 0 when the plan
 fits, 1 when it does not (or a rule fails), 2 on a config/model error: run it before sbatch.
+``--lengths RUN_DIR`` adds a projection of the rollout time partial rollouts would save on
+the config's layout, from that run's response lengths (``planner/tail.py``).
 """
 
 from __future__ import annotations
@@ -31,6 +33,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gpu-mem-gib", type=float, default=None,
                    help="memory of one GPU (GiB); default: orchestration.gpu_memory_gib (80)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the terms as JSON")
+    p.add_argument(
+        "--lengths",
+        default=None,
+        metavar="RUN_DIR",
+        help="project the rollout time partial rollouts save (async_rollout=bounded, "
+        "max_staleness 2 and 4) from this run's response lengths",
+    )
     p.set_defaults(run=run)
 
 
@@ -44,14 +53,36 @@ def run(args: argparse.Namespace) -> int:
         config = load_config(args.file, args.overrides)
         gib = args.gpu_mem_gib or config.orchestration.gpu_memory_gib
         plan = make_plan(config, model=args.model, gpu_mem_gib=gib)
-    except (ConfigError, ValueError) as e:
+        tail = tail_projection(config, args.lengths) if args.lengths else None
+    except (ConfigError, ValueError, OSError) as e:
         print(f"armor plan: {e}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(_as_dict(plan), indent=2))
+        print(json.dumps({**_as_dict(plan), **_tail_dict(tail)}, indent=2))
     else:
-        print(plan.report())
+        print(plan.report() + (f"\n{tail.report()}" if tail else ""))
     return 0 if plan.fits else 1
+
+
+def tail_projection(config, run_dir: str):
+    """``--lengths``: the :class:`~megatron_armor.planner.tail.TailProjection` of ``run_dir``'s
+    response lengths on ``config``'s engines and ``max_new_tokens``."""
+    from megatron_armor.planner.tail import project_tail, requests_per_engine, run_lengths
+
+    lengths, run_max_new = run_lengths(run_dir)
+    return project_tail(lengths, run_max_new, config.rollout.sampling.max_new_tokens,
+                        requests_per_engine(config))  # fmt: skip
+
+
+def _tail_dict(tail) -> dict:
+    if tail is None:
+        return {}
+    return {"tail_projection": {
+        "requests_per_engine": tail.requests_per_engine, "samples": tail.samples,
+        "synchronous_decode_steps": tail.synchronous,
+        "bounded_decode_steps": {str(k): v for k, v in tail.windowed.items()},
+        "bounded_saved_fraction": {str(k): tail.saved(k) for k in tail.windowed},
+    }}  # fmt: skip
 
 
 def _as_dict(plan) -> dict:
