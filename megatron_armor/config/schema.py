@@ -486,11 +486,21 @@ class OrchestrationConfig:
     node's cores divided by the actors placed on it (never more threads than cores,
     ``placement.threads_per_actor``)."""
     async_rollout: str = "off"
-    """``off`` | ``one_step``. ``one_step``: the rollout of step t+1 runs while the trainer
-    updates on step t, on the weights of step t-1 (policy samples at most one version old;
-    the ``old`` pass uses those weights, kept on the trainer); a step that resets the
-    reference drains the pipeline (docs/orchestration.md, "Asynchronous rollout"). Needs
-    rollout workers on devices of their own: ``disaggregated``, or ``cpu`` with a core each."""
+    """``off`` | ``one_step`` | ``bounded``. ``one_step``: the rollout of step t+1 runs while
+    the trainer updates on step t, on the weights of step t-1 (policy samples at most one
+    version old; the ``old`` pass uses those weights, kept on the trainer); a step that resets
+    the reference drains the pipeline (docs/orchestration.md, "Asynchronous rollout").
+    ``bounded``: generation runs ahead of training by up to ``max_staleness`` weight versions,
+    with partial rollouts, trained with the decoupled objective (docs/orchestration.md,
+    "Bounded staleness"; docs/algorithm.md). Both need rollout workers on devices of their
+    own: ``disaggregated``, or ``cpu`` with a core each."""
+    max_staleness: int = 2
+    """``bounded``: the most weight versions a trained policy token may be behind the
+    trainer's (``k >= 1``); older groups are dropped."""
+    partial_rollout: bool = True
+    """``bounded``: a request decodes at most ``ceil(rollout.sampling.max_new_tokens /
+    max_staleness)`` tokens per weight version and goes on under the next from the tokens it
+    has; ``false``: every response is drawn whole on one version."""
 
 
 @dataclass
