@@ -140,6 +140,19 @@ class Group:
         return self.anchor_index is not None and i == self.anchor_index
 
 
+def sample_from_dict(d: dict) -> Sample:
+    """The :class:`Sample` of ``dataclasses.asdict`` (after a JSON round trip: a checkpoint's
+    batch in flight)."""
+    routes = d.get("routed_experts")
+    return Sample(**{**d, "source": SampleSource(d["source"]),
+                     "routed_experts": RoutedExperts(**routes) if routes else None})  # fmt: skip
+
+
+def group_from_dict(d: dict) -> Group:
+    """The :class:`Group` of ``dataclasses.asdict`` (after a JSON round trip)."""
+    return Group(**{**d, "samples": [sample_from_dict(x) for x in d["samples"]]})
+
+
 # --- tensors between processes ----------------------------------------------------------
 
 # numpy has no bfloat16 or float8: such tensors travel as integers of the same width

@@ -59,7 +59,7 @@ from megatron_armor.orchestration.step.step_metrics import (
 )
 from megatron_armor.rollout.backends import backend_of
 from megatron_armor.trainer.weight_store import BEHAVIOR
-from megatron_armor.types import Group, RoutedExperts, Sample, SampleSource
+from megatron_armor.types import SampleSource, group_from_dict, sample_from_dict
 
 
 @dataclass
@@ -95,18 +95,12 @@ def collected_state(c: Collected | None) -> dict:
     }  # fmt: skip
 
 
-def _sample(d: dict) -> Sample:
-    routes = d.get("routed_experts")
-    return Sample(**{**d, "source": SampleSource(d["source"]),
-                     "routed_experts": RoutedExperts(**routes) if routes else None})  # fmt: skip
-
-
 def result_from_dict(d: dict) -> RolloutResult:
     """The :class:`RolloutResult` of ``dataclasses.asdict`` (after a JSON round trip)."""
-    groups = [Group(**{**g, "samples": [_sample(x) for x in g["samples"]]}) for g in d["groups"]]
+    groups = [group_from_dict(g) for g in d["groups"]]
     return RolloutResult(**{
         **d, "groups": groups, "stats": AcceptanceStats(**d["stats"]),
-        "policy_samples": [_sample(x) for x in d["policy_samples"]],
+        "policy_samples": [sample_from_dict(x) for x in d["policy_samples"]],
     })  # fmt: skip
 
 
