@@ -46,6 +46,9 @@ class GenerationOutput:
     token_versions: list[int] = field(default_factory=list)
     """The weight version of each token when a push came while it was generated (SGLang's
     ``meta_info.weight_versions``); empty: every token is of ``weight_version``."""
+    seconds: float = field(default=0.0, compare=False)
+    """Seconds from the start of the engine call to this response's last token: how long its
+    slot of the batch was busy (``rollout/tail_idle_s``, docs/metrics.md)."""
 
 
 @dataclass

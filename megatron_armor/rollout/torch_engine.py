@@ -28,6 +28,7 @@ import copy
 import dataclasses
 import inspect
 import re
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -338,10 +339,12 @@ class TorchEngine(RolloutEngine):
             raise ValueError(f"rollout: n={n} samples per prompt must be >= 1")
         rows = [i for i in range(len(prompts)) for _ in range(n)]
         results: list[list[GenerationOutput]] = [[] for _ in prompts]
-        for prompt_index, (tokens, logps, routes, version) in zip(
+        for prompt_index, (tokens, logps, routes, version, seconds) in zip(
             rows, self._sample_rows(prompts, rows, params, weights), strict=True
         ):
-            results[prompt_index].append(self._output(tokens, logps, params, version, routes))
+            out = self._output(tokens, logps, params, version, routes)
+            out.seconds = seconds
+            results[prompt_index].append(out)
         return results
 
     def generate_window(
@@ -363,12 +366,14 @@ class TorchEngine(RolloutEngine):
         sampled = self._sample_rows(inputs, rows, room, weights, limits)
         stops = self.stop_ids.union(params.stop_token_ids)
         out = []
-        for request, (tokens, logps, routes, version) in zip(requests, sampled, strict=True):
+        for request, (tokens, logps, routes, version, seconds) in zip(
+            requests, sampled, strict=True
+        ):
             stopped = bool(tokens) and tokens[-1] in stops
             total = len(request.response_ids) + len(tokens)
             reason = window_finish_reason(stopped, total, params)
             experts = None if routes is None else RoutedExperts.from_array(routes.numpy())
-            out.append(GenerationOutput(tokens, logps, reason, version, experts))
+            out.append(GenerationOutput(tokens, logps, reason, version, experts, seconds=seconds))
         return out
 
     def _sample_rows(
@@ -381,7 +386,8 @@ class TorchEngine(RolloutEngine):
     ) -> list[tuple]:
         """Decode one sample per entry of ``rows`` (an index into ``inputs``), in chunks of
         ``max_batch`` rows, each up to ``params.max_new_tokens`` tokens or its entry of
-        ``limits``: ``(tokens, logprobs, routes, version)`` per row."""
+        ``limits``: ``(tokens, logprobs, routes, version, seconds)`` per row (``seconds``
+        from the call's start to its last token)."""
         if self._released:
             raise RuntimeError("rollout: engine memory is released; call resume_memory() first")
         model = self._model(weights)
@@ -391,7 +397,7 @@ class TorchEngine(RolloutEngine):
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        out = []
+        out, start = [], time.perf_counter()
         try:
             for start in range(0, len(rows), self.max_batch):
                 chunk = rows[start : start + self.max_batch]
@@ -399,7 +405,8 @@ class TorchEngine(RolloutEngine):
                 outs = self._generate_chunk(
                     model, step, inputs, chunk, params, generator, capture, chunk_limits
                 )
-                out += [(tokens, logps, routes, version) for tokens, logps, routes in outs]
+                out += [(tokens, logps, routes, version, end - start)
+                        for tokens, logps, routes, end in outs]  # fmt: skip
         finally:
             if capture is not None:
                 capture.close()
@@ -469,8 +476,9 @@ class TorchEngine(RolloutEngine):
     def _generate_chunk(
         self, model, step, prompts, chunk_prompts, params, generator, capture, limits=None
     ):
-        """Decode one chunk; returns per row ``(token_ids, logprobs, routes)``: ``routes``
-        ``[prompt + response - 1, layers, k]`` with a :class:`RouteCapture`, else ``None``.
+        """Decode one chunk; returns per row ``(token_ids, logprobs, routes, ended)``: ``routes``
+        ``[prompt + response - 1, layers, k]`` with a :class:`RouteCapture`, else ``None``;
+        ``ended`` the ``time.perf_counter()`` of its last token.
         ``limits``: each row's most new tokens (default: ``params.max_new_tokens``)."""
         distinct = sorted(set(chunk_prompts))
         ids, mask, positions = left_pad([prompts[i] for i in distinct], self.pad_id, self.device)
@@ -496,11 +504,12 @@ class TorchEngine(RolloutEngine):
         row_limits = None if limits is None else torch.tensor(limits, device=self.device)
         decoded = self._decode(model, step, chunk, logits, params, generator, capture, row_limits)
         if capture is None:
-            return [(t, lp, None) for t, lp, _ in decoded]
+            return [(t, lp, None, end) for t, lp, _, end in decoded]
         out = []
-        for i, (tokens, logps, fed) in zip(chunk_prompts, decoded, strict=True):
+        for i, (tokens, logps, fed, end) in zip(chunk_prompts, decoded, strict=True):
             prompt = prefill[distinct.index(i), width - len(prompts[i]) :]
-            out.append((tokens, logps, torch.cat([prompt, fed[: max(len(tokens) - 1, 0)]])))
+            routes = torch.cat([prompt, fed[: max(len(tokens) - 1, 0)]])
+            out.append((tokens, logps, routes, end))
         return out
 
     def _decode(
@@ -517,7 +526,8 @@ class TorchEngine(RolloutEngine):
         """Sample up to ``max_new_tokens`` per row (``limits[row]`` when given) from the
         prefill's ``logits``; each further token goes through ``step`` (a :class:`DecodeStep`)
         or, when ``None``, the HF forward. Per row ``(tokens, logprobs, routes of the fed
-        tokens)`` (``None`` without ``capture``)."""
+        tokens, ended)`` (routes ``None`` without ``capture``; ``ended``: the
+        ``time.perf_counter()`` of its last token)."""
         num_rows = chunk.rows.numel()
         fed = None if capture is None else capture.empty(num_rows, params.max_new_tokens)
         tokens = torch.zeros(
@@ -527,6 +537,7 @@ class TorchEngine(RolloutEngine):
             (num_rows, params.max_new_tokens), dtype=torch.float32, device=self.device
         )
         lengths = torch.zeros(num_rows, dtype=torch.long, device=self.device)
+        ended = [0.0] * num_rows  # time.perf_counter() at each row's last token
         stops = torch.tensor(sorted(self.stop_ids.union(params.stop_token_ids)), device=self.device)
         for t in range(params.max_new_tokens):
             beat()  # a token decoded: progress the driver's call deadline sees
@@ -539,6 +550,9 @@ class TorchEngine(RolloutEngine):
             if t + 1 == params.max_new_tokens or not bool(live.any()):
                 break
             if not bool(live.all()):
+                now = time.perf_counter()
+                for row in chunk.rows[~live].tolist():
+                    ended[row] = now
                 keep = live.nonzero().squeeze(-1)
                 chunk.cache.batch_select_indices(keep)
                 chunk.rows, chunk.mask, chunk.positions = (
@@ -556,10 +570,14 @@ class TorchEngine(RolloutEngine):
             if capture is not None:
                 fed[chunk.rows.cpu(), t] = capture.take(len(ids), 1)[:, 0]
             chunk.positions = chunk.positions + 1
+        now = time.perf_counter()
+        for row in chunk.rows.tolist():
+            ended[row] = now
         lengths_list, tokens_list, logps_list = lengths.tolist(), tokens.tolist(), logps.tolist()
-        rows = zip(tokens_list, logps_list, lengths_list, strict=True)
+        rows = zip(tokens_list, logps_list, lengths_list, ended, strict=True)
         return [
-            (t[:n], lp[:n], None if fed is None else fed[i]) for i, (t, lp, n) in enumerate(rows)
+            (t[:n], lp[:n], None if fed is None else fed[i], end)
+            for i, (t, lp, n, end) in enumerate(rows)
         ]
 
 

@@ -17,6 +17,7 @@ from megatron_armor.orchestration.step.partial_rollout import (
     extend_sample,
     new_sample,
     policy_oldest_version,
+    tail_idle_seconds,
 )
 from megatron_armor.rollout.protocol import GenerationOutput
 from megatron_armor.types import Group, Sample, SampleSource
@@ -97,3 +98,8 @@ def test_the_state_survives_a_checkpoint_exactly(tmp_path):
     assert back.in_flight[0].samples[0].token_versions() == [3, 3]
     assert PartialRollouts.from_state({}) == PartialRollouts()
     assert isinstance(torch.load(tmp_path / "orchestrator.pt", weights_only=True), dict)
+
+
+def test_the_tail_is_the_slots_average_wait_for_the_slowest():
+    assert tail_idle_seconds([1.0, 1.0, 4.0]) == pytest.approx(2.0)
+    assert tail_idle_seconds([3.0, 3.0]) == 0.0 and tail_idle_seconds([]) == 0.0

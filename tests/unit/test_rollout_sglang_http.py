@@ -708,9 +708,8 @@ def test_routed_experts_decode_compactly_and_survive_a_checkpoint():
 
     import numpy as np
 
-    from megatron_armor.orchestration.step.async_rollout import _sample
     from megatron_armor.rollout.sglang.client import parse_routed_experts
-    from megatron_armor.types import Sample
+    from megatron_armor.types import Sample, sample_from_dict
 
     rng = np.random.default_rng(0)
     prompt, response, layers, k = [5, 6, 7], [8, 9], 3, 2
@@ -727,11 +726,11 @@ def test_routed_experts_decode_compactly_and_survive_a_checkpoint():
     with pytest.raises(SGLangError, match="--enable-return-routed-experts"):
         parse_routed_experts({}, layers, k, positions)
     sample = Sample("q", prompt, response, [-0.5, -0.25], routed_experts=routes)
-    restored = _sample(json.loads(json.dumps(dataclasses.asdict(sample))))
+    restored = sample_from_dict(json.loads(json.dumps(dataclasses.asdict(sample))))
     assert restored == sample and np.array_equal(restored.routed_experts.array(), routes.array())
     plain = dataclasses.asdict(Sample("q", prompt, response))
     del plain["routed_experts"]  # a checkpoint written before the field existed
-    assert _sample(json.loads(json.dumps(plain))).routed_experts is None
+    assert sample_from_dict(json.loads(json.dumps(plain))).routed_experts is None
 
 
 def test_an_engine_built_for_routes_asks_for_them_and_decodes_them(standin):

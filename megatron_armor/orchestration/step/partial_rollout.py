@@ -54,6 +54,13 @@ def extend_sample(sample: Sample, out: GenerationOutput) -> int:
     return n
 
 
+def tail_idle_seconds(seconds: list[float]) -> float:
+    """The engine's idle time in the tail of one call whose responses ended ``seconds`` after
+    its start: ``max(s) - mean(s)``, how long a response's slot waited, on average, for the
+    slowest of the call (0 when they all end together; docs/metrics.md)."""
+    return max(seconds) - sum(seconds) / len(seconds) if seconds else 0.0
+
+
 def policy_oldest_version(group: Group) -> int:
     """The version of the oldest policy token of ``group`` (its anchor is the reference's)."""
     return min(s.oldest_version for s in group.samples if s.source == SampleSource.POLICY)

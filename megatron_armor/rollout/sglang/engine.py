@@ -16,6 +16,7 @@ import itertools
 import os
 import secrets
 import shutil
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -253,14 +254,15 @@ class SGLangEngine(RolloutEngine):
         return self._loop.run(self._generate_all(prompts, n, params))
 
     async def _generate_all(self, prompts, n, params) -> list[list[GenerationOutput]]:
+        started = time.perf_counter()
         return list(
             await asyncio.gather(
-                *(self._generate_group(p, n, params, i) for i, p in enumerate(prompts))
+                *(self._generate_group(p, n, params, i, started) for i, p in enumerate(prompts))
             )
         )
 
     async def _generate_group(
-        self, prompt: list[int], n: int, params: SamplingParams, index: int
+        self, prompt: list[int], n: int, params: SamplingParams, index: int, started: float
     ) -> list[GenerationOutput]:
         seeds = [
             None if params.seed is None else sample_seed(params.seed, index, j, n) for j in range(n)
@@ -269,12 +271,12 @@ class SGLangEngine(RolloutEngine):
         bodies = await asyncio.gather(
             *(
                 self._generate_one(
-                    self._pick_url(), generate_payload(prompt, params, new_rid(), s, asks)
+                    self._pick_url(), generate_payload(prompt, params, new_rid(), s, asks), started
                 )
                 for s in seeds
             )
         )
-        return [self._output(prompt, b) for b in bodies]
+        return [self._output(prompt, *answer) for answer in bodies]
 
     def generate_window(
         self,
@@ -292,18 +294,19 @@ class SGLangEngine(RolloutEngine):
         limits = window_limits(requests, params, window_tokens)
 
         async def send_all():
+            started = time.perf_counter()
             return await asyncio.gather(*(
                 self._generate_one(self._pick_url(), generate_payload(
                     list(r.prompt_ids) + list(r.response_ids),
                     dataclasses.replace(params, max_new_tokens=limit), new_rid(),
                     None if params.seed is None else sample_seed(params.seed, i, 0, 1),
-                    self.routes is not None))
+                    self.routes is not None), started)
                 for i, (r, limit) in enumerate(zip(requests, limits, strict=True))
             ))  # fmt: skip
 
         out = []
-        for request, body in zip(requests, self._loop.run(send_all()), strict=True):
-            sample = self._output(list(request.prompt_ids) + list(request.response_ids), body)
+        for request, answer in zip(requests, self._loop.run(send_all()), strict=True):
+            sample = self._output(list(request.prompt_ids) + list(request.response_ids), *answer)
             if sample.finish_reason in ("stop", "length"):
                 total = len(request.response_ids) + len(sample.token_ids)
                 sample.finish_reason = window_finish_reason(
@@ -312,21 +315,27 @@ class SGLangEngine(RolloutEngine):
             out.append(sample)
         return out
 
-    def _output(self, prompt: list[int], body: dict) -> GenerationOutput:
-        """The sample of a ``/generate`` answer, with its routes when they were asked for."""
+    def _output(self, prompt: list[int], body: dict, seconds: float) -> GenerationOutput:
+        """The sample of a ``/generate`` answer (``seconds`` after the call's start), with its
+        routes when they were asked for."""
         out = parse_generate_response(body, self._version)
+        out.seconds = seconds
         if self.routes is not None:
             layers, k = self.routes
             positions = len(prompt) + len(out.token_ids) - 1
             out.routed_experts = parse_routed_experts(body["meta_info"], layers, k, positions)
         return out
 
-    async def _generate_one(self, url: str, payload: dict) -> dict:
-        """One ``/generate``; its answer is progress the driver's call deadline sees (a beat:
-        a long generation whose samples keep finishing is slow, not stuck)."""
+    async def _generate_one(
+        self, url: str, payload: dict, started: float | None = None
+    ) -> tuple[dict, float]:
+        """One ``/generate``: its answer and the seconds since ``started`` (the call's start;
+        default: this request's); the answer is progress the driver's call deadline sees (a
+        beat: a long generation whose samples keep finishing is slow, not stuck)."""
+        started = time.perf_counter() if started is None else started
         body = await self._client.generate(url, payload)
         beat()
-        return body
+        return body, time.perf_counter() - started
 
     def _pick_url(self) -> str:
         if self.router_url is not None:
