@@ -360,8 +360,13 @@ class TorchEngine(RolloutEngine):
         limit (:func:`~megatron_armor.rollout.protocol.window_limits`). The rows of one call
         share one ``torch.Generator`` (``params.seed``), as in :meth:`generate`."""
         limits = window_limits(requests, params, window_tokens)
-        inputs = [list(r.prompt_ids) + list(r.response_ids) for r in requests]
-        rows = list(range(len(requests)))
+        rows, inputs, seen = [], [], {}
+        for r in requests:  # requests with the same tokens share their prefill, as in generate
+            key = (*r.prompt_ids, -1, *r.response_ids)
+            if key not in seen:
+                seen[key] = len(inputs)
+                inputs.append(list(r.prompt_ids) + list(r.response_ids))
+            rows.append(seen[key])
         room = dataclasses.replace(params, max_new_tokens=max(limits, default=1))
         sampled = self._sample_rows(inputs, rows, room, weights, limits)
         stops = self.stop_ids.union(params.stop_token_ids)

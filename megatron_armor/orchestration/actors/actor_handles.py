@@ -543,6 +543,14 @@ class RolloutActors:
                          "rollout reference cache")  # fmt: skip
         return [bool(f) for f in flags]
 
+    def generate_window(
+        self, requests: list, params: SamplingParams, window_tokens: int
+    ) -> list[GenerationOutput]:
+        """One window of a partial rollout over the policy workers (contiguous parts, worker
+        ``i`` seeded ``params.seed + i``): each request's new tokens, in ``requests`` order."""
+        return self._fan_out(self.policy_actors, "generate_window", requests, params=params,
+                             window_tokens=window_tokens)  # fmt: skip
+
     def generate_raw(self, prompts, n, params, weights="policy") -> list[list[GenerationOutput]]:
         return self._fan_out(
             self.policy_actors, "generate_raw", prompts, n, params=params, weights=weights

@@ -23,6 +23,7 @@ import torch
 from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.config.validate import (
     runs_async_rollout,
+    runs_bounded_staleness,
     runs_concurrent_reference,
 )
 from megatron_armor.data.sampler import SamplerExhausted
@@ -50,6 +51,7 @@ from megatron_armor.orchestration.step.async_rollout import (
     collected_from_state,
     overlap_fraction,
 )
+from megatron_armor.orchestration.step.bounded_rollout import BoundedPipeline, holds_next_rollout
 from megatron_armor.orchestration.step.phases import (
     checkpoint_due,
     finish_logprobs,
@@ -161,7 +163,7 @@ def run_loop(s: Session, start: int, stop: StopSignal) -> int:
         return 0
     resumed_at_0 = bool(s.state.watch)
     # the resumed state: that after the rollout of the step in flight, if one is
-    ahead = start + 1 if s.state.pending else start
+    ahead = start + 1 if holds_next_rollout(s.state.pending) else start
     s.recovery.settle_snapshot(s, s.recovery.submit_snapshot(s), ahead)
     if start == 0 and cfg.validation.every > 0 and not resumed_at_0 and not stop.received:
         initial = validate(s, 0)
@@ -171,10 +173,13 @@ def run_loop(s: Session, start: int, stop: StopSignal) -> int:
         if s.watch.wants_checkpoint:  # the start model is the best so far (run.keep_best)
             s.save(0, line)
     pipeline = None
-    if runs_async_rollout(cfg):  # the rollout on its own timers, without a progress bar
+    if runs_async_rollout(cfg) or runs_bounded_staleness(cfg):  # own timers, no progress bar
         timers = PhaseTimers()
         rollout = AnchorRollout(cfg, s.dataset, s.sampler, s.rollout, s.reward, None, timers)
-        pipeline = AsyncPipeline(s, rollout, timers, collected_from_state(s.state.pending))
+        if runs_bounded_staleness(cfg):
+            pipeline = BoundedPipeline(s, rollout, timers, s.state.pending)
+        else:
+            pipeline = AsyncPipeline(s, rollout, timers, collected_from_state(s.state.pending))
     else:
         rollout = AnchorRollout(cfg, s.dataset, s.sampler, s.rollout, s.reward,
                                 s.progress.rollout_update, s.timers)  # fmt: skip

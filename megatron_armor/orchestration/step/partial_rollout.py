@@ -76,6 +76,8 @@ class InFlight:
     """Its generation batch in the window that started it (the anchor file's ``gen_batch``)."""
     started: int
     """The step whose window started it."""
+    index: int = -1
+    """Its row in the training prompts (the sampler's index: retirement observes it)."""
     samples: list[Sample] = field(default_factory=list)
 
     @property

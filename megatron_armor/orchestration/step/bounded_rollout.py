@@ -1,0 +1,331 @@
+"""Bounded staleness with partial rollouts: generation never waits for its slowest sample.
+
+``orchestration.async_rollout: bounded`` (docs/orchestration.md, "Bounded staleness"; the
+objective: docs/algorithm.md). Generation runs in *windows*, one per weight version: in a
+window every response decodes at most ``W = ceil(max_new_tokens / k)`` tokens
+(``algo.staleness.window_tokens``, ``k = orchestration.max_staleness``); one that has not
+ended is carried to the next window and goes on under the weights pushed since, from the
+tokens it has (``partial_rollout.py``). The window of step t+1 runs on a driver thread while
+the trainer works on step t, as ``one_step``'s rollout does::
+
+    step t    trainer:  take B waiting groups (stalest first, <= k versions old) -> logprobs
+                        (``old`` = the live weights: the proximal policy) -> updates -> export
+              engines:  window t+1 on the weights of step t-1: the responses in flight go on,
+                        then new generation batches until B groups wait ..........|
+              then:     push(t) -> reset? (drops the waiting groups) -> validate? -> checkpoint
+                        (holds the window, the waiting groups and the responses in flight)
+
+A query is judged once its last response has ended: its responses scored, rule (a), its
+reference samples drawn from the current reference and scored, rule (b) (``select_group``);
+an accepted group waits for a step. A step that resets the reference does not overlap (the
+next window is drawn after the reset, from the new reference), and the groups waiting then
+are dropped: their anchors and rule (b) came from the old reference. Responses in flight go
+on across a reset (they are the policy's). The last step draws no window.
+
+Every decision depends on the samples alone (seeds ``derive_seed(run.seed, step, round,
+role)``, a window's rounds numbered in order), so a checkpoint of the window's state
+(:meth:`BoundedPipeline.in_flight`) resumes exactly.
+"""
+
+from __future__ import annotations
+
+import time
+
+from megatron_armor.algo.anchors import AcceptanceStats, select_group
+from megatron_armor.algo.staleness import staleness_metrics, window_tokens
+from megatron_armor.data.dataset import PromptItem
+from megatron_armor.data.retirement import retire_drawn
+from megatron_armor.observability.timers import PhaseTimers
+from megatron_armor.orchestration.actors.actor_handles import merge_reward_stats
+from megatron_armor.orchestration.step import phases
+from megatron_armor.orchestration.step.acceptance import check_short
+from megatron_armor.orchestration.step.anchor_rollout import (
+    AnchorRollout,
+    RolloutResult,
+    _record,
+    followup_size,
+)
+from megatron_armor.orchestration.step.async_rollout import (
+    Collected,
+    Collector,
+    collected_from_state,
+    collected_state,
+)
+from megatron_armor.orchestration.step.partial_rollout import (
+    InFlight,
+    PartialRollouts,
+    extend_sample,
+    new_sample,
+    tail_idle_seconds,
+)
+from megatron_armor.orchestration.step.step_metrics import rollout_metrics, write_anchor_file
+from megatron_armor.rollout.backends import backend_of
+from megatron_armor.types import Group, Sample, SampleSource
+
+CONTINUE = "continue"
+"""The seed role of a window's call that continues the responses carried into it."""
+
+
+class WindowDraw:
+    """Draws one window (:meth:`collect`) from the partial rollouts it holds; the recovery
+    guard (``actors/recovery.py``) calls :meth:`collect` again after a worker is replaced,
+    and each call starts from the same state, the window's start."""
+
+    def __init__(self, session, rollout: AnchorRollout, window: int) -> None:
+        self.s, self.rollout, self.window = session, rollout, window
+        self.start = PartialRollouts()
+        self.drawn: PartialRollouts | None = None
+        self.counters: dict[str, float] = {}
+
+    def forget_prefetch(self) -> None:
+        self.rollout.forget_prefetch()
+
+    def collect(self, step: int) -> RolloutResult:
+        """The window of step ``step``: :attr:`drawn` is the state after it; the result holds
+        the queries it judged (``groups``: none; the step takes its own)."""
+        work = PartialRollouts.from_state(self.start.state())
+        result = RolloutResult(groups=[], stats=AcceptanceStats())
+        self.counters = {"continued": 0.0, "tail": 0.0}
+        carried = work.requests()
+        if carried:
+            tokens = self._advance([s for s, _ in carried], [r for _, r in carried],
+                                   self.rollout._params(step, 0, CONTINUE), result)  # fmt: skip
+            self.counters["continued"] = float(tokens)
+            self._judge(step, 0, work.pop_ended(), work, result)
+        self._draw_new(step, work, result)
+        result.short_batch = len(work.ready) < self.s.config.rollout.batch
+        self.drawn = work
+        return result
+
+    def _draw_new(self, step: int, work: PartialRollouts, result: RolloutResult) -> None:
+        """New generation batches (sized as the synchronous loop's follow-ups) until a step's
+        ``rollout.batch`` groups wait, at most ``algo.max_gen_batches``."""
+        r, need, stats = self.rollout, self.s.config.rollout.batch, result.stats
+        for gen_batch in range(r.algo.max_gen_batches):
+            missing = need - len(work.ready)
+            if missing <= 0:
+                return
+            size = followup_size(r.rollout_cfg.gen_batch, missing + stats.accepted,
+                                 stats.accepted, stats.queries_seen)  # fmt: skip
+            indices = r.sampler.next_indices(size)
+            version = self.s.state.policy_version
+            queries = [self._start_query(i, gen_batch, step, version) for i in indices]
+            work.in_flight += queries
+            samples = [x for q in queries for x in q.samples]
+            result.stats.add_generation_batch()
+            self._advance(samples, [req for q in queries for _, req in q.requests()],
+                          r._params(step, gen_batch, "policy"), result)  # fmt: skip
+            self._judge(step, gen_batch + 1, work.pop_ended(), work, result)
+
+    def _start_query(self, index: int, gen_batch: int, step: int, version: int) -> InFlight:
+        item = self.rollout.dataset[index]
+        samples = [new_sample(item, version) for _ in range(self.rollout._n_on())]
+        fields = {k: getattr(item, k) for k in PromptItem.__dataclass_fields__}
+        return InFlight(item=fields, gen_batch=gen_batch, started=step, index=index,
+                        samples=samples)  # fmt: skip
+
+    def _advance(self, samples: list[Sample], requests: list, params, result) -> int:
+        """One call of the window on ``requests`` (``samples``' continuations); their tokens
+        appended; the tokens drawn."""
+        with self.rollout.timers.phase("generate"):
+            outputs = self.s.rollout.generate_window(requests, params, self.window)
+        tokens = sum(extend_sample(s, o) for s, o in zip(samples, outputs, strict=True))
+        self.counters["tail"] += tail_idle_seconds([o.seconds for o in outputs])
+        result.generated_tokens += tokens
+        return tokens
+
+    def _judge(self, step: int, round_: int, ended: list[InFlight], work, result) -> None:
+        """Score the ended queries' responses, draw the reference samples of those that pass
+        rule (a) (seed of ``round_``), select: accepted groups wait (``work.ready``)."""
+        if not ended:
+            return
+        r = self.rollout
+        policy = [q.samples for q in ended]
+        for sample in (x for row in policy for x in row):
+            sample.response_text = self.s.tokenizer.decode(sample.response_ids,
+                                                           skip_special_tokens=True)  # fmt: skip
+        with r.timers.phase("score"):
+            stats = r.reward.score([x for row in policy for x in row])
+        items = [PromptItem(**q.item) for q in ended]
+        drawn, ref_stats = {}, {}
+        if r.mode.draws_reference:
+            drawn, ref_stats = r._reference_of_passing(items, policy, list(range(len(items))),
+                                                       step, round_, 0)  # fmt: skip
+        result.reward_stats = merge_reward_stats(result.reward_stats,
+                                                 merge_reward_stats(stats, ref_stats))  # fmt: skip
+        for i, (query, item) in enumerate(zip(ended, items, strict=True)):
+            reference = drawn.get(i, [])
+            result.generated_tokens += sum(x.response_len for x in reference)
+            self._accept(query, item, reference, work, result)
+
+    def _accept(self, query: InFlight, item, reference: list[Sample], work, result) -> None:
+        a = self.rollout.algo
+        group, reason = select_group(item.query_id, query.samples, reference, a.anchor,
+                                     a.weak_filter)  # fmt: skip
+        anchor = (
+            group.samples[group.anchor_index] if group and group.anchor_index is not None else None
+        )
+        result.stats.record(reason, reference, anchor, query_id=item.query_id)
+        record = {**_record(item, query.gen_batch, reason, query.samples, reference),
+                  "kept": False, "started": query.started}  # fmt: skip
+        result.records.append(record)
+        result.policy_samples.extend(query.samples)
+        retire_drawn(self.rollout.sampler, [query.index], [record])
+        if group is not None:
+            work.ready.append(group)
+
+
+class BoundedPipeline:
+    """The loop's step with ``orchestration.async_rollout: bounded`` (module docstring)."""
+
+    def __init__(self, session, rollout: AnchorRollout, timers: PhaseTimers, state: dict):
+        self.s, cfg = session, session.config
+        self.k = cfg.orchestration.max_staleness
+        window = cfg.rollout.sampling.max_new_tokens
+        if cfg.orchestration.partial_rollout:
+            window = window_tokens(window, self.k)
+        self.draw = WindowDraw(session, rollout, window)
+        self.draw.start = PartialRollouts.from_state(state)
+        self.collector = Collector(session, self.draw, timers)
+        self.pending: Collected | None = collected_from_state(state.get("window", {}))
+        session.in_flight = self.in_flight
+
+    def in_flight(self) -> dict:
+        """What a checkpoint keeps: the waiting groups and the responses in flight, and the
+        window drawn for the next step when there is one; ``{}`` when nothing is in flight."""
+        start = self.draw.start
+        if not (start.in_flight or start.ready or self.pending):
+            return {}
+        state = start.state()
+        if self.pending is not None:
+            state["window"] = collected_state(self.pending)
+        return state
+
+    def overlaps(self, step: int) -> bool:
+        """Whether the next window is drawn beside this step's updates: not at the last step
+        nor at a reset step (the next anchors need the new reference)."""
+        return step < self.s.config.run.steps and not self.s.schedule.should_reset(step)
+
+    def _window(self, step: int, version: int) -> Collected:
+        collected = self.collector.collect(step, version, "policy")
+        return self._with_counters(collected)
+
+    def _with_counters(self, collected: Collected) -> Collected:
+        """The window's own metrics (carried responses, their continued tokens, the tail);
+        its state becomes the pipeline's."""
+        self.draw.start = self.draw.drawn
+        c = self.draw.counters
+        collected.metrics.update({
+            "async/partial_carried": float(len(self.draw.start.requests())),
+            "async/continued_tokens": c["continued"], "rollout/tail_idle_s": c["tail"],
+        })  # fmt: skip
+        return collected
+
+    def run_step(self, step: int) -> dict[str, float]:
+        """One step; leaves the next window in :attr:`pending` when it overlapped."""
+        s, t0 = self.s, time.perf_counter()
+        window, self.pending, restarted = self.pending, None, 0
+        if window is None:  # the first step, a resume after a drained step, or after a drain
+            restarted += s.heal_rollout(step)
+            window = self._window(step, s.state.policy_version)
+        waited = time.perf_counter() - t0
+        result = window.result
+        result.groups, dropped = self.draw.start.take(s.config.rollout.batch,
+                                                      s.state.policy_version, self.k)  # fmt: skip
+        self._check_batch(step, result)
+        mark_kept(result)
+        overlap = self.overlaps(step)
+        metrics = {"train/updates": 0.0, "train/response_tokens": 0.0}
+        queued = self._submit(step, result) if result.groups else None
+        metrics.update(rollout_metrics(result))
+        metrics.update(self._staleness(result.groups, dropped))
+        if overlap:
+            restarted += s.heal_rollout(step + 1)
+            s.recovery.served = None  # the engines' weights are kept nowhere meanwhile
+            self.collector.launch(step + 1, s.state.policy_version, "policy")
+        write_anchor_file(s.run_dir, step, result)
+        if queued is not None:
+            metrics.update(self._finish(step, queued, load_early=not overlap))
+        train_end = time.perf_counter()
+        if overlap:
+            self.pending = self._with_counters(self.collector.join())
+            s.recovery.served = "policy"
+        metrics.update(window.metrics)
+        metrics.update(window.timings)
+        s.meter.add_rollout(result.generated_tokens, window.timings.get("timing/generate_s", 0.0))
+        metrics.update(self._overlap(waited, train_end, overlap))
+        restarted += phases.heal_before_push(s, step)
+        updated = metrics["train/updates"] > metrics.get("train/skipped_updates", 0.0)
+        metrics.update(phases.sync_and_maybe_reset(s, step, updated))
+        if metrics["reset/performed"]:
+            metrics["async/dropped_at_reset"] = float(self.draw.start.drop_ready())
+        metrics["algo/alpha"] = s.config.algo.alpha
+        if backend_of(s.config).serves_over_http:
+            restarted += s.recovery.pop_servers_restarted()
+            metrics["rollout/servers_restarted"] = float(restarted)
+        if phases.validation_due(s.config, step):
+            metrics.update(phases.validate(s, step))
+        return metrics
+
+    def _check_batch(self, step: int, result: RolloutResult) -> None:
+        """Fewer than ``rollout.batch`` groups wait: a short step (``acceptance.py``)."""
+        result.short_batch = len(result.groups) < self.s.config.rollout.batch
+        if result.short_batch:
+            r = self.draw.rollout
+            check_short(step, result.stats, len(result.groups), r.floor, self.s.config,
+                        warn=not r._warned_short, previous=r.previous)  # fmt: skip
+            r._warned_short = True
+
+    def _submit(self, step: int, result: RolloutResult):
+        """The trainer's calls of the step, queued: the log-prob call (``old`` under the live
+        weights: the proximal policy), then the updates."""
+        s, groups = self.s, result.groups
+        packed = phases.prepare_batch(s, groups, step)
+        with s.timers.phase("logprobs"):
+            logprobs = phases.submit_logprobs(s, packed, step)
+        with s.timers.phase("train"):
+            updates = phases.submit_minibatches(s, groups)
+        return packed, logprobs, updates
+
+    def _finish(self, step: int, queued, load_early: bool) -> dict:
+        s, (packed, logprobs, updates) = self.s, queued
+        with s.timers.phase("logprobs"):
+            exact_kl = phases.finish_logprobs(s, packed, logprobs)
+        with s.timers.phase("train"):
+            s.weight_sync.queue_policy_push(step, load_early=load_early)
+            metrics = phases.finish_minibatches(s, updates)
+        return phases.train_metrics(s, packed, metrics, exact_kl)
+
+    def _staleness(self, groups: list[Group], dropped: int) -> dict[str, float]:
+        """``staleness/*`` of the trained policy tokens and the groups dropped for age."""
+        versions = [x.token_versions() for g in groups for x in g.samples
+                    if x.source == SampleSource.POLICY]  # fmt: skip
+        out = staleness_metrics(versions, self.s.state.policy_version, self.k)
+        out["async/dropped_stale"] = float(dropped)
+        return out
+
+    def _overlap(self, waited: float, train_end: float, overlap: bool) -> dict[str, float]:
+        """``async/rollout_wait_s`` (the trainer waiting for windows), ``async/drained``."""
+        out = {"async/drained": float(not overlap), "async/rollout_wait_s": waited}
+        if overlap:
+            out["async/rollout_wait_s"] += time.perf_counter() - train_end
+        return out
+
+
+def holds_next_rollout(pending: dict) -> bool:
+    """Whether a checkpoint's ``pending`` holds the next step's rollout (``one_step``'s batch
+    or ``bounded``'s window), not only responses in flight."""
+    return bool(pending) and ("window" in pending or "partial_rollouts" not in pending)
+
+
+def mark_kept(result: RolloutResult) -> None:
+    """The anchor file's ``kept``: the window's records of the groups this step trains; a
+    trained group judged in an earlier window gets a line of its own (``waited``)."""
+    taken = {g.query_id for g in result.groups}
+    judged = set()
+    for record in result.records:
+        if record["reason"] == "accepted" and record["query_id"] in taken:
+            record["kept"] = True
+            judged.add(record["query_id"])
+    result.records += [{"query_id": g.query_id, "reason": "accepted", "kept": True,
+                        "waited": True} for g in result.groups if g.query_id not in judged]  # fmt: skip
