@@ -48,7 +48,7 @@ class GenerationOutput:
     ``meta_info.weight_versions``); empty: every token is of ``weight_version``."""
     seconds: float = field(default=0.0, compare=False)
     """Seconds from the start of the engine call to this response's last token: how long its
-    slot of the batch was busy (``rollout/tail_idle_s``, docs/metrics.md)."""
+    slot of the batch was busy (``perf/rollout_tail_idle_s``, docs/metrics.md)."""
 
 
 @dataclass

@@ -29,6 +29,8 @@ role)``, a window's rounds numbered in order), so a checkpoint of the window's s
 
 from __future__ import annotations
 
+import itertools
+import math
 import time
 
 from megatron_armor.algo.anchors import AcceptanceStats, select_group
@@ -60,10 +62,8 @@ from megatron_armor.orchestration.step.partial_rollout import (
 )
 from megatron_armor.orchestration.step.step_metrics import rollout_metrics, write_anchor_file
 from megatron_armor.rollout.backends import backend_of
+from megatron_armor.rollout.protocol import PartialRequest
 from megatron_armor.types import Group, Sample, SampleSource
-
-CONTINUE = "continue"
-"""The seed role of a window's call that continues the responses carried into it."""
 
 
 class WindowDraw:
@@ -82,40 +82,63 @@ class WindowDraw:
 
     def collect(self, step: int) -> RolloutResult:
         """The window of step ``step``: :attr:`drawn` is the state after it; the result holds
-        the queries it judged (``groups``: none; the step takes its own)."""
+        the queries it judged (``groups``: none; the step takes its own).
+
+        The window runs in rounds on one weight version. Each round is one engine call: every
+        response in flight decodes up to the window's tokens, beside a new generation batch
+        when the groups waiting and those in flight (at the acceptance rate seen so far) fall
+        short of ``rollout.batch`` (at most ``algo.max_gen_batches`` of them); then the queries
+        whose responses have all ended are judged. The first round always runs (it continues
+        the responses carried in: none waits a window without tokens); the window ends once
+        ``rollout.batch`` groups wait, or when nothing is in flight and no batch may be drawn."""
         work = PartialRollouts.from_state(self.start.state())
         result = RolloutResult(groups=[], stats=AcceptanceStats())
+        carried = {id(sample) for sample, _ in work.requests()}
         self.counters = {"continued": 0.0, "tail": 0.0}
-        carried = work.requests()
-        if carried:
-            tokens = self._advance([s for s, _ in carried], [r for _, r in carried],
-                                   self.rollout._params(step, 0, CONTINUE), result)  # fmt: skip
-            self.counters["continued"] = float(tokens)
-            self._judge(step, 0, work.pop_ended(), work, result)
-        self._draw_new(step, work, result)
-        result.short_batch = len(work.ready) < self.s.config.rollout.batch
+        need = self.s.config.rollout.batch
+        for round_ in itertools.count():
+            if self._wants_batch(work, result.stats, need):
+                self._draw_batch(step, work, result, self._batch_size(work, result.stats, need))
+            pairs = work.requests()
+            if not pairs:
+                break
+            params = self.rollout._params(step, round_, "policy")
+            tokens = self._advance(pairs, params, result)
+            self.counters["continued"] += sum(n for (s, _), n in zip(pairs, tokens, strict=True)
+                                              if id(s) in carried)  # fmt: skip
+            self._judge(step, round_, work.pop_ended(), work, result)
+            if len(work.ready) >= need:
+                break
+        result.short_batch = len(work.ready) < need
         self.drawn = work
         return result
 
-    def _draw_new(self, step: int, work: PartialRollouts, result: RolloutResult) -> None:
-        """New generation batches (sized as the synchronous loop's follow-ups) until a step's
-        ``rollout.batch`` groups wait, at most ``algo.max_gen_batches``."""
-        r, need, stats = self.rollout, self.s.config.rollout.batch, result.stats
-        for gen_batch in range(r.algo.max_gen_batches):
-            missing = need - len(work.ready)
-            if missing <= 0:
-                return
-            size = followup_size(r.rollout_cfg.gen_batch, missing + stats.accepted,
-                                 stats.accepted, stats.queries_seen)  # fmt: skip
-            indices = r.sampler.next_indices(size)
-            version = self.s.state.policy_version
-            queries = [self._start_query(i, gen_batch, step, version) for i in indices]
-            work.in_flight += queries
-            samples = [x for q in queries for x in q.samples]
-            result.stats.add_generation_batch()
-            self._advance(samples, [req for q in queries for _, req in q.requests()],
-                          r._params(step, gen_batch, "policy"), result)  # fmt: skip
-            self._judge(step, gen_batch + 1, work.pop_ended(), work, result)
+    def _wants_batch(self, work: PartialRollouts, stats: AcceptanceStats, need: int) -> bool:
+        """Whether this round draws a new generation batch: batches left, and the waiting
+        groups plus the queries in flight at the acceptance rate seen (1 before any is
+        judged) short of ``need``."""
+        if stats.gen_batches >= self.rollout.algo.max_gen_batches:
+            return False
+        return len(work.ready) + self._rate(stats) * len(work.in_flight) < need
+
+    @staticmethod
+    def _rate(stats: AcceptanceStats) -> float:
+        return stats.accepted / stats.queries_seen if stats.queries_seen else 1.0
+
+    def _batch_size(self, work: PartialRollouts, stats: AcceptanceStats, need: int) -> int:
+        """``followup_size`` of the groups still missing once those in flight are counted."""
+        expected = len(work.ready) + self._rate(stats) * len(work.in_flight)
+        missing = math.ceil(need - expected)
+        return followup_size(self.rollout.rollout_cfg.gen_batch, missing + stats.accepted,
+                             stats.accepted, stats.queries_seen)  # fmt: skip
+
+    def _draw_batch(self, step: int, work: PartialRollouts, result, size: int) -> None:
+        """``size`` new queries from the sampler, each with its ``n_on`` empty responses."""
+        version = self.s.state.policy_version
+        indices = self.rollout.sampler.next_indices(size)
+        batch = result.stats.gen_batches
+        work.in_flight += [self._start_query(i, batch, step, version) for i in indices]
+        result.stats.add_generation_batch()
 
     def _start_query(self, index: int, gen_batch: int, step: int, version: int) -> InFlight:
         item = self.rollout.dataset[index]
@@ -124,14 +147,14 @@ class WindowDraw:
         return InFlight(item=fields, gen_batch=gen_batch, started=step, index=index,
                         samples=samples)  # fmt: skip
 
-    def _advance(self, samples: list[Sample], requests: list, params, result) -> int:
-        """One call of the window on ``requests`` (``samples``' continuations); their tokens
-        appended; the tokens drawn."""
+    def _advance(self, pairs: list[tuple[Sample, PartialRequest]], params, result) -> list[int]:
+        """One engine call of the window on the requests of ``pairs``; each output appended to
+        its sample; the tokens each drew."""
         with self.rollout.timers.phase("generate"):
-            outputs = self.s.rollout.generate_window(requests, params, self.window)
-        tokens = sum(extend_sample(s, o) for s, o in zip(samples, outputs, strict=True))
+            outputs = self.s.rollout.generate_window([r for _, r in pairs], params, self.window)
+        tokens = [extend_sample(s, o) for (s, _), o in zip(pairs, outputs, strict=True)]
         self.counters["tail"] += tail_idle_seconds([o.seconds for o in outputs])
-        result.generated_tokens += tokens
+        result.generated_tokens += sum(tokens)
         return tokens
 
     def _judge(self, step: int, round_: int, ended: list[InFlight], work, result) -> None:
@@ -217,7 +240,7 @@ class BoundedPipeline:
         c = self.draw.counters
         collected.metrics.update({
             "async/partial_carried": float(len(self.draw.start.requests())),
-            "async/continued_tokens": c["continued"], "rollout/tail_idle_s": c["tail"],
+            "async/continued_tokens": c["continued"], "perf/rollout_tail_idle_s": c["tail"],
         })  # fmt: skip
         return collected
 
