@@ -115,6 +115,14 @@ class StepMark:
         torch.set_rng_state(self.torch_rng)
 
 
+UNSERVED = (
+    "the engines serve weights the trainer no longer holds (orchestration.async_rollout="
+    "bounded draws the next window beside the updates without a copy of them)"
+)
+"""Why a rollout worker or server that fails while a bounded window is drawn is not replaced
+in the run: exit 75, and the resume redraws the window exactly."""
+
+
 class Recovery:
     """Replacing dead rollout and reward workers in the run; one per session."""
 
@@ -127,7 +135,10 @@ class Recovery:
         self.anchor_rollout = None  # the loop's AnchorRollout (its sent-ahead call is dropped)
         # the trainer weights the engines serve, which a replacement gets: "behavior" while
         # the next step is drawn beside the updates (orchestration/step/async_rollout.py)
-        self.served = "policy"
+        self.served: str | None = "policy"
+        """The trainer weights a replaced rollout worker gets: ``policy``, one_step's
+        ``behavior`` while the next step is drawn, ``None`` while a bounded window is (kept
+        nowhere: :data:`UNSERVED`)."""
         self.servers_restarted = 0  # SGLang servers restarted after a stuck call, not yet counted
 
     # ------------------------------------------------------------------ snapshots
@@ -204,6 +215,8 @@ class Recovery:
         why = ""
         if s.config.run.max_recoveries == 0:
             why = "run.max_recoveries=0 (nothing is restarted in the run)"
+        elif self.served is None:
+            why = UNSERVED
         elif s.rollout.caches_anchors and redrawn and self.snapshot_step != step - 1:
             why = f"the rollout workers' anchor cache of step {step - 1} is not in the driver"
         if why:
@@ -234,6 +247,8 @@ class Recovery:
             return "a rollout worker that owns SGLang servers is not replaced in the run"
         if s.config.run.max_recoveries == 0:
             return "run.max_recoveries=0 (no worker is replaced in the run)"
+        if fault.kind == "rollout" and self.served is None:
+            return UNSERVED
         # after a rollout the snapshot is that rollout's (:meth:`collect` settles it first; with
         # async_rollout the next step's); a rollout drawn again needs the step before's
         redrawn = phase not in AFTER_ROLLOUT
