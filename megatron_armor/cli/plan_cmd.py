@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
         config = load_config(args.file, args.overrides)
         gib = args.gpu_mem_gib or config.orchestration.gpu_memory_gib
         plan = make_plan(config, model=args.model, gpu_mem_gib=gib)
-        tail = tail_projection(config, args.lengths) if args.lengths else None
+        tail = tail_projection(config, plan, args.lengths) if args.lengths else None
     except (ConfigError, ValueError, OSError) as e:
         print(f"armor plan: {e}", file=sys.stderr)
         return 2
@@ -64,21 +64,29 @@ def run(args: argparse.Namespace) -> int:
     return 0 if plan.fits else 1
 
 
-def tail_projection(config, run_dir: str):
+def tail_projection(config, plan, run_dir: str):
     """``--lengths``: the :class:`~megatron_armor.planner.tail.TailProjection` of ``run_dir``'s
-    response lengths on ``config``'s engines and ``max_new_tokens``."""
-    from megatron_armor.planner.tail import project_tail, requests_per_engine, run_lengths
+    response lengths on ``config``'s engines (their KV cache in ``plan``) and
+    ``max_new_tokens``."""
+    from megatron_armor.planner.tail import (
+        engine_slots,
+        project_tail,
+        requests_per_engine,
+        run_lengths,
+    )
 
     lengths, run_max_new = run_lengths(run_dir)
     return project_tail(lengths, run_max_new, config.rollout.sampling.max_new_tokens,
-                        requests_per_engine(config))  # fmt: skip
+                        requests_per_engine(config),
+                        engine_slots(config, plan, lengths, run_max_new))  # fmt: skip
 
 
 def _tail_dict(tail) -> dict:
     if tail is None:
         return {}
     return {"tail_projection": {
-        "requests_per_engine": tail.requests_per_engine, "samples": tail.samples,
+        "requests_per_engine": tail.requests_per_engine, "slots": tail.slots,
+        "samples": tail.samples,
         "synchronous_decode_steps": tail.synchronous,
         "bounded_decode_steps": {str(k): v for k, v in tail.windowed.items()},
         "bounded_saved_fraction": {str(k): tail.saved(k) for k in tail.windowed},

@@ -1,25 +1,26 @@
 """A projection of the rollout time partial rollouts save, from a run's own response lengths
 (``armor plan CONFIG --lengths RUN_DIR``; docs/orchestration.md, "Bounded staleness").
 
-A synchronous rollout batch is done when its longest sample is: an engine holding ``r``
-requests of the batch decodes ``max(L_1 .. L_r)`` steps, fewer and fewer rows at a time in the
-tail. With ``orchestration.async_rollout: bounded`` at staleness ``k``, a request decodes at
-most ``W = ceil(M / k)`` tokens per weight version (``algo.staleness.window_tokens``, ``M`` =
-``rollout.sampling.max_new_tokens``) and the rest of a long one goes on in the next window,
-beside new requests: an engine's window lasts ``max(min(L_i, W))`` decode steps.
+An engine decodes its share of a generation batch with at most ``S`` requests at a time (its KV
+cache: ``S`` sequences of the prompt and the mean response), a new one starting when one ends
+(continuous batching). Synchronously the step waits for the last: the makespan of the
+requests' lengths over ``S`` slots, the longest ones decoding on few rows at the end. With
+``orchestration.async_rollout: bounded`` at staleness ``k``, a request decodes at most ``W =
+ceil(M / k)`` tokens per round of a window (``algo.staleness.window_tokens``, ``M`` =
+``rollout.sampling.max_new_tokens``) and the rest goes on in the next window beside its new
+requests, filling the slots the tail would leave idle: the makespan of ``min(L, W)``.
 
-The projection prices a decode step the same whatever the rows in flight, which holds while
-decoding is memory-bound (an H100 reads the weights once per step for the whole batch; the
-rows' KV reads and the sampling grow with them). So it is an upper bound on what the windows
-save in decode time, with everything else (prefill of continued requests, scoring, the
-trainer) left out: a projection, not a measurement. The lengths are the run's (the per-query
-``policy_lengths`` of its anchor files), scaled from its ``max_new_tokens`` to the config's:
-the shape of the distribution, not its scale, carries over to another model.
+The projection prices a decode step the same whatever its rows, which holds while decoding is
+memory-bound (an H100 reads the weights once per step for the whole batch), and leaves out the
+prefill of continued requests, scoring and the trainer: a projection, not a measurement. The
+lengths are the run's (the per-query ``policy_lengths`` of its anchor files), scaled from its
+``max_new_tokens`` to the config's: the shape of the distribution, not its scale, carries over.
 """
 
 from __future__ import annotations
 
 import gzip
+import heapq
 import json
 import math
 import random
@@ -29,22 +30,25 @@ from pathlib import Path
 
 from megatron_armor.algo.staleness import window_tokens
 
-DRAWS = 2000
+DRAWS = 200
 """Batches resampled from the lengths for each expectation."""
 
 
 @dataclass(frozen=True)
 class TailProjection:
-    """Expected decode steps per rollout batch of one engine, synchronous and windowed."""
+    """Expected decode steps of one engine's share of a generation batch, synchronous and
+    windowed."""
 
     requests_per_engine: int
+    slots: int
+    """Requests an engine decodes at once (its KV cache's sequences)."""
     max_new_tokens: int
     samples: int
     """Response lengths the projection drew from."""
     synchronous: float
-    """``E[max L]`` over ``requests_per_engine`` lengths."""
+    """``E[makespan(L)]`` over ``slots``."""
     windowed: dict[int, float]
-    """``k -> E[max min(L, ceil(M / k))]``."""
+    """``k -> E[makespan(min(L, ceil(M / k)))]``."""
 
     def saved(self, k: int) -> float:
         """The share of the synchronous decode steps the windows of staleness ``k`` save."""
@@ -52,11 +56,12 @@ class TailProjection:
 
     def report(self) -> str:
         lines = [
-            f"PROJECTION (not a measurement) of rollout decode steps per batch, from "
-            f"{self.samples} response lengths scaled to max_new_tokens={self.max_new_tokens}, "
-            f"{self.requests_per_engine} requests per engine, a decode step priced alike "
-            "whatever its rows (memory-bound decoding; docs/orchestration.md):",
-            f"  synchronous (off / one_step): {self.synchronous:.0f} steps (the batch's longest)",
+            f"PROJECTION (not a measurement) of rollout decode steps per generation batch, "
+            f"from {self.samples} response lengths scaled to max_new_tokens="
+            f"{self.max_new_tokens}, {self.requests_per_engine} requests per engine, "
+            f"{self.slots} at a time, a decode step priced alike whatever its rows "
+            "(memory-bound decoding; docs/orchestration.md):",
+            f"  synchronous (off / one_step): {self.synchronous:.0f} steps",
         ]
         for k, steps in sorted(self.windowed.items()):
             lines.append(
@@ -67,20 +72,28 @@ class TailProjection:
         return "\n".join(lines)
 
 
-def expected_batch_max(
-    lengths: Sequence[int], requests: int, cap: int | None = None, seed: int = 0
+def makespan(lengths: Sequence[int], slots: int) -> int:
+    """Decode steps until every request of ``lengths`` (in order) has ended, ``slots`` at a
+    time, each next one starting in the first slot that frees (list scheduling)."""
+    free = [0] * min(slots, len(lengths))
+    for n in lengths:
+        heapq.heappush(free, heapq.heappop(free) + n)
+    return max(free, default=0)
+
+
+def expected_makespan(
+    lengths: Sequence[int], requests: int, slots: int, cap: int | None = None, seed: int = 0
 ) -> float:
-    """``E[max(min(L_1, cap) .. min(L_r, cap))]`` over ``r = requests`` lengths drawn with
-    replacement from ``lengths`` (:data:`DRAWS` batches, a fixed seed: the same answer every
-    time)."""
-    if not lengths or requests < 1:
+    """``E[makespan(min(L_i, cap))]`` over ``requests`` lengths drawn with replacement from
+    ``lengths`` (:data:`DRAWS` batches, a fixed seed: the same answer every time)."""
+    if not lengths or requests < 1 or slots < 1:
         raise ValueError(
-            f"expected_batch_max: {len(lengths)} lengths and {requests} requests per engine; "
-            "need at least one of each"
+            f"expected_makespan: {len(lengths)} lengths, {requests} requests per engine, "
+            f"{slots} slots; need at least one of each"
         )
     rng = random.Random(seed)
     clipped = [min(n, cap) if cap else n for n in lengths]
-    return sum(max(rng.choices(clipped, k=requests)) for _ in range(DRAWS)) / DRAWS
+    return sum(makespan(rng.choices(clipped, k=requests), slots) for _ in range(DRAWS)) / DRAWS
 
 
 def project_tail(
@@ -88,20 +101,34 @@ def project_tail(
     run_max_new_tokens: int,
     max_new_tokens: int,
     requests_per_engine: int,
+    slots: int,
     staleness: Sequence[int] = (2, 4),
 ) -> TailProjection:
     """The :class:`TailProjection` of ``lengths`` (drawn with ``run_max_new_tokens``), scaled
     to ``max_new_tokens``, for the staleness bounds ``staleness``."""
     scale = max_new_tokens / run_max_new_tokens
     scaled = [max(1, min(max_new_tokens, math.ceil(n * scale))) for n in lengths]
-    windowed = {
-        k: expected_batch_max(scaled, requests_per_engine, window_tokens(max_new_tokens, k))
-        for k in staleness
-    }
-    return TailProjection(
-        requests_per_engine, max_new_tokens, len(scaled),
-        expected_batch_max(scaled, requests_per_engine), windowed,
-    )  # fmt: skip
+    run = lambda cap=None: expected_makespan(scaled, requests_per_engine, slots, cap)  # noqa: E731
+    windowed = {k: run(window_tokens(max_new_tokens, k)) for k in staleness}
+    return TailProjection(requests_per_engine, slots, max_new_tokens, len(scaled), run(),
+                          windowed)  # fmt: skip
+
+
+def engine_slots(config, plan, lengths: Sequence[int], run_max_new_tokens: int) -> int:
+    """Requests a policy engine decodes at once: its KV cache (``planner.memory.EngineShape``
+    on the plan's model and GPU) over a prompt and the mean scaled response; every request of
+    its share where no GPU engine is planned (the embedded engine, the cpu layout)."""
+    from megatron_armor.config.sglang_pools import pool_specs
+    from megatron_armor.planner.memory import EngineShape
+
+    requests = requests_per_engine(config)
+    if config.orchestration.layout == "cpu":
+        return requests
+    pool = pool_specs(config)["policy"]
+    kv = EngineShape(plan.model, pool.tp, pool.share, plan.gpu_bytes).kv_tokens()
+    scale = config.rollout.sampling.max_new_tokens / run_max_new_tokens
+    sequence = config.data.max_prompt_len + scale * sum(lengths) / len(lengths)
+    return max(1, min(requests, int(kv // sequence))) if kv > 0 else requests
 
 
 def requests_per_engine(config) -> int:
