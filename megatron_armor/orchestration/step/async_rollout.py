@@ -235,7 +235,7 @@ class AsyncPipeline:
             self.collector.launch(step + 1, s.state.policy_version, BEHAVIOR)
         write_anchor_file(s.run_dir, step, result)
         if queued is not None:
-            metrics.update(self.finish_train(step, queued, load_early=not overlap))
+            metrics.update(finish_train(s, step, queued, load_early=not overlap))
         wait(kept, "behavior weights")
         train_end = time.perf_counter()
         if overlap:
@@ -287,16 +287,18 @@ class AsyncPipeline:
             updates = phases.submit_minibatches(s, groups)
         return (packed, logprobs, updates), kept
 
-    def finish_train(self, step: int, queued, load_early: bool) -> dict:
-        """Wait for the step's log-probs and updates (the weight export queued behind them;
-        the engines load it only after the next rollout: ``load_early`` off in an overlap)."""
-        s, (packed, logprobs, updates) = self.s, queued
-        with s.timers.phase("logprobs"):
-            exact_kl = phases.finish_logprobs(s, packed, logprobs)
-        with s.timers.phase("train"):
-            s.weight_sync.queue_policy_push(step, load_early=load_early)
-            metrics = phases.finish_minibatches(s, updates)
-        return phases.train_metrics(s, packed, metrics, exact_kl)
+
+def finish_train(s, step: int, queued, load_early: bool) -> dict:
+    """Wait for a step's queued log-probs and updates (``queued``: the packed batch, the
+    log-prob refs, the update refs), with the weight export queued behind them (the engines
+    load it only after the next rollout: ``load_early`` off in an overlap); the train metrics."""
+    packed, logprobs, updates = queued
+    with s.timers.phase("logprobs"):
+        exact_kl = phases.finish_logprobs(s, packed, logprobs)
+    with s.timers.phase("train"):
+        s.weight_sync.queue_policy_push(step, load_early=load_early)
+        metrics = phases.finish_minibatches(s, updates)
+    return phases.train_metrics(s, packed, metrics, exact_kl)
 
 
 def overlap_fraction(metrics: dict[str, float]) -> None:

@@ -52,6 +52,7 @@ from megatron_armor.orchestration.step.async_rollout import (
     Collector,
     collected_from_state,
     collected_state,
+    finish_train,
 )
 from megatron_armor.orchestration.step.partial_rollout import (
     InFlight,
@@ -268,7 +269,7 @@ class BoundedPipeline:
             self.collector.launch(step + 1, s.state.policy_version, "policy")
         write_anchor_file(s.run_dir, step, result)
         if queued is not None:
-            metrics.update(self._finish(step, queued, load_early=not overlap))
+            metrics.update(finish_train(s, step, queued, load_early=not overlap))
         train_end = time.perf_counter()
         if overlap:
             self.pending = self._with_counters(self.collector.join())
@@ -309,15 +310,6 @@ class BoundedPipeline:
         with s.timers.phase("train"):
             updates = phases.submit_minibatches(s, groups)
         return packed, logprobs, updates
-
-    def _finish(self, step: int, queued, load_early: bool) -> dict:
-        s, (packed, logprobs, updates) = self.s, queued
-        with s.timers.phase("logprobs"):
-            exact_kl = phases.finish_logprobs(s, packed, logprobs)
-        with s.timers.phase("train"):
-            s.weight_sync.queue_policy_push(step, load_early=load_early)
-            metrics = phases.finish_minibatches(s, updates)
-        return phases.train_metrics(s, packed, metrics, exact_kl)
 
     def _staleness(self, groups: list[Group], dropped: int) -> dict[str, float]:
         """``staleness/*`` of the trained policy tokens and the groups dropped for age."""
