@@ -402,7 +402,7 @@ class TorchEngine(RolloutEngine):
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        out, start = [], time.perf_counter()
+        out, called = [], time.perf_counter()
         try:
             for start in range(0, len(rows), self.max_batch):
                 chunk = rows[start : start + self.max_batch]
@@ -410,7 +410,7 @@ class TorchEngine(RolloutEngine):
                 outs = self._generate_chunk(
                     model, step, inputs, chunk, params, generator, capture, chunk_limits
                 )
-                out += [(tokens, logps, routes, version, end - start)
+                out += [(tokens, logps, routes, version, end - called)
                         for tokens, logps, routes, end in outs]  # fmt: skip
         finally:
             if capture is not None:

@@ -87,49 +87,58 @@ class WindowDraw:
 
         The window runs in rounds on one weight version. Each round is one engine call: every
         response in flight decodes up to the window's tokens, beside a new generation batch
-        when the groups waiting and those in flight (at the acceptance rate seen so far) fall
-        short of ``rollout.batch`` (at most ``algo.max_gen_batches`` of them); then the queries
-        whose responses have all ended are judged. The first round always runs (it continues
-        the responses carried in: none waits a window without tokens); the window ends once
-        ``rollout.batch`` groups wait, or when nothing is in flight and no batch may be drawn."""
+        when the groups waiting and the queries in flight or ended (at the acceptance rate seen
+        so far) fall short of ``rollout.batch`` (at most ``algo.max_gen_batches`` of them). The
+        queries whose responses have all ended are judged together (one scoring call, one
+        reference call) once they could fill the batch, all accepted, or nothing is left to
+        decode. The first
+        round always runs (it continues the responses carried in: none waits a window without
+        tokens); the window ends once ``rollout.batch`` groups wait, or when nothing is in
+        flight or left to judge and no batch may be drawn."""
         work = PartialRollouts.from_state(self.start.state())
         result = RolloutResult(groups=[], stats=AcceptanceStats())
         carried = {id(sample) for sample, _ in work.requests()}
         self.counters = {"continued": 0.0, "tail": 0.0}
-        need = self.s.config.rollout.batch
+        need, ended = self.s.config.rollout.batch, []
         for round_ in itertools.count():
-            if self._wants_batch(work, result.stats, need):
-                self._draw_batch(step, work, result, self._batch_size(work, result.stats, need))
+            if self._wants_batch(work, ended, result.stats, need):
+                size = self._batch_size(work, ended, result.stats, need)
+                self._draw_batch(step, work, result, size)
             pairs = work.requests()
-            if not pairs:
-                break
-            params = self.rollout._params(step, round_, "policy")
-            tokens = self._advance(pairs, params, result)
-            self.counters["continued"] += sum(n for (s, _), n in zip(pairs, tokens, strict=True)
-                                              if id(s) in carried)  # fmt: skip
-            self._judge(step, round_, work.pop_ended(), work, result)
-            if len(work.ready) >= need:
+            if pairs:
+                params = self.rollout._params(step, round_, "policy")
+                tokens = self._advance(pairs, params, result)
+                self.counters["continued"] += sum(n for (s, _), n in zip(pairs, tokens, strict=True)
+                                                  if id(s) in carried)  # fmt: skip
+                ended += work.pop_ended()
+            going = bool(work.requests())
+            if ended and (not going or len(work.ready) + len(ended) >= need):
+                self._judge(step, round_, ended, work, result)
+                ended = []
+            if len(work.ready) >= need or not (going or ended or self._batches_left(result.stats)):
                 break
         result.short_batch = len(work.ready) < need
         self.drawn = work
         return result
 
-    def _wants_batch(self, work: PartialRollouts, stats: AcceptanceStats, need: int) -> bool:
-        """Whether this round draws a new generation batch: batches left, and the waiting
-        groups plus the queries in flight at the acceptance rate seen (1 before any is
-        judged) short of ``need``."""
-        if stats.gen_batches >= self.rollout.algo.max_gen_batches:
-            return False
-        return len(work.ready) + self._rate(stats) * len(work.in_flight) < need
+    def _batches_left(self, stats: AcceptanceStats) -> bool:
+        return stats.gen_batches < self.rollout.algo.max_gen_batches
 
-    @staticmethod
-    def _rate(stats: AcceptanceStats) -> float:
-        return stats.accepted / stats.queries_seen if stats.queries_seen else 1.0
+    def _expected(self, work: PartialRollouts, ended: list, stats: AcceptanceStats) -> float:
+        """The groups waiting, plus the queries in flight or ended unjudged at the window's
+        acceptance rate so far, ``(accepted + 1) / (judged + 2)`` (never 0: a window that has
+        accepted nothing yet does not take its queries in flight for none)."""
+        rate = (stats.accepted + 1) / (stats.queries_seen + 2)
+        return len(work.ready) + rate * (len(work.in_flight) + len(ended))
 
-    def _batch_size(self, work: PartialRollouts, stats: AcceptanceStats, need: int) -> int:
-        """``followup_size`` of the groups still missing once those in flight are counted."""
-        expected = len(work.ready) + self._rate(stats) * len(work.in_flight)
-        missing = math.ceil(need - expected)
+    def _wants_batch(self, work, ended: list, stats: AcceptanceStats, need: int) -> bool:
+        """Whether this round draws a new generation batch: batches left, and the groups
+        expected (:meth:`_expected`) short of ``need``."""
+        return self._batches_left(stats) and self._expected(work, ended, stats) < need
+
+    def _batch_size(self, work, ended: list, stats: AcceptanceStats, need: int) -> int:
+        """``followup_size`` of the groups still missing once those expected are counted."""
+        missing = math.ceil(need - self._expected(work, ended, stats))
         return followup_size(self.rollout.rollout_cfg.gen_batch, missing + stats.accepted,
                              stats.accepted, stats.queries_seen)  # fmt: skip
 
