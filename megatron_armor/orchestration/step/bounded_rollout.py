@@ -1,17 +1,18 @@
 """Bounded staleness with partial rollouts: generation never waits for its slowest sample.
 
 ``orchestration.async_rollout: bounded`` (docs/orchestration.md, "Bounded staleness"; the
-objective: docs/algorithm.md). Generation runs in *windows*, one per weight version: in a
-window every response decodes at most ``W = ceil(max_new_tokens / k)`` tokens
-(``algo.staleness.window_tokens``, ``k = orchestration.max_staleness``); one that has not
-ended is carried to the next window and goes on under the weights pushed since, from the
-tokens it has (``partial_rollout.py``). The window of step t+1 runs on a driver thread while
-the trainer works on step t, as ``one_step``'s rollout does::
+objective: docs/algorithm.md). Generation runs in *windows*, one per weight version, each in
+rounds of one engine call in which every response in flight decodes at most ``W =
+ceil(max_new_tokens / k)`` tokens (``algo.staleness.window_tokens``, ``k =
+orchestration.max_staleness``), until a step's groups wait (:meth:`WindowDraw.collect`); a
+response that has not ended then is carried to the next window and goes on under the weights
+pushed since, from the tokens it has (``partial_rollout.py``). The window of step t+1 runs on a
+driver thread while the trainer works on step t, as ``one_step``'s rollout does::
 
     step t    trainer:  take B waiting groups (stalest first, <= k versions old) -> logprobs
                         (``old`` = the live weights: the proximal policy) -> updates -> export
-              engines:  window t+1 on the weights of step t-1: the responses in flight go on,
-                        then new generation batches until B groups wait ..........|
+              engines:  window t+1 on the weights of step t-1: rounds of the responses in
+                        flight and new generation batches until B groups wait ......|
               then:     push(t) -> reset? (drops the waiting groups) -> validate? -> checkpoint
                         (holds the window, the waiting groups and the responses in flight)
 
