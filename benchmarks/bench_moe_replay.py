@@ -97,8 +97,7 @@ def trainer_config(model: str, mode: str, anchors: str, lr: float):
     t.lr, t.warmup_steps, t.grad_clip, t.lr_unit = lr, 0, 1.0, "updates"
     t.micro_batch_tokens, t.logprob_chunk = 256, 64
     t.moe.routing_replay, t.moe.anchor_routes = mode, anchors
-    cfg.algo.ratio, cfg.algo.group_size, cfg.algo.loss_agg = "mixed", 4, "token-mean"
-    cfg.algo.alpha = 3 / 4
+    cfg.algo.ratio, cfg.algo.group_size, cfg.algo.loss_agg = "mixed", 4, "token-mean"  # alpha 3/4
     cfg.rollout.sampling.temperature = 1.0
     return cfg
 

@@ -15,7 +15,6 @@ import warnings
 from dataclasses import dataclass, field
 from enum import StrEnum
 from itertools import chain
-from typing import Any
 
 import numpy as np
 import torch
@@ -257,10 +256,9 @@ class TrainBatch(PerTokenData):
       that came without them, 0 off the responses); for a mixture-of-experts policy also
       ``routed_experts`` (:data:`ROUTES_KEY`): ``[total, layers, k]`` routes, not loss inputs
       (:data:`ROUTE_KEYS`)
-    - ``replay``: after the trainer's ``old`` pass under routing replay, the routes it used
-      of this rank's samples (``trainer/routing_replay.py``, ``OldRoutes``); ``origin``: for a
-      batch made by :meth:`select` from one with a ``replay``, the ids of its samples there
-      (neither is pickled)
+    - ``origin``: for a batch made by :meth:`select`, the ids of its samples in the batch the
+      first :meth:`select` was made from (the trainer finds the routes its ``old`` pass
+      recorded by them, ``trainer/routing_replay.py``; not pickled)
     """
 
     tokens: torch.Tensor
@@ -268,7 +266,6 @@ class TrainBatch(PerTokenData):
     cu_seqlens: torch.Tensor
     sample_index: torch.Tensor
     token_data: dict[str, torch.Tensor]
-    replay: Any = None
     origin: list[int] | None = None
 
     @property
@@ -302,20 +299,15 @@ class TrainBatch(PerTokenData):
         cu = torch.zeros(len(sample_ids) + 1, dtype=torch.int32)
         cu[1:] = torch.cumsum(lengths, 0)
         new_sample_index = torch.repeat_interleave(torch.arange(len(sample_ids)), lengths.long())
-        origin = None
-        if self.replay is not None:  # the selected samples' ids in the recorded batch
-            origin = (
-                [self.origin[i] for i in sample_ids]
-                if self.origin is not None
-                else list(sample_ids)
-            )
+        origin = (
+            [self.origin[i] for i in sample_ids] if self.origin is not None else list(sample_ids)
+        )
         return TrainBatch(
             tokens=self.tokens[index],
             position_ids=self.position_ids[index],
             cu_seqlens=cu,
             sample_index=new_sample_index,
             token_data={key: value[index] for key, value in self.token_data.items()},
-            replay=self.replay,
             origin=origin,
         )
 

@@ -33,7 +33,7 @@ if [ "$sglang_tier" = 1 ]; then
     sglang_py=$(tail -n 1 logs/sglang_env.log)
     # the checkout's code on the path (the cached venv serves every clone)
     PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "$sglang_py" -m pytest --durations=15 \
-      -m sglang tests/sglang_tier || rc=$?
+      -m sglang tests/sglang_tier tests/gpu || rc=$?
   else
     echo "test.sh: the sglang tier's virtualenv could not be set up (logs/sglang_env.log):" >&2
     tail -n 30 logs/sglang_env.log >&2

@@ -29,8 +29,8 @@ from megatron_armor.algo.rollout_correction import CorrectionSettings, behaviour
 @dataclass(frozen=True)
 class LossSettings:
     """The loss's view of the ``algo`` config section: the fields below of the same names
-    (:meth:`from_algo_config`), already validated and ``alpha`` resolved at load
-    (``config/validate.py``), plus ``ref_metrics``. Defaults are ARMOR's (docs/algorithm.md)."""
+    (:meth:`from_algo_config`), already validated, with ``alpha`` as the config decided it
+    (``config.resolved.alpha``), plus ``ref_metrics``. Defaults are ARMOR's (docs/algorithm.md)."""
 
     ratio: str = "mixed"
     """Ratio mode: ``standard`` | ``mixed`` | ``off_policy`` | ``static_expansion``."""
@@ -56,26 +56,22 @@ class LossSettings:
     """``algo.rollout_correction``: the engine/trainer mismatch weight (default ``none``)."""
 
     @classmethod
-    def from_algo_config(cls, algo, ref_metrics: bool | None = None) -> LossSettings:
-        """The settings of a loaded ``algo`` config section (any object with the ``algo.*``
-        attributes): each field read from the attribute of its name, ``alpha`` as resolved
-        at load.
+    def from_algo_config(cls, algo, alpha: float, ref_metrics: bool | None = None
+                         ) -> LossSettings:  # fmt: skip
+        """The settings of a validated ``algo`` config section (any object with the ``algo.*``
+        attributes): each field read from the attribute of its name, but ``alpha``: the
+        number its setting stands for (``config.resolved.alpha``).
 
         ``ref_metrics`` defaults to :func:`needs_reference_logprobs`: the ``kl/*`` metrics are
         logged exactly when the reference log-probs are computed.
         """
-        if isinstance(algo.alpha, str):
-            raise ValueError(
-                f"algo.alpha={algo.alpha!r} is not resolved yet; build the loss settings from "
-                "a loaded config (load_config resolves it to a number)"
-            )
         if ref_metrics is None:
             ref_metrics = needs_reference_logprobs(algo)
-        own = ("ref_metrics", "rollout_correction")
+        own = ("alpha", "ref_metrics", "rollout_correction")
         names = [f.name for f in fields(cls) if f.name not in own]
         correction = CorrectionSettings.from_config(algo.rollout_correction)
-        return cls(**{name: getattr(algo, name) for name in names}, ref_metrics=ref_metrics,
-                   rollout_correction=correction)  # fmt: skip
+        return cls(**{name: getattr(algo, name) for name in names}, alpha=alpha,
+                   ref_metrics=ref_metrics, rollout_correction=correction)  # fmt: skip
 
 
 def needs_reference_logprobs(algo) -> bool:

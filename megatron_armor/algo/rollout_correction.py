@@ -88,7 +88,7 @@ class RolloutCorrection:
 
     name = "none"
     applies = False
-    """Whether the mode weights the loss (``none`` leaves it bit for bit as it was)."""
+    """Whether the mode weights the loss (``none``: the loss is bit for bit the unweighted one)."""
     per_sequence = False
     """Whether the weight is one per sample, from the sequence ratio ``rho_i``."""
 

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
+from megatron_armor import env_settings
 from megatron_armor.cli import supervise
-from megatron_armor.supervisor_pipe import adopt_pipe, tell_supervisor
+from megatron_armor.supervisor_pipe import ENV, adopt_pipe, tell_supervisor
 
 SUBCOMMANDS = {
     "config": "megatron_armor.cli.config_cmd",
@@ -20,6 +22,7 @@ SUBCOMMANDS = {
     "convert": "megatron_armor.cli.convert_cmd",
     "plan": "megatron_armor.cli.plan_cmd",
     "plot": "megatron_armor.cli.plot_cmd",
+    "report": "megatron_armor.cli.report_cmd",
     "pipeline": "megatron_armor.cli.pipeline_cmd",
     "compare": "megatron_armor.cli.compare_cmd",
     "doctor": "megatron_armor.cli.doctor_cmd",
@@ -45,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    checked = ENV in os.environ  # a driver: its armor parent checked the same environment
+    if not checked and env_settings.report(os.environ, "armor"):  # every ARMOR_* setting
+        return 2
     if supervise.wanted(argv, CHECKPOINT_ON_SIGNAL):
         return supervise.supervise(sys.argv[1:])  # the driver runs as its child
     command = (sys.argv[1:] if argv is None else argv)[:1]
@@ -77,8 +83,13 @@ def run_driver(argv: list[str] | None) -> int:
 
 
 def run_command(argv: list[str] | None) -> int:
+    args = parse_command_line(list(sys.argv[1:] if argv is None else argv))
+    return int(args.run(args) or 0)
+
+
+def parse_command_line(argv: list[str]) -> argparse.Namespace:
+    """``armor ARGV`` parsed as the command runs it (argparse exits 2 on a bad line)."""
     parser = build_parser()
-    argv = list(sys.argv[1:] if argv is None else argv)
     # Everything after `--` goes to a subcommand that passes it on (`armor compare SPEC
     # --slurm -- -N 2 ...`: its ``sbatch_args``), never to argparse.
     passed_on = argv[argv.index("--") + 1 :] if "--" in argv else []
@@ -95,7 +106,7 @@ def run_command(argv: list[str] | None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(unknown or overrides)}")
     if overrides:
         args.overrides = list(args.overrides or []) + overrides
-    return int(args.run(args) or 0)
+    return args
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ Prints a table (and JSON with ``--json``); exit code 1 when any check failed, 2 
 error. On a CPU machine the GPU checks are listed as ``n/a`` with the reason (docs/gpu.md).
 ``--all-nodes`` under ``srun --ntasks-per-node=1`` adds a cross-node all-reduce with its
 bandwidth and prints every node's table from rank 0 (``doctor/cluster.py``, docs/slurm.md).
+``ARMOR_ENV=<preset>`` applies ``slurm/env/<preset>.sh`` first, as the sbatch files do.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from megatron_armor.config import ConfigError, load_config
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    from megatron_armor.doctor.cluster import ALL_REDUCE_TIMEOUT_S
+
     p = sub.add_parser("doctor", help="check this node's GPU stack before a long job")
     p.add_argument("file", nargs="?", default=None, help="YAML config (default: the defaults)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.fp8.enabled=true")
@@ -35,10 +38,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="under `srun --ntasks-per-node=1`: every node's checks plus a cross-node all-reduce",
     )
+    p.add_argument(
+        "--all-reduce-timeout-s",
+        type=float,
+        default=ALL_REDUCE_TIMEOUT_S,
+        metavar="S",
+        help="with --all-nodes: seconds for joining the group and the all-reduces "
+        f"(default {ALL_REDUCE_TIMEOUT_S:g})",
+    )
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from megatron_armor.doctor.preset import apply_env_preset
     from megatron_armor.doctor.report import exit_code, render, write_json
     from megatron_armor.doctor.run import run_all
 
@@ -46,6 +58,9 @@ def run(args: argparse.Namespace) -> int:
     if file is not None and "=" in file and not os.path.exists(file):
         file, overrides = None, [file, *overrides]  # `armor doctor a.b=1`: no config file
     try:
+        applied = apply_env_preset()  # ARMOR_ENV: the cluster preset's NCCL settings, as a job's
+        if applied:
+            print(f"armor doctor: {applied}", flush=True)
         config = load_config(file, overrides)
     except (ConfigError, ValueError) as e:
         print(f"armor doctor: {e}", file=sys.stderr)
@@ -71,7 +86,11 @@ def run_all_nodes(config, args: argparse.Namespace) -> int:
 
     place = slurm_placement()  # outside srun: ValueError, exit 2 before any check
     selected(config, args.check)  # a misspelt --check: exit 2 on every node, before the checks
-    reports = cross_node_reports(place, run_all(config, args.check))
+    if args.all_reduce_timeout_s <= 0:
+        raise ValueError(
+            f"--all-reduce-timeout-s={args.all_reduce_timeout_s:g}: give a number of seconds > 0"
+        )
+    reports = cross_node_reports(place, run_all(config, args.check), args.all_reduce_timeout_s)
     for node in reports:
         render(
             node.checks, title=f"armor doctor: node {node.node_id} ({node.host}, rank {node.rank})"

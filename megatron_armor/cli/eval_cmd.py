@@ -81,6 +81,11 @@ def eval_config(args: argparse.Namespace) -> ArmorConfig:
         args.data = list(config.data.val_files)
     if args.step is not None and args.seed is not None:
         raise ConfigError("--step and --seed both set the sampling seed; give one")
+    if args.step is not None:
+        known = run_steps(args.config, config)
+        if args.step not in known:
+            raise ConfigError(f"--step {args.step}: {steps_text(args.config, config, known)}; "
+                              "pass one of those")  # fmt: skip
     problems = input_problems("--model", args.model, {"--data": args.data})
     if problems:
         raise ConfigError("; ".join(problems))
@@ -96,6 +101,33 @@ def config_file(path: str | None) -> str | None:
                               "directory); pass the run directory or a YAML config")  # fmt: skip
         return str(saved)
     return path
+
+
+def run_steps(config_arg: str | None, config: ArmorConfig) -> list[int]:
+    """The steps ``--step`` may name: of a run directory, those it validated or holds a
+    checkpoint of; of a YAML config (or the defaults), the steps its validation runs at."""
+    from megatron_armor.orchestration.step.phases import validation_due
+
+    if config_arg is None or not Path(config_arg).is_dir():
+        return [s for s in range(config.run.steps + 1) if validation_due(config, s)]
+    from megatron_armor.observability.metrics import read_metrics
+    from megatron_armor.orchestration.run.checkpoints import list_checkpoints
+
+    validated = {int(r["step"]) for r in read_metrics(config_arg)
+                 if any(k.startswith("val/") for k in r)}  # fmt: skip
+    return sorted(validated | {step for step, _ in list_checkpoints(config_arg)})
+
+
+def steps_text(config_arg: str | None, config: ArmorConfig, known: list[int]) -> str:
+    """Where the steps ``--step`` may name come from, and the steps."""
+    listed = ", ".join(map(str, known)) or "none"
+    if config_arg is not None and Path(config_arg).is_dir():
+        return (f"the run {config_arg} has neither a validation nor a checkpoint at that step; "
+                f"its validated and checkpointed steps: {listed}")  # fmt: skip
+    return (
+        f"no validation of the run at that step (run.steps={config.run.steps}, "
+        f"validation.every={config.validation.every}): the validated steps are {listed}"
+    )
 
 
 def sampling_seed(args: argparse.Namespace, config: ArmorConfig) -> int:
@@ -142,12 +174,43 @@ def load_benchmarks(files: list[str], tokenizer, template: str, max_prompt_len: 
     return datasets
 
 
-def make_engine(settings: dict, args: argparse.Namespace, config: ArmorConfig):
-    """The rollout engine named by ``settings['backend']``."""
+def eval_servers(sglang_engines: int, tp: int, visible_gpus: int) -> int:
+    """SGLang servers of an evaluation: ``rollout.sglang.num_engines`` when set, else one per
+    ``tp`` of the GPUs this process sees (``eval.sbatch --gpus-per-node=8`` at tp 1: 8); at
+    least one. An explicit count needing more GPUs than are visible is refused, naming both."""
+    tp = max(tp, 1)
+    if sglang_engines > 0:
+        if visible_gpus and sglang_engines * tp > visible_gpus:
+            raise ConfigError(
+                f"rollout.sglang.num_engines={sglang_engines} x tp {tp} needs "
+                f"{sglang_engines * tp} GPUs but {visible_gpus} are visible here; lower it or "
+                "set it to 0 (one server per tp GPUs)"
+            )
+        return sglang_engines
+    return max(visible_gpus // tp, 1)
+
+
+def servers_to_start(args: argparse.Namespace, config: ArmorConfig) -> int:
+    """How many SGLang servers ``armor eval`` starts (0: none, another backend or
+    ``--sglang-url``): :func:`eval_servers` of the GPUs visible here."""
+    if config.rollout.backend != "sglang" or args.sglang_url:
+        return 0
+    import torch
+
+    sg = config.rollout.sglang
+    return eval_servers(sg.num_engines, sg.tp, torch.cuda.device_count())
+
+
+def make_engine(settings: dict, args: argparse.Namespace, config: ArmorConfig, servers: int):
+    """The rollout engine named by ``settings['backend']`` (``servers``: SGLang servers to
+    start, :func:`servers_to_start`)."""
     if settings["backend"] == "sglang":
+        from megatron_armor.config.sglang_pools import policy_pool
         from megatron_armor.rollout.sglang.engine import SGLangEngine
 
-        engine = SGLangEngine(args.model, config.rollout.sglang, urls=args.sglang_url or None,
+        sg = config.rollout.sglang
+        pool = policy_pool(sg, servers) if servers else None
+        engine = SGLangEngine(args.model, sg, urls=args.sglang_url or None, pool=pool,
                               model_overrides=dict(config.trainer.model_overrides))  # fmt: skip
         if not args.sglang_url:
             Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -180,6 +243,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         config = eval_config(args)
+        servers = servers_to_start(args, config)
     except ConfigError as e:
         print(f"armor eval: {e}", file=sys.stderr)
         return 2
@@ -194,7 +258,7 @@ def run(args: argparse.Namespace) -> int:
         max_new_tokens=settings["max_new_tokens"],
         seed=settings["seed"],
     )
-    engine = make_engine(settings, args, config)
+    engine = make_engine(settings, args, config, servers)
     scorer = RewardScorer(
         verifier=settings["verifier"],
         timeout_s=config.reward.timeout_s,

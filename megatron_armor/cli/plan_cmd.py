@@ -1,12 +1,18 @@
-"""``armor plan CONFIG [key=value ...] [--model NAME|DIR] [--gpu-mem-gib 80]``: preflight check.
+"""``armor plan CONFIG [key=value ...] [--model NAME|DIR] [--gpu-mem-gib 80] [--device GPU]
+[--assume NAME=VALUE ...] [--checkpoint CKPT] [--lengths RUN_DIR]``: preflight check.
 
 Prints per-GPU memory per phase (weights, grads, optimizer, activations, logits, SGLang share;
 a mixture-of-experts model adds its all-to-all buffers and its active parameters), the size of
 one checkpoint and the disk peak during a save, the layout-rule findings and a verdict naming
-the largest term. Exit code 0 when the plan
-fits, 1 when it does not (or a rule fails), 2 on a config/model error: run it before sbatch.
-``--lengths RUN_DIR`` adds a projection of the rollout time partial rollouts would save on
-the config's layout, from that run's response lengths (``planner/tail.py``).
+the largest term; then each step phase's predicted seconds on ``--device`` with the workload
+and efficiencies assumed (``planner/phase_plan.py``). With ``--checkpoint`` (a run checkpoint
+``step_XXXXXX``, or a run directory: its newest complete one), also the layouts of the config's
+allocation (``trainer.world_size``) the model admits, whether the checkpoint resumes at each and
+whether each fits (``planner/resume.py``). Exit code 0 when the plan fits (and the checkpoint
+resumes at the configured layout), 1 when it does not (or a rule fails), 2 on a
+config/model/checkpoint error: run it before sbatch. ``--lengths RUN_DIR`` adds a projection of
+the rollout time partial rollouts would save on the config's layout, from that run's response
+lengths (``planner/tail.py``).
 """
 
 from __future__ import annotations
@@ -14,10 +20,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from megatron_armor.config import ConfigError, load_config
+from megatron_armor.config.resume_layout import read_saved_layout
+from megatron_armor.orchestration.run.checkpoints import latest_checkpoint
+from megatron_armor.orchestration.run.resume_check import model_shape_problem
 from megatron_armor.planner.model import PRESETS
 from megatron_armor.planner.plan import make_plan
+from megatron_armor.planner.resume import resume_report
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -32,14 +43,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--gpu-mem-gib", type=float, default=None,
                    help="memory of one GPU (GiB); default: orchestration.gpu_memory_gib (80)")  # fmt: skip
+    p.add_argument("--checkpoint", default=None,
+                   help="a run checkpoint (or run directory: its newest): the layouts of this "
+                   "allocation it resumes at")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the terms as JSON")
-    p.add_argument(
-        "--lengths",
-        default=None,
-        metavar="RUN_DIR",
-        help="project the rollout time partial rollouts save (async_rollout=bounded, "
-        "max_staleness 2 and 4) from this run's response lengths",
-    )
+    p.add_argument("--device", default="H100 SXM",
+                   help="GPU of the predicted phase times (planner/devices.py); the cpu layout "
+                   "measures this machine's CPU")  # fmt: skip
+    p.add_argument("--assume", action="append", default=[], metavar="NAME=VALUE",
+                   help="an efficiency or workload assumption of the predicted phase times "
+                   "(planner/phase_time.py), e.g. train_mfu=0.3 or acceptance=0.4")  # fmt: skip
+    p.add_argument("--lengths", default=None, metavar="RUN_DIR",
+                   help="project the rollout time partial rollouts save (async_rollout=bounded, "
+                   "max_staleness 2 and 4) from this run's response lengths")  # fmt: skip
     p.set_defaults(run=run)
 
 
@@ -53,15 +69,63 @@ def run(args: argparse.Namespace) -> int:
         config = load_config(args.file, args.overrides)
         gib = args.gpu_mem_gib or config.orchestration.gpu_memory_gib
         plan = make_plan(config, model=args.model, gpu_mem_gib=gib)
+        resume = _resume_lines(args, config, gib) if args.checkpoint else None
+        times = phase_times(config, plan.model, args.device, args.assume, gib)
         tail = tail_projection(config, plan, args.lengths) if args.lengths else None
     except (ConfigError, ValueError, OSError) as e:
         print(f"armor plan: {e}", file=sys.stderr)
         return 2
+    lines, resumes = resume or ([], True)
     if args.json:
-        print(json.dumps({**_as_dict(plan), **_tail_dict(tail)}, indent=2))
+        print(json.dumps({**_as_dict(plan), "phase_times": times.as_dict(),
+                          **({"resume": lines} if resume else {}), **_tail_dict(tail)},
+                         indent=2))  # fmt: skip
     else:
-        print(plan.report() + (f"\n{tail.report()}" if tail else ""))
-    return 0 if plan.fits else 1
+        print("\n".join([plan.report(), times.report(), *lines,
+                         *([tail.report()] if tail else [])]))  # fmt: skip
+    return 0 if plan.fits and resumes else 1
+
+
+def _resume_lines(args: argparse.Namespace, config, gib: float) -> tuple[list[str], bool]:
+    """``planner.resume.resume_report`` of ``--checkpoint`` (a checkpoint of another model
+    shape, or one that records no layout, is a ``ValueError``)."""
+    path = Path(args.checkpoint)
+    if not (path / "trainer").is_dir():
+        path = latest_checkpoint(path) or path
+    saved = read_saved_layout(path)
+    if saved is None:
+        raise ValueError(
+            f"--checkpoint {args.checkpoint}: {path} holds no trainer checkpoint that records its "
+            "parallel layout (trainer/dist/common.pt); name a run checkpoint step_XXXXXX or its "
+            "run directory"
+        )
+    wrong = model_shape_problem(path, config.trainer.model_path)
+    if wrong is not None:
+        raise ValueError(f"--checkpoint {args.checkpoint}: {wrong}")
+    return resume_report(config, saved, str(path), args.model, gib)
+
+
+def phase_times(config, dims, device: str, assume: list[str], gpu_mem_gib: float):
+    """The predicted step (``planner/phase_plan.py``) on ``device``, or on this machine's CPU
+    (measured now) for the ``cpu`` layout, under the ``--assume`` values."""
+    from megatron_armor.planner.devices import cpu_peaks
+    from megatron_armor.planner.phase_plan import make_phase_plan, plan_device
+    from megatron_armor.planner.phase_time import (
+        Efficiency,
+        WorkloadGuess,
+        check_assumptions,
+        parse_assumptions,
+    )
+
+    check_assumptions(assume)
+    if config.orchestration.layout == "cpu":
+        from megatron_armor.orchestration.actors.placement import plan_layout
+
+        peaks = cpu_peaks(plan_layout(config).threads)
+    else:
+        peaks = plan_device(device)
+    eff, guess = parse_assumptions(assume, Efficiency), parse_assumptions(assume, WorkloadGuess)
+    return make_phase_plan(config, dims, peaks, eff, guess, gpu_mem_gib)
 
 
 def tail_projection(config, plan, run_dir: str):

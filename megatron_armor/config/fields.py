@@ -84,7 +84,9 @@ def check_rollout_correction(c) -> Problems:
 def check_trainer(config: ArmorConfig) -> Problems:
     """Parallel sizes (and the ones the trainer does not implement), LR, budgets."""
     t = config.trainer
-    yield from at_least(t, "trainer", ("tp", "pp", "cp", "vpp", "world_size", "ep"), 1)
+    yield from at_least(t, "trainer", ("tp", "pp", "cp", "vpp", "ep"), 1)
+    if not isinstance(t.world_size, str):  # a word: decided or named by config/resolve.py
+        yield from at_least(t, "trainer", ("world_size",), 1)
     if isinstance(t.etp, str):
         if t.etp != "auto":
             yield f"trainer.etp={t.etp!r}: a number of ranks >= 1 or auto (docs/trainer.md)"

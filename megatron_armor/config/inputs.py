@@ -1,5 +1,6 @@
 """Up-front checks of the files a run reads: the HF model directory (its safetensors headers
-and the tensors its config.json needs: ``weights_check.py``), its tokenizer, the data.
+and the tensors its config.json needs: ``weights_check.py``), its tokenizer, the data; and of
+the directory it writes (``run.output_dir``).
 
 They run in the config validation path (``load_config(..., check_inputs=True)``, used by
 ``armor train``; ``armor eval`` calls :func:`input_problems` directly) so a bad path, a broken
@@ -31,7 +32,7 @@ def _missing_dir(key: str, model_path: str) -> str:
     text = f"{key}={model_path!r}: no such directory; point it at {MODEL_DIR_FIX}"
     if "/" in model_path and not model_path.startswith((".", "/", "~")):
         text += (
-            f" (models are never fetched from the hub: `huggingface-cli download "
+            f" (models are never fetched from the hub: `hf download "
             f"{model_path} --local-dir DIR` first, then {key}=DIR)"
         )
     return text
@@ -116,9 +117,28 @@ def check_inputs(config: ArmorConfig) -> Problems:
     data = {"data.train_files": config.data.train_files}
     if config.validation.every > 0:
         data["data.val_files"] = config.data.val_files
+    yield from output_dir_problems(config.run.output_dir)
     yield from missing_watched_files(config, TARGETS)
     yield from wandb_problems(config)
     yield from input_problems("trainer.model_path", config.trainer.model_path, data)
+
+
+def output_dir_problems(output_dir: str) -> Problems:
+    """``run.output_dir`` exists or can be made, and this user can write in it: created if
+    missing, then a file written and removed in it (the only sure test: permissions, a
+    read-only or full file system, a path through a regular file)."""
+    import tempfile
+
+    path = Path(output_dir).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path, prefix=".armor-write-check-"):
+            pass
+    except OSError as e:
+        yield (
+            f"run.output_dir={output_dir!r} cannot be created or written ({type(e).__name__}: "
+            f"{e}); point it at a directory this user can write"
+        )
 
 
 def wandb_problems(config: ArmorConfig) -> Problems:
@@ -131,3 +151,27 @@ def wandb_problems(config: ArmorConfig) -> Problems:
             "logging.wandb=true but the `wandb` package is not installed here; "
             "`pip install -r requirements-wandb.txt` (the image has it) or set logging.wandb=false"
         )
+    if config.logging.wandb and config.logging.wandb_mode == "online" and not wandb_login():
+        yield (
+            "logging.wandb=true (logging.wandb_mode=online) but no W&B login here: WANDB_API_KEY "
+            "is not set and ~/.netrc has no api.wandb.ai entry (a container without your home "
+            "directory, e.g. pyxis with --no-container-mount-home, does not see `wandb login`'s "
+            "~/.netrc); export WANDB_API_KEY before sbatch (every step gets it) or set "
+            "logging.wandb_mode=offline"
+        )
+
+
+def wandb_login() -> bool:
+    """Whether W&B has credentials here: ``WANDB_API_KEY``, or ``wandb login``'s ``~/.netrc``
+    entry for its host (``WANDB_BASE_URL``, default api.wandb.ai)."""
+    import netrc
+    import os
+    from urllib.parse import urlparse
+
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or ""
+    try:
+        return netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False

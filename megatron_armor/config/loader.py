@@ -136,9 +136,19 @@ def load_config(
     return config
 
 
+def as_run(config: ArmorConfig):
+    """``config`` as an OmegaConf tree with the numbers a run uses for ``trainer.world_size``
+    and ``algo.alpha`` (``config.resolved``) where they say ``auto``: what the run directory's
+    ``config.yaml`` records."""
+    node = OmegaConf.structured(config)
+    decided = config.resolved
+    node.trainer.world_size, node.algo.alpha = decided.world_size, decided.alpha
+    return node
+
+
 def to_yaml(config: ArmorConfig) -> str:
-    """The resolved config as YAML."""
-    return OmegaConf.to_yaml(OmegaConf.structured(config))
+    """The validated config as YAML (:func:`as_run`)."""
+    return OmegaConf.to_yaml(as_run(config))
 
 
 def save_config(config: ArmorConfig, run_dir: str | Path) -> Path:

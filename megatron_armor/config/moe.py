@@ -70,9 +70,11 @@ def moe_shape(cfg: dict) -> MoEShape | None:
 
 
 def expert_tp_size(trainer) -> int:
-    """``trainer.etp`` as a number: ``auto`` is 1 with expert parallelism (``ep > 1``, the
-    Qwen3-MoE recipes' layout) and ``tp`` without (the one expert TP size megatron-core
-    0.16.1 reduces right at ``ep = 1``: :func:`expert_layout_problems`)."""
+    """``trainer.etp`` of ``trainer`` (its ``tp``, ``ep``, ``etp``) as a number: ``auto`` is
+    1 with expert parallelism (``ep > 1``, the Qwen3-MoE recipes' layout) and ``tp`` without
+    (the one expert TP size megatron-core 0.16.1 reduces right at ``ep = 1``:
+    :func:`expert_layout_problems`). A run reads its decision from ``config.resolved.etp``
+    (``config/resolve.py``)."""
     if trainer.etp == "auto":
         return 1 if trainer.ep > 1 else trainer.tp
     return trainer.etp if isinstance(trainer.etp, int) else 1  # another word: named at load
@@ -88,9 +90,11 @@ def expert_groups_span_dp(tp: int, cp: int, ep: int, etp: int) -> bool:
     return (tp * cp) % (ep * etp) != 0
 
 
-def expert_layout_problems(trainer, hf: dict | None, where: str) -> Iterator[str]:
-    """``trainer.ep`` / ``trainer.etp`` against the model (``hf``: its ``config.json``,
-    ``None`` = unknown) and the world, as megatron-core 0.16.1 builds them:
+def expert_layout_problems(trainer, world_size: int, etp: int, hf: dict | None,
+                           where: str) -> Iterator[str]:  # fmt: skip
+    """``trainer.ep`` / ``trainer.etp`` (decided: ``etp``) against the model (``hf``: its
+    ``config.json``, ``None`` = unknown) and the world (``world_size`` ranks), as megatron-core
+    0.16.1 builds them:
 
     - ``parallel_state.initialize_model_parallel`` factors the world twice, ``tp * cp * dp *
       pp`` for attention and ``etp * ep * expert-dp * pp`` for the expert layers
@@ -104,18 +108,23 @@ def expert_layout_problems(trainer, hf: dict | None, where: str) -> Iterator[str
       misses copies when ``etp < tp``: ``etp != tp`` needs ``ep > 1``.
     """
     t = trainer
-    if (isinstance(t.etp, str) and t.etp != "auto") or min(t.ep, expert_tp_size(t)) < 1:
+    if (isinstance(t.etp, str) and t.etp != "auto") or min(t.ep, etp) < 1:
         return  # named by the trainer section's check
-    etp = expert_tp_size(t)
     shape = moe_shape(hf) if hf is not None else None
     sparse = shape is not None and any(shape.sparse_layers)
     if hf is not None and not sparse:
         yield from _dense_model_problems(t, hf, where)
         return
     expert_parallel = etp * t.ep * t.pp
-    if t.world_size % expert_parallel:
+    if world_size < expert_parallel:
         yield (
-            f"trainer.world_size={t.world_size}: must be divisible by etp*ep*pp="
+            f"trainer.world_size={world_size}: fewer ranks than the expert layers' "
+            f"model-parallel size etp*ep*pp={etp}*{t.ep}*{t.pp}={expert_parallel}; lower "
+            "trainer.ep, trainer.etp or trainer.pp, or add GPUs"
+        )
+    elif world_size % expert_parallel:
+        yield (
+            f"trainer.world_size={world_size}: must be divisible by etp*ep*pp="
             f"{etp}*{t.ep}*{t.pp}={expert_parallel} (the expert layers' model-parallel "
             "size); change world_size, trainer.ep, trainer.etp or trainer.pp"
         )
@@ -196,4 +205,23 @@ def engine_route_problems(config) -> Iterator[str]:
             "experts only on a GPU (--enable-return-routed-experts registers its host buffer "
             "with CUDA); use rollout.backend=torch on CPU, routing_replay r2 or off, or a GPU "
             "layout"
+        )
+
+
+def dense_model_warnings(config) -> Iterator[str]:
+    """``trainer.moe`` settings away from their defaults on a dense model: valid, but they
+    change nothing (the trainer reads them only for a model with experts). Said at load, once
+    per load (``config/ranges.py``); nothing for a model directory that cannot be read yet."""
+    moe, path = config.trainer.moe, config.trainer.model_path
+    hf = read_hf_config(path)
+    if hf is None or route_shape(path) is not None:
+        return
+    defaults = type(moe)()
+    changed = [f"trainer.moe.{key}={getattr(moe, key)!r}" for key in vars(defaults)
+               if getattr(moe, key) != getattr(defaults, key)]  # fmt: skip
+    if changed:
+        yield (
+            f"{', '.join(changed)} change nothing: {path} is a dense model (model_type="
+            f"{hf.get('model_type')!r}, no experts); these settings apply to mixture-of-experts "
+            "models only (docs/trainer.md, 'Mixture of experts'): remove them"
         )

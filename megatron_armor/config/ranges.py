@@ -1,7 +1,8 @@
 """Warnings for settings that are valid but far outside their useful range.
 
 A value here is not an error (a user may mean it), but it changes the cost of a run by an
-order of magnitude without a word otherwise: ``algo.group_size=1000`` is accepted and makes
+order of magnitude, or nothing at all (a mixture-of-experts setting on a dense model), without
+a word otherwise: ``algo.group_size=1000`` is accepted and makes
 every step ~30x slower. :func:`range_warnings` names the setting, the value, the range the
 recipe is meant for and what the value costs; ``load_config`` prints them on stderr once per
 load. The bounds are wide: the paper's configs and every config under ``configs/`` sit well
@@ -13,6 +14,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterator
 
+from megatron_armor.config.moe import dense_model_warnings
 from megatron_armor.config.schema import ArmorConfig
 
 MAX_GROUP_SIZE = 64
@@ -56,6 +58,7 @@ def range_warnings(config: ArmorConfig) -> Iterator[str]:
             f"{r.batch} (useful: 1x to {MAX_GEN_BATCH_RATIO}x; the paper draws 4x): most of "
             "each generation batch is drawn and thrown away"
         )
+    yield from dense_model_warnings(config)  # settings for experts on a model without any
 
 
 def print_range_warnings(config: ArmorConfig) -> list[str]:

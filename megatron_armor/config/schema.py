@@ -8,9 +8,27 @@ on the command line (``algo.alpha=0.875``). Single-field checks live in ``fields
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Annotated, Any, Union
 
-from megatron_armor.config.world_size import resolve_world_size
+from megatron_armor.config.names import Names
+from megatron_armor.config.resolve import Resolved, resolve
+
+WeightTransport = Annotated[str, Names("tensor", "distributed", "disk")]
+Precision = Annotated[str, Names("bf16", "fp16", "fp32")]
+TransformerImpl = Annotated[str, Names("local", "te")]
+LrUnit = Annotated[str, Names("rl_steps", "updates")]
+LrDecayStyle = Annotated[str, Names("constant", "linear", "cosine")]
+BestMode = Annotated[str, Names("max", "min")]
+Fp8Format = Annotated[str, Names("e4m3", "hybrid")]
+Fp8Recipe = Annotated[str, Names("delayed", "tensorwise", "mxfp8", "blockwise")]
+Template = Annotated[str, Names("dapo", "chat", "plain")]
+Verifier = Annotated[str, Names("auto", "dapo", "math_verify")]
+Layout = Annotated[str, Names("cpu", "colocated", "disaggregated")]
+AsyncRollout = Annotated[str, Names("off", "one_step", "bounded")]
+RoutingReplay = Annotated[str, Names("off", "r2", "r3")]
+AnchorRoutes = Annotated[str, Names("own", "reference", "free")]
+Profiler = Annotated[str, Names("none", "nsys", "torch", "dlprof")]
+WandbMode = Annotated[str, Names("online", "offline")]
 
 
 @dataclass
@@ -175,8 +193,9 @@ class SGLangConfig:
     """Concurrent in-flight ``/generate`` requests per client."""
     max_retries: int = 3
     """Retries (with backoff) per request on connection errors."""
-    weight_transport: str = "tensor"
-    """``tensor`` (colocated, CUDA IPC) | ``distributed`` (NCCL broadcast) | ``disk``."""
+    weight_transport: WeightTransport = "tensor"
+    """How the trainer ranks push weights: ``tensor`` (colocated, CUDA IPC), ``distributed``
+    (NCCL broadcast), ``disk``."""
     weight_bucket_mb: int = 512
     """Bucket size of a weight push (MB): the most GPU (or host, for ``disk``) memory one
     push holds at a time besides the model."""
@@ -239,10 +258,10 @@ class FP8Config:
 
     enabled: bool = False
     """Train in FP8 (needs Transformer Engine)."""
-    format: str = "hybrid"
-    """``e4m3`` | ``hybrid``."""
-    recipe: str = "delayed"
-    """``delayed`` | ``tensorwise`` | ``mxfp8`` | ``blockwise``."""
+    format: Fp8Format = "hybrid"
+    """Transformer Engine's FP8 format."""
+    recipe: Fp8Recipe = "delayed"
+    """Transformer Engine's FP8 scaling recipe (``mxfp8``: Blackwell only)."""
     margin: int = 0
     """Scaling-factor margin."""
     amax_history_len: int = 1024
@@ -260,13 +279,13 @@ class MoEConfig:
     """Weight of the load-balancing (Switch) loss added to the policy loss, logged apart as
     ``train/moe_aux_loss``; 0 = off, as the Qwen3-MoE RL recipes run (slime's
     ``--moe-aux-loss-coeff 0``; pre-training uses about 1e-3)."""
-    routing_replay: str = "off"
-    """``off`` | ``r2`` | ``r3``: which experts the trainer's passes use (docs/trainer.md,
+    routing_replay: RoutingReplay = "off"
+    """Which experts the trainer's passes use (docs/trainer.md,
     "Routing replay"). ``off``: each pass routes with its own weights; ``r2``: the updates
     replay the routes of the step's ``old`` pass; ``r3``: the ``old`` pass replays the routes
     of the engine that drew each sample (the rollout asks engines for them) and the updates
     replay those. Off by default as in verl and slime; ignored for a dense model."""
-    anchor_routes: str = "own"
+    anchor_routes: AnchorRoutes = "own"
     """Routes of the policy passes on an anchor (drawn by the reference engine) under
     ``r2`` / ``r3`` (docs/algorithm.md, "Mixture-of-experts policies"): ``own``
     (the ``old`` pass routes with its weights, the updates replay it; the reference pass
@@ -315,24 +334,25 @@ class TrainerConfig:
     allow_idle_gpus: bool = False
     """Accept a ``world_size`` that leaves GPUs of the job idle (refused at load otherwise:
     a size copied from a one-node config would train a multi-node job on one node)."""
-    precision: str = "bf16"
-    """``bf16`` | ``fp16`` | ``fp32``."""
-    transformer_impl: str = "local"
-    """``local`` (megatron-core local spec, CPU path) | ``te`` (Transformer Engine)."""
+    precision: Precision = "bf16"
+    """The trainer's parameter and compute precision."""
+    transformer_impl: TransformerImpl = "local"
+    """``local`` (megatron-core local spec, CPU path) or ``te`` (Transformer Engine)."""
     fp8: FP8Config = field(default_factory=FP8Config)
     """FP8 settings."""
     lr: float = 1e-6
     """Peak learning rate."""
     min_lr: float = 0.0
     """Floor of the LR schedule."""
-    lr_unit: str = "rl_steps"
+    lr_unit: LrUnit = "rl_steps"
     """What ``warmup_steps`` and ``lr_decay_steps`` count: ``rl_steps`` (the LR moves once per RL
     step, as the paper's verl-based code steps its scheduler; every update of a step uses the
     same LR) | ``updates`` (once per optimizer update, ``batch / ppo_mini_batch`` per step)."""
     warmup_steps: int = 10
     """Linear warm-up from 0 over this many ``lr_unit``; the paper: 10 RL steps."""
-    lr_decay_style: str = "constant"
-    """After the warm-up: ``constant`` (the paper) | ``linear`` | ``cosine`` to ``min_lr``."""
+    lr_decay_style: LrDecayStyle = "constant"
+    """After the warm-up: ``constant`` (the paper), or a ``linear`` or ``cosine`` decay to
+    ``min_lr``."""
     lr_decay_steps: int = 0
     """End of the decay in ``lr_unit`` (``linear``/``cosine``; must exceed ``warmup_steps``)."""
     weight_decay: float = 0.1
@@ -378,8 +398,8 @@ class DataConfig:
     """Local parquet/jsonl files (or hub names where a network exists) in the DAPO-Math schema."""
     val_files: list[str] = field(default_factory=list)
     """Validation benchmarks (DAPO-Math schema or problem/answer schema)."""
-    template: str = "dapo"
-    """Prompt template: ``dapo`` | ``chat`` | ``plain``."""
+    template: Template = "dapo"
+    """Prompt template (docs/data_reward.md)."""
     max_prompt_len: int = 256
     """Prompts longer than this (tokens) are dropped and counted."""
     shuffle: bool = True
@@ -414,8 +434,8 @@ class OverlongConfig:
 class RewardConfig:
     """Verifiers and scoring workers."""
 
-    verifier: str = "auto"
-    """``auto`` (per data_source) | ``dapo`` | ``math_verify``."""
+    verifier: Verifier = "auto"
+    """The verifier of every sample, or ``auto``: one per ``data_source``."""
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
     """Overlong penalty."""
     timeout_s: float = 5.0
@@ -444,8 +464,8 @@ class ValidationConfig:
 class OrchestrationConfig:
     """Ray placement and the run's cadence."""
 
-    layout: str = "cpu"
-    """``cpu`` | ``colocated`` | ``disaggregated``."""
+    layout: Layout = "cpu"
+    """Where the trainer and the engines run (docs/architecture.md, ``placement.py``)."""
     nodes: int = 1
     """Nodes of the job (its Ray cluster); ``slurm/armor.sbatch`` passes the allocation's."""
     gpus_per_node: int = 8
@@ -485,15 +505,15 @@ class OrchestrationConfig:
     """Torch CPU threads of each trainer rank, rollout worker and reward worker; 0 = the
     node's cores divided by the actors placed on it (never more threads than cores,
     ``placement.threads_per_actor``)."""
-    async_rollout: str = "off"
-    """``off`` | ``one_step`` | ``bounded``. ``one_step``: the rollout of step t+1 runs while
-    the trainer updates on step t, on the weights of step t-1 (policy samples at most one
-    version old; the ``old`` pass uses those weights, kept on the trainer); a step that resets
-    the reference drains the pipeline (docs/orchestration.md, "Asynchronous rollout").
-    ``bounded``: generation runs ahead of training by up to ``max_staleness`` weight versions,
-    with partial rollouts, trained with the decoupled objective (docs/orchestration.md,
-    "Bounded staleness"; docs/algorithm.md). Both need rollout workers on devices of their
-    own: ``disaggregated``, or ``cpu`` with a core each."""
+    async_rollout: AsyncRollout = "off"
+    """``one_step``: the rollout of step t+1 runs while the trainer updates on step t, on the
+    weights of step t-1 (policy samples at most one version old; the ``old`` pass uses those
+    weights, kept on the trainer); a step that resets the reference drains the pipeline
+    (docs/orchestration.md, "Asynchronous rollout"). ``bounded``: generation runs ahead of
+    training by up to ``max_staleness`` weight versions, with partial rollouts, trained with
+    the decoupled objective (docs/orchestration.md, "Bounded staleness"; docs/algorithm.md).
+    Both need rollout workers on devices of their own: ``disaggregated``, or ``cpu`` with a
+    core each."""
     max_staleness: int = 2
     """``bounded``: the most weight versions a trained policy token may be behind the
     trainer's (``k >= 1``); older groups are dropped."""
@@ -518,13 +538,13 @@ class LoggingConfig:
     """W&B entity (team or user); "" = the API key's default entity."""
     wandb_group: str = ""
     """W&B group (e.g. the seeds of one variant); "" = none."""
-    wandb_mode: str = "online"
-    """``online`` | ``offline`` (nodes without network: ``wandb sync RUN_DIR/wandb/offline-run-*``
+    wandb_mode: WandbMode = "online"
+    """``offline`` for nodes without network (``wandb sync RUN_DIR/wandb/offline-run-*``
     later, from a machine with network)."""
     progress: bool = True
     """Progress bars for rollout and training phases."""
-    profile: str = "none"
-    """``none`` | ``nsys`` | ``torch`` | ``dlprof``."""
+    profile: Profiler = "none"
+    """The step profiler (docs/profiling.md), or ``none``."""
     profile_steps: list[int] = field(default_factory=list)
     """Steps to capture with the profiler."""
     profile_ranks: list[int] = field(default_factory=lambda: [0])
@@ -546,8 +566,8 @@ class KeepBestConfig:
     """A logged metric (``val/aime24/avg@32``) or a ``*`` pattern averaged over the matching
     keys (``val/*/avg@32``: the mean over benchmarks); ``@k`` stands for
     ``@<validation.n_samples>``; "" = off."""
-    mode: str = "max"
-    """``max`` | ``min``: which direction is better."""
+    mode: BestMode = "max"
+    """Which direction of the metric is better."""
 
 
 @dataclass
@@ -638,8 +658,8 @@ class ArmorConfig:
     overopt: OveroptConfig = field(default_factory=OveroptConfig)
     watch: WatchConfig = field(default_factory=WatchConfig)
 
-    def __post_init__(self) -> None:
-        """``trainer.world_size: auto`` becomes its number as soon as the tree exists (a loaded
-        config or one built in code), so no reader ever sees ``auto``; where it has none the
-        loader's validation names the fix (``config/world_size.py``)."""
-        resolve_world_size(self)
+    @property
+    def resolved(self) -> Resolved:
+        """Every ``auto`` of this config decided (``config/resolve.py``): what the code reads
+        instead of those settings."""
+        return resolve(self)

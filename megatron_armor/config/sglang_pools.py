@@ -84,7 +84,7 @@ def rollout_gpus(config: ArmorConfig) -> int:
     """GPUs the SGLang servers may use (see the module docstring; 0 on the CPU layout)."""
     o = config.orchestration
     if o.layout == "colocated":
-        return config.trainer.world_size
+        return config.resolved.world_size
     if o.layout == "disaggregated":
         return o.rollout_gpus
     return 0
@@ -170,9 +170,9 @@ def pool_problems(config: ArmorConfig) -> list[str]:
             out.append(f"rollout.sglang.mem_fraction_static={sg.mem_fraction_static} + "
                        f"ref_pool.mem_fraction={specs['ref'].share} = {total:.2f} of each GPU "
                        f"> {MAX_SHARED_FRACTION}: the two pools share the GPUs; lower them")  # fmt: skip
-    base = config.trainer.world_size if o.layout == "disaggregated" else 0
+    base = config.resolved.world_size if o.layout == "disaggregated" else 0
     if base + (used if o.layout == "disaggregated" else 0) > o.nodes * o.gpus_per_node:
-        out.append(f"trainer.world_size={config.trainer.world_size} + the SGLang servers' {used} "
+        out.append(f"trainer.world_size={config.resolved.world_size} + the SGLang servers' {used} "
                    f"GPUs > orchestration.nodes * gpus_per_node = {o.nodes * o.gpus_per_node}")  # fmt: skip
     for spec in specs.values():
         for i, offset in enumerate(spec.gpu_offsets()):

@@ -17,7 +17,6 @@ import os
 from collections.abc import Callable, Iterator
 
 from megatron_armor.algo import registry
-from megatron_armor.algo.ratios import resolve_alpha
 from megatron_armor.algo.reset import check_schedule
 from megatron_armor.config.benchmarks import check_benchmark_names, check_watched_metrics
 from megatron_armor.config.fields import SECTION_CHECKS, bound
@@ -25,7 +24,12 @@ from megatron_armor.config.model_overrides import read_hf_config
 from megatron_armor.config.moe import (
     engine_route_problems,
     expert_layout_problems,
-    expert_tp_size,
+)
+from megatron_armor.config.names import named_settings
+from megatron_armor.config.resolve import (
+    concurrent_reference_setting,
+    decidable,
+    resolution_problems,
 )
 from megatron_armor.config.rollout_traits import (
     BACKEND_TRAITS,
@@ -39,26 +43,10 @@ from megatron_armor.config.world_size import world_size_problems
 
 Problems = Iterator[str]
 
-# Names of settings without a registry of their own (the algo.* names come from
-# algo/registry.py ALGO_CHOICES, the rollout ones from :func:`rollout_choices`).
-CHOICES: dict[str, tuple[str, ...]] = {
-    "rollout.sglang.weight_transport": ("tensor", "distributed", "disk"),
-    "trainer.precision": ("bf16", "fp16", "fp32"),
-    "trainer.transformer_impl": ("local", "te"),
-    "trainer.lr_unit": ("rl_steps", "updates"),
-    "trainer.lr_decay_style": ("constant", "linear", "cosine"),
-    "run.keep_best.mode": ("max", "min"),
-    "trainer.fp8.format": ("e4m3", "hybrid"),
-    "trainer.fp8.recipe": ("delayed", "tensorwise", "mxfp8", "blockwise"),
-    "data.template": ("dapo", "chat", "plain"),
-    "reward.verifier": ("auto", "dapo", "math_verify"),
-    "orchestration.layout": ("cpu", "colocated", "disaggregated"),
-    "orchestration.async_rollout": ("off", "one_step", "bounded"),
-    "trainer.moe.routing_replay": ("off", "r2", "r3"),
-    "trainer.moe.anchor_routes": ("own", "reference", "free"),
-    "logging.profile": ("none", "nsys", "torch", "dlprof"),
-    "logging.wandb_mode": ("online", "offline"),
-}
+CHOICES: dict[str, tuple[str, ...]] = named_settings(ArmorConfig)
+"""Names of settings without a registry of their own, read from their types in ``schema.py``
+(the ``algo.*`` names come from ``algo/registry.py`` ALGO_CHOICES, the rollout ones from
+:func:`rollout_choices`)."""
 
 
 def rollout_choices() -> dict[str, tuple[str, ...]]:
@@ -90,18 +78,6 @@ def check_names(config: ArmorConfig) -> Problems:
         value = get_key(config, key)
         if value not in names:
             yield f"{key}={value!r}: unknown name; use one of {sorted(names)}"
-
-
-def check_alpha(config: ArmorConfig) -> Problems:
-    """Resolve ``algo.alpha`` in place, the one place it is resolved (``'auto'`` ->
-    ``n_on / (n_on + 1)``, ``resolve_alpha``); everyone after the load reads the number."""
-    a = config.algo
-    if a.group_size < 2:
-        return  # named by the algo section's check
-    try:
-        a.alpha = resolve_alpha(a.alpha, a.group_size)
-    except ValueError as e:
-        yield str(e)
 
 
 def check_reference_samples(config: ArmorConfig) -> Problems:
@@ -204,7 +180,7 @@ def updates_per_step(config: ArmorConfig) -> int:
 def data_parallel_size(config: ArmorConfig) -> int:
     """``trainer.world_size / (tp * pp * cp)`` (at least 1)."""
     t = config.trainer
-    return max(t.world_size // max(t.tp * t.pp * t.cp, 1), 1)
+    return max(config.resolved.world_size // max(t.tp * t.pp * t.cp, 1), 1)
 
 
 def short_batch_floor(config: ArmorConfig) -> int:
@@ -243,37 +219,15 @@ def check_reference_serving(config: ArmorConfig) -> Problems:
         )
 
 
-def true_false_auto(key: str, value: object, auto: str) -> bool | str:
-    """A ``true | false | auto`` setting ``key`` as ``True``, ``False`` or ``"auto"`` (YAML/CLI
-    strings in any case too); anything else is a :class:`ValueError` naming it and saying what
-    ``auto`` does."""
-    if isinstance(value, bool):
-        return value
-    words = {"true": True, "false": False, "auto": "auto"}
-    if isinstance(value, str) and value.strip().lower() in words:
-        return words[value.strip().lower()]
-    raise ValueError(f"{key}={value!r} is not one of true, false, auto (auto: {auto})")
-
-
-def reference_order(value: object) -> bool | str:
-    """``rollout.reference_first`` as ``True``, ``False`` or ``"auto"``."""
-    return true_false_auto(
-        "rollout.reference_first", value,
-        "each step's order by the rejection shares of the step before",
-    )  # fmt: skip
-
-
 def check_reference_first(config: ArmorConfig) -> Problems:
     """``rollout.reference_first`` is true, false or auto; ``true`` needs rule (b) and the
     one-call reference order (docs/algorithm.md, anchor rollout); ``auto`` falls back to
     policy first where ``true`` does not apply."""
     r = config.rollout
-    try:
-        order = reference_order(r.reference_first)
-    except ValueError as err:
-        yield str(err)
-        return
-    if order is not True or config.algo.anchor not in registry.ANCHOR_MODES:
+    if (
+        config.resolved.reference_first is not True
+        or config.algo.anchor not in registry.ANCHOR_MODES
+    ):
         return
     if not registry.get_anchor_mode(config.algo.anchor).needs_reference_correct:
         yield (
@@ -323,25 +277,6 @@ def check_offload(config: ArmorConfig) -> Problems:
             "trainer has its GPUs to itself, so moving its state out and back every step only "
             "costs time; set trainer.offload_train_state=false (it is for the colocated layout)"
         )
-
-
-def concurrent_reference_value(config: ArmorConfig) -> bool | str:
-    """``trainer.concurrent_reference`` as ``True``, ``False`` or ``"auto"``."""
-    return true_false_auto(
-        "trainer.concurrent_reference", config.trainer.concurrent_reference,
-        "on for the cpu layout with one trainer rank",
-    )  # fmt: skip
-
-
-def runs_concurrent_reference(config: ArmorConfig) -> bool:
-    """``trainer.concurrent_reference`` resolved: ``true``, or ``auto`` in the ``cpu`` layout
-    with one trainer rank (its reference pass borrows the idle rollout engine's thread share;
-    more ranks than the layout's one engine would oversubscribe the cores)."""
-    value = concurrent_reference_value(config)
-    if value == "auto":  # with async_rollout the engine's thread share generates meanwhile
-        return (config.orchestration.layout == "cpu" and config.trainer.world_size == 1
-                and not overlaps_rollout(config))  # fmt: skip
-    return value
 
 
 def runs_async_rollout(config: ArmorConfig) -> bool:
@@ -405,11 +340,11 @@ def check_async_rollout(config: ArmorConfig) -> Problems:
             f"trainer.offload_train_state=false or {fix}"
         )
     if orch.layout == "cpu":
-        cores, wanted = host_cores(), config.trainer.world_size + 1
+        cores, wanted = host_cores(), config.resolved.world_size + 1
         if cores < wanted:
             yield (
                 f"{mode} on {cores} core(s): the cpu layout's "
-                f"{config.trainer.world_size} trainer rank(s) and rollout engine need a core "
+                f"{config.resolved.world_size} trainer rank(s) and rollout engine need a core "
                 f"each ({wanted}) to work at once; run on a machine with more cores or {fix}"
             )
     if swaps_reference_into_policy_servers(config):
@@ -420,7 +355,7 @@ def check_async_rollout(config: ArmorConfig) -> Problems:
             "middle of the next step's rollout; use rollout.ref_strategy=dedicated (a reference "
             f"pool) or {fix}"
         )
-    if concurrent_reference_value(config) is True:
+    if concurrent_reference_setting(config.trainer.concurrent_reference) is True:
         yield (
             f"trainer.concurrent_reference=true with {mode}: the "
             "concurrent reference pass borrows the rollout engine's core, which generates the "
@@ -455,11 +390,7 @@ def check_bounded_staleness(config: ArmorConfig) -> Problems:
             "groups are judged when their last member ends, across steps, which the cache's "
             "per-step verdicts do not follow; set algo.anchor_source=generate"
         )
-    try:
-        reference_first = reference_order(r.reference_first) is True
-    except ValueError:  # check_reference_first names it
-        reference_first = False
-    if reference_first or r.reference_parts != 1:
+    if config.resolved.reference_first is True or r.reference_parts != 1:
         yield (
             f"{mode} with rollout.reference_first=true or rollout.reference_parts="
             f"{r.reference_parts}: a group's reference samples are drawn once its policy samples "
@@ -478,23 +409,20 @@ def check_bounded_staleness(config: ArmorConfig) -> Problems:
 def check_concurrent_reference(config: ArmorConfig) -> Problems:
     """``trainer.concurrent_reference`` is true, false or auto; ``true`` needs CPU ranks and a
     forward pass without collectives (``trainer/reference_model.py``)."""
-    try:
-        if not runs_concurrent_reference(config):
-            return
-    except ValueError as err:
-        yield str(err)
+    if not config.resolved.concurrent_reference:
         return
-    t = config.trainer
+    t, etp = config.trainer, config.resolved.etp
     if config.orchestration.layout != "cpu":
         yield (
             f"trainer.concurrent_reference=true with orchestration.layout="
             f"{config.orchestration.layout!r}: the concurrent reference pass is for CPU ranks "
             "(a GPU runs one pass at a time); set trainer.concurrent_reference=auto or false"
         )
-    if max(t.tp, t.pp, t.cp, t.vpp, t.ep, expert_tp_size(t)) > 1:
+    if max(t.tp, t.pp, t.cp, t.vpp, t.ep, etp) > 1:
         yield (
             f"trainer.concurrent_reference=true with tp={t.tp}, pp={t.pp}, cp={t.cp}, "
-            f"vpp={t.vpp}, ep={t.ep}, etp={expert_tp_size(t)}: two passes at once would interleave their collectives differently "
+            f"vpp={t.vpp}, ep={t.ep}, etp={etp}: two passes at once would interleave their "
+            "collectives differently "
             "on different ranks; set the parallel sizes to 1 or "
             "trainer.concurrent_reference=false"
         )
@@ -503,18 +431,25 @@ def check_concurrent_reference(config: ArmorConfig) -> Problems:
 def check_parallel(config: ArmorConfig) -> Problems:
     """Parallel sizes divide the world size and the model's heads and layers; every
     data-parallel rank gets sequences."""
-    t = config.trainer
-    if min(t.tp, t.pp, t.cp, t.vpp, t.world_size) < 1:
+    t, world_size = config.trainer, config.resolved.world_size
+    if min(t.tp, t.pp, t.cp, t.vpp, world_size) < 1:
         return  # named by the trainer section's check
     model_parallel = t.tp * t.pp * t.cp
-    if t.world_size % model_parallel:
+    if world_size < model_parallel:
         yield (
-            f"trainer.world_size={t.world_size}: must be divisible by tp*pp*cp="
+            f"trainer.world_size={world_size}: fewer ranks than one model replica needs, "
+            f"tp*pp*cp={t.tp}*{t.pp}*{t.cp}={model_parallel}; lower trainer.tp / trainer.pp "
+            "(a checkpoint reshards to them: `armor plan CONFIG --checkpoint CKPT` lists the "
+            "layouts it resumes at) or add GPUs"
+        )
+    elif world_size % model_parallel:
+        yield (
+            f"trainer.world_size={world_size}: must be divisible by tp*pp*cp="
             f"{t.tp}*{t.pp}*{t.cp}={model_parallel} (data-parallel size = world_size / "
             "that); change world_size or the parallel sizes"
         )
     elif t.ppo_mini_batch >= 1:
-        dp, sequences = t.world_size // model_parallel, t.ppo_mini_batch * config.algo.group_size
+        dp, sequences = world_size // model_parallel, t.ppo_mini_batch * config.algo.group_size
         if sequences < dp:
             yield (
                 f"trainer.ppo_mini_batch={t.ppo_mini_batch}: x algo.group_size="
@@ -525,7 +460,8 @@ def check_parallel(config: ArmorConfig) -> Problems:
         yield "trainer.sequence_parallel=true: needs trainer.tp > 1; set sequence_parallel=false"
     yield from check_model_shape(config)
     hf, where = read_hf_config(t.model_path), f"{t.model_path}/config.json"
-    yield from expert_layout_problems(t, hf, where)  # trainer.ep / etp (config/moe.py)
+    layout = (world_size, config.resolved.etp)
+    yield from expert_layout_problems(t, *layout, hf, where)  # trainer.ep / etp (config/moe.py)
 
 
 def check_model_shape(config: ArmorConfig) -> Problems:
@@ -711,20 +647,13 @@ def check_fp8_recipe_hardware(config: ArmorConfig) -> Problems:
 RULES: list[Callable[[ArmorConfig], Problems]] = [
     *SECTION_CHECKS,
     check_names,
-    check_alpha,
     check_reference_samples,
     check_algo_combinations,
     check_advantage_args,
     check_batches,
     check_reference_serving,
-    check_reference_first,
-    check_sglang_reference,
     engine_route_problems,
     check_offload,
-    check_concurrent_reference,
-    check_async_rollout,
-    check_bounded_staleness,
-    check_parallel,
     check_context,
     check_hardware,
     check_lr_schedule,
@@ -732,6 +661,17 @@ RULES: list[Callable[[ArmorConfig], Problems]] = [
     check_benchmark_names,
     check_watched_metrics,
 ]
+DECIDED_RULES: list[Callable[[ArmorConfig], Problems]] = [
+    world_size_problems,
+    check_reference_first,
+    check_sglang_reference,
+    check_concurrent_reference,
+    check_async_rollout,
+    check_bounded_staleness,
+    check_parallel,
+]
+"""The rules that read the decisions of ``config.resolved`` (``config/resolve.py``): they run
+once every ``auto`` could be decided."""
 
 
 def find_problems(config: ArmorConfig, inputs: bool = False) -> list[str]:
@@ -739,18 +679,18 @@ def find_problems(config: ArmorConfig, inputs: bool = False) -> list[str]:
     files it names (model directory, tokenizer, data: ``config/inputs.py``)."""
     from megatron_armor.config.inputs import check_inputs
 
-    sized = list(world_size_problems(config))  # resolves ``auto``; every rule reads a number
-    if not isinstance(config.trainer.world_size, int):
-        return sized
-    rules = RULES + [check_inputs] if inputs else RULES
+    undecided = list(resolution_problems(config))
+    rules = RULES + DECIDED_RULES if decidable(config) else RULES
+    if inputs:
+        rules = rules + [check_inputs]
     if inputs and config.orchestration.layout == "cpu":
         rules = rules + [check_runtime]
-    return sized + [msg for rule in rules for msg in rule(config)]
+    return [msg for rule in rules for msg in rule(config)] + undecided
 
 
 def validate(config: ArmorConfig, inputs: bool = False) -> None:
     """Raise ``ValueError`` listing every inconsistent setting of ``config`` (and, with
-    ``inputs``, every unusable file it names); resolves ``algo.alpha`` (:func:`check_alpha`)."""
+    ``inputs``, every unusable file it names)."""
     raise_problems(find_problems(config, inputs))
 
 

@@ -3,7 +3,7 @@
 ``TARGETS`` names every file ``armor data`` writes (``<name>.parquet``, the names the configs
 use: ``configs/base.yaml``) with its hub source; :func:`open_source` reads a source in any of
 the forms people have it: a parquet / jsonl / json file, a directory of such files (a
-``huggingface-cli download`` snapshot), a ``datasets.Dataset.save_to_disk`` directory, or a
+``hf download`` snapshot), a ``datasets.Dataset.save_to_disk`` directory, or a
 hub name (``owner/name[:split]``, through ``datasets`` where the node has network).
 """
 
@@ -110,7 +110,7 @@ def open_hub(hub: HubSource) -> Any:
     except Exception as e:  # hub/network errors come in many types; keep the cause
         raise FileNotFoundError(
             f"{hub}: loading it from the hub failed ({type(e).__name__}: {e}); on a node without "
-            "network download it elsewhere (`huggingface-cli download --repo-type dataset "
+            "network download it elsewhere (`hf download --repo-type dataset "
             f"{hub.repo} --local-dir DIR`) and pass `--source NAME=DIR`"
         ) from e
     return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)

@@ -90,6 +90,22 @@ def read_ranges(*paths: Path) -> dict[str, Requirement]:
     return out
 
 
+def pinned_sources(module: str, name: str, version: str) -> Path:
+    """The sources of package ``module`` at the pin ``name==version``: the installed package
+    where it is installed at that version (a GPU node, the sglang tier's virtualenv: nothing is
+    downloaded), else the pinned wheel, unpacked (:func:`fetch_wheel`)."""
+    import importlib.metadata
+    import importlib.util
+
+    try:
+        installed = importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        installed = None
+    if installed == version:
+        return Path(importlib.util.find_spec(module).origin).parent
+    return fetch_wheel(name, version) / module
+
+
 def fetch_wheel(name: str, version: str, timeout_s: float = 300.0) -> Path:
     """The unpacked wheel ``name==version`` for the container's platform, from the cache or
     PyPI (``pip download --no-deps``). Raises :class:`PinsUnavailable` naming the fix."""

@@ -83,8 +83,7 @@ def trainer_step(spec: dict) -> dict:
         setattr(cfg.trainer, key, FP8Config(**value) if key == "fp8" else value)
     cfg.trainer.model_path = spec["model_dir"]
     cfg.rollout.sampling.temperature = spec["temperature"]
-    cfg.algo.group_size = 4
-    cfg.algo.alpha = 3 / 4  # a hand-built config: alpha as load resolves 'auto' for G = 4
+    cfg.algo.group_size = 4  # alpha 'auto': 3/4 (config.resolved)
     trainer = MegatronTrainer(cfg, 0, 1, "127.0.0.1", spec["port"])
     try:
         batch = doctor_batch(spec["samples"])

@@ -67,7 +67,7 @@ def metrics_record(step: int, metrics: dict[str, Any]) -> dict[str, Any]:
     return {"step": int(step), "wall_time": time.time(), **clean}
 
 
-WALL_CLOCK_KEYS = ("timing/", "perf/", "wall_time", "reward/verify_seconds",
+WALL_CLOCK_KEYS = ("timing/", "phase/", "perf/", "wall_time", "reward/verify_seconds",
                    "mem/", "disk/", "watch/memory", "watch/disk", "async/rollout_wait",
                    "async/trainer_wait", "async/overlap", "faults/")  # fmt: skip
 """Prefixes of the metrics that depend on the wall clock or on the machine's state (host
@@ -111,6 +111,15 @@ class _TensorBoardSink:
 
         self.writer = SummaryWriter(log_dir=str(log_dir))
         self.log_dir = log_dir
+
+    def rewind(self, last_step: int) -> None:
+        """A new event file whose first event purges every step after ``last_step``: readers
+        (TensorBoard's ``EventAccumulator``) drop the abandoned trajectory's events."""
+        from torch.utils.tensorboard import SummaryWriter
+
+        with writing(self.log_dir):
+            self.writer.close()
+            self.writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=last_step + 1)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         with writing(self.log_dir):
@@ -160,18 +169,29 @@ class _WandbSink:
                 "logging.wandb=true but the `wandb` package is not installed; "
                 "`pip install -r requirements-wandb.txt` or set logging.wandb=false"
             ) from None
-        self.run = wandb.init(
+        self.wandb = wandb
+        self.init_args = dict(
             project=settings.project,
             entity=settings.entity or None,
             group=settings.group or None,
             mode=settings.mode,
             name=name,
             id=wandb_run_id(run_dir, lambda: secrets.token_hex(6)),
-            resume="allow",
             dir=str(run_dir),
             config=config,
-            settings=wandb.Settings(console="off"),  # the job's own log keeps the console
         )
+        self.run = self._init(resume="allow")
+
+    def _init(self, **resume):
+        # a Settings object per init: wandb.init records the resume choice in it
+        settings = self.wandb.Settings(console="off")  # the job's own log keeps the console
+        return self.wandb.init(settings=settings, **resume, **self.init_args)
+
+    def rewind(self, last_step: int) -> None:
+        """Continue the W&B run from ``last_step + 1``: W&B ignores a ``log(step=)`` below its
+        last step, so the run is rewound (``resume_from``, W&B's own) and its later steps go."""
+        self.run.finish()
+        self.run = self._init(resume_from=f"{self.init_args['id']}?_step={last_step + 1}")
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.run.log({k: v for k, v in metrics.items() if v is not None}, step=step)
@@ -214,6 +234,17 @@ class MetricsLogger:
     def log(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
         """Append ``metrics`` for ``step``; returns the cleaned metrics that were written."""
         return self.write(metrics_record(step, metrics))
+
+    def rewind(self, last_step: int) -> int:
+        """Forget every step after ``last_step`` (a resume from an older checkpoint recomputes
+        them) in ``metrics.jsonl`` and, when it held any, in TensorBoard and W&B; returns the
+        number of steps dropped."""
+        before = len(read_metrics(self.run_dir)) if self.path.is_file() else 0
+        dropped = before - truncate_metrics(self.run_dir, last_step)
+        if dropped:
+            for sink in self.sinks:
+                sink.rewind(last_step)
+        return dropped
 
     def write(self, record: dict[str, Any]) -> dict[str, float]:
         """Append a :func:`metrics_record` line to every sink; returns its metrics."""

@@ -20,20 +20,12 @@ import os
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 
+from megatron_armor.planner.step_phases import PHASE_NAMES
+
 NVTX_DOMAIN = "armor"
-PHASE_RANGES = (
-    "rollout/policy",
-    "rollout/reference",
-    "reward",
-    "logprobs/old",
-    "logprobs/ref",
-    "train",
-    "weight_sync",
-    "reset",
-    "validate",
-    "checkpoint",
-)
-"""Range names of the step's phases, so every process's timeline reads the same in Nsight."""
+PHASE_RANGES = PHASE_NAMES
+"""Range names of the step's phases (``planner/step_phases.py``), so every process's timeline
+reads the same in Nsight; the driver's phase timers open them (``observability/timers.py``)."""
 _NULL_RANGE = contextlib.nullcontext()
 _BACKENDS = ("nvtx", "torch")
 

@@ -60,10 +60,12 @@ class StepProfiler:
 class TorchStepProfiler(StepProfiler):
     """``torch.profiler`` capture of each chosen step, exported as a Chrome trace."""
 
-    def __init__(self, steps: list[int], out_dir: str | Path, rank: int) -> None:
+    def __init__(self, steps: list[int], out_dir: str | Path, rank: int, name: str = "") -> None:
+        """``name`` of the traces (``trace_<name>_step<S>.json``; default ``rank<rank>``)."""
         super().__init__(steps)
         self.out_dir = Path(out_dir)
         self.rank = rank
+        self.name = name or f"rank{rank}"
         self._prof: Any = None
         self.traces: list[Path] = []
 
@@ -88,7 +90,7 @@ class TorchStepProfiler(StepProfiler):
         self._prof.add_metadata("armor_host", socket.gethostname())
         self._prof.__exit__(None, None, None)
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        path = self.out_dir / f"trace_rank{self.rank}_step{step}.json"
+        path = self.out_dir / f"trace_{self.name}_step{step}.json"
         self._prof.export_chrome_trace(str(path))
         self.traces.append(path)
         self._prof = None
@@ -185,6 +187,21 @@ def make_profiler(
         nvidia_dlprof_pytorch_nvtx.init()
         return CudaRangeProfiler(steps, emit_op_ranges=True)
     return CudaRangeProfiler(steps)
+
+
+def profile_steps_after_resume(steps: list[int], resume_step: int) -> tuple[list[int], str]:
+    """``logging.profile_steps`` for a run that resumes after ``resume_step``: steps at or
+    before it never run again, so they move just after it, spaced as given (``[2, 3]`` at a
+    resume after step 50: ``[51, 52]``); returns the steps and a line saying so ('' when none
+    moved)."""
+    if not steps or min(steps) > resume_step:
+        return list(steps), ""
+    shift = resume_step + 1 - min(steps)
+    moved = [step + shift for step in steps]
+    return moved, (
+        f"profiler: logging.profile_steps={list(steps)} are at or before the resume step "
+        f"{resume_step} (those steps already ran): profiling steps {moved} instead"
+    )
 
 
 def profiler_from_config(logging_cfg: Any, rank: int, out_dir: str | Path) -> StepProfiler:

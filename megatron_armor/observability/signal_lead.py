@@ -11,7 +11,8 @@ run's own timings (the 95th percentile of its step times).
 from __future__ import annotations
 
 import math
-import os
+
+from megatron_armor import env_settings
 
 LEAD_ENV = "ARMOR_SIGNAL_LEAD_S"
 MIN_STEPS = 5
@@ -35,12 +36,9 @@ class SignalLeadWatch:
 
     @classmethod
     def from_environment(cls) -> SignalLeadWatch:
-        """The lead the sbatch file exported (none outside it: nothing to check)."""
-        value = os.environ.get(LEAD_ENV, "")
-        try:
-            return cls(float(value) if value else None)
-        except ValueError:
-            return cls(None)
+        """The lead the sbatch file exported (none outside it: nothing to check); a bad value
+        was refused when ``armor`` started (``env_settings.py``)."""
+        return cls(env_settings.value(LEAD_ENV))
 
     def observe(self, step_s: float, checkpoint_s: float | None) -> str | None:
         """Record one step (``step_s`` without its checkpoint, ``checkpoint_s`` when it wrote

@@ -18,32 +18,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from megatron_armor.planner.devices import gpu_peaks
 from megatron_armor.planner.flops import training_flops
 from megatron_armor.planner.model import ModelDims
 
-# Dense (non-sparse) peak tensor-core TFLOP/s per GPU, from the vendors' data sheets (half the
-# "with sparsity" figures; fp32 = TF32).
-PEAK_TFLOPS: dict[str, dict[str, float]] = {
-    "H100 SXM": {"bf16": 989.4, "fp16": 989.4, "fp8": 1978.9, "fp32": 494.7},
-    "H100 NVL": {"bf16": 835.5, "fp16": 835.5, "fp8": 1670.5, "fp32": 417.5},
-    "H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "fp8": 1513.0, "fp32": 378.0},
-    "H200": {"bf16": 989.4, "fp16": 989.4, "fp8": 1978.9, "fp32": 494.7},
-    "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 156.0},
-}
-
 
 def peak_tflops(device_name: str, precision: str = "bf16") -> float | None:
-    """Peak TFLOP/s for a ``torch.cuda.get_device_name()`` string, or ``None`` when unknown."""
-    name = device_name.upper()
-    if "H100" in name:
-        key = "H100 PCIe" if "PCIE" in name else "H100 NVL" if "NVL" in name else "H100 SXM"
-    elif "H200" in name or "GH200" in name:
-        key = "H200"
-    elif "A100" in name:
-        key = "A100"
-    else:
-        return None
-    return PEAK_TFLOPS[key].get(precision)
+    """Peak TFLOP/s for a ``torch.cuda.get_device_name()`` string, or ``None`` when unknown
+    (``planner/devices.py``: the vendors' data sheets, dense)."""
+    peaks = gpu_peaks(device_name)
+    return peaks.peak_tflops(precision) if peaks else None
 
 
 def compute_precision(precision: str, fp8: bool) -> str:
@@ -156,3 +140,28 @@ class ThroughputMeter:
         if self.peak_tflops_per_gpu:
             out["perf/mfu"] = mfu(flops, self._train_s, self.num_gpus, self.peak_tflops_per_gpu)
         return out
+
+
+def e2e_devices(config) -> int:
+    """The GPUs an end-to-end tokens/s/GPU divides by: every GPU of the job
+    (``orchestration.nodes x gpus_per_node``, trainer and rollout alike, as NeMo-RL's
+    ``cluster.num_nodes x gpus_per_node`` and verl's resource pools count); the ``cpu``
+    layout has none and counts its trainer ranks."""
+    from megatron_armor.config.world_size import allocation_gpus
+
+    orch = config.orchestration
+    if orch.layout == "cpu":
+        return max(1, config.resolved.world_size)
+    return max(1, allocation_gpus(orch))
+
+
+def e2e_metrics(metrics: dict[str, float], devices: int) -> dict[str, float]:
+    """End-to-end throughput in NeMo-RL's definition (docs/profiling.md, "Throughput in the
+    peers' definitions"): the tokens of the batch the step trained on (prompt + response of
+    each sample, ``train/prompt_tokens + train/response_tokens``) over the step's whole wall
+    time (``timing/step_s``: generation, rewards, log-probs, updates, weight push and, at their
+    steps, validation and the checkpoint) and over the job's ``devices``:
+    ``perf/e2e_tokens_per_s_per_gpu``; ``perf/e2e_tokens_per_s`` is the job's total."""
+    tokens = metrics.get("train/prompt_tokens", 0.0) + metrics.get("train/response_tokens", 0.0)
+    per_s = tokens / metrics["timing/step_s"]
+    return {"perf/e2e_tokens_per_s": per_s, "perf/e2e_tokens_per_s_per_gpu": per_s / devices}

@@ -22,7 +22,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from megatron_armor.config.moe import expert_tp_size
 from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.config.sglang_pools import PoolSpec, pool_specs
 from megatron_armor.config.validate import updates_per_step
@@ -155,7 +154,7 @@ def _count(params: int) -> str:
 
 def _dp(config: ArmorConfig) -> int:
     t = config.trainer
-    return max(1, t.world_size // (t.tp * t.pp * t.cp))
+    return max(1, config.resolved.world_size // (t.tp * t.pp * t.cp))
 
 
 def trainer_shape(config: ArmorConfig, dims: ModelDims) -> TrainerShape:
@@ -178,7 +177,7 @@ def trainer_shape(config: ArmorConfig, dims: ModelDims) -> TrainerShape:
         num_micro_batches=math.ceil(per_rank_tokens / t.micro_batch_tokens),
         logprob_chunk=t.logprob_chunk,
         ep=t.ep,
-        etp=expert_tp_size(t),
+        etp=config.resolved.etp,
     )
 
 
@@ -192,7 +191,7 @@ def layout_spec(config: ArmorConfig, dims: ModelDims) -> LayoutSpec:
         tp=t.tp,
         pp=t.pp,
         vpp=t.vpp,
-        world_size=t.world_size,
+        world_size=config.resolved.world_size,
         sequence_parallel=t.sequence_parallel,
         layout=o.layout,
         nodes=o.nodes,

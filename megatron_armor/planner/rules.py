@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_armor.config.moe import expert_layout_problems
+from megatron_armor.config.moe import expert_layout_problems, expert_tp_size
 from megatron_armor.config.schema import TrainerConfig
 from megatron_armor.config.validate import model_shape_problems
 from megatron_armor.planner.model import ModelDims
@@ -72,7 +72,10 @@ def _model_rules(s: LayoutSpec) -> list[Finding]:
     }
     where = f"model {d.name}"
     out = [Finding.error(p) for p in model_shape_problems(trainer, shape, where)]
-    out += [Finding.error(p) for p in expert_layout_problems(trainer, _moe_fields(d), where)]
+    layout = (s.world_size, expert_tp_size(trainer))
+    out += [
+        Finding.error(p) for p in expert_layout_problems(trainer, *layout, _moe_fields(d), where)
+    ]
     if s.tp > 1 and not s.sequence_parallel:
         out.append(
             Finding(

@@ -20,7 +20,7 @@ Qwen2 and Llama, with and without padding and GQA); prefill stays on the HF forw
 
 :func:`decode_step_for` returns ``None`` for anything else (another architecture, another
 attention implementation, sliding-window layers, an activation other than SiLU, hooks on
-the modules): the engine then decodes through the HF forward as before.
+the modules): the engine then decodes through the HF forward.
 """
 
 from __future__ import annotations

@@ -153,6 +153,16 @@ class RolloutEngine(ABC):
         """Stop what the engine started (server processes, routers); default: nothing."""
         return None
 
+    def profile_begin(self, step: int) -> None:
+        """Start the capture of training step ``step`` in processes of the engine's own
+        (SGLang servers: ``rollout/sglang/profile.py``); default: none, an embedded engine is
+        in its worker's trace."""
+        return None
+
+    def profile_end(self, step: int) -> None:
+        """End what :meth:`profile_begin` started; default: nothing."""
+        return None
+
     # ------------------------------------------------------------------ server pools
     servers: Sequence[Any] = ()
     """The engine's server processes (``.url``, ``.tp``, ``.index``); an embedded engine: none."""
@@ -181,6 +191,15 @@ class RolloutEngine(ABC):
         """Load the HF dir ``model_path`` into ``servers`` (default: all, which then serve
         ``version``)."""
         raise self._no_servers("update_weights_from_disk")
+
+    def wedged_servers(self, timeout_s: float) -> list:
+        """The serving servers whose generation health check gives no answer within
+        ``timeout_s``; default: none (no servers)."""
+        return []
+
+    def kill_server(self, server: Any) -> None:
+        """Kill a wedged ``server``, out of rotation until :meth:`restart_server`."""
+        raise self._no_servers("kill_server")
 
     def server_healthy(self, server: Any) -> bool:
         """Whether ``server`` answers its health check."""

@@ -39,8 +39,15 @@ WeightsFn = Callable[[str], NamedTensors]
 e.g. ``trainer.export_weights``."""
 
 
+Scores = list[tuple[float, bool]]
+"""``(score, acc)`` of each cached reference sample, in generation order."""
+
+
 class ReferenceSampler(ABC):
-    """Draws reference samples; tracks the reference weight version."""
+    """Draws reference samples; tracks the reference weight version. The questions a rollout
+    worker asks the anchor cache (:meth:`scores`, :meth:`remember_scores`, :meth:`uncached`,
+    :meth:`unsolved`, :meth:`metrics`) are declared here with the answers of a sampler that
+    keeps no samples; :class:`CachedReferenceSampler` answers them from its cache."""
 
     def __init__(self, ref_version: int = 0) -> None:
         self.ref_version = ref_version
@@ -67,6 +74,33 @@ class ReferenceSampler(ABC):
 
     def load_state_dict(self, state: dict) -> None:
         self.ref_version = int(state["ref_version"])
+
+    # ---- what an anchor cache answers; a sampler that keeps no samples answers so
+    def scores(self, query_ids: list[str], n: int) -> list[Scores | None]:
+        """The remembered ``(score, acc)`` of each query's first ``n`` samples (``None``:
+        none remembered); default: none kept."""
+        return [None] * len(query_ids)
+
+    def remember_scores(self, query_ids: list[str], scores: list[Scores]) -> None:
+        """Keep the driver's ``(score, acc)`` of the samples a :meth:`sample` call returned;
+        default: refused, a sampler that keeps no samples has nothing to attach them to."""
+        raise ValueError(
+            f"{type(self).__name__} keeps no reference samples: only the anchor cache "
+            "(rollout.ref_strategy=cache or algo.anchor_source=cache) remembers their scores"
+        )
+
+    def uncached(self, query_ids: list[str], prompts: list[list[int]], n: int) -> int:
+        """How many of the queries :meth:`sample` would generate afresh; default: all."""
+        return len(query_ids)
+
+    def unsolved(self, query_ids: list[str], prompts: list[list[int]], n: int) -> list[bool]:
+        """Per query, whether rule (b) rejects it already (its ``n`` kept samples scored, none
+        correct); default: no verdict kept."""
+        return [False] * len(query_ids)
+
+    def metrics(self) -> dict[str, float]:
+        """``anchor/cache_*`` counters; default: none."""
+        return {}
 
 
 def _as_list(values) -> list:
@@ -149,10 +183,6 @@ class DedicatedReferenceSampler(ReferenceSampler):
 
     def sample(self, query_ids, prompts, n, params):
         return self.engine.generate(prompts, n, params, weights=self.weights)
-
-
-Scores = list[tuple[float, bool]]
-"""``(score, acc)`` of each cached reference sample, in generation order."""
 
 
 @dataclass

@@ -14,14 +14,17 @@ Layout of ``path`` (the caller writes it inside a temporary directory and rename
 Every file is read back with ``torch.load(weights_only=True)`` (megatron's ``common.pt``
 too, torch's default), so a checkpoint cannot run code when it is loaded.
 
-The model and the reference weights (saved through the model's own sharded state dict, keys
-prefixed ``reference.``) reshard over TP, PP and DP. The distributed optimizer's state is saved
-``dp_reshardable`` (every DP rank writes its own buffer slice in parallel, no gather): it
-reshards over DP only, so a resume of such a checkpoint with another ``trainer.tp`` /
-``trainer.pp`` / ``trainer.ep`` / ``trainer.etp`` (or with the distributed optimizer switched) is refused before anything starts
-(``orchestration/run/resume_check.optimizer_layout_problem``, which reads the layout the save
-records as ``parallel_layout``). The non-distributed optimizer saves per-parameter state,
-which reshards like the model.
+The model, the reference and the behavior weights (saved through the model's sharded state
+dict, keys prefixed ``reference.`` / ``behavior.``) reshard over TP, PP, EP and DP. The
+distributed optimizer's state is saved ``fully_reshardable`` (:data:`SAVE_FORMAT`): fp32
+master weights and Adam moments per parameter, in the parameter's own shape and sharding, so
+it reshards like the model; the writes of what the data-parallel ranks hold alike are spread
+over them (docs/trainer.md, "Checkpoints", has the measurements against ``dp_reshardable``
+and the other variants). A checkpoint saved ``dp_reshardable`` (one that records no
+``optimizer_format``) is loaded in that format: over another DP size only, which
+``orchestration/run/resume_check.py`` checks before anything starts. The layout a save was
+made at is recorded as ``parallel_layout`` (read by ``config/resume_layout.py``). The
+non-distributed optimizer saves per-parameter state, which reshards like the model.
 """
 
 from __future__ import annotations
@@ -32,24 +35,64 @@ import os
 import queue
 import random
 import signal
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedBase
+from megatron.core.dist_checkpointing.serialization import (
+    get_default_load_sharded_strategy,
+    get_default_save_sharded_strategy,
+)
 from megatron.core.dist_checkpointing.strategies import filesystem_async
-from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+    FullyParallelLoadStrategyWrapper,
+    FullyParallelSaveStrategyWrapper,
+)
 
+from megatron_armor.config.resume_layout import (
+    DP_RESHARDABLE,
+    FULLY_RESHARDABLE,
+    Layout,
+    parse_layout,
+)
 from megatron_armor.trainer import parallel
 from megatron_armor.trainer.hf_weights import unwrap
+from megatron_armor.trainer.optimizer_state import (
+    load_optimizer,
+    materialize_optimizer_state,
+    optimizer_metadata,
+    optimizer_stepped,
+    unshare_adam_steps,
+)
 from megatron_armor.trainer.weight_store import BEHAVIOR
 
 REFERENCE_PREFIX = "reference."
 BEHAVIOR_PREFIX = "behavior."
-# distributed optimizer: one ShardedTensor per contiguous buffer, saved and loaded by every DP
-# rank in parallel (reshardable across DP sizes); ignored by the non-distributed optimizers
-_OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
+@dataclass(frozen=True)
+class SaveFormat:
+    """How a save writes the trainer state, and how a load reads it
+    (``benchmarks/bench_checkpoint_formats.py`` measures the variants: docs/trainer.md)."""
+
+    optimizer: str = FULLY_RESHARDABLE
+    """The distributed optimizer's format (``FULLY_RESHARDABLE`` or ``DP_RESHARDABLE``;
+    ignored by the non-distributed optimizer)."""
+    gather_on_dp0: bool = False
+    """``FULLY_RESHARDABLE``: gather the state over gloo on data-parallel rank 0 only
+    (megatron-core's memory-efficient mode) instead of on every data-parallel rank."""
+    parallel_io: bool = True
+    """Spread the writes of a save of what the data-parallel ranks hold alike over those ranks,
+    and the reads of a load (each rank reads a part, the parts are exchanged): megatron-core's
+    fully parallel strategies. Without it data-parallel rank 0 writes all of it and every
+    rank reads what it needs."""
+
+
+SAVE_FORMAT = SaveFormat()
+"""What :func:`save_trainer` writes and :func:`load_trainer` reads with."""
 PR_SET_PDEATHSIG = 1
 _writers_tied: list[int] = []  # the pid whose forks die with it (once per process)
 
@@ -103,16 +146,28 @@ def _strip_prefix(state: dict, prefix: str) -> dict:
     return {k[len(prefix) :] if k.startswith(prefix) else k: v for k, v in state.items()}
 
 
+def current_layout() -> Layout:
+    """This process's trainer layout (after ``parallel.init_parallel``)."""
+    return Layout(parallel.tp_size(), parallel.pp_size(), parallel.ep_size(),
+                  parallel.expert_tp_size(), parallel.dp_size())  # fmt: skip
+
+
 def _sharded_state(
-    trainer, is_loading: bool, with_optimizer: bool = True, with_behavior: bool = False
+    trainer,
+    is_loading: bool,
+    with_optimizer: bool = True,
+    with_behavior: bool = False,
+    fmt: SaveFormat = SAVE_FORMAT,
 ) -> dict:
     """What :func:`save_trainer` writes; without the optimizer when it never stepped
     (:func:`optimizer_stepped`), recorded as ``optimizer_stepped``; the behavior weights
-    with ``with_behavior`` (recorded as ``behavior_kept``)."""
+    with ``with_behavior`` (recorded as ``behavior_kept``); the distributed optimizer's state
+    in ``fmt.optimizer``, recorded with the layout as ``parallel_layout``."""
     core = unwrap(trainer.model)
     model_sd = core.sharded_state_dict()
     with trainer.store.swapped("ref"):
         ref_sd = _detached_copy(core.sharded_state_dict(prefix=REFERENCE_PREFIX))
+    distributed = bool(trainer.config.trainer.use_distributed_optimizer)
     state = {
         "model": model_sd,
         "reference": ref_sd,
@@ -121,11 +176,10 @@ def _sharded_state(
         "optimizer_stepped": with_optimizer,
         "behavior_kept": with_behavior,
         "parallel_layout": {
-            "tp": parallel.tp_size(),
-            "pp": parallel.pp_size(),
-            "ep": parallel.ep_size(),
-            "etp": parallel.expert_tp_size(),
-            "distributed_optimizer": bool(trainer.config.trainer.use_distributed_optimizer),
+            **current_layout().as_dict(),
+            "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+            "distributed_optimizer": distributed,
+            **({"optimizer_format": fmt.optimizer} if distributed else {}),
         },
     }
     if with_behavior:  # loading: the live tensors' shapes (the copy is made from the load)
@@ -134,17 +188,10 @@ def _sharded_state(
             state["behavior"] = _detached_copy(core.sharded_state_dict(prefix=BEHAVIOR_PREFIX))
     if with_optimizer:
         state["optimizer"] = trainer.optimizer.sharded_state_dict(
-            model_sd, is_loading=is_loading, metadata=_OPTIMIZER_METADATA
-        )
+            model_sd, is_loading=is_loading,
+            metadata=optimizer_metadata(distributed, fmt.optimizer, fmt.gather_on_dp0),
+        )  # fmt: skip
     return state
-
-
-def optimizer_stepped(optimizer) -> bool:
-    """Whether the optimizer took a step (its Adam states exist). One that never did (every
-    update so far skipped as non-finite, docs/trainer.md) has nothing to save: a fresh
-    optimizer is the same. Every rank answers alike (ranks step together)."""
-    opts = getattr(optimizer, "chained_optimizers", [optimizer])
-    return any(len(getattr(o, "optimizer", o).state) for o in opts)
 
 
 def _rng_state() -> dict:
@@ -169,34 +216,31 @@ def _set_rng_state(state: dict) -> None:
     np.random.set_state((kind, keys.numpy().astype(np.uint32), int(pos), int(has_gauss), gauss))
 
 
-def _materialize_optimizer_state(optimizer) -> None:
-    """A distributed optimizer that has not stepped yet has no Adam state (``step``,
-    ``exp_avg``...) to load into; megatron's own zero-gradient dummy step creates it (the values
-    are overwritten by the load)."""
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if isinstance(opt, DistributedOptimizer) and not opt.optimizer.state:
-            opt._init_optimizer_states_with_dummy_values()
-
-
-def _unshare_adam_steps(optimizer) -> None:
-    """Without TE/Apex, megatron's distributed optimizer restores one ``step`` tensor shared
-    by every parameter's Adam state; torch Adam increments each state's ``step`` in place, so a
-    shared tensor would advance once per parameter and corrupt the bias correction. Give every
-    state its own copy."""
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(opt, "optimizer", None)
-        for state in getattr(inner, "state", {}).values():
-            if isinstance(state.get("step"), torch.Tensor):
-                state["step"] = state["step"].clone()
-
-
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
 
 
-def save_trainer(trainer, path: str, run_state: dict) -> None:
-    """Collectively write the trainer state and ``run_state`` under ``path``."""
+def _save_strategy(fmt: SaveFormat):
+    """megatron-core's save strategy for ``fmt`` (``None``: its default)."""
+    if not fmt.parallel_io:
+        return None
+    return FullyParallelSaveStrategyWrapper(
+        get_default_save_sharded_strategy(), parallel.dp_group()
+    )
+
+
+def _load_strategy(fmt: SaveFormat, dist_dir: str):
+    """megatron-core's load strategy for ``fmt`` and the checkpoint in ``dist_dir``."""
+    default = get_default_load_sharded_strategy(dist_dir)
+    if not fmt.parallel_io:
+        return default
+    return FullyParallelLoadStrategyWrapper(default, parallel.dp_group())
+
+
+def save_trainer(trainer, path: str, run_state: dict, fmt: SaveFormat = SAVE_FORMAT) -> None:
+    """Collectively write the trainer state and ``run_state`` under ``path`` (as ``fmt``
+    says)."""
     rank = parallel.global_rank()
     os.makedirs(os.path.join(path, "dist"), exist_ok=True)
     os.makedirs(os.path.join(path, "rng"), exist_ok=True)
@@ -204,28 +248,43 @@ def save_trainer(trainer, path: str, run_state: dict) -> None:
     stepped = optimizer_stepped(trainer.optimizer)
     behavior = trainer.store.has(BEHAVIOR)  # orchestration.async_rollout: one_step
     tie_writer_processes()
-    dist_checkpointing.save(
-        _sharded_state(trainer, is_loading=False, with_optimizer=stepped, with_behavior=behavior),
-        os.path.join(path, "dist"),
-    )
+    state = _sharded_state(trainer, False, stepped, behavior, fmt)
+    dist_checkpointing.save(state, os.path.join(path, "dist"), _save_strategy(fmt))
     torch.save(_rng_state(), os.path.join(path, "rng", f"rank_{rank}.pt"))
     if rank == 0:
         torch.save(run_state, os.path.join(path, "run_state.pt"))
     _barrier()
 
 
-def load_trainer(trainer, path: str) -> dict:
-    """Restore what :func:`save_trainer` wrote; returns the orchestrator's ``run_state``."""
+def load_trainer(trainer, path: str, fmt: SaveFormat = SAVE_FORMAT) -> dict:
+    """Restore what :func:`save_trainer` wrote, at this process's layout (which may differ
+    from the saved one: ``config/resume_layout.py``), reading as ``fmt.parallel_io`` says (the
+    optimizer format is the saved one); returns the orchestrator's ``run_state``."""
     dist_dir = os.path.join(path, "dist")
     if not os.path.isdir(dist_dir):
         raise FileNotFoundError(f"{path!r} is not a trainer checkpoint (no dist/ directory)")
-    # checkpoints written before optimizer_stepped was recorded all hold the optimizer
     common = dist_checkpointing.load_common_state_dict(dist_dir)
-    stepped = common.get("optimizer_stepped", True)
+    saved = parse_layout(common)
     behavior = common.get("behavior_kept", False)
-    if stepped:
-        _materialize_optimizer_state(trainer.optimizer)
-    loaded = dist_checkpointing.load(_sharded_state(trainer, True, stepped, behavior), dist_dir)
+    if saved.optimizer_stepped:
+        materialize_optimizer_state(trainer.optimizer)
+    read = SaveFormat(saved.optimizer_format or DP_RESHARDABLE, parallel_io=fmt.parallel_io)
+    state = _sharded_state(trainer, True, saved.optimizer_stepped, behavior, read)
+    loaded = dist_checkpointing.load(state, dist_dir, _load_strategy(read, dist_dir))
+    _restore_weights(trainer, loaded, behavior)
+    if saved.optimizer_stepped:  # else the fresh optimizer is the saved one (no state)
+        with torch.no_grad():  # the optimizer copies into views of parameters
+            load_optimizer(trainer.optimizer, loaded["optimizer"], common["optimizer"],
+                           read.optimizer)  # fmt: skip
+        unshare_adam_steps(trainer.optimizer)
+    trainer.scheduler.load_state_dict(loaded["scheduler"])
+    trainer.updates = int(loaded["updates"])
+    _restore_rng(path, same_layout=_same_ranks(common))
+    return torch.load(os.path.join(path, "run_state.pt"), weights_only=True)
+
+
+def _restore_weights(trainer, loaded: dict, behavior: bool) -> None:
+    """The loaded model, reference and behavior weights into the live model and the store."""
     core = unwrap(trainer.model)
     # dist_checkpointing loads the model in place (its tensors are the live parameters), so
     # keep a copy before the reference passes through the live parameters
@@ -240,13 +299,23 @@ def load_trainer(trainer, path: str) -> dict:
     else:  # a run without async rollout
         trainer.store.copies.pop(BEHAVIOR, None)
     core.load_state_dict(model_state)
-    if stepped:  # else the fresh optimizer is the saved one (no state)
-        with torch.no_grad():  # the optimizer copies into views of parameters
-            trainer.optimizer.load_state_dict(loaded["optimizer"])
-        _unshare_adam_steps(trainer.optimizer)
-    trainer.scheduler.load_state_dict(loaded["scheduler"])
-    trainer.updates = int(loaded["updates"])
+
+
+def _same_ranks(common: dict) -> bool:
+    """Whether the checkpoint was saved by ranks in the roles this process's ranks have (a
+    save that records no world size: assumed so, as it was loaded before layouts changed)."""
+    saved = common.get("parallel_layout") or {}
+    if "world_size" not in saved:
+        return True
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    now = current_layout().as_dict()
+    return saved.get("world_size") == world and all(saved.get(k) == v for k, v in now.items())
+
+
+def _restore_rng(path: str, same_layout: bool) -> None:
+    """Global rank R's RNG states from the save of rank R when the ranks keep their roles;
+    after a layout change rank R is another shard, so it keeps the seeded states
+    (``parallel.init_parallel``; the loss draws no random numbers: dropout is 0)."""
     rng_file = os.path.join(path, "rng", f"rank_{parallel.global_rank()}.pt")
-    if os.path.exists(rng_file):
+    if same_layout and os.path.exists(rng_file):
         _set_rng_state(torch.load(rng_file, weights_only=True))
-    return torch.load(os.path.join(path, "run_state.pt"), weights_only=True)

@@ -69,10 +69,17 @@ class TrainerInterface(ABC):
 
     @abstractmethod
     def train_step(self, batch: TrainBatch, num_minibatches: int) -> dict[str, float]:
-        """One RL step: split ``batch`` (consecutive samples) into ``num_minibatches``
-        mini-batches and take one optimizer update on each. ``batch.old_logprobs`` and
+        """Split ``batch`` (consecutive samples; a batch selected from the step's, or that
+        batch itself) into ``num_minibatches`` mini-batches and take one optimizer update on
+        each. ``batch.old_logprobs`` and
         ``batch.ref_logprobs`` must be filled. Returns metrics averaged over updates and
         reduced over data-parallel ranks (``loss/*``, ``kl/*``, ``lr``)."""
+
+    def end_step(self) -> None:
+        """The step's last update is done: drop what the trainer kept for its updates (the
+        ``old`` pass's recorded routes, ``routing_replay.RecordedRoutes``); default: nothing
+        kept."""
+        return None
 
     @abstractmethod
     def reset_reference(self) -> None:

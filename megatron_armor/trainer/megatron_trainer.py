@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_armor.algo.losses import LossSettings, finalize_metrics
-from megatron_armor.config.moe import expert_groups_span_dp, expert_tp_size
+from megatron_armor.config.moe import expert_groups_span_dp
 from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.config.validate import updates_per_step, validate_runtime
 from megatron_armor.trainer import checkpoint, parallel, routing_replay
@@ -92,7 +92,7 @@ class MegatronTrainer(TrainerInterface):
         t = config.trainer
         validate_runtime(config)  # the rest of the config was checked at load
         layout = parallel.ParallelLayout(
-            tp=t.tp, pp=t.pp, cp=t.cp, vpp=t.vpp, ep=t.ep, etp=expert_tp_size(t)
+            tp=t.tp, pp=t.pp, cp=t.cp, vpp=t.vpp, ep=t.ep, etp=config.resolved.etp
         )
         parallel.init_parallel(layout, rank, world_size, master_addr, master_port, config.run.seed)
         self.config = config
@@ -106,7 +106,9 @@ class MegatronTrainer(TrainerInterface):
         self.store.snapshot("ref")
         self.reference = concurrent_reference(config, self.spec, self.model)
         self._routers = routing_replay.routers(self.model)  # [] for a dense model
-        self.loss_settings = LossSettings.from_algo_config(config.algo)
+        self.recorded_routes: routing_replay.RecordedRoutes | None = None
+        """The routes the step's ``old`` pass recorded for its updates (by sample id)."""
+        self.loss_settings = LossSettings.from_algo_config(config.algo, config.resolved.alpha)
         self.lp = LogprobSettings(
             vocab_size=self.spec.vocab_size,
             temperature=config.rollout.sampling.temperature,
@@ -135,7 +137,7 @@ class MegatronTrainer(TrainerInterface):
         """Every DP rank must run as many micro-batches: a MoE model whose expert groups span
         DP ranks (``config/moe.py``: :func:`expert_groups_span_dp`)."""
         t = self.config.trainer
-        spans = expert_groups_span_dp(t.tp, t.cp, t.ep, expert_tp_size(t))
+        spans = expert_groups_span_dp(t.tp, t.cp, t.ep, self.config.resolved.etp)
         return self.spec.moe is not None and spans
 
     def _diagnostic_micro_batches(self, batch, mbs, kl_mask):
@@ -191,8 +193,9 @@ class MegatronTrainer(TrainerInterface):
             held = None
             if plan.mode != "off":  # collective over the data-parallel group
                 held = routing_replay.update_routes(
-                    minibatch, parallel.dp_rank(), parallel.dp_size(), parallel.dp_group()
-                )
+                    self.recorded_routes, minibatch, parallel.dp_rank(), parallel.dp_size(),
+                    parallel.dp_group(),
+                )  # fmt: skip
             routing = plan.update_pass(minibatch, self._routers, held)
         if self.spec.moe is not None:  # the load-balancing loss's share of this update
             scale_aux_loss(unwrap(self.model), t.moe.aux_loss_coeff, mbs)
@@ -327,7 +330,7 @@ class MegatronTrainer(TrainerInterface):
         sparse = tuple(i for i, s in enumerate(moe.sparse_layers) if s)
         return routing_replay.ReplayPlan(t.moe.routing_replay, t.moe.anchor_routes,
                                          self.spec.num_layers, moe.num_experts, moe.topk,
-                                         sparse, sp)  # fmt: skip
+                                         sparse, sp, t.recompute)  # fmt: skip
 
     def _step_routing(self, batch, single: bool) -> tuple:
         """``(old pass, reference pass)`` routings of :meth:`step_logprobs` (``None`` s for
@@ -342,15 +345,16 @@ class MegatronTrainer(TrainerInterface):
         return old, plan.ref_pass(batch, routing_replay.routers(ref_model))
 
     def _finish_routing(self, batch, old_routing, ref_routing) -> dict[str, float]:
-        """After the passes of a step: the ``old`` pass's routes of this rank's samples into
-        ``batch.replay`` (the updates replay them, ``routing_replay.update_routes``) and the
-        ``moe/*`` routing metrics (collective)."""
+        """After the passes of a step: the ``old`` pass's routes of this rank's samples kept
+        for the step's updates (:attr:`recorded_routes`; they replay them,
+        ``routing_replay.update_routes``) and the ``moe/*`` routing metrics (collective)."""
         if old_routing is None:
             return {}
         plan = self._replay_plan()
-        batch.replay = None
-        if old_routing.record:
-            batch.replay = plan.recorded(old_routing, batch, parallel.dp_rank(), parallel.dp_size())
+        self.recorded_routes = None
+        if old_routing.spec.record:
+            dp_rank, dp_size = parallel.dp_rank(), parallel.dp_size()
+            self.recorded_routes = plan.recorded(old_routing, batch, dp_rank, dp_size)
         passes = [p for p in (old_routing, ref_routing) if p is not None]
         engine = batch.token_data.get(ROUTES_KEY)
         share = float(has_route(engine).float().mean()) if engine is not None else 0.0
@@ -431,6 +435,9 @@ class MegatronTrainer(TrainerInterface):
             k: sum(m[k] for m in per_update if k in m) / sum(1 for m in per_update if k in m)
             for k in sorted(keys)
         }
+
+    def end_step(self) -> None:
+        self.recorded_routes = None
 
     def reset_reference(self) -> None:
         enable_cpu_mode()  # per thread (no-op with CUDA)

@@ -5,7 +5,7 @@ A model whose ``config.json`` has experts (``config/moe.py``: :func:`moe_shape`)
 ``GPTModel`` whose sparse layers are megatron-core ``MoELayer`` s: a ``TopKRouter`` and the
 experts, ``SequentialMLP`` (one megatron MLP per local expert) with the local spec on CPU,
 ``TEGroupedMLP`` (Transformer Engine's grouped GEMM) with ``trainer.transformer_impl: te``.
-Only a MoE model takes these paths; a dense model is built as before.
+Only a MoE model takes these paths; a dense model is built without any of them.
 
 Routing matches transformers' ``Qwen3MoeTopKRouter``: router logits in fp32, softmax, top-k.
 With ``norm_topk_prob`` the kept probabilities are renormalised, which equals a softmax over

@@ -85,4 +85,5 @@ def return_cached_blocks() -> None:
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return
     torch.cuda.synchronize()
+    torch.cuda.ipc_collect()  # blocks shared by CUDA IPC (a pushed bucket) that the server let go
     torch.cuda.empty_cache()

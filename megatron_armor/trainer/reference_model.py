@@ -25,20 +25,20 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from megatron_armor.config.validate import concurrent_reference_value, runs_concurrent_reference
+from megatron_armor.config.resolve import concurrent_reference_setting
 from megatron_armor.trainer.cpu_compat import enable_cpu_mode
 from megatron_armor.trainer.model import build_model
 from megatron_armor.trainer.schedule import run_schedule
 
 
 def concurrent_reference(config, spec, live: torch.nn.Module) -> ConcurrentReference | None:
-    """The rank's :class:`ConcurrentReference` where ``trainer.concurrent_reference`` resolves
-    on (``config/validate.py``) and the rank runs on CPU; ``auto`` on a CUDA rank is off,
+    """The rank's :class:`ConcurrentReference` where ``trainer.concurrent_reference`` is
+    decided on (``config.resolved``) and the rank runs on CPU; ``auto`` on a CUDA rank is off,
     ``true`` an error."""
-    if not runs_concurrent_reference(config):
+    if not config.resolved.concurrent_reference:
         return None
     if torch.cuda.is_available():
-        if concurrent_reference_value(config) == "auto":
+        if concurrent_reference_setting(config.trainer.concurrent_reference) == "auto":
             return None
         raise ValueError(
             "trainer.concurrent_reference=true on a rank with CUDA: the concurrent reference "

@@ -4,8 +4,10 @@
 Each MoE router of the model gets a :class:`RouteReplay`: megatron-core's ``RouterReplay``
 (``transformer/moe/router_replay.py``, switched on by ``TransformerConfig.moe_enable_routing_replay``;
 the router calls it for its top-k), driven per model instance rather than through its
-class-wide lists (the concurrent reference model's routers run on another thread). A pass
-over a batch is described by a :class:`PassRouting`:
+class-wide lists (the concurrent reference model's routers run on another thread). What a
+pass over a batch does is its :class:`PassSpec` (frozen), and :class:`PassRouting` runs it:
+each micro-batch's routes (:class:`MicroBatchRoutes`), the counts (:class:`Agreement`, the
+expert load) and the recorded routes. A spec holds:
 
 - ``targets``: the experts each token-layer must use (``-1``: the router's own top-k), read
   per micro-batch (its rows only reach the routers' device). The replayed experts' gate values
@@ -15,15 +17,18 @@ over a batch is described by a :class:`PassRouting`:
   the ``old`` pass's), counted per source of the sample (policy sample, anchor): the routing
   agreement;
 - ``record``: keep the experts every token-layer used (the ``old`` pass, for the updates);
-- expert load: tokens per expert per layer.
+- ``training`` and ``recompute``: an update, whose layers may run again in the backward.
+
+Every pass also counts the expert load: tokens per expert per layer.
 
 Memory. The engines' routes of the batch stay on the host (``uint8`` up to 255 experts,
 ``types.routed_experts``). The ``old`` pass records each micro-batch's routes on the routers'
 device (:func:`route_dtype`), copies them to the host after the micro-batch's forward
 (non-blocking; one synchronisation after the pass) and keeps only the rows of the samples the
-rank ran (its data-parallel shard, :class:`OldRoutes`). An update fetches the rows of its own
-shard of the mini-batch from the ranks that recorded them (:func:`update_routes`: one
-all-to-all over the data-parallel group, sized by the shards every rank computes alike).
+rank ran (its data-parallel shard, :class:`RecordedRoutes`, which the trainer keeps for the
+step's updates). An update finds the rows of its own shard of the mini-batch by sample id and
+fetches them from the ranks that recorded them (:func:`update_routes`: one all-to-all over the
+data-parallel group, sized by the shards every rank computes alike).
 Memory and traffic therefore scale with a rank's own tokens, never with the batch's
 (docs/trainer.md, "Routing replay").
 
@@ -35,16 +40,21 @@ tokens after the router, so it does not change this order; each pipeline stage r
 layers it holds (``layer_number``).
 
 Recompute: with ``trainer.recompute`` the layers run their forward again during the backward.
-A training pass keeps each micro-batch's final experts per router
+Such a training pass keeps each micro-batch's final experts per router
 (``replay_backward_list``); after a micro-batch's forward the routers switch to
 ``REPLAY_BACKWARD`` and each recomputation takes the oldest entry (micro-batches are
-recomputed in the order they ran forward, with or without pipelining).
+recomputed in the order they ran forward, with or without pipelining). Without it nothing is
+kept: no router runs again before the pass ends.
+
+No router call reads a value back from its device: the load and the agreement are counted
+with device ops of fixed shapes (``index_add_``, sums), so a pass synchronises with the device
+once, when the recorded routes are read (:meth:`PassRouting.held`).
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -56,12 +66,14 @@ from megatron_armor.trainer.batching import shard_samples
 from megatron_armor.types import ROUTES_KEY, route_ids
 
 POLICY, ANCHOR = 1, 2
-"""Sample sources of :attr:`PassRouting.source` (0: not counted)."""
+"""Sample sources of :attr:`PassSpec.source` (0: not counted)."""
 
 
 class RouteReplay(RouterReplay):
     """One router's replay (module docstring): megatron-core's ``RouterReplay`` whose top-k
-    follows the :class:`PassRouting` of the running pass."""
+    follows the :class:`PassRouting` of the running pass (``None`` between passes: the
+    router's own top-k). A pass sets it for its routers at each micro-batch
+    (:meth:`PassRouting.begin`) and clears it at its end."""
 
     def __init__(self, layer: int):
         super().__init__()
@@ -80,7 +92,7 @@ class RouteReplay(RouterReplay):
         if self.router_replay_action == RouterReplayAction.REPLAY_BACKWARD:
             chosen = self.replay_backward_list.pop(0).to(scores.device)
             return scores.gather(1, chosen), chosen
-        target = routing.micro_batch_target(self.layer, scores.device)
+        target = routing.target(self.layer, scores.device)
         if target is None:
             probs, chosen = default_compute_topk(scores, topk, num_groups, group_topk)
             free = chosen
@@ -91,7 +103,7 @@ class RouteReplay(RouterReplay):
             chosen = torch.where(replay, target, free)
             probs = scores.gather(1, chosen)
         routing.observe(self.layer, free.detach(), chosen.detach())
-        if routing.training:
+        if routing.spec.recompute:  # the backward runs this forward again: it replays these
             self.replay_backward_list.append(chosen.detach())
         return probs, chosen
 
@@ -217,69 +229,149 @@ class HeldRows:
 
 
 @dataclass
-class OldRoutes:
-    """The ``old`` pass's routes of a batch (``TrainBatch.replay``): this rank holds those of
+class RecordedRoutes:
+    """The ``old`` pass's routes of a step's batch, kept by the trainer for the step's
+    updates and found by sample id (a sample's index in that batch): this rank holds those of
     the samples it ran (``held``: its data-parallel shard, ``batching.shard_samples``);
-    ``owner``: the data-parallel rank that holds each sample's. The updates fetch theirs with
+    ``owner``: the data-parallel rank that holds each sample's. An update fetches its own with
     :func:`update_routes`."""
 
     held: HeldRoutes
     owner: list[int]
 
 
-@dataclass
-class PassRouting:
-    """The routing of one pass over a batch (module docstring). ``targets`` / ``compare``
-    read the routes of the positions of each micro-batch (:class:`BatchRoutes`,
-    :class:`HeldRows`: ``-1`` none). What the routers count and record stays on their device
-    (no host synchronisation per router call); a micro-batch's recorded routes go to the host
-    after its forward (one non-blocking copy) and are read after the pass."""
+@dataclass(frozen=True, eq=False)
+class PassSpec:
+    """What one pass over a batch does with its routes (module docstring): the experts each
+    token-layer must use (``targets``, ``-1``: the router's own top-k), the routes its own
+    top-k is compared with (``compare``) and the source of each token (``source``, ``[total]``
+    int8: :data:`POLICY`, :data:`ANCHOR` or 0, not compared), whether its routes are recorded
+    (``record``: the ``old`` pass), and whether it trains (``training``) with the layers run
+    again in the backward (``recompute``: ``trainer.recompute``, which replays what the forward
+    chose)."""
 
     num_layers: int
     num_experts: int
-    total: int
-    """Tokens of the packed batch."""
-    routers: list[RouteReplay] = field(default_factory=list)
-    """The routers of the model the pass runs on."""
     targets: BatchRoutes | HeldRows | None = None
     compare: BatchRoutes | HeldRows | None = None
     source: torch.Tensor | None = None
-    """``[total]`` int8: :data:`POLICY`, :data:`ANCHOR` or 0 (not compared)."""
     record: bool = False
     training: bool = False
+    recompute: bool = False
     sp: tuple[int, int] = (0, 1)
     """(rank, size) of the sequence-parallel split of the routers' rows."""
-    recorded: list = field(default_factory=list)
-    """``(positions, [rows, routed layers, k] host routes)`` per micro-batch (``record``)."""
-    load: torch.Tensor | None = None
-    """``[layers, experts]`` int64 tokens routed to each expert."""
-    agree: torch.Tensor | None = None
-    """``[4]`` int64 ``(policy agreeing, policy compared, anchor agreeing, anchor compared)``
-    token-layers."""
-    _pos: torch.Tensor | None = None
-    _mb: dict = field(default_factory=dict)
-    _mb_replays: list[bool] = field(default_factory=list)
-    _on_device: dict = field(default_factory=dict)
-    _buffer: torch.Tensor | None = None
+
+
+class OnDevice:
+    """A host tensor, moved to the routers' device once, when first asked for there."""
+
+    def __init__(self, host: torch.Tensor) -> None:
+        self.host = host
+        self.device: torch.device | None = None
+        self.moved: torch.Tensor | None = None
+
+    def on(self, device) -> torch.Tensor:
+        if self.moved is None or self.device != device:
+            self.moved, self.device = self.host.to(device), device
+        return self.moved
+
+
+@dataclass
+class MicroBatchRoutes:
+    """One micro-batch's rows as its routers see them (``router_positions``): their batch
+    positions (``-1``: padding), the experts to replay, the routes compared with and their
+    sources (each moved to the routers' device once); which layers replay anything
+    (``replays``); and, while recorded, the routes its routers chose (``recording``,
+    ``[rows, routed layers, k]`` on their device)."""
+
+    pos: OnDevice
+    target: OnDevice | None
+    compare: OnDevice | None
+    source: OnDevice | None
+    replays: list[bool]
+    recording: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, spec: PassSpec, mb) -> MicroBatchRoutes:
+        pos = router_positions(mb, *spec.sp)
+        target = compare = source = None
+        replays = [False] * spec.num_layers
+        if spec.targets is not None:
+            rows = spec.targets.rows(pos)
+            target, replays = OnDevice(rows), (rows[:, :, 0] >= 0).any(0).tolist()
+        if spec.compare is not None:
+            compare = OnDevice(spec.compare.rows(pos))
+            source = OnDevice(spec.source[pos.clamp(min=0)] * (pos >= 0))
+        return cls(OnDevice(pos), target, compare, source, replays)
+
+
+@dataclass
+class Agreement:
+    """Token-layers whose router's own top-k is the compared route (``*_agreeing``) of those
+    compared (``*_compared``), per sample source; counted on the routers' device."""
+
+    policy_agreeing: torch.Tensor
+    policy_compared: torch.Tensor
+    anchor_agreeing: torch.Tensor
+    anchor_compared: torch.Tensor
+
+    @classmethod
+    def zeros(cls, device=None) -> Agreement:
+        return cls(*(torch.zeros((), dtype=torch.long, device=device) for _ in range(4)))
+
+    def add(self, same: torch.Tensor, src: torch.Tensor) -> None:
+        """Count ``same`` (``[rows]`` bool: agreeing) by source ``src`` (``[rows]``)."""
+        for kind, agreeing, compared in (
+            (POLICY, self.policy_agreeing, self.policy_compared),
+            (ANCHOR, self.anchor_agreeing, self.anchor_compared),
+        ):
+            mask = src == kind
+            agreeing += (same & mask).sum()
+            compared += mask.sum()
+
+    def vector(self) -> torch.Tensor:
+        """``[4]`` float64 on the host: the counts in field order (for one collective)."""
+        counts = (self.policy_agreeing, self.policy_compared, self.anchor_agreeing,
+                  self.anchor_compared)  # fmt: skip
+        return torch.stack(counts).double().cpu()
+
+
+AGREEMENT_SIZE = 4
+"""The counts of :meth:`Agreement.vector`."""
+
+
+@dataclass
+class RecordedMicroBatch:
+    """A recorded micro-batch on the host: its routers' positions and the routes they chose
+    (``[rows, routed layers, k]`` :func:`route_dtype`)."""
+
+    pos: torch.Tensor
+    routes: torch.Tensor
+
+
+class PassRouting:
+    """The routing of one pass over a batch (module docstring), as it runs: its
+    :class:`PassSpec`, the routers of the model it runs on, the running micro-batch's routes,
+    what it counts (the agreement, the expert load) and what it recorded. What the routers
+    count and record stays on their device, with no host synchronisation per router call; a
+    micro-batch's recorded routes go to the host after its forward (one non-blocking copy)
+    and are read after the pass (:meth:`held`)."""
+
+    def __init__(self, spec: PassSpec, routers: list[RouteReplay]) -> None:
+        self.spec, self.routers = spec, routers
+        self.micro: MicroBatchRoutes | None = None
+        self.load: torch.Tensor | None = None
+        """``[layers, experts]`` int64 tokens routed to each expert."""
+        self.agreement: Agreement | None = None
+        self.recorded: list[RecordedMicroBatch] = []
 
     def routed_layers(self) -> list[int]:
         """The layers this rank's routers route (the columns of the recorded routes)."""
         return sorted({r.layer for r in self.routers})
 
     def begin(self, mb) -> None:
-        """Before micro-batch ``mb``'s forward: its rows' targets, compared routes and
-        sources, the routers on this pass."""
-        pos = router_positions(mb, *self.sp)
-        self._pos = pos
-        self._on_device = {}
-        self._mb = {"pos": pos}
-        if self.targets is not None:
-            rows = self.targets.rows(pos)
-            self._mb["target"] = rows
-            self._mb_replays = (rows[:, :, 0] >= 0).any(0).tolist()
-        if self.compare is not None:
-            self._mb["compare"] = self.compare.rows(pos)
-            self._mb["source"] = self.source[pos.clamp(min=0)] * (pos >= 0)
+        """Before micro-batch ``mb``'s forward: its rows' routes, the routers on this pass."""
+        self.micro = MicroBatchRoutes.of(self.spec, mb)
         for r in self.routers:
             r.routing = self
             r.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
@@ -287,65 +379,54 @@ class PassRouting:
     def forward_done(self) -> None:
         """After a micro-batch's forward: its recorded routes to the host (non-blocking);
         a recomputation in its backward replays what the forward chose (module docstring)."""
-        if self._buffer is not None:
-            host = torch.empty(self._buffer.shape, dtype=self._buffer.dtype,
-                               pin_memory=self._buffer.is_cuda)  # fmt: skip
-            host.copy_(self._buffer, non_blocking=True)
-            self.recorded.append((self._pos, host))
-            self._buffer = None
+        micro = self.micro
+        if micro is not None and micro.recording is not None:
+            chosen = micro.recording
+            host = torch.empty(chosen.shape, dtype=chosen.dtype, pin_memory=chosen.is_cuda)
+            host.copy_(chosen, non_blocking=True)
+            self.recorded.append(RecordedMicroBatch(micro.pos.host, host))
+            micro.recording = None
         for r in self.routers:
             r.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
 
-    def _on(self, name: str, device) -> torch.Tensor:
-        """This micro-batch's ``name`` (``pos``, ``target``, ``compare``, ``source``) on
-        ``device``, moved once."""
-        key = (name, str(device))
-        if key not in self._on_device:
-            self._on_device[key] = self._mb[name].to(device)
-        return self._on_device[key]
-
-    def micro_batch_target(self, layer: int, device) -> torch.Tensor | None:
+    def target(self, layer: int, device) -> torch.Tensor | None:
         """``[rows, k]`` experts to replay at ``layer`` (``-1`` rows: own top-k), ``None``
         when nothing is replayed there."""
-        if "target" not in self._mb or not self._mb_replays[layer]:
+        micro = self.micro
+        if micro.target is None or not micro.replays[layer]:
             return None
-        return self._on("target", device)[:, layer].long()
+        return micro.target.on(device)[:, layer].long()
 
     def observe(self, layer: int, free: torch.Tensor, chosen: torch.Tensor) -> None:
-        """Count the load, the agreement and keep the route of one router call."""
-        dev = chosen.device
-        pos = self._on("pos", dev)
-        real = pos >= 0
+        """Count the load, the agreement and keep the route of one router call, on the
+        routers' device (no value read back)."""
+        dev, micro, spec = chosen.device, self.micro, self.spec
+        pos = micro.pos.on(dev)
         if self.load is None:
-            self.load = torch.zeros(self.num_layers, self.num_experts, dtype=torch.long, device=dev)
-            self.agree = torch.zeros(4, dtype=torch.long, device=dev)
-        self.load[layer] += torch.bincount(chosen[real].reshape(-1), minlength=self.num_experts)
-        if self.compare is not None:
-            self._count_agreement(layer, free)
-        if self.record:
+            self.load = torch.zeros(spec.num_layers, spec.num_experts, dtype=torch.long, device=dev)
+            self.agreement = Agreement.zeros(dev)
+        real = (pos >= 0).unsqueeze(1).expand_as(chosen)
+        self.load[layer].index_add_(0, chosen.reshape(-1), real.reshape(-1).long())
+        if micro.compare is not None:
+            want = micro.compare.on(dev)[:, layer].long()
+            src = micro.source.on(dev).long() * (want[:, 0] >= 0)
+            self.agreement.add((free.sort(1).values == want.sort(1).values).all(1), src)
+        if spec.record:
             columns = self.routed_layers()
-            if self._buffer is None:
+            if micro.recording is None:
                 shape = (len(pos), len(columns), chosen.shape[1])
-                self._buffer = torch.zeros(shape, dtype=route_dtype(self.num_experts), device=dev)
-            self._buffer[:, columns.index(layer)] = chosen.to(self._buffer.dtype)
-
-    def _count_agreement(self, layer: int, free) -> None:
-        dev = free.device
-        want = self._on("compare", dev)[:, layer].long()
-        src = self._on("source", dev).long() * (want[:, 0] >= 0)
-        same = (free.sort(1).values == want.sort(1).values).all(1)
-        for i, kind in enumerate((POLICY, ANCHOR)):
-            mask = src == kind
-            self.agree[2 * i] += (same & mask).sum()
-            self.agree[2 * i + 1] += mask.sum()
+                micro.recording = torch.zeros(shape, dtype=route_dtype(spec.num_experts),
+                                              device=dev)  # fmt: skip
+            micro.recording[:, columns.index(layer)] = chosen.to(micro.recording.dtype)
 
     def counts(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(agree [4], load [layers, experts])`` float64 on the host (zeros when no router
-        of this rank ran)."""
+        """``(agreement [4], load [layers, experts])`` float64 on the host (zeros when no
+        router of this rank ran; :meth:`Agreement.vector`)."""
+        spec = self.spec
         if self.load is None:
-            zeros = torch.zeros(self.num_layers, self.num_experts, dtype=torch.float64)
-            return torch.zeros(4, dtype=torch.float64), zeros
-        return self.agree.double().cpu(), self.load.double().cpu()
+            zeros = torch.zeros(spec.num_layers, spec.num_experts, dtype=torch.float64)
+            return torch.zeros(AGREEMENT_SIZE, dtype=torch.float64), zeros
+        return self.agreement.vector(), self.load.double().cpu()
 
     def held(self, batch, samples: list[int], topk: int) -> HeldRoutes:
         """The recorded routes of ``samples`` of ``batch`` (this rank's shard: the samples it
@@ -359,12 +440,12 @@ class PassRouting:
         lengths = [all_lengths[i] for i in samples]
         out = HeldRoutes(list(samples), lengths, self.routed_layers(), torch.empty(0))
         shape = (sum(lengths), len(out.layers), topk)
-        rows = torch.zeros(shape, dtype=route_dtype(self.num_experts))
-        for pos, host in self.recorded:
-            index = out.row_index(pos, batch)
+        rows = torch.zeros(shape, dtype=route_dtype(self.spec.num_experts))
+        for recorded in self.recorded:
+            index = out.row_index(recorded.pos, batch)
             keep = index >= 0
-            rows[index[keep]] = host[keep]
-        if self.sp[1] > 1:
+            rows[index[keep]] = recorded.routes[keep]
+        if self.spec.sp[1] > 1:
             sum_in_chunks(rows, parallel.tp_group())
         out.rows = rows
         self.recorded = []
@@ -372,7 +453,7 @@ class PassRouting:
 
     def end(self) -> None:
         """After the pass: the routers back to their own top-k, their lists emptied."""
-        self._buffer = None
+        self.micro = None
         for r in self.routers:
             r.routing = None
             r.clear_indices()
@@ -408,14 +489,16 @@ def exchange_plan(
     return send, receive
 
 
-def update_routes(minibatch, dp_rank: int, dp_size: int, group=None) -> HeldRoutes | None:
-    """The ``old`` pass's routes of this rank's shard of ``minibatch`` (a batch selected from
-    the recorded one, ``TrainBatch.origin``), fetched from the ranks that hold them: one
-    all-to-all over the data-parallel group of just those rows (:func:`exchange_plan`), each
-    row crossing at most once; ``None`` when the batch has no recorded routes."""
-    old: OldRoutes | None = minibatch.replay
-    if old is None:
+def update_routes(recorded: RecordedRoutes | None, minibatch, dp_rank: int, dp_size: int,
+                  group=None) -> HeldRoutes | None:  # fmt: skip
+    """The routes ``recorded`` by the ``old`` pass for this rank's shard of ``minibatch`` (a
+    batch selected from the recorded one: its samples' ids there are ``TrainBatch.origin``,
+    itself when it has none), fetched from the ranks that hold them: one all-to-all over the
+    data-parallel group of just those rows (:func:`exchange_plan`), each row crossing at most
+    once; ``None`` when nothing was recorded."""
+    if recorded is None:
         return None
+    old = recorded
     origin = (
         minibatch.origin if minibatch.origin is not None else list(range(minibatch.num_samples))
     )
@@ -445,13 +528,13 @@ def _all_to_all(parts: list[torch.Tensor], sizes: list[list[int]], like: torch.T
     return list(out.cpu().split(recv))
 
 
-def agreement_metrics(agree: torch.Tensor, names: tuple[str | None, str | None]) -> dict:
-    """``{name: agreeing / compared}`` per source (left out without compared token-layers)."""
-    out = {}
-    for i, name in enumerate(names):
-        if name is not None and float(agree[2 * i + 1]) > 0:
-            out[name] = float(agree[2 * i] / agree[2 * i + 1])
-    return out
+def agreement_metrics(agreement: Agreement, names: tuple[str | None, str | None]) -> dict:
+    """``{name: agreeing / compared}`` per source, ``names``: the policy's and the anchors'
+    metric names (left out without compared token-layers, or without a name)."""
+    counted = ((names[0], agreement.policy_agreeing, agreement.policy_compared),
+               (names[1], agreement.anchor_agreeing, agreement.anchor_compared))  # fmt: skip
+    return {name: float(agreeing / compared) for name, agreeing, compared in counted
+            if name is not None and float(compared) > 0}  # fmt: skip
 
 
 def load_metric(load: torch.Tensor, sparse: list[int]) -> dict:
@@ -494,9 +577,12 @@ class ReplayPlan:
     sparse: tuple[int, ...]
     """Indices of the MoE layers."""
     sp: tuple[int, int] = (0, 1)
+    recompute: bool = False
+    """``trainer.recompute``: an update's layers run their forward again in the backward."""
 
-    def _new(self, batch, **kw) -> PassRouting:
-        return PassRouting(self.num_layers, self.num_experts, batch.num_tokens, sp=self.sp, **kw)
+    def _new(self, model_routers, **kw) -> PassRouting:
+        spec = PassSpec(self.num_layers, self.num_experts, sp=self.sp, **kw)
+        return PassRouting(spec, model_routers)
 
     def old_pass(self, batch, model_routers, single: bool) -> PassRouting:
         """The ``old`` pass, recorded under ``r2`` / ``r3``: policy samples replay the policy
@@ -519,8 +605,8 @@ class ReplayPlan:
         if not single:
             source[anchor] = 0
         compare = None if engine is None else BatchRoutes(engine)
-        return self._new(batch, routers=model_routers, targets=targets, compare=compare,
-                         source=source, record=self.mode != "off")  # fmt: skip
+        return self._new(model_routers, targets=targets, compare=compare, source=source,
+                         record=self.mode != "off")  # fmt: skip
 
     def ref_pass(self, batch, model_routers) -> PassRouting:
         """The reference pass: anchors replay the reference engine's routes (``r2`` / ``r3``
@@ -533,8 +619,7 @@ class ReplayPlan:
             targets = BatchRoutes(engine, kinds == ANCHOR)
         source = torch.where(kinds == ANCHOR, ANCHOR, 0).to(torch.int8)
         compare = None if engine is None else BatchRoutes(engine)
-        return self._new(batch, routers=model_routers, targets=targets, compare=compare,
-                         source=source)  # fmt: skip
+        return self._new(model_routers, targets=targets, compare=compare, source=source)
 
     def update_pass(self, minibatch, model_routers, held: HeldRoutes | None) -> PassRouting:
         """An update: replays the ``old`` pass's routes of this rank's shard (``held``, from
@@ -546,13 +631,13 @@ class ReplayPlan:
             use = kinds != ANCHOR if self.anchors == "free" else None
             targets = HeldRows(held, minibatch, self.num_layers, use)
             compare = HeldRows(held, minibatch, self.num_layers)
-        return self._new(minibatch, routers=model_routers, targets=targets, compare=compare,
-                         source=kinds, training=True)  # fmt: skip
+        return self._new(model_routers, targets=targets, compare=compare, source=kinds,
+                         training=True, recompute=self.recompute)  # fmt: skip
 
     def metrics(self, passes: list[PassRouting], load_pass: PassRouting | None, names) -> dict:
         """Agreement (``names``: the policy and anchor metric names) summed over ``passes``
         and the expert load of ``load_pass``, reduced over the world (collective)."""
-        agree = torch.zeros(4, dtype=torch.float64)
+        agree = torch.zeros(AGREEMENT_SIZE, dtype=torch.float64)
         for p in passes:
             agree += p.counts()[0]
         load = torch.zeros(self.num_layers, self.num_experts, dtype=torch.float64)
@@ -563,12 +648,14 @@ class ReplayPlan:
             buf = flat.to(parallel.collective_device())
             dist.all_reduce(buf)
             flat = buf.cpu()
-        out = agreement_metrics(flat[:4], names)
+        out = agreement_metrics(Agreement(*flat[:AGREEMENT_SIZE]), names)
         if load_pass is not None:
-            out.update(load_metric(flat[4:].view(self.num_layers, -1), list(self.sparse)))
+            load = flat[AGREEMENT_SIZE:].view(self.num_layers, -1)
+            out.update(load_metric(load, list(self.sparse)))
         return out
 
-    def recorded(self, routing: PassRouting, batch, dp_rank: int, dp_size: int) -> OldRoutes:
+    def recorded(self, routing: PassRouting, batch, dp_rank: int, dp_size: int
+                 ) -> RecordedRoutes:  # fmt: skip
         """The ``old`` pass's routes of this rank's data-parallel shard of ``batch`` (the
         samples it ran), and which rank holds each sample's."""
         shards = shard_samples(batch.seq_lengths(), dp_size)
@@ -576,4 +663,4 @@ class ReplayPlan:
         for rank, ids in enumerate(shards):
             for i in ids:
                 owner[i] = rank
-        return OldRoutes(routing.held(batch, shards[dp_rank], self.topk), owner)
+        return RecordedRoutes(routing.held(batch, shards[dp_rank], self.topk), owner)

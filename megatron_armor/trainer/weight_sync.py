@@ -17,7 +17,10 @@ store (docs/weight-sync.md):
   safetensors shards, in parallel; rank 0 writes the index and the config files.
 
 Every :meth:`RankSync.push` is collective over the trainer world: all ranks call it, with the
-same arguments, in the same order.
+same arguments, in the same order. With colocated servers (``tensor`` always, ``disk`` under
+``orchestration.layout: colocated``) a push ends by giving its buffers back to CUDA (the
+gathered tensors and the flattened buckets, ~2 buckets per rank: ``offload.return_cached_blocks``),
+so the servers' KV cache, resumed after the push, finds that memory free (docs/weight-sync.md).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from megatron_armor.rollout.backends import backend_of
 from megatron_armor.rollout.hf_dir import CONFIG_FILES
 from megatron_armor.rollout.sglang import weights as transport
 from megatron_armor.rollout.sglang.client import update_weights_from_tensor_payload
+from megatron_armor.trainer.offload import return_cached_blocks
 
 Bucket = list[tuple[str, torch.Tensor]]
 
@@ -98,19 +102,31 @@ def every_stage_buckets(trainer, weights: str, size: int) -> Iterator[Bucket]:
 
 
 class RankSync(ABC):
-    """One trainer rank's end of a weight transport."""
+    """One trainer rank's end of a weight transport; ``colocated``: the servers share this
+    rank's GPU, which gets the push's buffers back at its end."""
 
     transport = ""
 
-    def __init__(self, trainer, bucket_mb: int, timeout_s: float = 600.0) -> None:
+    def __init__(
+        self, trainer, bucket_mb: int, timeout_s: float = 600.0, colocated: bool = False
+    ) -> None:
         self.trainer = trainer
         self.bucket_bytes = bucket_mb << 20
         self.timeout_s = timeout_s
+        self.colocated = colocated
 
-    @abstractmethod
     def push(self, version: int, weights: str, pool: str, target) -> int:
         """Send ``weights`` (``policy`` | ``ref``) at ``version`` to ``pool``'s servers
-        ``target`` (the transport's address of them); returns the bytes this rank sent."""
+        ``target`` (the transport's address of them); returns the bytes this rank sent.
+        Colocated, the push's buffers (dropped by then) go back to CUDA before it returns."""
+        sent = self._push(version, weights, pool, target)
+        if self.colocated:
+            return_cached_blocks()
+        return sent
+
+    @abstractmethod
+    def _push(self, version: int, weights: str, pool: str, target) -> int:
+        """:meth:`push` without the buffers' return; every buffer is dropped when it ends."""
 
     def drop(self, pool: str) -> None:  # noqa: B027 - most transports keep nothing per pool
         """Forget per-pool state (one of ``pool``'s servers restarted)."""
@@ -125,11 +141,11 @@ class TensorRankSync(RankSync):
     transport = "tensor"
 
     def __init__(self, trainer, bucket_mb: int, timeout_s: float = 600.0) -> None:
-        super().__init__(trainer, bucket_mb, timeout_s)
+        super().__init__(trainer, bucket_mb, timeout_s, colocated=True)  # validate.py: only so
         self.groups: dict[tuple, object] = {}
         self._client = None
 
-    def push(self, version: int, weights: str, pool: str, target: list[ServerTarget]) -> int:
+    def _push(self, version: int, weights: str, pool: str, target: list[ServerTarget]) -> int:
         """Every bucket of every stage into the servers ``target`` (inside their weight-update
         session, opened and closed by their rollout worker: ``orchestration/actors/weight_sync.py``).
         On ranks without a GPU each bucket travels as inline bytes
@@ -146,7 +162,7 @@ class TensorRankSync(RankSync):
             if target and rank == target[0].first_rank:  # the model's bytes, counted once
                 sent += bucket_bytes(bucket)
             dist.barrier()  # every server has loaded the bucket: its buffer may be freed
-            del serialized
+            del serialized, bucket
         return sent
 
     def _gather_group(self, server: ServerTarget):
@@ -213,7 +229,7 @@ class DistributedRankSync(RankSync):
         self.address = address
         self.senders: dict = {}
 
-    def push(self, version: int, weights: str, pool: str, target: list[ServerTarget]) -> int:
+    def _push(self, version: int, weights: str, pool: str, target: list[ServerTarget]) -> int:
         from megatron_armor.trainer import parallel
 
         sent = 0
@@ -280,11 +296,11 @@ class DiskRankSync(RankSync):
 
     transport = "disk"
 
-    def __init__(self, trainer, bucket_mb: int, model_dir: str) -> None:
-        super().__init__(trainer, bucket_mb)
+    def __init__(self, trainer, bucket_mb: int, model_dir: str, colocated: bool = False) -> None:
+        super().__init__(trainer, bucket_mb, colocated=colocated)
         self.model_dir = model_dir
 
-    def push(self, version: int, weights: str, pool: str, target: str) -> int:
+    def _push(self, version: int, weights: str, pool: str, target: str) -> int:
         from safetensors.torch import save_file
 
         from megatron_armor.trainer import parallel
@@ -328,7 +344,8 @@ def make_rank_sync(config, trainer) -> RankSync | None:
     if kind == "distributed":
         return DistributedRankSync(trainer, sg.weight_bucket_mb, sg.startup_timeout_s)
     if kind == "disk":
-        return DiskRankSync(trainer, sg.weight_bucket_mb, config.trainer.model_path)
+        colocated = config.orchestration.layout == "colocated"
+        return DiskRankSync(trainer, sg.weight_bucket_mb, config.trainer.model_path, colocated)
     raise ValueError(
         f"rollout.sglang.weight_transport={kind!r} is not one of tensor|distributed|disk"
     )

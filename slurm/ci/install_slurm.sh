@@ -10,6 +10,12 @@
 #   install_slurm.sh [up]   install, write slurm.conf, start the daemons, wait for idle nodes
 #   install_slurm.sh down   stop slurmctld, every slurmd, the namespace nodes and munged
 #
+# Containers: slurm/ci/pyxis_srun.py as /usr/local/bin/srun gives srun pyxis's --container-*
+# flags, each task then a container with enroot's isolation (slurm/ci/enroot_standin.sh, in
+# /usr/local/lib/armor-pyxis/; the `cpu-container` preset, docs/slurm.md "CI cluster").
+# Preemption: partition `ci` (the default) is preempted by jobs of partition `ci-urgent`
+# (PreemptMode=REQUEUE, GraceTime).
+#
 # Needs root and apt-get (for the install). Exits non-zero, saying why, when it cannot.
 # Settings (environment):
 #   ARMOR_SLURM_CONF     slurm.conf to write                        (default /etc/slurm/slurm.conf)
@@ -28,6 +34,10 @@ LOG_DIR=/var/log/slurm
 HOST=$(hostname -s)
 NETNS="$(cd "$(dirname "$0")" && pwd)/netns_nodes.sh"
 SLURMD_PID=/var/spool/slurmd/slurmd.pid   # inside each node's spool dir for namespace nodes
+PYXIS_STANDIN=/usr/local/bin/srun           # slurm/ci/pyxis_srun.py, installed by `up`
+STANDIN_LIB=/usr/local/lib/armor-pyxis      # and its slurm/ci/enroot_standin.sh
+STANDIN_MARK="pyxis's container flags for \`\`srun\`\` on the CI cluster"
+GRACE_S=${ARMOR_SLURM_GRACE_S:-60}         # GraceTime of partition ci when ci-urgent preempts it
 
 say() { echo "install_slurm: $*" >&2; }
 die() { say "$*"; exit 1; }
@@ -118,6 +128,10 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_Core_Memory
 DefMemPerCPU=1024
 JobRequeue=1
+# jobs of partition ci-urgent preempt those of ci: SIGTERM to the job's steps, GraceTime
+# seconds for them to end, then the job is requeued (docs/slurm.md)
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
 ReturnToService=2
 MpiDefault=none
 MailProg=/bin/true
@@ -128,7 +142,8 @@ MinJobAge=600
 InactiveLimit=0
 SlurmctldTimeout=30
 SlurmdTimeout=30
-${NODE_LINES}PartitionName=ci Nodes=${NODE_NAMES} Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
+${NODE_LINES}PartitionName=ci Nodes=${NODE_NAMES} Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO PriorityTier=1 GraceTime=${GRACE_S}
+PartitionName=ci-urgent Nodes=${NODE_NAMES} MaxTime=INFINITE State=UP OverSubscribe=NO PriorityTier=2 PreemptMode=OFF
 CONF
 }
 
@@ -208,6 +223,22 @@ wait_idle() {
   die "nodes not idle after ${WAIT_S}s (sinfo: $(echo "$state" | tr '\n' ' ')); see ${LOG_DIR}/slurmd.log or ${ARMOR_SLURM_STATE}/<node>/log/slurmd.log"
 }
 
+install_standin() {
+  # pyxis's srun flags (slurm/ci/pyxis_srun.py); an srun there that is not ours stays
+  if [ -e "$PYXIS_STANDIN" ] && ! grep -qF "$STANDIN_MARK" "$PYXIS_STANDIN"; then
+    die "$PYXIS_STANDIN exists and is not slurm/ci/pyxis_srun.py; remove it or install pyxis"
+  fi
+  mkdir -p "$STANDIN_LIB"
+  install -m 0755 "$(dirname "$0")/enroot_standin.sh" "$STANDIN_LIB/enroot_standin.sh"
+  install -m 0755 "$(dirname "$0")/pyxis_srun.py" "$PYXIS_STANDIN.tmp.$$"
+  mv "$PYXIS_STANDIN.tmp.$$" "$PYXIS_STANDIN"
+}
+
+remove_standin() {
+  [ -e "$PYXIS_STANDIN" ] && grep -qF "$STANDIN_MARK" "$PYXIS_STANDIN" || return 0
+  rm -rf "$PYXIS_STANDIN" "$STANDIN_LIB"
+}
+
 up() {
   install_packages
   start_munge
@@ -228,6 +259,7 @@ up() {
     say "wrote $CONF (${TOPOLOGY}: ${NODE_NAMES})"
     start_daemons
   fi
+  install_standin
   wait_idle
 }
 
@@ -235,7 +267,8 @@ down() {
   [ -f "$CONF" ] && grep -q 'slurm/ci/install_slurm.sh' "$CONF" || die "$CONF was not written by this script; nothing stopped"
   stop_daemons
   stop_pid_file /run/munge/munged.pid
-  say "Slurm daemons, namespace nodes and munged stopped"
+  remove_standin
+  say "Slurm daemons, namespace nodes and munged stopped; the pyxis stand-in removed"
 }
 
 case "${1:-up}" in

@@ -1,6 +1,8 @@
 # CPU cluster of slurm/ci/install_slurm.sh (two namespace nodes, or one): the repository's
 # .venv, no containers, Ray with per-job token auth and no dashboard, a per-job Ray port and a
 # small object store, short bring-up deadlines.
+# ARMOR_ROOT: the repository (set by the sbatch files; when this file is sourced alone, its own)
+export ARMOR_ROOT=${ARMOR_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}
 export ARMOR_LAUNCHER=none
 export ARMOR_PYTHON=${ARMOR_PYTHON:-$ARMOR_ROOT/.venv/bin/python}
 export ARMOR_RAY=${ARMOR_RAY:-$ARMOR_ROOT/.venv/bin/ray}

@@ -4,6 +4,8 @@
 #   docker build -f docker/Dockerfile -t megatron-armor:gpu . &&
 #   enroot import -o $ARMOR_ROOT/megatron-armor-gpu.sqsh dockerd://megatron-armor:gpu
 # Adjust the image, mounts, interface and HCA names to the site (see docs/slurm.md).
+# ARMOR_ROOT: the repository (set by the sbatch files; when this file is sourced alone, its own)
+export ARMOR_ROOT=${ARMOR_ROOT:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}
 export ARMOR_LAUNCHER=${ARMOR_LAUNCHER:-pyxis}
 export ARMOR_CONTAINER_IMAGE=${ARMOR_CONTAINER_IMAGE:-$ARMOR_ROOT/megatron-armor-gpu.sqsh}
 export ARMOR_CONTAINER_MOUNTS=${ARMOR_CONTAINER_MOUNTS:-$ARMOR_ROOT:$ARMOR_ROOT}

@@ -57,19 +57,24 @@ check_job_gpus() {
 
 set_srun_words() {
   # SRUN=(srun one task on node $1, overlapping the job's other steps, inside the container).
-  # Callers run "${SRUN[@]}" cmd ... as a simple command, so that $! is srun itself. With GPUs
-  # (ARMOR_RAY_NUM_GPUS > 0) a Ray node's step ($2 = gpu) asks for them: an srun step gets the
-  # GPUs it requests, not the job's, where the job's request did not reach its steps (e.g.
+  # Callers run "${SRUN[@]}" cmd ... as a simple command, so that $! is the srun's keeper
+  # (slurm/lib/detached_srun.py: srun runs outside the batch step's process tree, where no
+  # preemption signal reaches it; srun would turn a SIGTERM into a SIGKILL of its step; the
+  # keeper ignores SIGTERM/SIGINT, passes SIGUSR1/SIGUSR2 on and exits with srun's code). With
+  # GPUs (ARMOR_RAY_NUM_GPUS > 0) a Ray node's step ($2 = gpu) asks for them: an srun step gets
+  # the GPUs it requests, not the job's, where the job's request did not reach its steps (e.g.
   # --gres given at submit). Every other step (driver, node wait, checks, profile gathering)
   # needs no GPU and asks for none (--gres=none, srun(1)): where GRES is not shared, a step
   # asking for the GPUs the Ray step holds would wait forever.
-  SRUN=(srun --overlap --nodes=1 --ntasks=1 --nodelist="$1")
+  SRUN=(bash -c 'trap "" TERM INT; exec "$@"' detached "${ARMOR_HOST_PYTHON:-python3}"
+    "$ARMOR_ROOT/slurm/lib/detached_srun.py" -- srun --overlap --nodes=1 --ntasks=1 --nodelist="$1")
   if [ "${ARMOR_RAY_NUM_GPUS:-0}" -gt 0 ]; then
     if [ "${2:-}" = gpu ]; then SRUN+=(--gres="gpu:$ARMOR_RAY_NUM_GPUS"); else SRUN+=(--gres=none); fi
   fi
   if [ "${ARMOR_LAUNCHER:-none}" = pyxis ]; then
     [ -n "${ARMOR_CONTAINER_IMAGE:-}" ] || die "ARMOR_LAUNCHER=pyxis needs ARMOR_CONTAINER_IMAGE (a .sqsh file of docker/Dockerfile, see docs/gpu.md)"
-    SRUN+=(--container-image="$ARMOR_CONTAINER_IMAGE" --container-workdir="$ARMOR_ROOT")
+    # the working directory of the batch shell (the submit directory), as for ARMOR_LAUNCHER=none
+    SRUN+=(--container-image="$ARMOR_CONTAINER_IMAGE" --container-workdir="$PWD")
     [ -z "${ARMOR_CONTAINER_MOUNTS:-}" ] || SRUN+=(--container-mounts="$ARMOR_CONTAINER_MOUNTS")
     # shellcheck disable=SC2206
     SRUN+=(${ARMOR_PYXIS_ARGS:-})
@@ -78,9 +83,53 @@ set_srun_words() {
   SRUN+=("${CONTAINER[@]}")
 }
 
+container_mount_targets() {
+  # The paths ARMOR_CONTAINER_MOUNTS (SRC[:DST[:FLAGS]],...) makes visible in the container.
+  local item src dst
+  local -a items
+  IFS=, read -ra items <<< "${ARMOR_CONTAINER_MOUNTS:-}"
+  for item in "${items[@]}"; do
+    [ -n "$item" ] || continue
+    IFS=: read -r src dst _ <<< "$item"
+    echo "${dst:-$src}"
+  done
+}
+
+check_container_paths() {
+  # pyxis: every step is its own container that sees only ARMOR_CONTAINER_MOUNTS, so the paths
+  # the steps share (the repository, the submit directory, the job dir with the Ray token and
+  # the logs) must lie under a mount; refused before anything starts, naming the path.
+  [ "${ARMOR_LAUNCHER:-none}" = pyxis ] || return 0
+  local path target under
+  local -a targets
+  mapfile -t targets < <(container_mount_targets)
+  for path in "$@"; do
+    under=""
+    for target in "${targets[@]}"; do
+      case "${path%/}/" in "${target%/}/"*) under=$target ;; esac
+    done
+    [ -n "$under" ] || die "ARMOR_LAUNCHER=pyxis: $path is not under ARMOR_CONTAINER_MOUNTS=${ARMOR_CONTAINER_MOUNTS:-} (each step is its own container and sees only those mounts); add $path:$path to ARMOR_CONTAINER_MOUNTS"
+  done
+}
+
 ray_temp_dir() {
-  # Ray's temp dir on node $1: per job and per node (nodes may share /tmp).
-  echo "${ARMOR_RAY_TEMP_DIR:-/tmp/ray-armor-${SLURM_JOB_ID:-local}-$1}"
+  # Ray's temp dir on node $1: per job and per node (nodes may share /tmp). pyxis gives every
+  # step a private /tmp (enroot's tmpfs), so there it is on the node's /dev/shm, which enroot
+  # shares with the host: the Ray node, the join check and the driver are separate containers
+  # and reach the node's raylet through its sockets there.
+  local root=/tmp
+  [ "${ARMOR_LAUNCHER:-none}" != pyxis ] || root=/dev/shm
+  echo "${ARMOR_RAY_TEMP_DIR:-$root/ray-armor-${SLURM_JOB_ID:-local}-$1}"
+}
+
+use_job_gpus() {
+  # One-node jobs (convert, eval): the GPUs this job holds, whatever the preset's
+  # ARMOR_RAY_NUM_GPUS (a training node's count); a GPU preset needs at least one.
+  local have=${SLURM_GPUS_ON_NODE:-0}
+  if [ "${ARMOR_RAY_NUM_GPUS:-0}" -gt 0 ] && [ "$have" -lt 1 ]; then
+    die "this job holds no GPU (SLURM_GPUS_ON_NODE=${SLURM_GPUS_ON_NODE:-unset}) but the preset (ARMOR_ENV=${ARMOR_ENV:-default}) runs on GPUs; submit with sbatch --gpus-per-node=N"
+  fi
+  export ARMOR_RAY_NUM_GPUS=$have
 }
 
 pid_running() {

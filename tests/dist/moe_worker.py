@@ -113,7 +113,8 @@ def update_routes(trainer, out: dict, batch) -> None:
     from megatron_armor.types import ROUTES_KEY, route_ids
 
     mini = batch.select(list(range(batch.num_samples))[::-1])
-    held = fetch(mini, parallel.dp_rank(), parallel.dp_size(), parallel.dp_group())
+    held = fetch(trainer.recorded_routes, mini, parallel.dp_rank(), parallel.dp_size(),
+                 parallel.dp_group())  # fmt: skip
     bounds = mini.cu_seqlens.tolist()
     pos = torch.tensor([p for i in held.samples for p in range(bounds[i], bounds[i + 1])])
     engine = route_ids(mini.token_data[ROUTES_KEY])[pos][:, held.layers].long()

@@ -116,7 +116,7 @@ def make_config(model_dir: str, world: int, precision: str):
     t = cfg.trainer
     t.model_path, t.world_size, t.precision = model_dir, world, precision
     t.lr, t.warmup_steps, t.lr_unit, t.micro_batch_tokens = 1e-3, 0, "updates", 40
-    cfg.algo.ratio, cfg.algo.group_size, cfg.algo.alpha = "mixed", 4, 3 / 4
+    cfg.algo.ratio, cfg.algo.group_size = "mixed", 4  # alpha 'auto': 3/4
     return cfg
 
 

@@ -14,7 +14,9 @@ compares what the ranks wrote with the single-process run and with HF transforme
   whole old and reference log-probs, equal to the reporting ranks' parts summed;
 - reference log-probs after training equal the initial policy's; after ``reset_reference``
   they equal the current policy's;
-- save, exit, load in fresh processes: the next update's metrics and weights are bit-identical;
+- save, exit, load in fresh processes: the next update's metrics and weights are bit-identical,
+  also from a checkpoint as saves wrote it before the layout could change on resume
+  (``dp_reshardable``);
   ``armor convert --to-hf`` turns the checkpoint into the exported HF tensors.
 """
 
@@ -284,13 +286,15 @@ def test_distributed_optimizer_resume_and_convert(single, models, tmp_path) -> N
     assert_offloaded(result)
     # the layout the resume check compares (orchestration/run/resume_check.py)
     common = torch.load(tmp_path / "ckpt" / "dist" / "common.pt", weights_only=True)
-    layout = {"tp": 1, "pp": 1, "ep": 1, "etp": 1, "distributed_optimizer": True}
+    layout = {"tp": 1, "pp": 1, "ep": 1, "etp": 1, "dp": 2, "world_size": 2,
+              "distributed_optimizer": True, "optimizer_format": "fully_reshardable"}  # fmt: skip
     assert common["parallel_layout"] == layout
     resumed = launch("resume", str(tmp_path), models, 1, 1, 2, distopt=True)
     assert resumed["step"] == 1
-    assert resumed["m2"] == result["m2"]
-    for k, v in result["w2"].items():
-        assert torch.equal(resumed["w2"][k], v), k
+    for suffix in ("", "_dp"):  # today's checkpoint, and one as saves wrote it before
+        assert resumed[f"m2{suffix}"] == result["m2"], suffix
+        for k, v in result["w2"].items():
+            assert torch.equal(resumed[f"w2{suffix}"][k], v), (suffix, k)
     assert_convert_reproduces(result, models, str(tmp_path))
 
 

@@ -159,8 +159,7 @@ def trainer_main(model_dir: str, out: str, port: int) -> None:
     cfg = ArmorConfig()
     cfg.trainer.model_path, cfg.trainer.precision = model_dir, "fp32"
     cfg.trainer.lr, cfg.trainer.warmup_steps = 1e-3, 0  # one update moves the policy visibly
-    cfg.algo.ratio, cfg.algo.group_size = "mixed", 4
-    cfg.algo.alpha = 3 / 4  # a hand-built config: alpha as load resolves 'auto' for G = 4
+    cfg.algo.ratio, cfg.algo.group_size = "mixed", 4  # alpha 'auto': 3/4
     cfg.rollout.sampling.temperature = 0.9
     trainer = MegatronTrainer(cfg, 0, 1, "127.0.0.1", port)
     try:

@@ -3,11 +3,14 @@
 ``python trainer_worker.py MODE RANK WORLD PORT OUT MODELS TP PP DISTOPT EXTRAS``
 
 - ``run``: (1) a ``MegatronTrainer`` on the tiny Qwen2: policy log-probs, two ARMOR updates
-  (with a checkpoint after the first when EXTRAS has ``ckpt``, and the train state offloaded
+  (with a checkpoint after the first when EXTRAS has ``ckpt``, twice: as saves write it and as
+  they wrote it before layout changes, and the train state offloaded
   between them when it has ``offload``), reference log-probs
   before/after ``reset_reference``, exported weights; (2) when EXTRAS has ``oracle``, for each
   tiny model, logits on fixed tokens (TP-gathered) and the exported HF tensors.
-- ``resume``: a fresh trainer loads ``OUT/ckpt`` and takes the second update again.
+- ``resume``: a fresh trainer loads ``OUT/ckpt`` and takes the second update again; then,
+  when the run wrote it, the same from ``OUT/ckpt_dp`` (a checkpoint as saves wrote it before
+  the layout could change on resume: ``dp_reshardable``).
 - ``oracle``: only (2), e.g. at ``TP > num_key_value_heads`` (KV heads replicated).
 
 Each rank writes ``OUT/MODE_rank{RANK}.pt``.
@@ -35,8 +38,7 @@ def make_config(model_dir: str, tp: int, pp: int, world: int, distopt: bool):
     t.precision, t.lr, t.warmup_steps, t.grad_clip = "fp32", 1e-3, 2, 1.0
     t.lr_unit = "updates"  # each train_step call is one update here, not an RL step
     t.micro_batch_tokens, t.use_distributed_optimizer, t.logprob_chunk = 40, distopt, 16
-    cfg.algo.ratio, cfg.algo.group_size, cfg.algo.loss_agg = "mixed", 4, "token-mean"
-    cfg.algo.alpha = 3 / 4  # a hand-built config: alpha as load resolves 'auto' for G = 4
+    cfg.algo.ratio, cfg.algo.group_size, cfg.algo.loss_agg = "mixed", 4, "token-mean"  # alpha 3/4
     cfg.rollout.sampling.temperature = 0.9
     return cfg
 
@@ -106,6 +108,7 @@ def run(trainer, out: dict, ckpt: bool, offload: bool = False) -> None:
     if ckpt:
         state = {"step": 1, "old": batch.old_logprobs, "ref": batch.ref_logprobs}
         trainer.save_checkpoint(os.path.join(OUT, "ckpt"), state)
+        save_as_before_layout_changes(trainer, os.path.join(OUT, "ckpt_dp"), state)
     if offload:  # as between colocated rollouts: log-probs run on the weights alone
         out["lp1"] = full(trainer.compute_logprobs(batch, "policy"))
         out["grad_bytes"] = trainer.offloader.grad_bytes_resident()
@@ -130,13 +133,35 @@ def run(trainer, out: dict, ckpt: bool, offload: bool = False) -> None:
     out["kl_reset"] = trainer.exact_kl(batch)
 
 
+def save_as_before_layout_changes(trainer, path: str, state: dict) -> None:
+    """The checkpoint a save made before the layout could change on resume: the distributed
+    optimizer's state ``dp_reshardable``, a ``parallel_layout`` without ``dp``,
+    ``world_size`` and ``optimizer_format``."""
+    from megatron_armor.config.resume_layout import DP_RESHARDABLE
+    from megatron_armor.trainer.checkpoint import SaveFormat, save_trainer
+
+    save_trainer(trainer, path, state, SaveFormat(DP_RESHARDABLE, parallel_io=False))
+    if dist.get_rank() == 0:
+        common_file = os.path.join(path, "dist", "common.pt")
+        common = torch.load(common_file, weights_only=True)
+        for key in ("dp", "world_size", "optimizer_format"):
+            del common["parallel_layout"][key]
+        torch.save(common, common_file)
+    dist.barrier()
+
+
 def resume(trainer, out: dict) -> None:
-    state = trainer.load_checkpoint(os.path.join(OUT, "ckpt"))
-    batch = make_batch()
-    batch.old_logprobs, batch.ref_logprobs = state["old"], state["ref"]
-    out["step"] = state["step"]
-    out["m2"] = trainer.train_step(batch, 1)
-    out["w2"] = dict(trainer.export_weights())
+    """The second update from ``ckpt``, then again from ``ckpt_dp`` (as saved before layout
+    changes) when the run wrote it."""
+    for name, suffix in (("ckpt", ""), ("ckpt_dp", "_dp")):
+        if not os.path.isdir(os.path.join(OUT, name)):
+            continue
+        state = trainer.load_checkpoint(os.path.join(OUT, name))
+        batch = make_batch()
+        batch.old_logprobs, batch.ref_logprobs = state["old"], state["ref"]
+        out["step"] = state["step"]
+        out[f"m2{suffix}"] = trainer.train_step(batch, 1)
+        out[f"w2{suffix}"] = dict(trainer.export_weights())
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ anchor cache is on (the rollout workers' state is that after the batch in flight
    at 3 and 4; version lag 1 for the batches drawn one step ahead, 0 for the first and for the
    one drawn after the drain) and the engine's log-probs of policy tokens equal the trainer's
    ``old`` pass (under the behavior weights for the lagged batches): what a wrong ``old`` pass
-   (the updated weights) would break.
+   (the updated weights) would break. Every second of each step is in one phase
+   (``phase/*``); the rollout drawn beside the updates is in none.
 2. SIGSTOP of the rollout worker once step 1's anchor file is written (the main thread
    writes it after starting step 2's rollout on the rollout thread): alive, never answering;
    past its call deadline it is named stuck, killed and replaced in the run with the weights
@@ -38,6 +39,7 @@ import pytest
 
 from megatron_armor.observability.metrics import read_metrics, without_wall_clock
 from megatron_armor.orchestration.run.run_state import RunState
+from megatron_armor.planner.step_phases import STEP_PHASES
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -85,6 +87,17 @@ def test_async_run_follows_the_schedule_and_the_behavior_policy(async_run):
     assert held.pending["version"] == 1  # drawn on the weights of step 1
     assert (async_run / "checkpoints" / "step_000002" / "trainer" / "dist").is_dir()
     assert RunState.load(async_run / "checkpoints" / "step_000004").pending == {}
+
+
+def test_async_phases_sum_to_each_step_and_the_overlapped_rollout_is_no_phase(async_run):
+    steps = [r for r in read_metrics(async_run) if r["step"] >= 1]
+    for r in steps:
+        total = sum(r[p.metric] for p in STEP_PHASES)
+        assert abs(total - r["timing/step_s"]) <= 0.02 * r["timing/step_s"], r["step"]
+    # steps 2 and 3 train on rollouts drawn beside the step before: no generation of their own;
+    # steps 1 and 4 (after a drain) draw theirs; the overlapped steps wait for the next one
+    assert [r["phase/rollout_policy_s"] > 0 for r in steps] == [True, False, False, True]
+    assert [r["phase/rollout_wait_s"] > 0 for r in steps] == [True, True, False, False]
 
 
 @pytest.mark.timeout(900)

@@ -5,16 +5,19 @@ resets and checkpoints every 2 steps (``e2e_runs.Run``); the uninterrupted refer
 the tiny model and data (built once with ``armor tiny``, or reused from ``$ARMOR_TINY_DIR`` /
 ``artifacts/tiny``) are fixtures of ``conftest.py``, shared with ``test_signals_e2e.py``.
 
-What is checked: a run end to end (metrics, anchors, checkpoints, plots, summary) (signals,
+What is checked: a run end to end (metrics, anchors, checkpoints, plots, summary), every
+second of each step in one phase (``armor report``: ``test_throughput_run_e2e.py``) (signals,
 ``kill -9``, damaged checkpoints, one writer per run dir, loopback ports and exact resume:
 ``test_signals_e2e.py``); ARMOR's group composition of docs/algorithm.md, anchor rollout
 (``anchor: none | filter_only``: on the runs of ``test_compare_e2e.py``); a reset makes the
-anchors come from the new reference (the cache is invalidated); TP=2 reproduces one rank; the
-SGLang backend through a stand-in server module.
+anchors come from the new reference (the cache is invalidated); TP=2 (distributed optimizer)
+reproduces one rank, and its checkpoint resumes on one rank after a ``kill -9``; the SGLang
+backend through a stand-in server module.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -22,8 +25,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron_armor.observability.metrics import read_metrics
+from megatron_armor.observability.metrics import read_metrics, without_wall_clock
 from megatron_armor.orchestration.step.step_metrics import read_anchor_file
+from megatron_armor.planner.step_phases import STEP_PHASES
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from e2e_runs import CACHED, Run  # noqa: E402
@@ -62,6 +66,20 @@ def test_short_run_end_to_end(reference_run):
 
 
 @pytest.mark.timeout(900)
+def test_phases_sum_to_each_step(reference_run):
+    steps = [r for r in read_metrics(reference_run) if r["step"] >= 1]
+    for r in steps:  # every second of the step in one phase (docs/metrics.md, phase/*)
+        total = sum(r[p.metric] for p in STEP_PHASES)
+        assert abs(total - r["timing/step_s"]) <= 0.02 * r["timing/step_s"], r["step"]
+        for key in ("phase/rollout_policy_s", "phase/rollout_reference_s", "phase/train_s"):
+            assert r[key] > 0, (r["step"], key)
+        tokens = r["train/prompt_tokens"] + r["train/response_tokens"]  # one CPU trainer rank
+        assert r["perf/e2e_tokens_per_s_per_gpu"] == pytest.approx(tokens / r["timing/step_s"])
+    assert [r["step"] for r in steps if r["phase/checkpoint_s"] > 0] == [2, 4]
+    assert [r["step"] for r in steps if r["phase/validate_s"] > 0] == [2, 4]
+
+
+@pytest.mark.timeout(900)
 def test_reset_switches_anchor_source_to_new_reference(reference_run):
     records = {r["step"]: r for r in read_metrics(reference_run)}
     versions = {s: {x["anchor_version"] for x in anchor_lines(reference_run, s) if "anchor_version" in x}
@@ -82,19 +100,53 @@ def test_reset_switches_anchor_source_to_new_reference(reference_run):
         assert records[s]["rollout/policy_logprob_absdiff_max"] < 1e-3, s
 
 
+RELAYOUT_TOL = {"rel": 1e-4, "abs": 1e-5}
+"""Two trainer layouts of one run add in another order (TP's all-reduces): the losses and
+gradient norms differ in their last bits, the tiny differences in the weights move the
+engines' log-probs by about 1e-6; the samples and rewards stay the same."""
+
+
+def assert_same_run(got: dict, want: dict, step: int) -> None:
+    """The metrics of ``step`` of a run at another layout: the same keys, the same samples,
+    each value within :data:`RELAYOUT_TOL`."""
+    got, want = without_wall_clock(got), without_wall_clock(want)
+    assert sorted(got) == sorted(want), step
+    assert got["reward/policy_mean"] == want["reward/policy_mean"], step
+    for key, value in want.items():
+        if isinstance(value, float):
+            assert got[key] == pytest.approx(value, **RELAYOUT_TOL), (step, key)
+        else:
+            assert got[key] == value, (step, key)
+
+
 @pytest.mark.timeout(900)
-def test_tensor_parallel_trainer_matches_single_rank(reference_run, tiny_dir, out_dir):
-    """Two Megatron ranks (TP=2) as two Ray actors: same samples, same step-1 numbers; the
-    train state offloaded after the sync and around the final checkpoint changes nothing."""
-    run = Run(out_dir, "tp2", tiny_dir, *CACHED, "trainer.world_size=2", "trainer.tp=2",
-              "run.steps=1", "validation.every=0", "trainer.offload_train_state=true")  # fmt: skip
-    assert run.wait() == 0, run.output()
-    got, expected = read_metrics(run.run_dir)[-1], read_metrics(reference_run)[1]
-    assert got["step"] == 1 and got["reward/policy_mean"] == expected["reward/policy_mean"]
-    for key in ("loss/pg", "loss/entropy", "loss/grad_norm"):
-        assert got[key] == pytest.approx(expected[key], rel=1e-4, abs=1e-6), key
-    assert got["rollout/policy_logprob_absdiff_max"] < 1e-3
-    assert (run.run_dir / "checkpoints" / "step_000001" / "meta.json").is_file()
+def test_tensor_parallel_run_killed_and_resumed_on_one_rank(reference_run, tiny_dir, out_dir):
+    """Two Megatron ranks (TP=2, the distributed optimizer) as two Ray actors, the train state
+    offloaded after the sync and around the checkpoint: the same samples and, within the
+    reduction-order tolerance, the same numbers as one rank. Killed with ``kill -9`` once step
+    2's checkpoint is on disk, resumed with ``--resume auto`` on one rank (tp 2 -> 1): the run
+    says so, records ``layout: {from, to}`` in ``resumes.jsonl`` and finishes; steps 3 and 4
+    stay within the tolerance of the uninterrupted single-rank run's (the difference is the
+    reduction order only: its checkpoint holds the two-rank run's weights and Adam state)."""
+    name, distopt = "relayout", "trainer.use_distributed_optimizer=true"
+    run_dir = out_dir / name
+    first = Run(out_dir, name, tiny_dir, *CACHED, distopt, "trainer.world_size=2", "trainer.tp=2",
+                "trainer.offload_train_state=true")  # fmt: skip
+    first.wait_for(lambda: 2 in first.steps_logged())  # after step 2's checkpoint
+    first.kill_group(nothing_left=True)
+    second = Run(out_dir, name, tiny_dir, *CACHED, distopt)
+    assert second.wait() == 0, second.output()
+    said = "resume: step_000002 was saved at tp=2 pp=1 ep=1 etp=2 dp=1; resharded on load to " \
+           "tp=1 pp=1 ep=1 etp=1 dp=1"  # fmt: skip
+    assert said in second.output()
+    record = json.loads((run_dir / "resumes.jsonl").read_text().splitlines()[-1])
+    assert record["layout"]["from"]["tp"] == 2 and record["layout"]["to"]["tp"] == 1
+    assert record["changed"]["trainer.tp"] == [2, 1]
+    got, expected = read_metrics(run_dir), read_metrics(reference_run)
+    assert [r["step"] for r in got] == [0, 1, 2, 3, 4]
+    for step in (1, 2, 3, 4):
+        assert_same_run(got[step], expected[step], step)
+        assert got[step]["rollout/policy_logprob_absdiff_max"] < 1e-3, step
 
 
 @pytest.mark.timeout(900)
@@ -170,8 +222,6 @@ def test_prefetched_reference_calls_draw_what_the_next_step_would(tiny_dir, out_
     trainer works on the step before and waited for a step later (real Ray actors and object
     refs), except right after a reset (steps 1 and 3 here: resets every 2 steps); the run logs
     the same values as with ``rollout.prefetch_reference=false``."""
-    from megatron_armor.observability.metrics import without_wall_clock
-
     common = ("rollout.reference_first=true", "validation.every=0", "run.ckpt_every=0")
     records = {}
     for prefetch in ("true", "false"):

@@ -21,13 +21,13 @@ from process_group import server_pids
 from sglang_servers import STARTUP_S, free_ports
 
 from megatron_armor.config.schema import ArmorConfig
-from megatron_armor.orchestration.actors.call_watch import start_actor
+from megatron_armor.orchestration.actors.call_watch import CallWatch, start_actor
 from megatron_armor.orchestration.actors.placement import (
     LayoutPlan,
     actor_options,
     server_owner_options,
 )
-from megatron_armor.orchestration.actors.workers import RolloutWorker
+from megatron_armor.orchestration.actors.rollout_worker import RolloutWorker
 from megatron_armor.rollout.sglang.launch import CPU_SERVER_ARGS
 
 pytestmark = pytest.mark.sglang
@@ -93,10 +93,11 @@ def test_a_rollout_worker_without_gpus_starts_servers_that_see_the_nodes_gpus(
     base = actor_options(plan, None, [], None, 0.0)
     assert base["num_gpus"] == 0
     servers = {"policy": [(0, 1)]}  # server 0 on GPU 1 of this node
-    blind = start_actor(RolloutWorker, base, config, 0, 1, servers)
+    watch = CallWatch()
+    blind = start_actor(watch, RolloutWorker, base, config, 0, 1, servers)
     with pytest.raises(ray.exceptions.RayActorError, match="RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO"):
         ray.get(blind.health.remote(), timeout=300)
-    worker = start_actor(RolloutWorker, server_owner_options(base), config, 0, 1, servers)
+    worker = start_actor(watch, RolloutWorker, server_owner_options(base), config, 0, 1, servers)
     try:
         assert ray.get(worker.health.remote(), timeout=2 * STARTUP_S)
         (leader,) = server_pids(port)

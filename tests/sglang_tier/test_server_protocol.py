@@ -6,9 +6,10 @@ command and the API key; generation with log-probs against the megatron-core tra
 same weights and overrides (and against the model without the override, which must differ: the
 override reaches the served model); each weight transport inside SGLang's weight-update session
 (disk; distributed over gloo in buckets; tensor with the CPU payload); release and resume in the
-loop's order with generation paused, a request in flight; a request in flight interrupted by a
-weight push and continued under the pushed weights, each token's version and log-prob as
-recorded (partial rollouts, docs/orchestration.md "Bounded staleness").
+loop's order with generation paused, a request in flight; a paused server taken for alive,
+and restarted paused; a request in flight interrupted by a weight push and continued under the
+pushed weights, each token's version and log-prob as recorded (partial rollouts,
+docs/orchestration.md "Bounded staleness").
 
 Every update loads weights whose log-probs differ from the previous ones by far more than the
 tolerance, so a push that did not arrive fails the comparison.
@@ -192,9 +193,32 @@ def test_release_and_resume_in_the_loops_order_with_a_request_in_flight(served):
     served["current"] = new
 
 
+def test_a_paused_server_is_not_taken_for_stuck_and_a_restart_keeps_it_paused(served):
+    """Colocated, between the release and the KV cache's return, a server generates nothing
+    (its generation is paused): the call watch's probe (``wedged_servers``) and the heal's
+    (``server_healthy``) ask its scheduler (``/server_info``) instead of ``/health_generate``,
+    so a paused server is neither killed nor restarted for it; a server restarted there (a
+    dead one, healed) releases what the pool has released, so the KV cache's resume that ends
+    the sync finds it released (SGLang raises on a resume of a tag it holds)."""
+    engine, model = served["engine"], served["model"]
+    server = engine.servers[0]
+    engine.release_memory()
+    engine.resume_memory(["weights"])  # the sync's state while the trainer ranks push
+    assert engine.wedged_servers(timeout_s=5) == []
+    assert engine.server_healthy(server)
+    engine.restart_server(server)  # as the heal restarts a dead one: out of rotation, paused
+    new = perturbed(served["base"], seed=5)
+    engine.update_weights(new, version=15)  # the heal's push of the pool's weights
+    engine.resume_memory(["kv_cache"])
+    engine.rejoin(server)
+    assert engine.health() and engine.released == []
+    assert_serves(engine, model, new, 15, previous=served.get("current"))
+    served["current"] = new
+
+
 def test_a_request_interrupted_by_a_push_goes_on_under_the_new_weights(served):
     """A partial rollout on the real server: a slowed-down request is in flight (its first
-    tokens streamed), the servers pause (``retract``), load a push of version 15 and continue;
+    tokens streamed), the servers pause (``retract``), load a push of version 16 and continue;
     the request is continued from its tokens, never restarted: its answer's
     ``meta_info.weight_versions`` give each token's version (``client.token_versions_of``),
     the tokens before the push have the old weights' log-probs and those after it the new
@@ -205,20 +229,20 @@ def test_a_request_interrupted_by_a_push_goes_on_under_the_new_weights(served):
     first_chunk, finished = threading.Event(), {}
     stream = threading.Thread(target=_stream_one, args=(engine, first_chunk, finished, 40))
     stream.start()
-    new = perturbed(served["base"], seed=5)
+    new = perturbed(served["base"], seed=6)
     try:
         assert first_chunk.wait(timeout=300), "the streamed request produced no token"
         engine.pause_generation()
         assert call(engine, "/slow_down", {"forward_sleep_time": None}, engine.api_key)[0] == 200
-        engine.update_weights(new, version=15)  # while paused: the cache flush is allowed
+        engine.update_weights(new, version=16)  # while paused: the cache flush is allowed
         engine.continue_generation()
     finally:
         stream.join(timeout=300)
     out = parse_generate_response(finished["body"], engine.weight_version())
-    assert out.finish_reason in ("length", "stop") and out.weight_version == 15
-    cut = out.token_versions.index(15)
+    assert out.finish_reason in ("length", "stop") and out.weight_version == 16
+    cut = out.token_versions.index(16)
     assert 1 <= cut < len(out.token_ids), out.token_versions
-    assert out.token_versions == [old_version] * cut + [15] * (len(out.token_ids) - cut)
+    assert out.token_versions == [old_version] * cut + [16] * (len(out.token_ids) - cut)
     for weights, span in ((old, slice(0, cut)), (new, slice(cut, None))):
         want = oracle(model, weights, OVERRIDES).teacher_forced_logprobs(
             PROMPTS[0], out.token_ids, TEMPERATURE

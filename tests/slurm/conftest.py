@@ -51,7 +51,7 @@ def cluster(request) -> Cluster:
     reporter = request.config.pluginmanager.get_plugin("terminalreporter")
     say = reporter.write_line if reporter else print
     cancel_stale_jobs(say)
-    nodes = sorted(slurm("sinfo", "-h", "-N", "-o", "%N").stdout.split())
+    nodes = sorted(set(slurm("sinfo", "-h", "-N", "-o", "%N").stdout.split()))  # (2 partitions)
     wait_idle(nodes)
     if kind == "two-node" and len(nodes) < 2:
         reason = f"the topology file says two-node but sinfo lists {nodes}"
@@ -80,6 +80,16 @@ def tiny_dir(cluster) -> Path:
         assert done.returncode == 0, (
             f"`armor tiny` failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
         )
+    return path
+
+
+@pytest.fixture(scope="session")
+def cpu_image(cluster) -> Path:
+    """The CPU image of the ``cpu-container`` preset (``slurm/ci/cpu_image.sh``)."""
+    path = REPO / "megatron-armor-cpu"
+    done = subprocess.run(["bash", str(REPO / "slurm" / "ci" / "cpu_image.sh"), str(path)],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, f"cpu_image.sh failed:\n{done.stdout}{done.stderr}"
     return path
 
 

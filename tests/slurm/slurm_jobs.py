@@ -107,6 +107,13 @@ def wait_idle(nodes: list[str]) -> None:
                lambda: slurm("sinfo", "-N").stdout + slurm("squeue").stdout)  # fmt: skip
 
 
+def container_env(workdir: Path) -> dict[str, str]:
+    """``cpu-container`` for a job of ``workdir``: every step its own container (pyxis's flags,
+    ``slurm/ci/pyxis_srun.py``) that sees the repository and the job's working directory."""
+    return {"ARMOR_ENV": "cpu-container",
+            "ARMOR_CONTAINER_MOUNTS": f"{REPO}:{REPO},{workdir}:{workdir}"}  # fmt: skip
+
+
 @dataclass
 class Job:
     """One submitted ``slurm/armor.sbatch`` job: its id, working dir and job dir."""

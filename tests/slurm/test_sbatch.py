@@ -20,7 +20,16 @@ import time
 from pathlib import Path
 
 import pytest
-from slurm_jobs import JOB_NAME, REPO, Job, SlurmJobs, make_workdir, wait_until
+from slurm_jobs import (
+    JOB_NAME,
+    REPO,
+    Job,
+    SlurmJobs,
+    container_env,
+    job_field,
+    make_workdir,
+    wait_until,
+)
 
 from megatron_armor.observability.metrics import read_metrics, without_wall_clock
 
@@ -156,12 +165,54 @@ def assert_same_metrics(job, reference) -> None:
         assert got[s] == expected[s], s
 
 
-def test_sigusr1_checkpoints_requeues_and_resumes_with_the_uninterrupted_metrics(
-    reference, layout, workdir, jobs
+def test_preemptions_of_two_nodes_checkpoint_the_step_requeue_and_resume_with_its_metrics(
+    reference, two_nodes, cpu_image, workdir, jobs
 ):
+    """The reference run in containers (``cpu-container``: every step its own container, as
+    pyxis makes them), stopped twice: ``scancel --signal=TERM --full`` once step 1 is logged
+    (Slurm signals the batch step only: the batch shell asks the driver's step with SIGUSR1,
+    srun would turn a SIGTERM into a SIGKILL), then Slurm's own preemption (a job of partition
+    ``ci-urgent``: PreemptMode=REQUEUE, SIGTERM to the job's steps at the start of GraceTime)
+    once the resumed run logged its next step. Each time the driver checkpoints its current
+    step while the Ray nodes and trainer ranks of both nodes live, the job requeues and
+    ``--resume auto`` continues; every step's metrics are the uninterrupted run's."""
     assert reference[1] == "COMPLETED", reference[0].report()
-    job, _ = preempted_with_sigusr1(jobs, workdir, run_overrides(layout), layout)
+    job = jobs.submit(workdir, run_overrides(2), nodes=2, env=container_env(workdir))
+    started = lambda restart, text: lambda: text in since(job, restart)  # noqa: E731
+    wait_until(started(0, f"step 1/{STEPS}"), 600, "the first step", job.report)
+    subprocess.run(["scancel", "--signal=TERM", "--full", job.job_id], check=True, timeout=30)
+    wait_until(started(1, "resumed from"), 600, "the first resume", job.report)
+    first = checkpointed(since(job, 0), "SIGUSR1")  # the batch shell's request
+    wait_until(started(1, f"step {first + 1}/{STEPS}"), 600, "a step after it", job.report)
+    urgent = subprocess.run(["sbatch", "--parsable", "-p", "ci-urgent", "-N", "2",
+                             f"--job-name={JOB_NAME}", f"--output={workdir}/urgent-%j.out",
+                             "--wrap", "true"], capture_output=True, text=True, timeout=60,
+                            check=True)  # fmt: skip
+    jobs.jobs.append(Job(urgent.stdout.strip(), workdir))  # cancelled at teardown
+    state = job.wait_done()
+    out = job.report()
+    assert state == "COMPLETED" and job.field("Restarts") == "2", out
+    second = checkpointed(since(job, 1), "SIGTERM")  # Slurm's own, to the driver's step
+    assert 1 <= first < second < STEPS, out  # each the step in flight, none lost
+    assert re.search(rf"resumed from \S+step_{second:06d} at step {second}", since(job, 2)), out
+    assert job_field(jobs.jobs[-1].job_id, "JobState") == "COMPLETED"  # the preemptor ran
+    states = (job.job_dir / "job_states").read_text()  # the run lock's view in the container
+    assert f"{job.job_id} RUNNING" in states, states
     assert_same_metrics(job, reference[0])
+
+
+def since(job: Job, restart: int) -> str:
+    """The driver log of start ``restart`` of ``job`` ('' before it began)."""
+    marker = f"=== restart {restart} "
+    text = job.driver_log()
+    return text.split(marker, 1)[1].split("=== restart", 1)[0] if marker in text else ""
+
+
+def checkpointed(log: str, signal_name: str) -> int:
+    """The step whose checkpoint ``signal_name`` made (the driver's message), asserted."""
+    saved = re.search(rf"{signal_name}: checkpoint of step (\d+) written .*; exiting 75", log)
+    assert saved, log[-4000:]
+    return int(saved.group(1))
 
 
 def test_a_rollout_worker_killed_mid_run_is_replaced_and_the_job_ends_with_its_metrics(
@@ -418,3 +469,24 @@ def head_ip(env: dict[str, str]) -> str:
         timeout=30,
     )
     return out.stdout.strip()
+
+
+REPEATS = 3  # ARMOR_REQUEUE_REPEATS' default
+
+
+def test_a_job_whose_every_start_fails_the_same_way_stops_after_three_tries(cluster, workdir, jobs):
+    """Every start of the job exits 75 at step 2 with the same cause (``repeating_fault.py``):
+    the first two are requeued, the third exits 70 naming the cause and the job ends FAILED
+    after 3 starts, not after ``ARMOR_MAX_RESTARTS`` (50)."""
+    driver = f"{sys.executable} {REPO / 'tests' / 'slurm' / 'repeating_fault.py'} train"
+    job = jobs.submit(workdir, [], env={"ARMOR_DRIVER": driver})
+    state = job.wait_done()
+    out = job.report()
+    assert state == "FAILED" and job.field("ExitCode") == "70:0", out
+    assert job.field("Restarts") == str(REPEATS - 1), out
+    said = "exit 75 at step 2 for the 3rd time in a row with the same cause (TrainerWorker 0 failed"
+    assert said in job.driver_log() and "exiting 70, which slurm/armor.sbatch does not" in out, out
+    rows = [json.loads(x) for x in (job.run_dir / "requeues.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["restart"], r["slurm_job"]) for r in rows] == [
+        (2, restart, job.job_id) for restart in range(REPEATS)
+    ], rows

@@ -350,16 +350,18 @@ def test_zero_advantage_gives_zero_loss_and_gradient(data, agg, ratio):
     assert torch.count_nonzero(lp.grad) == 0
 
 
-def test_settings_read_the_alpha_resolved_at_load():
+def test_settings_read_the_alpha_the_config_decided():
     from megatron_armor.config import load_config
-    from megatron_armor.config.schema import AlgoConfig
+    from megatron_armor.config.schema import ArmorConfig
 
-    algo = load_config(None, ["algo.alpha=auto", "algo.group_size=16"]).algo
-    assert algo.alpha == 15 / 16  # resolved once, at load
-    assert LossSettings.from_algo_config(algo).alpha == 15 / 16
-    algo = load_config(None, ["algo.alpha=0.875"]).algo
-    settings = LossSettings.from_algo_config(algo, ref_metrics=False)
+    config = load_config(None, ["algo.alpha=auto", "algo.group_size=16"])
+    assert config.algo.alpha == "auto" and config.resolved.alpha == 15 / 16  # decided once
+    assert LossSettings.from_algo_config(config.algo, config.resolved.alpha).alpha == 15 / 16
+    config = load_config(None, ["algo.alpha=0.875"])
+    algo = config.algo
+    settings = LossSettings.from_algo_config(algo, config.resolved.alpha, ref_metrics=False)
     assert settings.alpha == 0.875 and not settings.ref_metrics
     assert settings.clip_high == algo.clip_high and settings.loss_agg == algo.loss_agg
-    with pytest.raises(ValueError, match="algo.alpha='auto' is not resolved"):
-        LossSettings.from_algo_config(AlgoConfig())
+    built = ArmorConfig()  # a config built in code decides alike
+    built.algo.group_size = 4
+    assert built.resolved.alpha == 3 / 4

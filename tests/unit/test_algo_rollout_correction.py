@@ -212,7 +212,7 @@ def test_settings_are_read_from_the_loaded_config():
     config = load_config(None, ["algo.rollout_correction.mode=seq_mask",
                                 "algo.rollout_correction.seq_ratio=geometric",
                                 "algo.rollout_correction.low=0.999"])  # fmt: skip
-    got = LossSettings.from_algo_config(config.algo).rollout_correction
+    got = LossSettings.from_algo_config(config.algo, config.resolved.alpha).rollout_correction
     assert got == CorrectionSettings(mode="seq_mask", low=0.999, seq_ratio="geometric")
     assert dataclasses.asdict(LossSettings().rollout_correction)["mode"] == "none"
 

@@ -16,7 +16,6 @@ from megatron_armor.config import ConfigError, load_config
 from megatron_armor.config.validate import (
     find_problems,
     runs_async_rollout,
-    runs_concurrent_reference,
 )
 from megatron_armor.orchestration.run.run_state import RunState
 from megatron_armor.orchestration.step.anchor_rollout import RolloutResult
@@ -80,9 +79,9 @@ def test_cpu_layout_needs_a_core_for_the_trainer_and_the_engine(monkeypatch):
 
 def test_concurrent_reference_pass_yields_its_core_to_the_engine():
     sync = load_config(None, [])
-    assert runs_concurrent_reference(sync)  # cpu layout, one rank: on
+    assert sync.resolved.concurrent_reference  # cpu layout, one rank: on
     overlapped = load_config(None, ["orchestration.async_rollout=one_step"])
-    assert not runs_concurrent_reference(overlapped)  # auto: the engine generates meanwhile
+    assert not overlapped.resolved.concurrent_reference  # auto: the engine generates meanwhile
     msg = _error("orchestration.async_rollout=one_step", "trainer.concurrent_reference=true")
     assert "trainer.concurrent_reference=true" in msg and "auto or false" in msg
 
@@ -193,7 +192,11 @@ def test_overlap_fraction_is_the_share_of_the_step():
 
 # ---------------------------------------------------------------------------- the thread
 def test_collector_draws_on_its_own_thread_and_raises_its_failure_in_the_loop():
-    collector = Collector(session=None, rollout=None, timers=None)
+    from types import SimpleNamespace
+
+    from megatron_armor.orchestration.actors.call_watch import CallWatch
+
+    collector = Collector(SimpleNamespace(call_watch=CallWatch()), rollout=None, timers=None)
     seen: list[str] = []
 
     def collect(step, version, old_weights):

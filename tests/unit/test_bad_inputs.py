@@ -65,6 +65,16 @@ def _model_dir(path: Path, config: dict | str | None = TINY_CONFIG, tokenizer: b
     return path
 
 
+def _evaluated_run(path: Path) -> Path:
+    """A run directory (its resolved config.yaml) that validated at steps 0 and 2 of 3."""
+    from megatron_armor.config import load_config, save_config
+
+    save_config(load_config(str(REPO / "configs" / "tiny_cpu.yaml"), ["run.steps=3"]), path)
+    rows = [{"step": 0, "val/val/avg@2": 0.5}, {"step": 1}, {"step": 2, "val/val/avg@2": 0.6}]
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
 def _parquet(path: Path, answers: list) -> Path:
     rows = len(answers)
     table = pa.table({"problem": [f"{i} + 1 = ?" for i in range(rows)], "answer": answers})
@@ -95,6 +105,7 @@ def inputs(tmp_path_factory) -> dict[str, Path]:
         "other_ckpt": root / "other" / "checkpoints" / "step_000002",
         "same_stem": _parquet(root / "b" / "train.parquet", ["1", "2"]),  # the stem of "data"
         "reused": root / "reused",
+        "evaluated": _evaluated_run(root / "evaluated"),
     }
     bigger = {**TINY_CONFIG, "hidden_size": 64, "num_hidden_layers": 4}  # another model size
     write_checkpoint_of_model(out["other_ckpt"], bigger, 2)
@@ -150,6 +161,8 @@ CASES = [
     ("idle_gpus", train("orchestration.layout=colocated", "orchestration.nodes=4", "trainer.world_size=8"),
      "trainer.world_size=8 leaves 24 of the job's orchestration.nodes=4 x gpus_per_node=8 = 32 GPUs idle"),
     ("context_parallel", train("trainer.cp=2", "trainer.world_size=2"), "trainer.cp=2: context parallelism is not implemented"),
+    ("too_few_ranks", train("trainer.tp=4", "trainer.pp=2", "trainer.world_size=4"),
+     "trainer.world_size=4: fewer ranks than one model replica needs, tp*pp*cp=4*2*1=8"),
     ("expert_tp_dense", train("trainer.etp=2", "trainer.world_size=2"), "trainer.etp=2: {model}/config.json is a dense model"),
     ("distributed_colocated", train("rollout.backend=sglang", "orchestration.layout=colocated",
                                     "rollout.sglang.weight_transport=distributed"),
@@ -182,6 +195,14 @@ CASES = [
      "run.keep_best.metric='val/aime24/avg@k' reads benchmark 'aime24'"),
     ("truncated_weights", train("trainer.model_path={truncated}"), "model.safetensors: tensor"),
     ("missing_tensor", train("trainer.model_path={partial}"), "lack 1 of the 27 tensors its config.json needs (qwen2, 2 layers), e.g. model.layers.1.mlp.down_proj.weight"),
+    ("output_dir_not_a_dir", train("run.output_dir={data}/runs"),
+     "run.output_dir='{data}/runs' cannot be created or written (NotADirectoryError: "),
+    ("eval_step_beyond_the_run", evaluate("--config", "{evaluated}", "--step", "999"),
+     "--step 999: the run {evaluated} has neither a validation nor a checkpoint at that step; "
+     "its validated and checkpointed steps: 0, 2"),
+    ("eval_step_not_validated", evaluate("--config", "configs/tiny_cpu.yaml", "--step", "3"),
+     "--step 3: no validation of the run at that step (run.steps=60, validation.every=10): the "
+     "validated steps are 0, 10, 20, 30, 40, 50, 60"),
     ("eval_temperature", evaluate("--temperature", "-1"), "validation.temperature=-1.0"),
     ("eval_k", evaluate("--k", "0"), "validation.n_samples=0"),
     ("eval_model_missing", ["eval", "--model", "{runs}/m", "--data", "{data}"], "--model="),

@@ -17,7 +17,6 @@ from megatron_armor.config.validate import (
     overlaps_rollout,
     runs_async_rollout,
     runs_bounded_staleness,
-    runs_concurrent_reference,
 )
 from megatron_armor.orchestration.actors.faults import Fault
 from megatron_armor.orchestration.actors.recovery import UNSERVED, Recovery
@@ -45,7 +44,7 @@ def test_bounded_overlaps_like_one_step_and_has_its_own_loop():
     assert runs_bounded_staleness(config) and overlaps_rollout(config)
     assert not runs_async_rollout(config)  # one_step's pipeline is not this one
     assert config.orchestration.max_staleness == 2 and config.orchestration.partial_rollout
-    assert not runs_concurrent_reference(config)  # auto: the engine's core generates meanwhile
+    assert not config.resolved.concurrent_reference  # auto: the engine generates meanwhile
     msg = _error(*BOUNDED, "orchestration.layout=colocated")
     assert "orchestration.async_rollout=bounded with orchestration.layout='colocated'" in msg
 
@@ -105,7 +104,11 @@ def test_a_rollout_worker_lost_while_a_window_is_drawn_is_a_requeue():
     worker or SGLang server that fails then is not replaced in the run (exit 75; the resume
     redraws the window); a reward worker is, and so is a rollout worker outside the window."""
     config = load_config(None, list(BOUNDED))
-    s = SimpleNamespace(config=config, rollout=SimpleNamespace(caches_anchors=False))
+    worker = SimpleNamespace(_actor_id=SimpleNamespace(hex=lambda: "ab12"))
+    s = SimpleNamespace(config=config, run_dir="r", trainer=SimpleNamespace(actors=[]),
+                        reward=SimpleNamespace(actors=[]), rollout=SimpleNamespace(
+                            fleet=SimpleNamespace(actors=[worker]),
+                            reference=SimpleNamespace(caches_anchors=False)))  # fmt: skip
     recovery = Recovery(config)
     rollout, reward = Fault("rollout", 0, RuntimeError()), Fault("reward", 0, RuntimeError())
     assert recovery.unrecoverable(s, 2, "rollout", rollout) == ""
@@ -115,9 +118,6 @@ def test_a_rollout_worker_lost_while_a_window_is_drawn_is_a_requeue():
     from megatron_armor.orchestration.actors.call_watch import StuckServerError
     from megatron_armor.orchestration.actors.faults import RequeueError
 
-    worker = SimpleNamespace(_actor_id=SimpleNamespace(hex=lambda: "ab12"))
-    s.rollout = SimpleNamespace(actors=[worker], reference_actors=[worker], caches_anchors=False)
-    s.trainer, s.reward, s.run_dir = SimpleNamespace(actors=[]), SimpleNamespace(actors=[]), "r"
-    stuck = StuckServerError("SGLang policy server 0 ...", "ab12", [{"url": "u", "pid": 1}])
+    stuck = StuckServerError("SGLang policy server 0 ...", "ab12", [{"url": "u", "pid": 1}], [])
     with pytest.raises(RequeueError, match="bounded draws the next window"):
         recovery.heal_servers(s, 2, "rollout", stuck)

@@ -16,20 +16,19 @@ import pytest
 
 from megatron_armor.config.fields import call_deadline_bounds
 from megatron_armor.config.schema import OrchestrationConfig
+from megatron_armor.deadline_rule import DeadlineRule, quantile
+from megatron_armor.orchestration.actors.call_kinds import CallKind
 from megatron_armor.orchestration.actors.call_watch import (
     CallWatch,
-    DeadlineRule,
     StopDuringCallError,
     StuckCallError,
     StuckServerError,
-    Watched,
-    beating,
-    kill_trees,
-    kind_of,
-    process_trees,
-    quantile,
+    judge,
+    read_server_answers,
     start_actor,
 )
+from megatron_armor.orchestration.actors.process_trees import kill_trees, process_trees
+from megatron_armor.orchestration.actors.watched import Watched, beating
 
 pytestmark = pytest.mark.unit
 
@@ -42,36 +41,44 @@ def test_quantile_interpolates_between_ranks():
         quantile([], 0.5)
 
 
+GENERATE, SCORE, UPDATES = CallKind.GENERATE, CallKind.SCORE, CallKind.UPDATES
+STARTUP = CallKind.STARTUP
+
+
 def test_a_kind_waits_for_the_cap_until_it_has_run_then_its_learned_deadline():
     rule = DeadlineRule(multiple=10.0, q=0.5, floor_s=1.0, cap_s=100.0)
-    assert rule.deadline("generate", 8) == 100.0
-    rule.observe("generate", 0.8, work=8)  # 0.1 s per prompt
-    assert rule.deadline("generate", 8) == pytest.approx(8.0)  # 10 x 0.1 x 8
-    assert rule.deadline("generate", 32) == pytest.approx(32.0)  # scaled by the work
-    assert rule.deadline("generate", 0.5) == 1.0  # the floor
-    assert rule.deadline("generate", 1000) == 100.0  # the cap
-    assert rule.deadline("score", 8) == 100.0  # every kind learns on its own
+    assert rule.deadline(GENERATE, 8) == 100.0
+    rule.observe(GENERATE, 0.8, work=8)  # 0.1 s per prompt
+    assert rule.deadline(GENERATE, 8) == pytest.approx(8.0)  # 10 x 0.1 x 8
+    assert rule.deadline(GENERATE, 32) == pytest.approx(32.0)  # scaled by the work
+    assert rule.deadline(GENERATE, 0.5) == 1.0  # the floor
+    assert rule.deadline(GENERATE, 1000) == 100.0  # the cap
+    assert rule.deadline(SCORE, 8) == 100.0  # every kind learns on its own
 
 
 def test_the_deadline_follows_the_recent_durations_only():
     rule = DeadlineRule(multiple=2.0, q=1.0, floor_s=0.1, cap_s=1e9)
-    rule.observe("updates", 50.0)
+    rule.observe(UPDATES, 50.0)
     for _ in range(20):  # the history keeps the last 20: the slow first call is forgotten
-        rule.observe("updates", 1.0)
-    assert rule.deadline("updates") == pytest.approx(2.0)
+        rule.observe(UPDATES, 1.0)
+    assert rule.deadline(UPDATES) == pytest.approx(2.0)
 
 
-def test_call_kinds_from_the_waits_descriptions():
-    assert kind_of("rollout generate") == "generate"
-    assert kind_of("rollout sample_reference") == "generate"
-    assert kind_of("rollout generate_raw") == "validation"
-    assert kind_of("reward scoring") == "score"
-    assert kind_of("step log-probs") == "logprobs"
-    assert kind_of("train step") == "updates"
-    assert kind_of("weight sync (policy into the policy servers)") == "weight_push"
-    assert kind_of("trainer reference reset") == "reset"
-    assert kind_of("rollout state (kept for a recovery)") == "checkpoint"
-    assert kind_of("compute intervals") == "compute intervals"
+def test_the_verdict_on_heartbeats_is_what_they_show():
+    """``judge``: a silent actor or one in a call without progress past the limit is stuck; a
+    waited actor that is idle means the call waits on another actor's work."""
+    moving, idle, slow, silent = (True, 1.0), (False, 50.0), (True, 50.0), None
+    verdict = judge({"a": moving, "b": slow, "c": silent}, limit=10.0)
+    assert verdict.stuck == ("b", "c") and verdict.answered == {"a", "b"} and not verdict.idle
+    assert judge({"a": idle, "b": idle}, 10.0).idle  # waiting for its arguments
+    assert not judge({"a": idle, "b": moving}, 10.0).idle
+    found = read_server_answers(["w0", "w1", "w2"], [
+        {"killed": [{"pool": "policy", "index": 1}], "answered": 1},
+        {"killed": [], "answered": 2},
+        None,  # no answer: neither serving nor killed
+    ])  # fmt: skip
+    assert found.killed == [{"pool": "policy", "index": 1, "worker": "w0"}]
+    assert found.serving == {"w1"}
 
 
 def test_the_settings_are_checked():
@@ -155,17 +162,61 @@ def local_ray():
     ray.shutdown()
 
 
-def half_second_watch(monkeypatch, *modules):
-    """The run's call watch replaced (in ``call_watch`` and ``modules``, which import it by
-    name) by one with 0.5 s deadlines that asks a heartbeat for 2 s."""
+def half_second_watch(monkeypatch):
+    """A call watch with 0.5 s deadlines that asks a heartbeat for 2 s."""
     import megatron_armor.orchestration.actors.call_watch as cw
 
-    watch = CallWatch()
-    watch.configure(OrchestrationConfig(call_deadline_floor_s=0.5, call_deadline_cap_s=0.5))
-    for module in (cw, *modules):
-        monkeypatch.setattr(module, "WATCH", watch)
     monkeypatch.setattr(cw, "HEARTBEAT_ANSWER_S", 2.0)
-    return watch
+    return CallWatch(OrchestrationConfig(call_deadline_floor_s=0.5, call_deadline_cap_s=0.5))
+
+
+def test_a_calls_kind_is_the_one_its_caller_names_never_read_from_text(local_ray):
+    """The deadline a wait is bounded by and learns into is that of the ``CallKind`` its
+    caller passes: a description holding another kind's words, a run name or a path changes
+    nothing, a kind given as text is refused, and no code of the package makes a kind from a
+    value (only ``CallKind.<MEMBER>`` at the call sites)."""
+    watch = CallWatch(OrchestrationConfig(call_deadline_floor_s=0.5, call_deadline_cap_s=60.0))
+    texts = ("rollout generate", "train step of run generate-7", "weight sync",
+             "policy servers loading /runs/generate/sglang_weights/policy/policy-v3")  # fmt: skip
+    for what in texts:
+        assert watch.get(local_ray.put(1), CallKind.WEIGHT_PUSH, what, work=2.0) == 1
+    assert list(watch.rule.history) == [CallKind.WEIGHT_PUSH]
+    assert len(watch.rule.history[CallKind.WEIGHT_PUSH]) == len(texts)
+    with pytest.raises(TypeError, match="must be a CallKind"):
+        watch.get(local_ray.put(1), "generate", "rollout generate")
+    assert kinds_made_from_values() == []
+
+
+def kinds_made_from_values() -> list[str]:
+    """Every use of ``CallKind`` in the package that is not a member named in the code
+    (``CallKind.GENERATE``), an annotation, an import or an ``isinstance`` check:
+    ``path:line``."""
+    import ast
+    from pathlib import Path
+
+    import megatron_armor
+
+    root = Path(megatron_armor.__file__).parent
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        allowed = set()
+        for node in ast.walk(tree):
+            notes = []
+            if isinstance(node, ast.arg | ast.AnnAssign) and node.annotation is not None:
+                notes.append(node.annotation)
+            if isinstance(node, ast.FunctionDef) and node.returns is not None:
+                notes.append(node.returns)
+            if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "isinstance":
+                notes.extend(node.args[1:])
+            if isinstance(node, ast.Attribute) and node.attr in CallKind.__members__:
+                notes.append(node.value)
+            allowed |= {id(n) for note in notes for n in ast.walk(note)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Name) and node.id == "CallKind" and id(node) not in allowed:
+                if path.name != "call_kinds.py":
+                    found.append(f"{path.relative_to(root)}:{node.lineno}")
+    return found
 
 
 def test_a_slow_call_that_moves_is_waited_for_and_a_stopped_actor_is_named_and_killed(
@@ -173,20 +224,22 @@ def test_a_slow_call_that_moves_is_waited_for_and_a_stopped_actor_is_named_and_k
 ):
 
     watch = half_second_watch(monkeypatch)
-    engine = start_actor(SleepyEngine, {"num_cpus": 0})
-    pid = watch.get(engine.pid.remote(), "engine pid", timeout=120)  # its start-up
+    engine = start_actor(watch, SleepyEngine, {"num_cpus": 0})
+    pid = watch.get(engine.pid.remote(), STARTUP, "engine pid", timeout=120)  # its start-up
     watch.locate_actor(engine, {"node_id": local_ray.get_runtime_context().get_node_id(),
                                 "ip": "127.0.0.1", "pid": pid}, 0)  # fmt: skip
     # 3 s of tokens 0.1 s apart: six deadlines of 0.5 s pass, each with progress in it
-    assert watch.get(engine.generate.remote(30, 0.1), "rollout generate") == 30
+    assert watch.get(engine.generate.remote(30, 0.1), GENERATE, "rollout generate") == 30
     assert watch.pop_metrics() == {}
 
     os.kill(pid, signal.SIGSTOP)  # alive, never answers again
     started = time.monotonic()
     with pytest.raises(StuckCallError) as err:
-        watch.get(engine.generate.remote(1, 0.0), "rollout generate")
+        watch.get(engine.generate.remote(1, 0.0), GENERATE, "rollout generate")
     assert time.monotonic() - started < 10
-    assert f"SleepyEngine 0 (pid {pid} on 127.0.0.1) is stuck: rollout generate" in str(err.value)
+    assert f"SleepyEngine 0 (pid {pid} on 127.0.0.1) is stuck: rollout generate (generate)" in str(
+        err.value
+    )
     assert err.value.actor_id == engine._actor_id.hex()
     deadline = time.monotonic() + 10
     while not gone(pid):
@@ -196,13 +249,14 @@ def test_a_slow_call_that_moves_is_waited_for_and_a_stopped_actor_is_named_and_k
 
 
 def test_a_stop_signal_ends_a_wait_after_stop_wait_s(local_ray, tmp_path):
-    watch = CallWatch()
-    watch.configure(OrchestrationConfig(stop_wait_s=0.5), Stopped(), tmp_path)
-    engine = start_actor(SleepyEngine, {"num_cpus": 0})
+    watch = CallWatch(OrchestrationConfig(stop_wait_s=0.5), Stopped(), tmp_path)
+    engine = start_actor(watch, SleepyEngine, {"num_cpus": 0})
     with pytest.raises(StopDuringCallError, match="SIGTERM arrived and rollout generate did not"):
-        watch.get(engine.generate.remote(100, 0.1), "rollout generate")
+        watch.get(engine.generate.remote(100, 0.1), GENERATE, "rollout generate")
     assert "none yet (a requeue starts the run over)" in str(
-        pytest.raises(StopDuringCallError, watch.get, engine.generate.remote(100, 0.1), "x").value
+        pytest.raises(
+            StopDuringCallError, watch.get, engine.generate.remote(100, 0.1), GENERATE, "x"
+        ).value
     )
     local_ray.kill(engine)
 
@@ -212,19 +266,20 @@ def test_an_idle_actor_waiting_for_arguments_is_not_blamed_the_stuck_one_upstrea
 ):
 
     watch = half_second_watch(monkeypatch)
-    upstream, downstream = (start_actor(SleepyEngine, {"num_cpus": 0}) for _ in range(2))
+    upstream, downstream = (start_actor(watch, SleepyEngine, {"num_cpus": 0}) for _ in range(2))
     node = local_ray.get_runtime_context().get_node_id()
     for i, actor in enumerate((upstream, downstream)):
-        pid = watch.get(actor.pid.remote(), "pid", timeout=120)
+        pid = watch.get(actor.pid.remote(), STARTUP, "pid", timeout=120)
         watch.locate_actor(actor, {"node_id": node, "ip": "127.0.0.1", "pid": pid}, i)
-    stopped = watch.get(upstream.pid.remote(), "pid", timeout=120)
+    stopped = watch.get(upstream.pid.remote(), STARTUP, "pid", timeout=120)
     os.kill(stopped, signal.SIGSTOP)
     # a weight push's shape: the downstream call waits for the upstream's result
+    call = downstream.echo.remote(upstream.generate.remote(1, 0.0))
     with pytest.raises(StuckCallError) as err:
-        watch.get(downstream.echo.remote(upstream.generate.remote(1, 0.0)), "weight sync")
+        watch.get(call, CallKind.WEIGHT_PUSH, "weight sync")
     assert f"SleepyEngine 0 (pid {stopped} on 127.0.0.1) is stuck: weight sync" in str(err.value)
     assert err.value.actor_id == upstream._actor_id.hex()
-    assert watch.get(downstream.echo.remote(7), "echo", timeout=60) == 7  # left alone
+    assert watch.get(downstream.echo.remote(7), STARTUP, "echo", timeout=60) == 7  # left alone
 
 
 def test_the_trainer_does_not_wait_forever_on_a_rollout_thread_that_gives_no_batch(monkeypatch):
@@ -233,7 +288,9 @@ def test_the_trainer_does_not_wait_forever_on_a_rollout_thread_that_gives_no_bat
     from megatron_armor.orchestration.step.async_rollout import Collector
 
     monkeypatch.setenv("ARMOR_CALL_TIMEOUT_S", "0.5")  # the cap the watchdog uses
-    collector = Collector(None, None, None)
+    from types import SimpleNamespace
+
+    collector = Collector(SimpleNamespace(call_watch=CallWatch()), None, None)
     release = threading.Event()
     collector._thread = threading.Thread(target=release.wait, name="rollout-step-7", daemon=True)
     collector._thread.start()
@@ -276,35 +333,42 @@ def server_alive(pid: int) -> bool:
 
 def rollout_worker_class():
     """A rollout worker over one HTTP server that answers like SGLang's ``/generate`` and
-    ``/health_generate``: the real ``SGLangEngine`` and the real worker methods the driver's
-    probe calls (``workers.RolloutWorker.kill_wedged_servers``); named ``RolloutWorker``, the
-    class the watch asks for its servers."""
-    from megatron_armor.orchestration.actors import workers
+    ``/health_generate``: the real ``SGLangEngine``, and the real services of a worker
+    (``rollout_services``: the health the driver's probe asks, ``kill_wedged_servers``, and
+    the weight intake of a push); named ``RolloutWorker``, the class the watch asks for its
+    servers."""
+    from megatron_armor.orchestration.actors.rollout_services import (
+        EnginePools,
+        HealthService,
+        WeightCopies,
+        WeightIntake,
+    )
 
     @beating
-    class RolloutWorker(Watched):
-        pools = workers.RolloutWorker.pools
-        _pool = workers.RolloutWorker._pool
-        kill_wedged_servers = workers.RolloutWorker.kill_wedged_servers
-
+    class RolloutWorker(Watched, WeightIntake, HealthService):
         def __init__(self, port: int, script: str, *args: str):
             from megatron_armor.config.schema import SGLangConfig
             from megatron_armor.rollout.sglang.engine import SGLangEngine
             from megatron_armor.rollout.sglang.launch import ManagedProcess
 
-            self.engine = SGLangEngine("unused", SGLangConfig(base_port=port, num_engines=1))
-            self.ref_engine, self.index = None, 0
-            server = self.engine.servers[0]
+            engine = SGLangEngine("unused", SGLangConfig(base_port=port, num_engines=1))
+            pools = EnginePools({"policy": engine}, 0)
+            WeightIntake.__init__(self, pools, WeightCopies(False, 0), None)
+            HealthService.__init__(self, pools)
+            server = engine.servers[0]
             command = [sys.executable, script, str(port), *args]
             server.process = ManagedProcess(command, f"{server.url}/health_generate")
             server.process.start()
             server.process.wait_healthy(60, poll_s=0.1)
 
         def server_pid(self) -> int:
-            return self.engine.servers[0].process.process.pid
+            return self.pools.policy.servers[0].process.process.pid
+
+        def close(self) -> None:
+            self.pools.close()
 
         def generate(self, samples: int, seconds: float = 0.1) -> int:
-            engine, payload = self.engine, {"seconds": seconds}
+            engine, payload = self.pools.policy, {"seconds": seconds}
             for _ in range(samples):  # each answer beats (SGLangEngine._generate_one)
                 engine._loop.run(engine._generate_one(engine.servers[0].url, payload))
             return samples
@@ -326,21 +390,21 @@ def test_a_stopped_sglang_server_is_named_and_killed_and_its_worker_kept(
     script = tmp_path / "server.py"
     script.write_text(FAKE_SERVER)
     port = free_port()
-    worker = start_actor(rollout_worker_class(), {"num_cpus": 0}, port, str(script))
-    pid = watch.get(worker.pid.remote(), "pid", timeout=120)
+    worker = start_actor(watch, rollout_worker_class(), {"num_cpus": 0}, port, str(script))
+    pid = watch.get(worker.pid.remote(), STARTUP, "pid", timeout=120)
     node = local_ray.get_runtime_context().get_node_id()
     watch.locate_actor(worker, {"node_id": node, "ip": "127.0.0.1", "pid": pid}, 0)
-    server = watch.get(worker.server_pid.remote(), "pid", timeout=60)
+    server = watch.get(worker.server_pid.remote(), STARTUP, "pid", timeout=60)
     # 2 s of samples 0.1 s apart: deadlines of 0.5 s pass, each with answers in it
-    assert watch.get(worker.generate.remote(20), "rollout generate") == 20
+    assert watch.get(worker.generate.remote(20), GENERATE, "rollout generate") == 20
     # one sample of 4 s: no answer for 8 deadlines, but the server answers /health_generate
-    assert watch.get(worker.generate.remote(1, 4.0), "rollout generate") == 1
+    assert watch.get(worker.generate.remote(1, 4.0), GENERATE, "rollout generate") == 1
     assert server_alive(server) and watch.pop_metrics() == {}
 
     os.kill(server, signal.SIGSTOP)  # the server: alive, never answers again
     call = worker.generate.remote(1)
     with pytest.raises(StuckServerError) as err:
-        watch.get(call, "rollout generate")
+        watch.get(call, GENERATE, "rollout generate")
     message = str(err.value)
     assert f"SGLang policy server 0 at http://127.0.0.1:{port} (pid {server}" in message
     assert f"(pid {server}, RolloutWorker 0 (pid {pid} on 127.0.0.1))" in message
@@ -352,7 +416,7 @@ def test_a_stopped_sglang_server_is_named_and_killed_and_its_worker_kept(
     assert err.value.pending == [call]  # the recovery reads it (StuckServerError.settle)
     with pytest.raises(Exception, match="/generate failed"):  # the call on it fails, ...
         local_ray.get(call, timeout=60)
-    assert watch.get(worker.pid.remote(), "pid", timeout=60) == pid  # ... its worker lives on
+    assert watch.get(worker.pid.remote(), STARTUP, "pid", timeout=60) == pid  # its worker lives
 
 
 SESSION_SERVER = textwrap.dedent("""
@@ -390,18 +454,6 @@ SESSION_SERVER = textwrap.dedent("""
 """)
 
 
-def session_worker_class():
-    """:func:`rollout_worker_class` with the real worker methods of a weight push into SGLang
-    servers: opening and closing the update session, the versions, the heal's restart."""
-    from megatron_armor.orchestration.actors import workers
-
-    base = rollout_worker_class()
-    names = ("begin_weight_update", "end_weight_update", "_servers_or_all", "_servers",
-             "restart_dead_servers", "rejoin", "pool_version", "set_weight_version",
-             "weight_targets", "close")  # fmt: skip
-    return type("RolloutWorker", (base,), {n: getattr(workers.RolloutWorker, n) for n in names})
-
-
 def test_a_weight_update_session_that_never_closes_restarts_the_server_and_pushes_again(
     local_ray, monkeypatch, tmp_path, capsys
 ):
@@ -413,41 +465,50 @@ def test_a_weight_update_session_that_never_closes_restarts_the_server_and_pushe
     import json
     from types import SimpleNamespace
 
-    import megatron_armor.orchestration.actors.actor_handles as actor_handles
     import megatron_armor.orchestration.actors.call_watch as cw
-    import megatron_armor.orchestration.actors.recovery as recovery
     from megatron_armor.config.schema import ArmorConfig
     from megatron_armor.net import free_port
-    from megatron_armor.orchestration.actors.actor_handles import RolloutActors
     from megatron_armor.orchestration.actors.recovery import Recovery
+    from megatron_armor.orchestration.actors.rollout_fleet import RolloutFleet, ServerHealth
     from megatron_armor.orchestration.actors.weight_sync import DistributedSync
 
-    watch = half_second_watch(monkeypatch, actor_handles, recovery)  # the run's one watch
+    watch = half_second_watch(monkeypatch)  # the run's one watch
     monkeypatch.setattr(cw, "SERVER_PROBE_S", 2.0)
     script, hang = tmp_path / "server.py", tmp_path / "hang"
     script.write_text(SESSION_SERVER)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    worker = start_actor(session_worker_class(), {"num_cpus": 0}, port, str(script), str(hang))
-    pid = watch.get(worker.pid.remote(), "pid", timeout=120)
+    args = (port, str(script), str(hang))
+    worker = start_actor(watch, rollout_worker_class(), {"num_cpus": 0}, *args)
+    pid = watch.get(worker.pid.remote(), STARTUP, "pid", timeout=120)
     node = local_ray.get_runtime_context().get_node_id()
     watch.locate_actor(worker, {"node_id": node, "ip": "127.0.0.1", "pid": pid}, 0)
-    server = watch.get(worker.server_pid.remote(), "pid", timeout=60)
+    server = watch.get(worker.server_pid.remote(), STARTUP, "pid", timeout=60)
 
-    rollout = object.__new__(RolloutActors)  # the run's handle over this one worker
-    rollout.actors = rollout.policy_actors = rollout.reference_actors = [worker]
-    rollout.has_ref_pool = rollout.caches_anchors = False
+    fleet = RolloutFleet(watch, [worker], [0], [0], has_ref_pool=False)  # the run's workers
     pushes = []
     trainer = SimpleNamespace(actors=[], drop_sender=lambda pool: pushes.append(("new group",)),
                               push_weights=lambda version, weights, pool, target:
                               pushes.append((version, [t.url for t in target])) or 100)  # fmt: skip
     config = ArmorConfig()
-    sync = DistributedSync(config, trainer, rollout)
-    s = SimpleNamespace(config=config, run_dir=tmp_path, rollout=rollout, trainer=trainer,
-                        reward=SimpleNamespace(actors=[]), weight_sync=sync)  # fmt: skip
+    sync = DistributedSync(config, trainer, fleet)
+    reference = SimpleNamespace(caches_anchors=False, forget_unsettled=lambda: None)
+    rollout = SimpleNamespace(fleet=fleet, reference=reference,
+                              health=ServerHealth(fleet, sync.resync))  # fmt: skip
+    s = SimpleNamespace(
+        config=config,
+        run_dir=tmp_path,
+        rollout=rollout,
+        trainer=trainer,
+        reward=SimpleNamespace(actors=[]),
+        weight_sync=sync,
+        call_watch=watch,
+    )
     guard = Recovery(config)
     assert guard.guard(s, 1, "sync", lambda: sync.push_policy(1)) == 100
-    assert watch.get(worker.pool_version.remote("policy"), "v") == 1 and watch.pop_metrics() == {}
+    version = CallKind.WEIGHT_VERSIONS
+    assert watch.get(worker.pool_version.remote("policy"), version, "v") == 1
+    assert watch.pop_metrics() == {}
 
     hang.touch()  # the next session never closes
     assert guard.guard(s, 2, "sync", lambda: sync.push_policy(2)) == 100
@@ -456,16 +517,16 @@ def test_a_weight_update_session_that_never_closes_restarts_the_server_and_pushe
     assert "did not answer /health_generate within 2s: policy servers closing the weight" in out
     assert f"recovery: SGLang server {url} stuck during step 2 (sync; StuckServerError" in out
     assert gone(server), "the stuck server was not killed"
-    restarted = watch.get(worker.server_pid.remote(), "pid", timeout=60)
+    restarted = watch.get(worker.server_pid.remote(), STARTUP, "pid", timeout=60)
     assert restarted != server and server_alive(restarted)
     # step 2's push, the heal's (a new group, the served version 1), step 2's push again
     assert pushes == [(1, [url]), (2, [url]), ("new group",), (1, [url]), (2, [url])]
-    assert watch.get(worker.pool_version.remote("policy"), "v") == 2
+    assert watch.get(worker.pool_version.remote("policy"), version, "v") == 2
     assert guard.pop_servers_restarted() == 1
     assert watch.pop_metrics() == {"faults/stuck_sglang_server": 1.0}
     (row,) = [json.loads(x) for x in (tmp_path / "recoveries.jsonl").read_text().splitlines()]
     assert (row["step"], row["phase"], row["reason"]) == (2, "sync", "stuck")
     assert row["actor"] == f"SGLang server {url}" and row["kind"] == "rollout"
-    watch.get(worker.close.remote(), "close", timeout=60)  # stops the restarted server
+    watch.get(worker.close.remote(), CallKind.CLOSE, "close", timeout=60)  # stops the server
     assert gone(restarted)
     local_ray.kill(worker)

@@ -1,10 +1,13 @@
 """The colocated hand-off around a step's weight sync (``orchestration/step/phases.py``): the
-order of calls on recording trainer and rollout handles behind the real weight-sync class of
+order of calls on a recording trainer handle and a recording rollout worker (behind the real
+fleet, called in process: ``tests/inprocess_actors.py``) behind the real weight-sync class of
 each transport (``orchestration/actors/weight_sync.py``). Tier: unit (no Ray, no GPU; the
 CUDA side of the hand-off, ``trainer/offload.return_cached_blocks``, is a ``gpu`` test)."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -13,8 +16,12 @@ from megatron_armor.algo.reset import ResetSchedule
 from megatron_armor.config.loader import load_config
 from megatron_armor.observability.throughput import ThroughputMeter
 from megatron_armor.observability.timers import PhaseTimers
+from megatron_armor.orchestration.actors.rollout_fleet import RolloutMemory
 from megatron_armor.orchestration.actors.weight_sync import make_weight_sync
 from megatron_armor.orchestration.step.phases import sync_and_maybe_reset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from inprocess_actors import local_fleet  # noqa: E402
 
 pytestmark = pytest.mark.unit
 
@@ -40,8 +47,10 @@ def session(*overrides: str, reset_every: int = 0) -> tuple[SimpleNamespace, Cal
     config = load_config(None, ["rollout.backend=sglang", "trainer.world_size=2", *overrides])
     calls = Calls()
     trainer = calls.handle("trainer", {"push_weights": 8})
-    rollout = calls.handle("rollout", {"weight_targets": [(0, "http://policy-0", 1, 0, "")]})
-    sync = make_weight_sync(config, trainer, rollout)
+    worker = calls.handle("rollout", {"weight_targets": [("http://policy-0", 1, 0, "")]})
+    fleet = local_fleet([worker], has_ref_pool=True)
+    sync = make_weight_sync(config, trainer, fleet)
+    rollout = SimpleNamespace(memory=RolloutMemory(fleet))
     schedule = ResetSchedule("every", reset_every) if reset_every else ResetSchedule()
     s = SimpleNamespace(
         config=config, trainer=trainer, rollout=rollout, weight_sync=sync,

@@ -7,8 +7,7 @@ import json
 import pytest
 
 from megatron_armor.config import ArmorConfig, ConfigError, load_config
-from megatron_armor.config.moe import expert_tp_size
-from megatron_armor.config.validate import find_problems, reference_order, validate
+from megatron_armor.config.validate import find_problems, validate
 
 pytestmark = pytest.mark.unit
 
@@ -176,9 +175,9 @@ def test_reference_first_auto_is_the_default_and_fits_every_anchor_mode():
     assert load_config(None, []).rollout.reference_first == "auto"
     load_config(None, ["algo.anchor=none", "algo.ratio=standard"])
     load_config(None, ["rollout.reference_parts=2"])
-    for text, value in (("TRUE", True), ("false", False), ("Auto", "auto"), ("'true'", True)):
+    for text, value in (("TRUE", True), ("false", False), ("Auto", None), ("'true'", True)):
         cfg = load_config(None, [f"rollout.reference_first={text}"])
-        assert reference_order(cfg.rollout.reference_first) == value
+        assert cfg.resolved.reference_first is value  # None: each step decides
 
 
 def test_rules_read_the_registry_entry_not_the_name(monkeypatch):
@@ -212,6 +211,10 @@ def test_fp8_with_te_is_valid():
     "overrides, expected",
     [
         (["trainer.tp=2", "trainer.world_size=3"], ["trainer.world_size=3", "tp*pp*cp=2*1*1=2"]),
+        (
+            ["trainer.tp=4", "trainer.pp=2", "trainer.world_size=4"],
+            ["trainer.world_size=4: fewer ranks", "tp*pp*cp=4*2*1=8", "--checkpoint CKPT"],
+        ),
         (
             ["trainer.tp=2", "trainer.pp=2", "trainer.cp=2", "trainer.world_size=12"],
             ["tp*pp*cp=2*2*2=8"],
@@ -384,17 +387,16 @@ def test_prompt_plus_response_beyond_the_models_context_names_the_override():
 def test_concurrent_reference_resolves_on_for_one_cpu_rank_only():
     """``auto``: the cpu layout with one trainer rank (the idle engine's core); ``true`` is
     refused where two passes at once could not run (GPU layouts, collectives in the forward)."""
-    from megatron_armor.config.validate import runs_concurrent_reference
-
     assert load_config(None, []).trainer.concurrent_reference == "auto"
     cpu_one = ["orchestration.layout=cpu", "trainer.world_size=1"]
-    assert runs_concurrent_reference(load_config(None, cpu_one))
+    assert load_config(None, cpu_one).resolved.concurrent_reference
     two_ranks = ["orchestration.layout=cpu", "trainer.world_size=2", "trainer.ppo_mini_batch=8"]
-    assert not runs_concurrent_reference(load_config(None, two_ranks))
-    assert runs_concurrent_reference(
-        load_config(None, [*two_ranks, "trainer.concurrent_reference=TRUE"])
-    )  # pure data parallelism: no collective in a forward pass
-    assert not runs_concurrent_reference(load_config(None, ["trainer.concurrent_reference=false"]))
+    assert not load_config(None, two_ranks).resolved.concurrent_reference
+    assert load_config(
+        None, [*two_ranks, "trainer.concurrent_reference=TRUE"]
+    ).resolved.concurrent_reference  # pure data parallelism: no collective in a forward pass
+    off = load_config(None, ["trainer.concurrent_reference=false"])
+    assert not off.resolved.concurrent_reference
     colocated = _error("trainer.concurrent_reference=true", "orchestration.layout=colocated")
     assert "trainer.concurrent_reference=true with orchestration.layout='colocated'" in colocated
     assert "set trainer.concurrent_reference=auto or false" in colocated
@@ -456,7 +458,7 @@ def moe_dir(tmp_path):
         (["trainer.ep=2", "trainer.world_size=3"], ["trainer.world_size=3", "etp*ep*pp=1*2*1=2"]),
         (
             ["trainer.etp=2", "trainer.ep=3", "trainer.world_size=3"],
-            ["trainer.world_size=3", "etp*ep*pp=2*3*1=6", "trainer.etp"],
+            ["trainer.world_size=3: fewer ranks", "etp*ep*pp=2*3*1=6", "trainer.etp"],
         ),
         (
             ["trainer.etp=2", "trainer.world_size=2"],
@@ -495,13 +497,13 @@ def test_expert_parallel_needs_experts(hf_dir, moe_dir):
     # expert TP apart from TP (with ep > 1): tp=2 beside etp=1, tp=1 beside etp=2
     for layout in (["trainer.tp=2", "trainer.sequence_parallel=true"], ["trainer.etp=2"]):
         ok = [f"trainer.model_path={moe_dir}", *layout, "trainer.ep=2", "trainer.world_size=4"]
-        t = load_config(None, ok).trainer
-        assert (t.tp, t.ep, expert_tp_size(t)) in ((2, 2, 1), (1, 2, 2))
+        cfg = load_config(None, ok)
+        assert (cfg.trainer.tp, cfg.trainer.ep, cfg.resolved.etp) in ((2, 2, 1), (1, 2, 2))
     # etp auto: tp at ep=1 (the experts' gradients are reduced like dense weights), 1 at ep>1
     tp2 = [f"trainer.model_path={moe_dir}", "trainer.tp=2", "trainer.sequence_parallel=true"]
-    assert expert_tp_size(load_config(None, [*tp2, "trainer.world_size=2"]).trainer) == 2
-    ep2 = load_config(None, [*tp2, "trainer.ep=2", "trainer.world_size=4"]).trainer
-    assert ep2.etp == "auto" and expert_tp_size(ep2) == 1
+    assert load_config(None, [*tp2, "trainer.world_size=2"]).resolved.etp == 2
+    ep2 = load_config(None, [*tp2, "trainer.ep=2", "trainer.world_size=4"])
+    assert ep2.trainer.etp == "auto" and ep2.resolved.etp == 1
 
 
 def test_train_takes_a_moe_model(moe_dir):

@@ -94,35 +94,38 @@ def test_named_errors_from_an_actor_print_without_the_remote_traceback(capsys):
 
 def test_a_stuck_sglang_server_is_restarted_and_the_phase_done_again(tmp_path, capsys):
     """``Recovery.guard`` on a :class:`StuckServerError` (the server killed past a call
-    deadline): the heal restarts it (``WeightSync.heal``), the phase is done again from its
+    deadline): the heal restarts it (``ServerHealth.heal``), the phase is done again from its
     start (``redo``), the worker is kept, and the recovery is a ``stuck`` row naming the
     server; with ``run.max_recoveries=0`` the run stops for a requeue instead."""
     import json
     from types import SimpleNamespace
 
-    from megatron_armor.orchestration.actors.call_watch import StuckServerError
+    from megatron_armor.orchestration.actors.call_watch import CallWatch, StuckServerError
     from megatron_armor.orchestration.actors.faults import RequeueError
     from megatron_armor.orchestration.actors.recovery import Recovery
 
     worker = SimpleNamespace(_actor_id=SimpleNamespace(hex=lambda: "ab12"))
     healed, redone, dropped = [], [], []
-    rollout = SimpleNamespace(actors=[worker], reference_actors=[worker], caches_anchors=False,
-                              forget_unsettled=lambda: dropped.append(1))  # fmt: skip
+    rollout = SimpleNamespace(
+        fleet=SimpleNamespace(actors=[worker], reference_actors=[worker]),
+        reference=SimpleNamespace(caches_anchors=False, forget_unsettled=lambda: dropped.append(1)),
+        health=SimpleNamespace(heal=lambda: healed.append(1) or 1),
+    )
 
     def session(max_recoveries: int):
         run = SimpleNamespace(max_recoveries=max_recoveries, recovery_window=50)
         return SimpleNamespace(
             config=SimpleNamespace(run=run), run_dir=tmp_path, rollout=rollout,
             trainer=SimpleNamespace(actors=[]), reward=SimpleNamespace(actors=[]),
-            weight_sync=SimpleNamespace(heal=lambda: healed.append(1) or 1),
+            call_watch=CallWatch(),
         )  # fmt: skip
 
     url = "http://127.0.0.1:30000"
     server = {"pool": "policy", "index": 0, "url": url, "pid": 4321, "worker": "ab12"}
 
     def draws():
-        answers = iter([StuckServerError(f"SGLang policy server 0 at {url} ...", "ab12", [server]),
-                        "the rollout"])  # fmt: skip
+        answers = iter([StuckServerError(f"SGLang policy server 0 at {url} ...", "ab12", [server],
+                                         []), "the rollout"])  # fmt: skip
 
         def call():
             answer = next(answers)
@@ -145,7 +148,7 @@ def test_a_stuck_sglang_server_is_restarted_and_the_phase_done_again(tmp_path, c
         Recovery(session(0).config).guard(session(0), 3, "rollout", draws())
 
 
-def test_an_actor_killed_as_stuck_is_recorded_stuck_whichever_wait_sees_it_first(monkeypatch):
+def test_an_actor_killed_as_stuck_is_recorded_stuck_whichever_wait_sees_it_first():
     """Two waits on one actor: the one past its deadline kills it (``StuckCallError``), the
     other may see it die (``ActorDiedError``) and reach the recovery first; both are ``stuck``."""
     from types import SimpleNamespace
@@ -154,8 +157,7 @@ def test_an_actor_killed_as_stuck_is_recorded_stuck_whichever_wait_sees_it_first
     from megatron_armor.orchestration.actors.call_watch import CallWatch
 
     watch = CallWatch()
-    monkeypatch.setattr(recovery, "WATCH", watch)
     died = SimpleNamespace(actor_id="cd34")  # what matters of an ActorDiedError here
-    assert recovery.fault_reason(Fault("reward", 0, died)) == "died"
+    assert recovery.fault_reason(Fault("reward", 0, died), watch) == "died"
     watch.killed_stuck.add("cd34")
-    assert recovery.fault_reason(Fault("reward", 0, died)) == "stuck"
+    assert recovery.fault_reason(Fault("reward", 0, died), watch) == "stuck"

@@ -58,7 +58,9 @@ def test_a_process_that_is_gone_is_left_out(child):
 
 
 def test_run_memory_metrics_name_every_process_and_node(child):
-    host = HostMemory([RunProcess("trainer0", "node-a", child.pid, True)], "node-a")
+    from megatron_armor.orchestration.actors.call_watch import CallWatch
+
+    host = HostMemory([RunProcess("trainer0", "node-a", child.pid, True)], "node-a", CallWatch())
     m = host.metrics()
     assert set(m) == {"mem/driver_gb", "mem/driver_tree_gb", "mem/trainer0_gb",
                       "mem/node0_run_gb", "mem/node0_used_gb", "mem/node0_available_gb",

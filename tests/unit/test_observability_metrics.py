@@ -90,6 +90,45 @@ def test_tensorboard_event_file_written(tmp_path):
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
 
 
+def tensorboard_scalars(log_dir, tag: str) -> dict[int, float]:
+    """``{step: value}`` of ``tag`` as TensorBoard shows it (its reader purges what a later
+    event file's first event drops)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir), purge_orphaned_data=True)
+    events.Reload()
+    return {e.step: e.value for e in events.Scalars(tag)}
+
+
+def test_a_resume_from_an_older_checkpoint_rewinds_tensorboard_and_wandb(tmp_path, monkeypatch):
+    """Steps 1-6 logged, the run resumes from the checkpoint of step 3 and logs 4-5 again
+    (another trajectory): metrics.jsonl, TensorBoard and W&B (offline) all continue from step 3.
+    W&B's own server applies ``resume_from``; offline, the run is re-opened with it."""
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    from megatron_armor.observability.metrics import WandbSettings
+
+    settings = WandbSettings(project="armor-test", mode="offline")
+    logger = MetricsLogger(tmp_path, tensorboard=True, wandb=True, wandb_settings=settings)
+    for step in range(1, 7):
+        logger.log(step, {"reward/policy_mean": float(step)})
+    logger.close()
+    logger = MetricsLogger(tmp_path, tensorboard=True, wandb=True, wandb_settings=settings)
+    assert logger.rewind(3) == 3
+    wandb_run = logger.sinks[1].run
+    assert (wandb_run.id, wandb_run.settings.resume_from.value) == (wandb_run_id(tmp_path, None), 4)
+    for step in (4, 5):
+        logger.log(step, {"reward/policy_mean": 10.0 * step})
+    logger.close()
+    assert {r["step"]: r["reward/policy_mean"] for r in read_metrics(tmp_path)} == {
+        1: 1.0, 2: 2.0, 3: 3.0, 4: 40.0, 5: 50.0}  # fmt: skip
+    shown = tensorboard_scalars(tmp_path / "tb", "reward/policy_mean")
+    assert shown == {1: 1.0, 2: 2.0, 3: 3.0, 4: 40.0, 5: 50.0}, shown
+    again = MetricsLogger(tmp_path, tensorboard=True)  # the newest checkpoint: nothing to drop
+    assert again.rewind(5) == 0
+    again.close()
+    assert tensorboard_scalars(tmp_path / "tb", "reward/policy_mean") == shown
+
+
 def test_wandb_missing_is_a_clear_error(tmp_path, monkeypatch):
     import builtins
 
@@ -212,3 +251,25 @@ def test_a_pipeline_with_wandb_but_without_the_package_exits_2(monkeypatch, caps
     )
     assert main(["pipeline", "configs/tiny_pipeline.yaml", "logging.wandb=true"]) == 2
     assert "requirements-wandb.txt" in capsys.readouterr().err
+
+
+def test_wandb_online_without_a_login_is_refused_at_load_naming_the_key(tmp_path, monkeypatch):
+    """A container without the home directory (pyxis ``--no-container-mount-home``) does not see
+    ``wandb login``'s ~/.netrc: refused before anything starts, naming WANDB_API_KEY."""
+    from megatron_armor.config import load_config
+    from megatron_armor.config.inputs import wandb_problems
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
+    monkeypatch.delenv("NETRC", raising=False)
+    online = load_config(None, ["logging.wandb=true"])
+    assert [p for p in wandb_problems(online) if "export WANDB_API_KEY before sbatch" in p]
+    (tmp_path / ".netrc").write_text("machine api.wandb.ai\n  login user\n  password k\n")
+    (tmp_path / ".netrc").chmod(0o600)  # as `wandb login` writes it
+    assert not [p for p in wandb_problems(online) if "WANDB_API_KEY" in p]  # wandb login's
+    (tmp_path / ".netrc").unlink()
+    monkeypatch.setenv("WANDB_API_KEY", "k")
+    assert not list(wandb_problems(online))
+    monkeypatch.delenv("WANDB_API_KEY")
+    offline = load_config(None, ["logging.wandb=true", "logging.wandb_mode=offline"])
+    assert not list(wandb_problems(offline))

@@ -18,7 +18,7 @@ from megatron_armor.algo.registry import get_anchor_mode
 from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.data.dataset import PromptItem
 from megatron_armor.data.sampler import ResumableSampler
-from megatron_armor.orchestration.actors.workers import set_remembered_scores
+from megatron_armor.orchestration.actors.rollout_services import set_remembered_scores
 from megatron_armor.orchestration.step.acceptance import AcceptanceError
 from megatron_armor.orchestration.step.anchor_rollout import (
     AnchorRollout,
@@ -74,10 +74,45 @@ class ScriptedRollout:
         return [self._samples(it, n, lambda i, it=it: SCRIPT[it.query_id][1][i], SampleSource.REFERENCE, 10)
                 for it in items]  # fmt: skip
 
-    def submit_scored(self, method, items, n, params, reward, wait_rows=True):
-        """``RolloutActors.submit_scored`` in-process: the call, then ``reward`` scores the
-        samples not already scored when the rows' scores are asked for."""
-        return EagerScoredRows(getattr(self, method)(items, n, params), reward)
+
+class PolicyView:
+    """``rollout_draws.PolicyDraws`` of a scripted rollout, in process: ``submit_scored`` is
+    the call, then ``reward`` scores the samples not already scored when the rows' scores are
+    asked for."""
+
+    def __init__(self, rollout):
+        self.rollout = rollout
+
+    def generate(self, items, n, params):
+        return self.rollout.generate(items, n, params)
+
+    def submit_scored(self, items, n, params, reward):
+        return EagerScoredRows(self.rollout.generate(items, n, params), reward)
+
+
+class ReferenceView:
+    """``rollout_draws.ReferenceDraws`` of a scripted rollout, in process."""
+
+    def __init__(self, rollout):
+        self.rollout = rollout
+
+    def sample(self, items, n, params):
+        return self.rollout.sample_reference(items, n, params)
+
+    def submit_scored(self, items, n, params, reward, wait_rows=True):
+        return EagerScoredRows(self.rollout.sample_reference(items, n, params), reward)
+
+    def remember_scores(self, items, rows):
+        self.rollout.remember_reference_scores(items, rows)
+
+    def unsolved(self, items, n):
+        return self.rollout.reference_unsolved(items, n)
+
+
+def use(runner, rollout):
+    """``runner`` draws from the scripted ``rollout`` from now on; returns it."""
+    runner.policy, runner.reference = PolicyView(rollout), ReferenceView(rollout)
+    return rollout
 
 
 class EagerScoredRows:
@@ -113,7 +148,9 @@ def make(anchor="armor", batch=2, gen_batch=3, max_gen_batches=4, weak_filter=Fa
     items = [PromptItem(q, [1, 2, 3], q, "1", "tiny") for q in queries]
     rollout = ScriptedRollout()
     sampler = ResumableSampler(len(items), seed=0, shuffle=False, retire_after=retire_after)
-    return AnchorRollout(cfg, items, sampler, rollout, ScriptedReward()), rollout
+    runner = AnchorRollout(cfg, items, sampler, PolicyView(rollout), ReferenceView(rollout),
+                           ScriptedReward())  # fmt: skip
+    return runner, rollout
 
 
 def test_armor_groups_are_n_on_policy_plus_first_correct_reference():
@@ -518,7 +555,7 @@ def test_anchor_cache_hits_queries_that_recur_within_a_reset_period():
     runner, rollout = make(
         "armor", batch=1, gen_batch=3, queries=("q0", "q1", "q2", "q3", "q4", "q5")
     )
-    rollout = runner.rollout = CachedRollout()
+    rollout = use(runner, CachedRollout())
     anchors = {step: r.groups[0].samples[-1].response_len
                for step, r in enumerate(reset_period_steps(runner, rollout), start=1)}  # fmt: skip
     m = rollout.cache.metrics()
@@ -567,7 +604,7 @@ def test_cached_anchors_are_scored_once_per_reset_period():
     for remembering in (False, True):
         runner, _ = make("armor", batch=1, gen_batch=3, queries=queries)
         runner.caches_anchors = remembering
-        rollout = runner.rollout = RememberingRollout() if remembering else CachedRollout()
+        rollout = use(runner, RememberingRollout() if remembering else CachedRollout())
         reward = runner.reward = CountingReward()
         groups = [group_keys(r.groups) for r in reset_period_steps(runner, rollout)]
         runs[remembering] = (groups, reward.scored.count(SampleSource.REFERENCE), rollout.calls)
@@ -631,10 +668,10 @@ def collect_in_order(first_part_waits: bool):
     runner.parts = 2
     drawn = threading.Event()
     waiting, signal = ({"q0", "q1", "q2"}, "q3") if first_part_waits else ({"q3", "q4", "q5"}, "q0")
-    runner.rollout = SignallingRollout(signal, drawn)
+    rollout = use(runner, SignallingRollout(signal, drawn))
     runner.reward = OrderedScoring(waiting, drawn)
     result = runner.collect(step=1)
-    return result, runner.rollout.calls
+    return result, rollout.calls
 
 
 def group_keys(groups) -> list[list[tuple]]:
@@ -665,7 +702,7 @@ def test_a_cached_all_wrong_reference_rejects_a_recurring_query_before_it_is_gen
     for verdicts in (False, True):
         runner, _ = make("armor", batch=1, gen_batch=3, queries=queries)
         runner.caches_anchors = verdicts
-        rollout = runner.rollout = RememberingRollout()
+        rollout = use(runner, RememberingRollout())
         results = reset_period_steps(runner, rollout)
         groups = [group_keys(r.groups) for r in results]
         stats = [r.stats.as_metrics() for r in results]
@@ -699,7 +736,7 @@ def test_reference_first_with_the_anchor_cache_selects_the_same_groups():
     for first in (False, True):
         runner, _ = make("armor", batch=1, gen_batch=3, queries=queries, reference_first=first)
         runner.caches_anchors = True
-        rollout = runner.rollout = RememberingRollout()
+        rollout = use(runner, RememberingRollout())
         groups = [group_keys(r.groups) for r in reset_period_steps(runner, rollout)]
         runs[first] = (groups, rollout.calls)
     assert runs[True][0] == runs[False][0]

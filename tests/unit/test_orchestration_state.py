@@ -26,14 +26,14 @@ from megatron_armor.config.validate import (
 )
 from megatron_armor.observability.metrics import MetricsLogger, metrics_record, read_metrics
 from megatron_armor.orchestration.actors import placement
-from megatron_armor.orchestration.actors.actor_handles import shard
 from megatron_armor.orchestration.actors.placement import (
     actor_options,
     plan_layout,
     rollout_hosts,
     trainer_runtime_env,
 )
-from megatron_armor.orchestration.actors.workers import reference_strategy
+from megatron_armor.orchestration.actors.rollout_worker import reference_plan
+from megatron_armor.orchestration.actors.workers import shard
 from megatron_armor.orchestration.run import checkpoints
 from megatron_armor.orchestration.run.run_state import EXIT_REQUEUE, RunState, StopSignal
 from megatron_armor.orchestration.run.session import Session
@@ -309,12 +309,12 @@ def test_reference_needs_and_strategy():
     cfg.algo.kl_coef = 0.1
     assert needs_reference_logprobs(cfg.algo)
     cfg.rollout.ref_strategy, cfg.algo.anchor_source = "dedicated", "cache"
-    assert reference_strategy(cfg) == ("cache", "dedicated")
+    assert reference_plan(cfg) == ("cache", "dedicated")
     cfg.rollout.ref_strategy, cfg.algo.anchor_source = "swap", "generate"
-    assert reference_strategy(cfg) == ("swap", "swap")
+    assert reference_plan(cfg) == ("swap", "swap")
     cfg.algo.anchor_source = "replay"
     with pytest.raises(ValueError, match="algo.anchor_source='replay'"):
-        reference_strategy(cfg)
+        reference_plan(cfg)
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[str(p.relative_to(p.parents[1])) for p in CONFIGS])

@@ -139,7 +139,7 @@ def test_sparse_layer_activations_follow_the_active_experts():
 def test_the_example_config_fits_4x8_h100_with_the_experts_over_ep8():
     config = load_config(EXAMPLE)
     t = config.trainer
-    assert (t.world_size, t.tp, t.ep, t.sequence_parallel) == (32, 2, 8, True)
+    assert (config.resolved.world_size, t.tp, t.ep, t.sequence_parallel) == (32, 2, 8, True)
     plan = make_plan(config, model="qwen3-30b-a3b", gpu_mem_gib=80)
     assert plan.fits, plan.report()
     m = plan.model  # the vocabulary padded to a multiple of 128 * tp

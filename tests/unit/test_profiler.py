@@ -53,6 +53,26 @@ def test_torch_profiler_writes_a_loadable_chrome_trace_for_chosen_steps_only(tmp
     assert nvtx.nvtx_backend() is None  # ranges back to no-ops after the captured step
 
 
+def test_an_embedded_rollout_worker_traces_its_chosen_steps_under_its_own_name(tmp_path):
+    from megatron_armor.config.schema import ArmorConfig
+    from megatron_armor.orchestration.actors.rollout_worker import embedded_engine_profiler
+
+    config = ArmorConfig()
+    config.run.output_dir, config.run.name = str(tmp_path), "r"
+    assert embedded_engine_profiler(config, 1) is None  # logging.profile none
+    config.logging.profile, config.logging.profile_steps = "torch", [2]
+    prof = embedded_engine_profiler(config, 1)
+    x = torch.randn(32, 32)
+    for step in (1, 2):
+        prof.begin_step(step)
+        _fake_step(x)
+        prof.end_step(step)
+    traces = sorted(p.name for p in (tmp_path / "r" / "profile").iterdir())
+    assert traces == ["trace_rollout1_step2.json"]  # beside the trainer ranks' trace_rank<R>
+    config.rollout.backend = "sglang"  # its servers capture themselves
+    assert embedded_engine_profiler(config, 1) is None
+
+
 def test_torch_profiler_only_on_chosen_ranks(tmp_path):
     prof = make_profiler("torch", steps=[1], ranks=[0], rank=1, out_dir=tmp_path)
     assert type(prof) is StepProfiler

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -114,7 +116,6 @@ def test_scoring_workers_get_answers_only(scorer, monkeypatch):
     scoring the samples in-process."""
     import pickle
 
-    from megatron_armor.orchestration.actors import actor_handles
     from megatron_armor.orchestration.actors.actor_handles import RewardActors
     from megatron_armor.orchestration.actors.workers import RewardWorker
     from megatron_armor.reward.dapo_rule import TAIL_CHARS
@@ -130,9 +131,10 @@ def test_scoring_workers_get_answers_only(scorer, monkeypatch):
                 sent.append(pickle.loads(pickle.dumps(answers)))
                 return worker.score(sent[-1])
 
-    monkeypatch.setattr(actor_handles, "wait", lambda refs, what, timeout=None, work=1.0: refs)
-    actors = object.__new__(RewardActors)
-    actors.actors, actors.verifier = [Handle(), Handle()], scorer.verifier
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from inprocess_actors import InstantWatch
+
+    actors = RewardActors(InstantWatch(), [Handle(), Handle()], scorer.verifier)
 
     def batch() -> list[Sample]:
         long = "work " * 400 + "Answer: 7"  # far longer than the DAPO rule's tail

@@ -231,30 +231,34 @@ def test_the_plan_answers_what_the_driver_asks(ref_strategy, anchor_source, plan
 
 @pytest.mark.parametrize("strategy", ["dedicated", "swap", "cache"])
 def test_a_reset_to_the_served_policy_takes_the_engines_own_weights(models, strategy):
-    """``RolloutWorker.reset_reference_from_policy``: the reference becomes the policy the
-    engine serves at that version without receiving weights; it then samples what the policy
-    samples, and survives the next policy push (a copy, not the policy's tensors)."""
-    from megatron_armor.orchestration.actors.workers import RolloutWorker
+    """``WeightIntake.reset_reference_from_policy`` (a rollout worker's): the reference becomes
+    the policy the engine serves at that version without receiving weights; it then samples
+    what the policy samples, and survives the next policy push (a copy, not the policy's
+    tensors)."""
+    from megatron_armor.orchestration.actors.rollout_services import (
+        EnginePools,
+        WeightCopies,
+        WeightIntake,
+    )
 
     engine = TorchEngine(models["policy_dir"])
-    w = object.__new__(RolloutWorker)
-    w.index, w.engine, w.ref_engine = 0, engine, None
-    w.keep_copies, w.copies = strategy == "swap", {}
-    w.reference = make_reference_sampler(strategy, engine, weights_fn=w._weights)
+    copies = WeightCopies(strategy == "swap", 0)
+    reference = make_reference_sampler(strategy, engine, weights_fn=copies)
+    w = WeightIntake(EnginePools({"policy": engine}, 0), copies, reference)
     w.update_weights(4, models["ref"].state_tensors())  # the policy served at version 4
     if strategy == "swap":
-        w.copies["ref"] = models["policy"].state_tensors()  # the previous reference
-    w.reference.load_reference(0, models["policy"].state_tensors)
+        copies.copies["ref"] = models["policy"].state_tensors()  # the previous reference
+    reference.load_reference(0, models["policy"].state_tensors)
     with pytest.raises(RuntimeError, match="serves version 4; push the reference"):
         w.reset_reference_from_policy(5)
     w.reset_reference_from_policy(4)
-    assert w.reference.ref_version == 4
+    assert reference.ref_version == 4
     if strategy == "swap":
-        assert w.copies["ref"] is w.copies["policy"]
-    outputs = w.reference.sample(QIDS, PROMPTS, 2, PARAMS)
+        assert copies.copies["ref"] is copies.copies["policy"]
+    outputs = reference.sample(QIDS, PROMPTS, 2, PARAMS)
     assert_from_reference(models, outputs, version=4)  # the policy at 4 holds models["ref"]
     w.update_weights(5, models["policy"].state_tensors())  # the policy moves on
-    assert max_error(models["ref"], w.reference.sample(QIDS, PROMPTS, 1, PARAMS)) < 1e-5
+    assert max_error(models["ref"], reference.sample(QIDS, PROMPTS, 1, PARAMS)) < 1e-5
     assert max_error(models["policy"], engine.generate(PROMPTS, 1, PARAMS)) < 1e-5
 
 

@@ -50,6 +50,7 @@ from megatron_armor.rollout.sglang.client import (
     update_weights_from_tensor_payload,
 )
 from megatron_armor.rollout.sglang.engine import SGLangEngine
+from megatron_armor.rollout.sglang.profile import ServerProfile, server_profile
 from megatron_armor.rollout.sglang.router import RouterAdmin
 
 pytestmark = pytest.mark.unit
@@ -88,6 +89,10 @@ ENDPOINT_FIELDS = {
     "/begin_weight_update": {"selector"},
     "/end_weight_update": set(),
     "/flush_cache": set(),
+    "/start_profile": {"output_dir", "start_step", "num_steps", "activities", "profile_by_stage",
+                       "with_stack", "record_shapes", "profile_id", "merge_profiles",
+                       "profile_prefix", "profile_stages"},
+    "/stop_profile": set(),
 }  # fmt: skip
 # A subset of ServerArgs fields (server_args.py), enough for the launch builder.
 SERVER_ARGS_FIELDS = {
@@ -288,7 +293,7 @@ def standin():
     thread.close()
 
 
-def engine_for(urls, tmp_path=None, routes=None, **cfg) -> SGLangEngine:
+def engine_for(urls, tmp_path=None, routes=None, profile=None, **cfg) -> SGLangEngine:
     settings = {"router": False, "max_retries": 2, "request_timeout_s": 10.0, **cfg}
     return SGLangEngine(
         "/models/tiny",
@@ -296,6 +301,7 @@ def engine_for(urls, tmp_path=None, routes=None, **cfg) -> SGLangEngine:
         urls=urls,
         weights_dir=str(tmp_path) if tmp_path else None,
         routes=routes,
+        profile=profile,
     )
 
 
@@ -805,3 +811,32 @@ def test_routes_from_sglang_on_cpu_are_refused_at_load(tmp_path):
     assert list(engine_route_problems(config)) == []
     config.rollout.backend, config.trainer.moe.routing_replay = "sglang", "r2"
     assert list(engine_route_problems(config)) == []
+
+
+def test_profiled_servers_capture_the_chosen_steps_only(standin):
+    """logging.profile=torch: the servers' own profiler for step 2 only, traces under the run;
+    nsys on a Ray cluster: each server under its own nsys session, asked for a CUDA profiler
+    range; nsys under launch/profile.sh: nothing to ask (the driver's session follows them)."""
+    torch_run = ServerProfile("torch", (2,), "/runs/r/profile", own_nsys=False)
+    engine = engine_for([standin.url], profile=torch_run)
+    for step in (1, 2, 3):
+        engine.profile_begin(step)
+        engine.profile_end(step)
+    asked = [(e, b) for e, b in standin.calls if "profile" in e]
+    assert asked == [("/start_profile", {"activities": ["CPU", "GPU"],
+                                         "output_dir": "/runs/r/profile/sglang_0"}),
+                     ("/stop_profile", {})]  # fmt: skip
+    engine.close()
+    command = ["python", "-m", "sglang.launch_server", "--port", "1"]
+    cluster = ServerProfile("nsys", (2,), "/runs/r/profile", own_nsys=True)
+    wrapped = cluster.command(command, "sglang_ref_1")
+    assert wrapped[:2] == ["nsys", "profile"] and wrapped[-5:] == command
+    assert "--output=/runs/r/profile/sglang_ref_1_%p" in wrapped
+    assert "--capture-range=cudaProfilerApi" in wrapped
+    assert cluster.start_payload("s") == {"activities": ["CUDA_PROFILER"]}
+    local = ServerProfile("nsys", (2,), "/runs/r/profile", own_nsys=False)
+    assert local.command(command, "sglang_0") == command and local.start_payload("s") is None
+    config = ArmorConfig()
+    config.logging.profile, config.logging.profile_steps = "nsys", [3]
+    config.orchestration.ray_address = "10.0.0.1:6379"
+    assert server_profile(config) == ServerProfile("nsys", (3,), "runs/armor/profile", True)

@@ -1,4 +1,5 @@
-"""The embedded engine on one GPU (gpu tier: deselected without CUDA)."""
+"""The embedded engine on the ``device`` fixture's device (gpu tier with CUDA: SDPA's GPU
+kernels; unit tier on CPU, the GPU memory counts left out)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,12 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from megatron_armor.rollout.protocol import SamplingParams
 from megatron_armor.rollout.torch_engine import TorchEngine
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.unit]
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [20]]
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
+def engine(tmp_path_factory, device):
     torch.manual_seed(0)
     config = Qwen2Config(
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -23,10 +24,10 @@ def engine(tmp_path_factory):
     )  # fmt: skip
     path = tmp_path_factory.mktemp("gpu") / "m"
     Qwen2ForCausalLM(config).save_pretrained(path)
-    return TorchEngine(str(path), device="cuda", max_batch=4)
+    return TorchEngine(str(path), device=device.type, max_batch=4)
 
 
-def test_logprobs_match_teacher_forcing_on_gpu(engine):
+def test_logprobs_match_teacher_forcing(engine):
     params = SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=16, seed=0)
     out = engine.generate(PROMPTS, 3, params)
     for prompt, group in zip(PROMPTS, out, strict=True):
@@ -36,10 +37,10 @@ def test_logprobs_match_teacher_forcing_on_gpu(engine):
     assert out == engine.generate(PROMPTS, 3, params)  # same seed, same samples
 
 
-def test_decode_step_samples_what_the_hf_forward_samples_on_gpu(engine):
-    """``DecodeStep`` on CUDA (SDPA's GPU kernels, with and without a padding mask): the same
+def test_decode_step_samples_what_the_hf_forward_samples(engine, device):
+    """``DecodeStep`` (on CUDA SDPA's GPU kernels, with and without a padding mask): the same
     tokens as decode steps through the HF forward, log-probs within 1e-4."""
-    plain = TorchEngine(engine.model_dir, device="cuda", max_batch=4, fast_decode=False)
+    plain = TorchEngine(engine.model_dir, device=device.type, max_batch=4, fast_decode=False)
     assert engine._decode_step("policy") is not None
     params = SamplingParams(temperature=1.0, max_new_tokens=16, stop_token_ids=(2, 3), seed=4)
     for prompts in (PROMPTS, [[5, 6, 7], [8, 9, 10]]):
@@ -50,14 +51,18 @@ def test_decode_step_samples_what_the_hf_forward_samples_on_gpu(engine):
                 assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-4
 
 
-def test_release_frees_gpu_memory_and_resume_serves_again(engine):
+def test_release_frees_memory_and_resume_serves_again(engine, cuda_only):
+    """On a GPU a release moves every weight set off the GPU (the engine refuses to generate
+    until it resumes); on CPU both are no-ops and the engine keeps serving."""
     engine.update_weights(engine.state_tensors(), version=1, weights="ref")
-    torch.cuda.synchronize()
-    used = torch.cuda.memory_allocated()
+    on_gpu = cuda_only("a release frees GPU memory; on CPU it is a no-op")
+    used = torch.cuda.memory_allocated() if on_gpu else 0
     engine.release_memory()
-    assert torch.cuda.memory_allocated() < used and not engine.health()
-    with pytest.raises(RuntimeError, match="resume_memory"):
-        engine.generate(PROMPTS, 1, SamplingParams(max_new_tokens=2))
+    assert engine.health() is not on_gpu
+    if on_gpu:
+        assert torch.cuda.memory_allocated() < used
+        with pytest.raises(RuntimeError, match="resume_memory"):
+            engine.generate(PROMPTS, 1, SamplingParams(max_new_tokens=2))
     engine.resume_memory()
     assert engine.health()
     out = engine.generate(PROMPTS, 1, SamplingParams(max_new_tokens=2), weights="ref")

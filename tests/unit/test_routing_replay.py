@@ -4,6 +4,8 @@ pass of a step uses per mode and anchor rule, and the engines' routes in the pac
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -111,11 +113,11 @@ def test_one_router_replays_records_counts_and_replays_again_in_recompute():
     batch = batch_with_routes()
     mb = build_micro_batch(batch, [0])  # 5 tokens, one row
     engine = batch.token_data[ROUTES_KEY]
-    routing = rr.PassRouting(LAYERS, EXPERTS, batch.num_tokens, targets=rr.BatchRoutes(engine),
-                             compare=rr.BatchRoutes(engine), source=rr.sample_kinds(batch),
-                             record=True, training=True)  # fmt: skip
+    spec = rr.PassSpec(LAYERS, EXPERTS, targets=rr.BatchRoutes(engine),
+                       compare=rr.BatchRoutes(engine), source=rr.sample_kinds(batch),
+                       record=True, training=True, recompute=True)  # fmt: skip
     replay = rr.RouteReplay(layer=1)
-    routing.routers = [replay]
+    routing = rr.PassRouting(spec, [replay])
     scores = torch.randn(5, EXPERTS, requires_grad=True)
     routing.begin(mb)
     probs, chosen = run_router(replay, scores)
@@ -127,7 +129,8 @@ def test_one_router_replays_records_counts_and_replays_again_in_recompute():
     assert scores.grad.abs().sum() > 0  # the gate values keep their gradient
     free = torch.topk(scores, K).indices[:4].sort(1).values
     agree = float((free == want.sort(1).values).all(1).sum())
-    assert routing.agree[:2].tolist() == [agree, 4.0]
+    counted = routing.agreement
+    assert (counted.policy_agreeing, counted.policy_compared) == (agree, 4.0)
     assert routing.load[1].sum() == 5 * K
     routing.forward_done()  # the micro-batch's routes to the host; recomputation replays
     assert replay.router_replay_action == RouterReplayAction.REPLAY_BACKWARD
@@ -149,8 +152,8 @@ def test_the_old_pass_keeps_only_the_rows_of_the_samples_this_rank_ran():
     lengths = batch.seq_lengths()
     shards = shard_samples(lengths, 2)
     for rank in range(2):
-        routing = rr.PassRouting(LAYERS, EXPERTS, batch.num_tokens, record=True)
-        routing.routers = [rr.RouteReplay(layer=0), rr.RouteReplay(layer=1)]
+        routers = [rr.RouteReplay(layer=0), rr.RouteReplay(layer=1)]
+        routing = rr.PassRouting(rr.PassSpec(LAYERS, EXPERTS, record=True), routers)
         mbs = plan_micro_batches(batch, rank, 2, 6) + [build_micro_batch(batch, shards[1 - rank])]
         truth = {}
         for mb in mbs:
@@ -188,16 +191,13 @@ def test_each_update_gets_exactly_its_shards_rows_from_their_holders(monkeypatch
     shards = shard_samples(lengths, dp)
     owner = [next(r for r in range(dp) if i in shards[r]) for i in range(batch.num_samples)]
     olds = [
-        rr.OldRoutes(rr.HeldRoutes(s, [lengths[i] for i in s], [1],
-                                   torch.cat([rows_of(i) for i in s]) if s else truth[:0]), owner)
+        rr.RecordedRoutes(rr.HeldRoutes(s, [lengths[i] for i in s], [1],
+                          torch.cat([rows_of(i) for i in s]) if s else truth[:0]), owner)
         for s in shards
     ]  # fmt: skip
     picked = [2, 0, 2]
-    minis = []
-    for rank in range(dp):
-        batch.replay, batch.origin = olds[rank], None
-        minis.append(batch.select(picked))
-    assert minis[0].origin == picked
+    minis = [batch.select(picked) for _ in range(dp)]
+    assert minis[0].origin == picked  # the samples' ids in the recorded batch
     sent = []
     for rank in range(dp):
         send, _ = rr.exchange_plan(owner, picked, minis[rank].seq_lengths(), dp, rank)
@@ -206,14 +206,13 @@ def test_each_update_gets_exactly_its_shards_rows_from_their_holders(monkeypatch
     for rank in range(dp):
         monkeypatch.setattr(rr, "_all_to_all", lambda parts, sizes, like, group, r=rank: [
             sent[src][r] for src in range(dp)])  # fmt: skip
-        held = rr.update_routes(minis[rank], rank, dp)
+        held = rr.update_routes(olds[rank], minis[rank], rank, dp)
         assert held.samples == mini_shards[rank] and held.layers == [1]
         want = [rows_of(picked[j]) for j in mini_shards[rank]]
         assert torch.equal(held.rows, torch.cat(want) if want else truth[:0])
         received = sum(len(sent[src][rank]) for src in range(dp))
         assert received == sum(minis[0].seq_lengths()[j] for j in mini_shards[rank])
-    batch.replay = None
-    assert rr.update_routes(batch.select(picked), 0, dp) is None  # no recorded routes
+    assert rr.update_routes(None, batch.select(picked), 0, dp) is None  # nothing recorded
 
 
 @pytest.mark.parametrize("mode", ["off", "r2", "r3"])
@@ -228,14 +227,14 @@ def test_which_routes_each_pass_replays(mode, anchors):
     plan = rr.ReplayPlan(mode, anchors, LAYERS, EXPERTS, K, (0, 1))
 
     def replayed(routing):
-        t = routing.targets
+        t = routing.spec.targets
         if t is None:
             return torch.zeros(batch.num_tokens, dtype=torch.bool)
         return t.rows(torch.arange(batch.num_tokens))[:, 0, 0] >= 0
 
     has = route_ids(engine)[:, 0, 0] >= 0
     old = plan.old_pass(batch, [], single=False)
-    assert old.record == (mode != "off")
+    assert old.spec.record == (mode != "off")
     assert torch.equal(replayed(old) & ~anchor, has & ~anchor & (mode == "r3"))
     assert torch.equal(
         replayed(old) & anchor, has & anchor & (mode != "off" and anchors == "reference")
@@ -249,21 +248,21 @@ def test_which_routes_each_pass_replays(mode, anchors):
     rows = torch.randint(0, EXPERTS, (batch.num_tokens, LAYERS, K), dtype=torch.uint8)
     held = rr.HeldRoutes([0, 1, 2], lengths, [0, 1], rows)
     update = plan.update_pass(batch, [], held)
-    assert update.training
+    assert update.spec.training and not update.spec.recompute
     want = torch.ones_like(anchor) if mode != "off" else torch.zeros_like(anchor)
     if anchors == "free":
         want &= ~anchor
     assert torch.equal(replayed(update), want)
     if mode != "off":
-        got = update.compare.rows(torch.arange(batch.num_tokens))
+        got = update.spec.compare.rows(torch.arange(batch.num_tokens))
         assert torch.equal(got, rows.to(torch.int16))
 
 
 def test_routing_metrics_per_source_and_load():
     plan = rr.ReplayPlan("r3", "own", LAYERS, EXPERTS, K, (0,))
-    p = rr.PassRouting(LAYERS, EXPERTS, 4)
-    p.agree = torch.tensor([3.0, 4.0, 0.0, 0.0], dtype=torch.float64)
-    p.load = torch.tensor([[4.0, 2.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0]], dtype=torch.float64)
+    p = rr.PassRouting(rr.PassSpec(LAYERS, EXPERTS), [])
+    p.agreement = rr.Agreement(*(torch.tensor(x) for x in (3, 4, 0, 0)))
+    p.load = torch.tensor([[4, 2, 1, 1], [0, 0, 0, 0]])
     got = plan.metrics([p], p, ("policy", "anchor"))
     assert got == {"policy": 0.75, "moe/expert_load_max_mean": 2.0}
 
@@ -301,3 +300,74 @@ def test_sequence_parallel_rows_are_completed_by_a_sum_in_small_chunks(monkeypat
     monkeypatch.setattr(rr, "COLLECTIVE_CHUNK_BYTES", 3 * LAYERS * K)
     rr.sum_in_chunks(mine, None)
     assert torch.equal(mine, full) and [len(c) for c in seen] == [3, 3, 1]
+
+
+class HostReads:
+    """Counts, while entered, the ops whose result needs a tensor's values on the host: a
+    data-dependent shape (a boolean index, ``nonzero``, ``masked_select``, ``bincount``,
+    ``unique``) or a scalar read (``item``, ``bool``). On a GPU each is a host-device
+    synchronisation; here they are counted on CPU tensors, which run the same ops."""
+
+    NAMES = ("nonzero", "masked_select", "_local_scalar_dense", "bincount", "unique")
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        reads = self.reads = []
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = str(func)
+                boolean_index = name == "aten.index.Tensor" and any(
+                    i is not None and i.dtype in (torch.bool, torch.uint8) for i in args[1]
+                )  # fmt: skip
+                if boolean_index or any(n in name for n in HostReads.NAMES):
+                    reads.append(name)
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.mode.__exit__(*exc)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_an_update_keeps_routes_only_to_recompute_and_reads_nothing_back_per_router_call(
+    recompute,
+):
+    """An update's routers under ``r2`` (replaying the ``old`` pass's routes, counting the
+    agreement and the load) over several micro-batches: without ``trainer.recompute`` no
+    route is kept for a backward that never runs them again (0 bytes after every forward);
+    with it one ``[rows, k]`` per micro-batch and router, taken again by the recomputation.
+    No router call reads a value back from its device (0 host reads)."""
+    batch = batch_with_routes()
+    lengths = batch.seq_lengths()
+    rows = torch.randint(0, EXPERTS, (batch.num_tokens, LAYERS, K), dtype=torch.uint8)
+    held = rr.HeldRoutes([0, 1, 2], lengths, [0, 1], rows)
+    plan = rr.ReplayPlan("r2", "own", LAYERS, EXPERTS, K, (0, 1), recompute=recompute)
+    routers = [rr.RouteReplay(layer=0), rr.RouteReplay(layer=1)]
+    routing = plan.update_pass(batch, routers, held)
+    mbs = [build_micro_batch(batch, [i]) for i in range(batch.num_samples)]
+    kept, reads = [], HostReads()
+    for mb in mbs:
+        routing.begin(mb)
+        scores = [torch.randn(mb.valid.numel(), EXPERTS) for _ in routers]
+        with reads:
+            for router, s in zip(routers, scores, strict=True):
+                run_router(router, s)
+        routing.forward_done()
+        kept.append(sum(t.numel() * t.element_size() for r in routers
+                        for t in r.replay_backward_list))  # fmt: skip
+    assert reads.reads == []
+    if recompute:
+        per_mb = [len(routers) * mb.valid.numel() * K * 8 for mb in mbs]  # int64 experts
+        assert kept == list(itertools.accumulate(per_mb))
+    else:
+        assert kept == [0] * len(mbs)
+    counted = routing.agreement
+    assert counted.policy_compared + counted.anchor_compared == LAYERS * batch.num_tokens
+    routing.end()

@@ -218,76 +218,97 @@ def test_a_checkpoint_of_another_model_size_is_refused_before_anything_starts(tm
     assert path == ckpt
 
 
-def test_distributed_optimizer_state_of_another_tp_pp_is_refused_before_anything_starts(tmp_path):
-    """dp_reshardable optimizer state loads under another data-parallel size only: a resume
-    with another tp / pp (or the optimizer kind switched) is refused, naming the saved layout;
-    the same tp / pp at another world size is accepted."""
+def _checkpoint_with_layout(tmp_path: Path, config: ArmorConfig) -> tuple[Path, Path, object]:
+    """A run directory with a checkpoint of the tiny shape and ``config`` set to resume it
+    with the distributed optimizer; returns ``(run_dir, checkpoint, save)``: ``save(layout)``
+    writes the layout the trainer's save records (``trainer/dist/common.pt``)."""
     import torch
 
-    run_dir, config = tmp_path / "run", ArmorConfig()
-    ckpt = write_checkpoint_of_model(run_dir / "checkpoints" / "step_000002", TINY, 2)
-    layout = {"tp": 2, "pp": 1, "distributed_optimizer": True}
-    common = {"optimizer_stepped": True, "parallel_layout": layout}
-    torch.save(common, ckpt / "trainer" / "dist" / "common.pt")
-    checkpoints.write_manifest(ckpt, 2)
-    t = config.trainer
-    t.model_path, t.use_distributed_optimizer, t.tp, t.world_size = (
-        _model(tmp_path / "m", TINY),
-        True,
-        1,
-        4,
-    )
-    with pytest.raises(checkpoints.CheckpointError) as err:
-        open_run_dir(config, run_dir, str(ckpt))
-    message = str(err.value)
-    assert "saved at trainer.tp=2, trainer.pp=1" in message and "not to tp=1, pp=1" in message
-    assert "resume with trainer.tp=2 trainer.pp=1" in message
-    t.tp, t.use_distributed_optimizer = 2, False
-    with pytest.raises(checkpoints.CheckpointError, match="use_distributed_optimizer=True"):
-        open_run_dir(config, run_dir, str(ckpt))
-    t.use_distributed_optimizer, t.world_size = True, 8  # DP 2 -> 4: reshards
-    lock, path = open_run_dir(config, run_dir, str(ckpt))
-    lock.release()
-    assert path == ckpt
-
-
-def test_distributed_optimizer_state_of_another_ep_etp_is_refused(tmp_path):
-    """The expert layout too: a resume at another ep / etp is refused, naming the saved and
-    the configured values and the fix; the same layout is accepted. A save without ``ep`` /
-    ``etp`` predates expert parallelism: ep 1, etp its tp."""
-    import torch
-
-    run_dir, config = tmp_path / "run", ArmorConfig()
+    run_dir = tmp_path / "run"
     ckpt = write_checkpoint_of_model(run_dir / "checkpoints" / "step_000002", TINY, 2)
     checkpoints.write_manifest(ckpt, 2)
     t = config.trainer
-    t.model_path, t.use_distributed_optimizer, t.world_size = _model(tmp_path / "m", TINY), True, 4
+    t.model_path, t.use_distributed_optimizer = _model(tmp_path / "m", TINY), True
 
     def save(layout: dict) -> None:
         common = {"optimizer_stepped": True, "parallel_layout": layout}
         torch.save(common, ckpt / "trainer" / "dist" / "common.pt")
 
+    return run_dir, ckpt, save
+
+
+def _resumes(config: ArmorConfig, run_dir: Path, ckpt: Path) -> Path:
+    lock, path = open_run_dir(config, run_dir, str(ckpt))
+    lock.release()
+    return path
+
+
+def test_a_dp_reshardable_checkpoint_resumes_at_its_own_model_parallel_layout_only(tmp_path):
+    """A save that records no ``optimizer_format`` holds ``dp_reshardable`` state: it loads
+    at another data-parallel size only, so another tp / pp / ep / etp is refused before
+    anything starts, naming the saved layout and the one to resume at; so is switching the
+    optimizer kind. A save without ``ep`` / ``etp`` predates expert parallelism: ep 1, etp
+    its tp."""
+    config = ArmorConfig()
+    run_dir, ckpt, save = _checkpoint_with_layout(tmp_path, config)
+    t = config.trainer
+    save({"tp": 2, "pp": 1, "distributed_optimizer": True})
+    t.tp, t.world_size = 1, 4
+    with pytest.raises(checkpoints.CheckpointError) as err:
+        open_run_dir(config, run_dir, str(ckpt))
+    message = str(err.value)
+    assert "saved dp_reshardable at tp=2 pp=1 ep=1 etp=2 (it records" in message, message
+    assert "not to tp=1 pp=1 ep=1 etp=1 dp=4" in message, message
+    assert "resume once with trainer.tp=2 trainer.pp=1 trainer.ep=1 trainer.etp=2" in message
+    assert "saved fully_reshardable and resume at any layout" in message
+    t.tp, t.use_distributed_optimizer = 2, False
+    with pytest.raises(checkpoints.CheckpointError, match="use_distributed_optimizer=True"):
+        open_run_dir(config, run_dir, str(ckpt))
+    t.use_distributed_optimizer, t.world_size = True, 8  # DP 2 -> 4: reshards
+    assert _resumes(config, run_dir, ckpt) == ckpt
     save({"tp": 1, "pp": 1, "ep": 2, "etp": 1, "distributed_optimizer": True})
+    t.tp, t.world_size = 1, 4
     for ep, etp in ((4, "auto"), (2, 2)):
         t.ep, t.etp = ep, etp
         with pytest.raises(checkpoints.CheckpointError) as err:
             open_run_dir(config, run_dir, str(ckpt))
         message = str(err.value)
-        assert "saved at trainer.ep=2, trainer.etp=1" in message, message
-        assert f"not to ep={ep}, etp={1 if etp == 'auto' else etp}" in message, message
-        assert "resume with trainer.ep=2 trainer.etp=1" in message
-        assert "armor convert --to-hf" in message
+        assert "at tp=1 pp=1 ep=2 etp=1 (it records no optimizer_format); it reshards over " \
+               f"data parallelism only, not to tp=1 pp=1 ep={ep} etp={1 if etp == 'auto' else etp}" \
+               in message, message  # fmt: skip
     t.ep, t.etp = 2, "auto"
-    lock, path = open_run_dir(config, run_dir, str(ckpt))
-    lock.release()
-    assert path == ckpt
-    save({"tp": 1, "pp": 1, "distributed_optimizer": True})  # before the ep / etp keys
-    with pytest.raises(checkpoints.CheckpointError, match="saved at trainer.ep=1, trainer.etp=1"):
+    assert _resumes(config, run_dir, ckpt) == ckpt
+
+
+def test_a_fully_reshardable_checkpoint_resumes_at_any_layout_and_says_so(tmp_path, capsys):
+    """Today's saves (``optimizer_format: fully_reshardable``) resume at another tp, pp, ep
+    and dp: the change is said before anything starts and, once the resume succeeded,
+    recorded in ``resumes.jsonl`` as ``layout: {from, to}`` beside the changed settings.
+    Switching the optimizer kind is still refused."""
+    from megatron_armor.config.loader import save_config
+
+    config = ArmorConfig()
+    run_dir, ckpt, save = _checkpoint_with_layout(tmp_path, config)
+    t = config.trainer
+    t.tp, t.world_size = 2, 4
+    save_config(config, run_dir)  # the config the run started with
+    save({"tp": 2, "pp": 1, "ep": 1, "etp": 2, "dp": 2, "world_size": 4,
+          "distributed_optimizer": True, "optimizer_format": "fully_reshardable"})  # fmt: skip
+    assert _resumes(config, run_dir, ckpt) == ckpt
+    assert "resharded" not in capsys.readouterr().out  # the same layout
+    t.tp, t.pp, t.world_size = 1, 2, 6  # tp 2 -> 1, pp 1 -> 2, dp 2 -> 3
+    assert _resumes(config, run_dir, ckpt) == ckpt
+    said = "resume: step_000002 was saved at tp=2 pp=1 ep=1 etp=2 dp=2; resharded on load to " \
+           "tp=1 pp=2 ep=1 etp=1 dp=3"  # fmt: skip
+    assert said in capsys.readouterr().out
+    announce_resume(run_dir, config, 2, ckpt)
+    record = json.loads((run_dir / RESUMES_FILE).read_text().splitlines()[-1])
+    assert record["layout"] == {"from": {"tp": 2, "pp": 1, "ep": 1, "etp": 2, "dp": 2},
+                                "to": {"tp": 1, "pp": 2, "ep": 1, "etp": 1, "dp": 3}}  # fmt: skip
+    assert record["changed"]["trainer.tp"] == [2, 1]
+    t.use_distributed_optimizer = False
+    with pytest.raises(checkpoints.CheckpointError, match="use_distributed_optimizer=True"):
         open_run_dir(config, run_dir, str(ckpt))
-    t.ep = 1
-    lock, path = open_run_dir(config, run_dir, str(ckpt))
-    lock.release()
-    assert path == ckpt
 
 
 def test_crafted_trainer_metadata_is_refused_without_running_it(tmp_path):
@@ -346,3 +367,23 @@ def test_convert_reads_the_run_precision_and_overrides_and_writes_a_matching_con
     assert written["torch_dtype"] == "float32"
     assert written["rope_parameters"] == {"rope_type": "default", "rope_theta": 40000.0}
     assert written["rope_theta"] == 40000.0 and written["rope_scaling"] is None
+
+
+def test_non_distributed_moe_optimizer_state_does_not_cross_ep_one(tmp_path):
+    """The non-distributed optimizer keeps a MoE model's expert state in a second optimizer
+    only at ep > 1: its checkpoint resumes at another ep > 1 but not at ep 1 (nor the other
+    way), refused before anything starts naming the ep to resume with."""
+    config = ArmorConfig()
+    run_dir, ckpt, save = _checkpoint_with_layout(tmp_path, config)
+    t = config.trainer
+    t.use_distributed_optimizer, t.world_size = False, 4
+    save({"tp": 1, "pp": 1, "ep": 2, "etp": 1, "dp": 2, "world_size": 2,
+          "distributed_optimizer": False})  # fmt: skip
+    t.ep = 4
+    assert _resumes(config, run_dir, ckpt) == ckpt
+    t.ep = 1
+    with pytest.raises(checkpoints.CheckpointError) as err:
+        open_run_dir(config, run_dir, str(ckpt))
+    message = str(err.value)
+    assert "non-distributed optimizer state of a mixture-of-experts model saved at ep=2" in message
+    assert "does not load at ep=1; resume with trainer.ep > 1" in message, message

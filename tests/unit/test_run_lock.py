@@ -105,6 +105,25 @@ def test_another_hosts_lock_without_slurm_to_ask_is_kept(tmp_path, slurm):
         RunLock(tmp_path).acquire()
 
 
+def test_in_a_container_the_batch_hosts_job_states_decide(tmp_path, slurm, monkeypatch, capsys):
+    """No squeue in the container: ``ARMOR_SLURM_JOB_STATES`` (written by slurm/armor.sbatch on
+    the batch host) lists this user's jobs; a resubmitted job takes over the lock of one that
+    ended, keeps that of one still running, and of another user's job knows nothing."""
+    slurm(None)
+    states = tmp_path / "job_states"
+    states.write_text("4242 RUNNING\n5151 PENDING\n")
+    monkeypatch.setenv("ARMOR_SLURM_JOB_STATES", str(states))
+    write_lock(tmp_path, slurm_job="4242", uid=os.getuid())
+    with pytest.raises(RunDirLocked, match="Slurm job 4242"):
+        RunLock(tmp_path).acquire()
+    write_lock(tmp_path, slurm_job="4241", uid=os.getuid())  # not listed: ended
+    RunLock(tmp_path).acquire().release()
+    assert "Slurm job 4241 is no longer running" in capsys.readouterr().out
+    write_lock(tmp_path, slurm_job="4241", uid=os.getuid() + 1)  # another user's job: unknown
+    with pytest.raises(RunDirLocked, match="Slurm job 4241"):
+        RunLock(tmp_path).acquire()
+
+
 def test_a_zombie_holder_is_taken_over(tmp_path, slurm, capsys):
     """A driver killed with its ``armor`` parent waits, a zombie, until init reaps it: its lock
     is stale at once (the next start of the run must not be refused meanwhile)."""

@@ -2,7 +2,8 @@
 
 The wheels (versions from requirements-gpu.txt) are fetched once with ``pip download --no-deps``
 into ``~/.cache/megatron_armor/wheels`` (``megatron_armor.doctor.pins.fetch_wheel``) and never
-installed. SGLang's sources are read with ``ast``: its request structs (``io_struct.py``), its
+installed; where SGLang is installed at its pin (a GPU node) its installed sources are read
+instead (``pins.pinned_sources``). SGLang's sources are read with ``ast``: its request structs (``io_struct.py``), its
 HTTP routes (``http_server.py``), ``ServerArgs``'s command line (``arg_groups/fields``,
 ``server_args.py``) and ``SamplingParams``. The router's own argparse parser is imported from its
 wheel and parses our command. SGLang's ``MultiprocessingSerializer`` (and its ``SafeUnpickler``)
@@ -28,12 +29,14 @@ from megatron_armor.doctor import pins
 from megatron_armor.rollout.protocol import SamplingParams
 from megatron_armor.rollout.sglang import client, launch
 from megatron_armor.rollout.sglang import weights as transport
+from megatron_armor.rollout.sglang.profile import ServerProfile
 
 
 @pytest.fixture(scope="module")
 def sglang_src() -> Path:
-    """``sglang/`` of the pinned SGLang wheel, unpacked."""
-    return pins.fetch_wheel("sglang", pins.read_pins()["sglang"].version) / "sglang"
+    """``sglang/`` of the pinned SGLang: the installed package at the pin (a GPU node), else
+    the wheel, unpacked (``pins.pinned_sources``)."""
+    return pins.pinned_sources("sglang", "sglang", pins.read_pins()["sglang"].version)
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +128,12 @@ def our_bodies() -> dict[str, tuple[str, dict]]:
         "/continue_generation": ("ContinueGenerationReqInput", {}),
         transport.BEGIN_ENDPOINT: ("BeginWeightUpdateReqInput", {}),
         transport.END_ENDPOINT: ("EndWeightUpdateReqInput", {}),
+        client.PROFILE_START: ("ProfileReq", TORCH_PROFILE.start_payload("sglang_0")),
     }
+
+
+TORCH_PROFILE = ServerProfile("torch", (2,), "/runs/r/profile", own_nsys=False)
+NSYS_PROFILE = ServerProfile("nsys", (2,), "/runs/r/profile", own_nsys=True)
 
 
 @pytest.mark.unit
@@ -139,6 +147,7 @@ def test_memory_tags_are_sglangs_and_what_is_released_is_resumed(sglang_src):
     assert set(released) < sglang_tags and "cuda_graph" not in released
     assert client.resume_memory_occupation_payload(None)["tags"] == released
     assert client.resume_memory_occupation_payload(["weights"])["tags"] == ["weights"]
+    assert client.release_memory_occupation_payload(["kv_cache"])["tags"] == ["kv_cache"]
     with pytest.raises(ValueError, match="cuda_graph"):
         client.resume_memory_occupation_payload(["cuda_graph"])
 
@@ -153,6 +162,21 @@ def test_every_body_has_exactly_fields_of_its_request_struct(sglang_src):
         assert required <= set(body), f"{endpoint}: {struct} needs {required - set(body)}"
         assert "POST" in served.get(endpoint, set()), f"SGLang serves no POST {endpoint}"
     assert "GET" in served["/health_generate"]  # SGLangClient.healthy: GET, no body
+    assert "GET" in served["/server_info"]  # SGLangClient.scheduler_answers: GET, no body
+    fields, _ = class_fields(tree, "ProfileReq")
+    assert set(NSYS_PROFILE.start_payload("sglang_0")) <= fields
+    assert "POST" in served[client.PROFILE_STOP]  # no body
+
+
+@pytest.mark.unit
+def test_profiled_servers_start_and_stop_the_capture_the_wheel_knows(sglang_src):
+    """``CUDA_PROFILER`` makes a server call ``cudaProfilerStart``/``Stop`` (its own nsys
+    session's capture range); CPU and GPU are its torch profiler's activities."""
+    manager = (sglang_src / "srt/managers/scheduler_components/profiler_manager.py").read_text()
+    assert '"CUDA_PROFILER" in activities' in manager and "cudaProfilerStart()" in manager
+    for activity in (*NSYS_PROFILE.start_payload("s")["activities"],
+                     *TORCH_PROFILE.start_payload("s")["activities"]):  # fmt: skip
+        assert f'"{activity}"' in manager, activity
 
 
 @pytest.mark.unit
@@ -393,15 +417,28 @@ print("RECEIVED", [(name, t.device.type, float(t.double().sum())) for name, t in
 
 
 @pytest.mark.unit
-def test_cpu_tensors_travel_inline_not_as_shared_memory(sglang_src):
+def test_cpu_tensors_cannot_travel_as_shared_memory(sglang_src):
     """SGLang's serializer shares a CPU tensor as a file descriptor that an independent process
-    cannot open; the CUDA form refuses CPU tensors; the CPU form (inline bytes) is opened by
-    SGLang's own ``SafeUnpickler`` in an independent process (the real server takes it: the
-    sglang tier's ``test_tensor_update_with_the_cpu_payload``)."""
+    cannot open; the CUDA form refuses CPU tensors (the CPU form travels inline: the next
+    test)."""
     assert round_trip(sglang_src, "cpu").startswith("FAILED AuthenticationError")
-    named = bucket()
     with pytest.raises(ValueError, match="weight_transport=tensor got CPU tensors"):
-        transport.serialize_cuda_bucket(named)
+        transport.serialize_cuda_bucket(bucket())
+
+
+@pytest.mark.gpu
+@pytest.mark.unit
+def test_a_bucket_made_here_is_received_in_an_independent_process(sglang_src, device, cuda_only):
+    """The ``tensor`` transport's payload for this device, opened by SGLang's own code in an
+    independent process (as the server's scheduler would): on a GPU a flattened bucket's
+    CUDA-IPC handle; on CPU the inline form (``serialize_cpu_bucket``), read by SGLang's
+    ``SafeUnpickler`` (the real server takes it: the sglang tier's
+    ``test_tensor_update_with_the_cpu_payload``)."""
+    if cuda_only("a CUDA-IPC handle needs CUDA"):
+        expected = int(torch.arange(6, dtype=torch.float32).view(torch.uint8).sum())
+        assert round_trip(sglang_src, "cuda") == f"RECEIVED cuda:0 {expected}"
+        return
+    named = bucket()
     serialized = transport.serialize_cpu_bucket(named)
     assert serialized.load_format is None
     common = str(sglang_src / "srt/utils/common.py")
@@ -412,9 +449,3 @@ def test_cpu_tensors_travel_inline_not_as_shared_memory(sglang_src):
     assert result.returncode == 0, result.stderr[-2000:]
     expected = [(name, "cpu", float(t.double().sum())) for name, t in named]
     assert result.stdout.strip().splitlines()[-1] == f"RECEIVED {expected}"
-
-
-@pytest.mark.gpu
-def test_cuda_ipc_payload_round_trips_in_an_independent_process(sglang_src):
-    expected = int(torch.arange(6, dtype=torch.float32).view(torch.uint8).sum())
-    assert round_trip(sglang_src, "cuda") == f"RECEIVED cuda:0 {expected}"

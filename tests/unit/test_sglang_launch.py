@@ -80,6 +80,59 @@ def test_pipeline_stages_stream_in_turns(monkeypatch, pp_rank) -> None:
     assert weight_sync.stage_turns(3) == [0, 1, 2]
 
 
+class ExportingTrainer:
+    """Stands in for a trainer rank's ``export_weights`` (one rank, no TP/PP): fresh tensors
+    per export, watched by weak references; it cannot show the CUDA allocator itself (the
+    gpu test ``test_released_weights_come_back_by_a_push_at_the_same_version`` measures the
+    cached bytes after a push on a GPU)."""
+
+    def __init__(self) -> None:
+        self.alive: list = []
+
+    def export_weights(self, weights, device=None, every_rank=False):
+        import weakref
+
+        import torch
+
+        for i in range(4):
+            tensor = torch.full((1024,), float(i))
+            self.alive.append(weakref.ref(tensor))
+            yield f"w{i}", tensor
+
+
+@pytest.mark.parametrize("colocated", [True, False])
+def test_a_colocated_push_hands_its_buffers_back_before_it_returns(monkeypatch, colocated):
+    """``tensor`` (colocated): after the last bucket reached the server, with every gathered
+    tensor and bucket dropped, the push returns the cached blocks to CUDA, all before it
+    returns, so the KV cache resumed after the push (``phases.sync_and_maybe_reset``) finds
+    the memory free; a ``disk`` push returns them only when colocated."""
+    from megatron_armor.trainer import parallel
+
+    events: list[str] = []
+    trainer = ExportingTrainer()
+
+    def returned() -> None:
+        events.append(f"returned, {sum(r() is not None for r in trainer.alive)} tensors alive")
+
+    monkeypatch.setattr(weight_sync, "return_cached_blocks", returned)
+    monkeypatch.setattr(parallel, "pp_size", lambda: 1)
+    monkeypatch.setattr(weight_sync.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(weight_sync.dist, "barrier", lambda: events.append("barrier"))
+    sync = weight_sync.TensorRankSync(trainer, bucket_mb=1)
+    monkeypatch.setattr(sync, "_gather_group", lambda server: "group")
+    monkeypatch.setattr(sync, "_post", lambda *args: events.append("post"))
+    target = [weight_sync.ServerTarget("http://server", 1, 0)]
+    assert sync.push(3, "policy", "policy", target) == 4 * 1024 * 4
+    assert events == ["post", "barrier", "returned, 0 tensors alive"]
+
+    events.clear()
+    monkeypatch.setattr(weight_sync.DiskRankSync, "_push", lambda *args: events.append("wrote"))
+    weight_sync.DiskRankSync(trainer, 1, "model", colocated=colocated).push(
+        3, "policy", "policy", "d"
+    )
+    assert events == ["wrote", "returned, 0 tensors alive"] if colocated else ["wrote"]
+
+
 def test_managed_process_env_none_removes_a_variable(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("ARMOR_TEST_GONE", "x")
     log = tmp_path / "p.log"

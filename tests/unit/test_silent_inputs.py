@@ -74,3 +74,30 @@ def test_a_full_disk_met_by_a_write_names_the_file(tmp_path):
     assert met.value.filename == str(run_dir / "metrics.jsonl")
     text = str(full_disk_error(run_dir, met.value))
     assert f"while writing {run_dir / 'metrics.jsonl'} (OSError: " in text, text
+
+
+def test_a_moe_only_setting_on_a_dense_model_is_said_once_at_load(tmp_path, capsys):
+    """``trainer.moe.routing_replay=r3`` (and the other ``trainer.moe`` settings) change
+    nothing on a dense model: one warning at load naming them; none for a model with
+    experts, or for a model directory that is not there yet."""
+    import json
+
+    from megatron_armor.config import load_config
+
+    dense = tmp_path / "dense"
+    dense.mkdir()
+    (dense / "config.json").write_text(json.dumps({
+        "model_type": "qwen2", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64,
+        "max_position_embeddings": 4096}))  # fmt: skip
+    moe = ["trainer.moe.routing_replay=r3", "trainer.moe.aux_loss_coeff=0.001"]
+    load_config("configs/tiny_cpu.yaml", [f"trainer.model_path={dense}", *moe])
+    err = capsys.readouterr().err
+    (line,) = [x for x in err.splitlines() if x.startswith("warning: ")]
+    assert "trainer.moe.aux_loss_coeff=0.001, trainer.moe.routing_replay='r3' change nothing: " in (
+        line
+    )
+    assert f"{dense} is a dense model (model_type='qwen2', no experts)" in line
+    load_config("configs/tiny_cpu.yaml", [f"trainer.model_path={tmp_path / 'later'}", *moe])
+    load_config("configs/tiny_cpu.yaml", [f"trainer.model_path={dense}"])
+    assert capsys.readouterr().err == ""

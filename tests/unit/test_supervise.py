@@ -5,6 +5,7 @@ exit is the driver's own. The drivers here are small Python scripts (no Ray)."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -30,7 +31,8 @@ def driver(tmp_path: Path, body: str, unblock: bool = True) -> list[str]:
     script = tmp_path / "driver.py"
     script.write_text(
         "import os, signal, sys, time\n"
-        "from megatron_armor.supervisor_pipe import adopt_pipe, tell_supervisor\n"
+        "from megatron_armor.supervisor_pipe import adopt_pipe, report_phase, report_rule\n"
+        "from megatron_armor.supervisor_pipe import tell_supervisor\n"
         "from megatron_armor.cli.supervise import SHIELDED, die_with_parent\n"
         "parent = adopt_pipe()\n"
         "die_with_parent(parent)\n"
@@ -126,11 +128,12 @@ def test_a_signal_before_the_drivers_handler_waits_for_it(tmp_path):
     assert parent.wait(timeout=30) == 75, parent.stderr.read()
 
 
-def sleeping_driver(tmp_path):
-    """A parent whose driver has started and sleeps; ``(parent, the driver's pid)``."""
-    ready = tmp_path / "ready"
+def sleeping_driver(tmp_path, command: list[str] | None = None, ready: Path | None = None):
+    """A parent whose driver (``command``: one that sleeps) has started and written
+    ``ready``; ``(parent, the driver's pid)``."""
+    ready = ready or tmp_path / "ready"
     body = f"open({str(ready)!r}, 'w').close()\ntime.sleep(60)\n"
-    parent = start_parent(driver(tmp_path, body))
+    parent = start_parent(command or driver(tmp_path, body))
     wait_for_file(ready, parent)
     child = next(p for p in children(parent.pid))
     return parent, child
@@ -172,6 +175,15 @@ def children(pid: int) -> list[int]:
     return [int(p) for p in text.split()]
 
 
+def wait_until_stopped(pid: int, timeout: float = 30) -> None:
+    """Until ``pid`` is in the stopped state (``T``): a SIGSTOP takes effect when the process
+    next runs."""
+    deadline = time.monotonic() + timeout
+    while supervise.process_state(pid)[0] != "T":
+        assert time.monotonic() < deadline, supervise.process_state(pid)
+        time.sleep(0.01)
+
+
 def alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -203,3 +215,93 @@ def test_the_driver_is_the_same_command_line(tmp_path):
                           capture_output=True, text=True, timeout=60)  # fmt: skip
     assert done.returncode == 42, done.stderr
     assert done.stdout == "driver True ['train', 'x=1']\n"
+
+
+# ---------------------------------------------------------------------- the driver watched
+def test_a_driver_whose_main_loop_stops_is_named_and_killed_with_its_processes(tmp_path):
+    """The main loop blocks (its heartbeat thread still answers) past its phase's deadline
+    (here the cap, 2 s: the phase's first run): named, killed with the process it started,
+    exit 75."""
+    started = tmp_path / "started"
+    body = f"""
+        import subprocess
+        report_rule(10, 0.9, 1, 2, 60)
+        report_phase("step", 1)
+        kid = subprocess.Popen(["sleep", "120"])
+        open({str(started)!r}, "w").write(str(kid.pid))
+        time.sleep(120)  # a call no deadline covers
+    """
+    parent = start_parent(driver(tmp_path, body))
+    wait_for_file(started, parent)
+    kid = int(started.read_text())
+    assert parent.wait(timeout=60) == 75
+    err = parent.stderr.read()
+    assert re.search(
+        r"made no progress for \d+s in phase step of step 1, past its deadline of 2s", err
+    )
+    assert "its heartbeat thread still answers: killed the driver and the 1 process" in err, err
+    assert "exiting 75 for a requeue" in err and not alive(kid)
+
+
+def test_a_stopped_driver_and_a_stop_signal_end_within_stop_wait_s(tmp_path):
+    """SIGSTOP of the driver, then SIGTERM to the parent: the driver cannot act on it, so the
+    parent ends it ``stop_wait_s`` (1 s) after the signal, long before the phase's deadline."""
+    ready = tmp_path / "ready"
+    body = f"""
+        report_rule(10, 0.9, 30, 600, 1)
+        report_phase("step", 1)
+        open({str(ready)!r}, "w").close()
+        time.sleep(120)
+    """
+    parent, child = sleeping_driver(tmp_path, driver(tmp_path, body), ready)
+    os.kill(child, signal.SIGSTOP)
+    wait_until_stopped(child)  # a SIGTERM pending beside the SIGSTOP would be taken first
+    parent.send_signal(signal.SIGTERM)
+    signalled = time.monotonic()
+    assert parent.wait(timeout=60) == 75
+    assert time.monotonic() - signalled < 30  # the cap is 600 s
+    err = parent.stderr.read()
+    assert "SIGTERM arrived and the driver did not move within orchestration.stop_wait_s=1s" in err
+    assert not alive(child)
+
+
+def test_a_lost_part_of_ray_reported_by_the_driver_ends_it_at_once(tmp_path):
+    ready = tmp_path / "ready"
+    body = f"""
+        open({str(ready)!r} + ".tmp", "w").write(str(os.getpid()))  # before the parent ends it
+        os.replace({str(ready)!r} + ".tmp", {str(ready)!r})
+        tell_supervisor("lost", "raylet Ray's raylet of node ab12 at 127.0.0.1: the GCS marked it dead")
+        time.sleep(120)
+    """
+    parent = start_parent(driver(tmp_path, body))
+    wait_for_file(ready, parent)
+    child = int(ready.read_text())
+    assert parent.wait(timeout=60) == 75
+    err = parent.stderr.read()
+    assert "armor train: lost Ray's raylet of node ab12 at 127.0.0.1: the GCS marked it" in err
+    assert not alive(child)
+
+
+def test_the_same_exit_75_at_the_same_step_stops_requeueing(tmp_path, capsys):
+    """Three exits 75 at step 2 for the same fault: 75, 75, then 70 naming it; a stop signal
+    in between starts the count over."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+
+    def exit_75(cause: str) -> list[str]:
+        body = f"""
+            tell_supervisor("run_dir", {str(run_dir)!r})
+            report_phase("step", 2)
+            tell_supervisor("cause", {cause!r})
+            tell_supervisor("exit", 75)
+            sys.exit(75)
+        """
+        return driver(tmp_path, body)
+
+    died = "TrainerWorker 0 failed (ActorDiedError)"
+    codes = [supervise.supervise(["train"], exit_75(c)) for c in (died, "signal", died, died)]
+    assert codes == [75, 75, 75, 75]
+    assert supervise.supervise(["train"], exit_75(died)) == 70
+    err = capsys.readouterr().err
+    assert f"exit 75 at step 2 for the 3rd time in a row with the same cause ({died})" in err
+    assert "exiting 70, which slurm/armor.sbatch does not requeue" in err

@@ -152,7 +152,7 @@ def test_another_process_reads_them() -> None:
 
 
 @pytest.mark.gpu
-def test_cuda_tensors_stay_on_their_device() -> None:
-    t = torch.randn(4, device="cuda")
+def test_tensors_stay_on_their_device(device) -> None:
+    t = torch.randn(4, device=device)
     got, _ = round_trip(NamedTensorList([("w", t)]))
     assert got[0][1].device == t.device and torch.equal(got[0][1], t)

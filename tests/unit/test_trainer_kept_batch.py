@@ -12,15 +12,19 @@ in-process through a ``.remote`` shim that pickles the arguments as Ray would.
 from __future__ import annotations
 
 import pickle
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from megatron_armor.orchestration.actors import actor_handles
 from megatron_armor.orchestration.actors.actor_handles import TrainerActors
 from megatron_armor.orchestration.actors.workers import ComputeClock, TrainerWorker
 from megatron_armor.orchestration.step.phases import minibatch_sample_ids
 from megatron_armor.types import Group, Sample, SampleSource, pack_groups
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from inprocess_actors import InstantWatch  # noqa: E402
 
 pytestmark = pytest.mark.unit
 
@@ -45,6 +49,9 @@ class RecordingTrainer:
              "ref": batch.ref_logprobs.clone(), "advantages": batch.advantages.clone()}
         )  # fmt: skip
         return {"loss/objective": float(len(self.trained))}
+
+    def end_step(self):
+        self.trained.append("end of step")
 
 
 class Remote:
@@ -87,31 +94,29 @@ def trainer(monkeypatch):
     import ray
 
     monkeypatch.setattr(ray, "put", lambda value: value)  # no cluster: the shim copies
-    monkeypatch.setattr(actor_handles, "wait", lambda refs, what, timeout=None, work=1.0: refs)
-    group = object.__new__(TrainerActors)
-    group.workers = [rank(0), rank(1)]
-    group.actors = [Remote(w) for w in group.workers]
-    return group
+    workers = [rank(0), rank(1)]
+    return TrainerActors(InstantWatch(), [Remote(w) for w in workers]), workers
 
 
 def test_updates_train_on_the_kept_batch_with_its_logprobs(trainer):
+    trainer, workers = trainer
     gs = groups()
     batch = pack_groups(gs)
     logprobs = trainer.submit_logprobs(batch, True, None)
     minibatches = minibatch_sample_ids(gs, 2)
     queued = trainer.submit_updates(minibatches)  # behind the log-probs, before their result
-    old, ref, kl = trainer.logprobs_result(logprobs)
+    old, ref, kl = logprobs.result()
     torch.testing.assert_close(old, -0.01 * batch.tokens.float() * batch.loss_mask, rtol=0, atol=0)
     torch.testing.assert_close(ref, -0.02 * batch.tokens.float() * batch.loss_mask, rtol=0, atol=0)
     assert kl == {"kl/exact_reverse": 0.5}
     batch.old_logprobs, batch.ref_logprobs = old, ref  # as the loop fills the driver's copy
-    metrics = [trainer.train_result(refs) for refs in queued]
+    metrics = [update.result() for update in queued]
     assert metrics == [{"loss/objective": 1.0}, {"loss/objective": 2.0}]
-    for w in trainer.workers:
+    for w in workers:
         assert w.trainer.shared == [True]  # the ranks asked for the whole log-probs
         assert w.step_batch is None  # the last update freed the kept batch
-        assert len(w.trainer.trained) == 2
-        for ids, got in zip(minibatches, w.trainer.trained, strict=True):
+        assert len(w.trainer.trained) == 3 and w.trainer.trained[-1] == "end of step"
+        for ids, got in zip(minibatches, w.trainer.trained[:2], strict=True):
             want = batch.select(ids)
             assert torch.equal(got["tokens"], want.tokens)
             assert torch.equal(got["old"], want.old_logprobs) and got["old"].abs().sum() > 0
@@ -120,16 +125,17 @@ def test_updates_train_on_the_kept_batch_with_its_logprobs(trainer):
 
 
 def test_only_rank_0_returns_the_logprobs(trainer):
-    assert trainer.workers[1].step_logprobs(pack_groups(groups()), True)[:2] == (None, None)
-    assert trainer.workers[1].step_batch.ref_logprobs.any()  # but keeps them
-    old, ref, _ = trainer.workers[0].step_logprobs(pack_groups(groups()), False)
+    _, workers = trainer
+    assert workers[1].step_logprobs(pack_groups(groups()), True)[:2] == (None, None)
+    assert workers[1].step_batch.ref_logprobs.any()  # but keeps them
+    old, ref, _ = workers[0].step_logprobs(pack_groups(groups()), False)
     assert old is not None and ref is None
-    assert torch.equal(trainer.workers[0].step_batch.old_logprobs, old)
-    assert not trainer.workers[0].step_batch.ref_logprobs.any()  # with_ref off: left at zero
+    assert torch.equal(workers[0].step_batch.old_logprobs, old)
+    assert not workers[0].step_batch.ref_logprobs.any()  # with_ref off: left at zero
 
 
 def test_an_update_without_a_kept_batch_says_what_is_missing(trainer):
-    worker = trainer.workers[0]
+    worker = trainer[1][0]
     with pytest.raises(RuntimeError, match="trainer rank 0.*no step_logprobs call"):
         worker.train_step(None, 1, [0])
     worker.step_logprobs(pack_groups(groups()), True)

@@ -18,18 +18,18 @@ FOUR_NODES = ["orchestration.nodes=4", "orchestration.gpus_per_node=8"]
 
 
 def test_auto_is_every_gpu_of_the_job_colocated_and_the_trainer_pool_disaggregated():
-    assert load_config(BASE).trainer.world_size == 8  # the one-node default
-    assert load_config(BASE, FOUR_NODES).trainer.world_size == 32
+    assert load_config(BASE).resolved.world_size == 8  # the one-node default
+    assert load_config(BASE, FOUR_NODES).resolved.world_size == 32
     disaggregated = [*FOUR_NODES, "orchestration.layout=disaggregated",
                      "orchestration.rollout_gpus=8", "rollout.sglang.weight_transport=distributed"]  # fmt: skip
-    assert load_config(BASE, disaggregated).trainer.world_size == 24
+    assert load_config(BASE, disaggregated).resolved.world_size == 24
 
 
 def test_auto_is_one_rank_per_node_on_cpu_and_the_tiny_config_keeps_one_rank():
     tiny = str(REPO / "configs" / "tiny_cpu.yaml")
-    assert load_config(tiny).trainer.world_size == 1
-    assert load_config(tiny, ["orchestration.nodes=2"]).trainer.world_size == 2
-    assert ArmorConfig().trainer.world_size == 1  # a config built in code never holds "auto"
+    assert load_config(tiny).resolved.world_size == 1
+    assert load_config(tiny, ["orchestration.nodes=2"]).resolved.world_size == 2
+    assert ArmorConfig().resolved.world_size == 1  # a config built in code decides it alike
 
 
 def test_an_explicit_size_that_idles_gpus_is_refused_with_the_fix():
@@ -40,7 +40,7 @@ def test_an_explicit_size_that_idles_gpus_is_refused_with_the_fix():
     assert "set trainer.world_size=auto (32)" in message
     assert "trainer.allow_idle_gpus=true" in message
     idle = load_config(BASE, [*FOUR_NODES, "trainer.world_size=8", "trainer.allow_idle_gpus=true"])
-    assert idle.trainer.world_size == 8  # deliberate
+    assert idle.resolved.world_size == 8  # deliberate
     with pytest.raises(ConfigError, match=r"trainer.world_size=64: more ranks than the job's"):
         load_config(BASE, [*FOUR_NODES, "trainer.world_size=64"])
     # cpu: ranks share a node's cores, nothing idles

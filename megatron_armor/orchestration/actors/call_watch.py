@@ -1,23 +1,25 @@
 """Deadlines the run learns for its calls to the actors, and what happens past them
 (docs/orchestration.md, "Stuck calls").
 
-Every wait on an actor (``actor_handles.wait``) goes through :data:`WATCH`. A call's *kind*
-(generate, score, log-probs, updates, weight push, reset, validation, checkpoint; any other
-call is its own kind) has a deadline from its own recent durations (:class:`DeadlineRule`):
-``call_deadline_multiple`` x the ``call_deadline_quantile`` of the last :data:`HISTORY`
-durations per unit of work, x the work of this call, within ``call_deadline_floor_s`` and
-``call_deadline_cap_s`` (and ``ARMOR_CALL_TIMEOUT_S`` when set); a kind's first call waits
-for the cap. At the deadline the driver asks each actor that has not answered for its
-heartbeat (``heartbeat.py``, answered from a thread of its own: the actors run
-a concurrency group :data:`WATCH_GROUP`); one that made progress within the deadline gets
-the deadline again. One that did not is *stuck*: it is named (class, node, pid, the call,
-how long it waited), its process and the processes it started are killed, and
-:class:`StuckCallError` (a ``TimeoutError`` naming the actor) is handled like a dead actor
-(``recovery.py``: a rollout or reward worker replaced, anything else exit 75). Before a rollout worker
-that answers its heartbeat is called stuck, it asks its SGLang servers'
-``/health_generate``: a server without a 200 is the one stuck (killed by its worker,
-:class:`StuckServerError`: ``recovery.py`` restarts it with the current weights and does the
-phase again); a worker whose servers all answer waits on servers that move (another deadline).
+Every wait on an actor goes through the run's :class:`CallWatch`, with the :class:`CallKind`
+its caller names (generate, score, log-probs, updates, weight push, reset, validation,
+checkpoint, and the smaller calls, each a kind of its own). A kind has a deadline from its own
+recent durations (:class:`DeadlineRule`): ``call_deadline_multiple`` x the
+``call_deadline_quantile`` of the last :data:`HISTORY` durations per unit of work, x the work
+of this call, within ``call_deadline_floor_s`` and ``call_deadline_cap_s`` (and
+``ARMOR_CALL_TIMEOUT_S`` when set); a kind's first call waits for the cap. At the deadline the
+driver asks each actor that has not answered for its heartbeat (``heartbeat.py``, answered
+from a thread of its own: ``watched.py``), and
+:func:`judge` reads the answers: one that made progress within the deadline gets the deadline
+again. One that did not is *stuck*: it is named (class, node, pid, the call, how long it
+waited), its process and the processes it started are killed, and :class:`StuckCallError` (a
+``TimeoutError`` naming the actor) is handled like a dead actor (``recovery.py``: a rollout or
+reward worker replaced, anything else exit 75). Before a rollout worker that answers its
+heartbeat is called stuck, it asks its SGLang servers' ``/health_generate``
+(:meth:`CallWatch.probe_servers`): a server without a 200 is the one stuck (killed by its
+worker, :class:`StuckServerError`: ``recovery.py`` restarts it with the current weights and
+does the phase again); a worker whose servers all answer waits on servers that move (another
+deadline).
 
 After a stop signal (``run_state.StopSignal``) no wait lasts past ``orchestration.stop_wait_s``
 from the signal: :class:`StopDuringCallError` ends the run with exit 75 on the newest complete
@@ -26,85 +28,81 @@ checkpoint without waiting for the call, within Slurm's signal lead.
 
 from __future__ import annotations
 
-import os
-import signal
 import time
-from collections import deque
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_armor.heartbeat import (
-    busy,
-    call_ended,
-    call_started,
-    seconds_since_beat,
-)
+from megatron_armor import env_settings
+from megatron_armor.deadline_rule import HISTORY, DeadlineRule
+from megatron_armor.orchestration.actors.call_kinds import CallKind
 from megatron_armor.orchestration.actors.faults import RequeueError, newest_checkpoint_text
+from megatron_armor.orchestration.actors.process_trees import kill_on_node
+from megatron_armor.orchestration.actors.watched import CONCURRENCY_GROUPS
 from megatron_armor.orchestration.run.run_state import EXIT_REQUEUE
+from megatron_armor.supervisor_pipe import advance
 
-WATCH_GROUP = "watch"
-CONCURRENCY_GROUPS = {WATCH_GROUP: 1}
-HISTORY = 20  # durations kept per kind
 POLL_S = 1.0  # how often a wait looks at the stop signal
 HEARTBEAT_ANSWER_S = 5.0  # how long an actor gets to answer its heartbeat call
 PROBE_TIMEOUT_S = 60.0  # the task that asks them (its worker may have to start)
 SERVER_PROBE_S = 30.0  # /health_generate: SGLang answers 503 after 20 s of a silent scheduler
 CHANGE_LOGGED = 1.25  # a kind's deadline is logged again when it moves by this factor
-KIND_WORDS = (  # (words in a wait's description, kind): first match wins
-    ("generate_raw", "validation"), ("generate", "generate"), ("sample_reference", "generate"),
-    ("scoring", "score"), ("log-probs", "logprobs"), ("train step", "updates"),
-    ("weight", "weight_push"), ("reset", "reset"), ("checkpoint", "checkpoint"),
-    ("rollout state", "checkpoint"),
-)  # fmt: skip
 ACTOR_KINDS = {"TrainerWorker": "trainer", "RolloutWorker": "rollout", "RewardWorker": "reward"}
-
-
-def kind_of(what: str) -> str:
-    """The call kind of a wait described as ``what`` (``"rollout generate"`` -> ``generate``);
-    a description of no kind is its own kind."""
-    return next((kind for words, kind in KIND_WORDS if words in what), what)
 
 
 def env_cap() -> float | None:
     """``ARMOR_CALL_TIMEOUT_S`` when set: a cap on every deadline."""
-    value = os.environ.get("ARMOR_CALL_TIMEOUT_S")
-    return float(value) if value else None
+    return env_settings.value("ARMOR_CALL_TIMEOUT_S")
 
 
-def quantile(values: Iterable[float], q: float) -> float:
-    """The ``q`` quantile of ``values`` (linear between the two nearest ranks)."""
-    ordered = sorted(values)
-    if not ordered:
-        raise ValueError("quantile of no values")
-    pos = q * (len(ordered) - 1)
-    low = int(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+Beat = tuple[bool, float] | None
+"""An actor's heartbeat: ``(busy, seconds since progress)``; ``None``: no answer."""
 
 
-@dataclass
-class DeadlineRule:
-    """Per call kind: the deadline of a call given ``work`` units, learned from the kind's
-    last :data:`HISTORY` durations per unit (``multiple`` x their ``q`` quantile x ``work``,
-    within ``[floor_s, cap_s]``; ``cap_s`` before the kind's first call finished)."""
+def is_stuck(beat: Beat, limit: float) -> bool:
+    """A heartbeat that did not come, or a call under way without progress for ``limit``."""
+    return beat is None or (beat[0] and beat[1] > limit)
 
-    multiple: float = 10.0
-    q: float = 0.9
-    floor_s: float = 30.0
-    cap_s: float = 3600.0
-    history: dict[str, deque] = field(default_factory=dict)
 
-    def deadline(self, kind: str, work: float = 1.0) -> float:
-        seen = self.history.get(kind)
-        if not seen:
-            return self.cap_s
-        learned = self.multiple * quantile(seen, self.q) * max(work, 1e-9)
-        return min(max(learned, self.floor_s), self.cap_s)
+@dataclass(frozen=True)
+class Verdict:
+    """What the heartbeats of some actors show, ``limit`` seconds into a wait."""
 
-    def observe(self, kind: str, seconds: float, work: float = 1.0) -> None:
-        """A call of ``kind`` with ``work`` units took ``seconds``."""
-        self.history.setdefault(kind, deque(maxlen=HISTORY)).append(seconds / max(work, 1e-9))
+    stuck: tuple[str, ...]
+    """The actors (hex ids) that did not answer or made no progress within the limit."""
+    answered: frozenset[str]
+    """The actors that answered their heartbeat."""
+    idle: bool
+    """Every actor answered and none is in a call: the wait is for arguments another actor
+    computes (e.g. a weight push from the trainer), and that actor is the one to judge."""
+
+
+def judge(beats: dict[str, Beat], limit: float) -> Verdict:
+    """The :class:`Verdict` of the heartbeats ``beats`` (``{actor: beat}``) at ``limit``."""
+    stuck = tuple(i for i, beat in beats.items() if is_stuck(beat, limit))
+    answered = frozenset(i for i, beat in beats.items() if beat is not None)
+    idle = not stuck and not any(beat[0] for beat in beats.values() if beat is not None)
+    return Verdict(stuck, answered, idle)
+
+
+@dataclass(frozen=True)
+class ServerFindings:
+    """What the rollout workers found asking their SGLang servers' ``/health_generate``."""
+
+    killed: list[dict]
+    """``{worker, pool, index, url, pid}`` of each server that gave no 200 (killed)."""
+    serving: frozenset[str]
+    """The workers whose every server answered: their call waits on servers that move."""
+
+
+def read_server_answers(ids: list[str], answers: list[dict | None]) -> ServerFindings:
+    """The :class:`ServerFindings` of the workers ``ids``' answers (``None``: no answer)."""
+    answers = [a or {"killed": [], "answered": 0} for a in answers]
+    killed = [dict(server, worker=i) for i, a in zip(ids, answers, strict=True)
+              for server in a["killed"]]  # fmt: skip
+    serving = frozenset(
+        i for i, a in zip(ids, answers, strict=True) if a["answered"] and not a["killed"]
+    )
+    return ServerFindings(killed, serving)
 
 
 class StuckCallError(TimeoutError):
@@ -119,14 +117,14 @@ class StuckCallError(TimeoutError):
 class StuckServerError(StuckCallError):
     """A call past its deadline while an SGLang server of the run no longer answered (its
     ``/health_generate`` gave no 200 within :data:`SERVER_PROBE_S`); the server was killed.
-    ``servers``: ``{worker, pool, index, url, pid}`` of each. ``recovery.py`` restarts them with
-    the current weights and does the call again; where nothing does, it is the stuck rollout
-    worker it names."""
+    ``servers``: ``{worker, pool, index, url, pid}`` of each; ``pending``: the refs of the
+    waited-for calls, which fail on the killed servers. ``recovery.py`` restarts the servers
+    with the current weights and does the call again; where nothing does, it is the stuck
+    rollout worker it names."""
 
-    def __init__(self, message: str, actor_id: str | None, servers: list[dict]):
+    def __init__(self, message: str, actor_id: str | None, servers: list[dict], pending: list):
         super().__init__(message, actor_id, "rollout")
-        self.servers = servers
-        self.pending: list = []  # the waited-for calls, failing on the killed servers
+        self.servers, self.pending = servers, pending
 
     def settle(self, timeout_s: float = 60.0) -> None:
         """Wait (bounded) for the calls that waited on the killed servers and drop their
@@ -166,27 +164,39 @@ class ActorEntry:
         return f"{self.cls}{index}{where}"
 
 
+@dataclass(frozen=True)
+class Wait:
+    """One bounded wait: its kind, the caller's description (for messages only), its start
+    and its deadline in seconds."""
+
+    kind: CallKind
+    what: str
+    start: float
+    limit: float
+
+
 class CallWatch:
-    """The run's deadlines, actors and stop signal, for every bounded wait of the driver."""
+    """The run's deadlines, actors and stop signal, for every bounded wait of the driver.
 
-    def __init__(self) -> None:
-        self.configure()
-        self.actors: dict[str, ActorEntry] = {}
-        self.stuck: dict[str, float] = {}  # faults/stuck_<actor kind> since the last pop
-        self.answered: set[str] = set()  # actors that answered the last deadline's probes
-        self.killed_stuck: set[str] = set()  # actors killed as stuck (their other calls die)
-        self.logged: dict[str, float] = {}
+    Lifecycle: ``loop.train`` makes one per run before anything starts, with the run's
+    ``orchestration`` settings (defaults when ``None``), its stop signal and run directory,
+    and the session hands it to what waits on actors: the actor handles (each actor is
+    registered as it starts, :func:`start_actor`, and forgotten when it is closed, killed or
+    replaced), the weight sync, the recovery, the host-memory watch and the rollout thread.
+    It learns every kind's durations for the whole run; :meth:`pop_metrics` takes its fault
+    counts once a step. It runs no thread or process of its own: nothing to stop."""
 
-    def configure(self, orchestration=None, stop=None, run_dir: str | Path = "") -> None:
-        """The settings of ``orchestration`` (``OrchestrationConfig``; defaults when None), the
-        run's ``stop`` signal and run directory; the learned durations start over."""
+    def __init__(self, orchestration=None, stop=None, run_dir: str | Path = "") -> None:
         o = orchestration
         self.rule = DeadlineRule() if o is None else DeadlineRule(
             o.call_deadline_multiple, o.call_deadline_quantile, o.call_deadline_floor_s,
             o.call_deadline_cap_s)  # fmt: skip
         self.stop_wait_s = 60.0 if o is None else o.stop_wait_s
         self.stop, self.run_dir = stop, Path(run_dir)
-        self.logged = {}
+        self.actors: dict[str, ActorEntry] = {}
+        self.stuck: dict[str, float] = {}  # faults/stuck_<actor kind> since the last pop
+        self.killed_stuck: set[str] = set()  # actors killed as stuck (their other calls die)
+        self.logged: dict[CallKind, float] = {}
 
     def cap(self) -> float:
         cap = env_cap()
@@ -211,44 +221,55 @@ class CallWatch:
             entry.node_id, entry.ip, entry.pid = info["node_id"], info["ip"], info["pid"]
             entry.index = index
 
+    def forget(self, handle) -> None:
+        """``handle``'s actor is gone (replaced, killed, closed): never asked again."""
+        self.actors.pop(handle._actor_id.hex(), None)
+
     # ------------------------------------------------------------------ waits
-    def get(self, refs, what: str, timeout: float | None = None, work: float = 1.0):
-        """``ray.get(refs)`` within the deadline of ``what``'s kind (``timeout``: a fixed one);
-        raises :class:`StuckCallError` or :class:`StopDuringCallError`."""
+    def get(self, refs, kind: CallKind, what: str, timeout: float | None = None,
+            work: float = 1.0):  # fmt: skip
+        """``ray.get(refs)`` within the deadline of ``kind`` for ``work`` units (``timeout``: a
+        fixed one); ``what`` describes the call in messages. Raises :class:`StuckCallError`
+        or :class:`StopDuringCallError`."""
         import ray
 
+        if not isinstance(kind, CallKind):
+            raise TypeError(f"the kind of {what!r} must be a CallKind, not {kind!r}")
         many = isinstance(refs, list | tuple)
         pending = list(dict.fromkeys(refs)) if many else [refs]
-        kind = kind_of(what)
-        limit = timeout if timeout is not None else self.rule.deadline(kind, work)
-        limit = min(limit, self.cap()) if timeout is None else limit
-        start = time.monotonic()
-        deadline = start + limit
+        limit = timeout if timeout is not None else min(self.rule.deadline(kind, work), self.cap())
+        call = Wait(kind, what, time.monotonic(), limit)
+        deadline = call.start + limit
         while pending:
-            self.check_stop(what, start)
+            self.check_stop(what, call.start)
             left = max(deadline - time.monotonic(), 0.0)
             _, pending = ray.wait(pending, num_returns=len(pending), timeout=min(POLL_S, left))
-            now = time.monotonic()
-            if pending and now >= deadline:
-                if self.actors_of(pending):
-                    stuck = self.culprits(pending, limit)
-                    servers, serving = self.kill_wedged_servers(stuck)
-                    if servers:  # the call waits on a server, not on the worker
-                        err = self.server_error(servers, what, kind, now - start, limit)
-                        err.pending = pending  # its calls fail now; the recovery reads them
-                        raise err
-                    if stuck and not set(stuck) <= serving:
-                        raise self.stuck_error(stuck, what, kind, now - start, limit)
-                elif timeout is not None or now - start >= self.cap():
-                    # tasks (no heartbeat to ask): the fixed bound or the cap only
-                    raise self.stuck_error([], what, kind, now - start, limit)
+            if pending and time.monotonic() >= deadline:
+                self.past_deadline(pending, call, fixed=timeout is not None)
                 deadline = time.monotonic() + limit  # slow but moving: another deadline
         values = ray.get(refs)
         if timeout is None:
-            self.learn(kind, time.monotonic() - start, work)
+            self.learn(kind, time.monotonic() - call.start, work)
         return values
 
+    def past_deadline(self, pending: list, call: Wait, fixed: bool) -> None:
+        """``pending`` of ``call`` past its deadline: raise for a stuck actor or server (killed
+        first); return when every one behind it moves (or, for plain tasks, which have no
+        heartbeat, before the fixed bound or the cap)."""
+        waited = time.monotonic() - call.start
+        if not self.actors_of(pending):
+            if fixed or waited >= self.cap():
+                raise self.stuck_error([], call, waited)
+            return
+        verdict = self.culprits(pending, call.limit)
+        servers = self.probe_servers(verdict)
+        if servers.killed:  # the call waits on a server, not on the worker
+            raise self.server_error(servers.killed, call, waited, pending)
+        if verdict.stuck and not set(verdict.stuck) <= servers.serving:
+            raise self.stuck_error(list(verdict.stuck), call, waited)
+
     def check_stop(self, what: str, start: float) -> None:
+        advance()  # the driver's main loop polls: progress for its parent (cli/driver_watch.py)
         stop = self.stop
         if stop is None or not stop.received:
             return
@@ -261,43 +282,41 @@ class CallWatch:
                 f"CONFIG --resume auto` continues from it"
             )
 
-    def learn(self, kind: str, seconds: float, work: float) -> None:
-        """Keep the duration; log the kind's deadline when it is new or moved."""
+    def learn(self, kind: CallKind, seconds: float, work: float) -> None:
+        """Keep the duration; log the deadline of a ``logged`` kind when it is new or moved."""
         self.rule.observe(kind, seconds, work)
-        if kind not in {k for _, k in KIND_WORDS}:
+        if not kind.logged:
             return
         now = self.rule.deadline(kind, work)
         before = self.logged.get(kind)
         if before is None or not before / CHANGE_LOGGED <= now <= before * CHANGE_LOGGED:
             self.logged[kind] = now
-            print(f"call deadline: {kind} {now:.0f}s (for {work:g} unit(s) of work)", flush=True)
+            print(f"call deadline: {kind.label} {now:.0f}s (for {work:g} unit(s) of work)",
+                  flush=True)  # fmt: skip
 
+    # ------------------------------------------------------------------ verdicts
     def actors_of(self, refs: list) -> list[str]:
         """The ids of the actors running ``refs`` (hex; refs of no known actor left out)."""
         ids = [ref.task_id().actor_id().hex() for ref in refs]
         return [i for i in dict.fromkeys(ids) if i in self.actors]
 
-    def culprits(self, refs: list, limit: float) -> list[str]:
-        """The stuck actors behind ``refs`` past their deadline: those of ``refs`` that do not
-        answer or are in a call without progress for ``limit`` seconds; when every one of them
-        is idle (its call waits for arguments another actor is computing, e.g. a weight push
-        from the trainer), any other actor of the run that is stuck so. Empty: all moving."""
+    def culprits(self, refs: list, limit: float) -> Verdict:
+        """The :class:`Verdict` on the actors behind ``refs`` past their deadline; when every
+        one of them is idle (:attr:`Verdict.idle`), the verdict on every other actor of the run
+        instead (the one that computes what they wait for)."""
         ids = self.actors_of(refs)
-        self.answered = set()
-        states = self.heartbeats(ids)
-        stuck = [i for i in ids if is_stuck(states[i], limit)]
-        if stuck or any(states[i] is not None and states[i][0] for i in ids):
-            return stuck
-        others = [i for i in self.actors if i not in ids]
-        states = self.heartbeats(others)
-        return [i for i in others if is_stuck(states[i], limit)]
+        verdict = judge(self.heartbeats(ids), limit)
+        if not verdict.idle:
+            return verdict
+        others = judge(self.heartbeats([i for i in self.actors if i not in ids]), limit)
+        return Verdict(others.stuck, verdict.answered | others.answered, others.idle)
 
-    def heartbeats(self, ids: list[str]) -> dict[str, tuple[bool, float] | None]:
-        """``(busy, seconds since progress)`` of each actor, ``None`` for one that did not
-        answer within :data:`HEARTBEAT_ANSWER_S`. Asked by a task of its own: Ray runs one
-        caller's calls to an actor in the order sent, so the driver's own heartbeat call would
-        wait behind its call that waits for its arguments. A probe that does not come back
-        (Ray itself overloaded) blames no one: every actor counts as moving."""
+    def heartbeats(self, ids: list[str]) -> dict[str, Beat]:
+        """The :data:`Beat` of each actor (``None`` for one that did not answer within
+        :data:`HEARTBEAT_ANSWER_S`). Asked by a task of its own: Ray runs one caller's calls to
+        an actor in the order sent, so the driver's own heartbeat call would wait behind its
+        call that waits for its arguments. A probe that does not come back (Ray itself
+        overloaded) blames no one: every actor counts as moving."""
         import ray
 
         if not ids:
@@ -310,67 +329,58 @@ class CallWatch:
             print(f"warning: the heartbeat probe failed ({type(err).__name__}); waiting on",
                   flush=True)  # fmt: skip
             return {i: (True, 0.0) for i in ids}
-        self.answered |= {i for i, a in zip(ids, answers, strict=True) if a is not None}
         return dict(zip(ids, answers, strict=True))
 
-    def kill_wedged_servers(self, stuck: list[str]) -> tuple[list[dict], set[str]]:
-        """The SGLang servers of the ``stuck`` rollout workers that answered their heartbeat
-        (alive, in a call without progress: one that did not answer cannot ask its servers)
-        which do not answer their ``/health_generate``, killed by their workers; and the
-        workers whose every server answered (their call waits on servers that make progress:
-        slow, not stuck). Only a stuck worker's servers are asked: a server busy in a weight
-        update for a stuck trainer rank would not answer, and the trainer is the one to name."""
+    def probe_servers(self, verdict: Verdict) -> ServerFindings:
+        """The stuck rollout workers of ``verdict`` that answered their heartbeat (alive, in a
+        call without progress: one that did not answer cannot ask its servers) ask their
+        SGLang servers' ``/health_generate`` and kill those without a 200 (their
+        ``kill_wedged_servers``). Only a stuck worker's servers are asked: a server busy in a
+        weight update for a stuck trainer rank would not answer, and the trainer is the one
+        to name."""
         import ray
 
-        ids = [i for i in stuck if self.actors[i].cls == "RolloutWorker" and i in self.answered]
+        ids = [i for i in verdict.stuck
+               if self.actors[i].cls == "RolloutWorker" and i in verdict.answered]  # fmt: skip
         if not ids:
-            return [], set()
+            return ServerFindings([], frozenset())
         probe = ray.remote(num_cpus=0)(probe_servers)
         ref = probe.remote([self.actors[i].handle for i in ids], SERVER_PROBE_S)
         try:
             answers = ray.get(ref, timeout=PROBE_TIMEOUT_S + SERVER_PROBE_S)
-        except Exception as err:  # noqa: BLE001 - then the workers are blamed, as before
+        except Exception as err:  # noqa: BLE001 - then the workers are the ones blamed
             print(f"warning: the SGLang server probe failed ({type(err).__name__})", flush=True)
-            return [], set()
-        answers = [a or {"killed": [], "answered": 0} for a in answers]
-        killed = [dict(server, worker=i) for i, a in zip(ids, answers, strict=True)
-                  for server in a["killed"]]  # fmt: skip
-        serving = {
-            i for i, a in zip(ids, answers, strict=True) if a["answered"] and not a["killed"]
-        }
-        if serving and not killed:
-            names = ", ".join(self.actors[i].name() for i in sorted(serving))
+            return ServerFindings([], frozenset())
+        found = read_server_answers(ids, answers)
+        if found.serving and not found.killed:
+            names = ", ".join(self.actors[i].name() for i in sorted(found.serving))
             print(f"call deadline: the SGLang servers of {names} answer /health_generate "
                   "(busy and moving): waiting on", flush=True)  # fmt: skip
-        return killed, serving
+        return found
 
-    def server_error(self, servers: list[dict], what: str, kind: str, waited: float,
-                     limit: float) -> StuckServerError:  # fmt: skip
+    # ------------------------------------------------------------------ the stuck
+    def server_error(self, servers: list[dict], call: Wait, waited: float,
+                     pending: list) -> StuckServerError:  # fmt: skip
         """Name the killed servers (URL, pid, worker, the call, how long), count them."""
         named = "; ".join(
             f"SGLang {x['pool']} server {x['index']} at {x['url']} (pid {x['pid']}, "
             f"{self.actors[x['worker']].name()})" for x in servers
         )  # fmt: skip
         message = (f"{named} did not answer /health_generate within {SERVER_PROBE_S:g}s: "
-                   f"{what} ({kind}) waited {waited:.0f}s, past its deadline of {limit:.0f}s, "
-                   "with no progress")  # fmt: skip
+                   f"{call.what} ({call.kind.label}) waited {waited:.0f}s, past its deadline of "
+                   f"{call.limit:.0f}s, with no progress")  # fmt: skip
         print(f"stuck call: {message}; killed, restarting with the current weights", flush=True)
         key = "faults/stuck_sglang_server"
         self.stuck[key] = self.stuck.get(key, 0.0) + len(servers)
-        return StuckServerError(message, servers[0]["worker"], servers)
+        return StuckServerError(message, servers[0]["worker"], servers, pending)
 
-    def forget(self, handle) -> None:
-        """``handle``'s actor is gone (replaced, killed, closed): never asked again."""
-        self.actors.pop(handle._actor_id.hex(), None)
-
-    def stuck_error(self, silent: list[str], what: str, kind: str, waited: float,
-                    limit: float) -> StuckCallError:  # fmt: skip
+    def stuck_error(self, silent: list[str], call: Wait, waited: float) -> StuckCallError:
         """Name the first silent actor, kill it and its processes, count it."""
         entry = self.actors.get(silent[0]) if silent else None
         actor_kind = ACTOR_KINDS.get(entry.cls, "unknown") if entry else "unknown"
         who = entry.name() if entry else "a Ray process"
-        message = (f"{who} is stuck: {what} ({kind}) waited {waited:.0f}s, past its deadline "
-                   f"of {limit:.0f}s, with no progress from it")  # fmt: skip
+        message = (f"{who} is stuck: {call.what} ({call.kind.label}) waited {waited:.0f}s, past "
+                   f"its deadline of {call.limit:.0f}s, with no progress from it")  # fmt: skip
         print(f"stuck call: {message}; killing it", flush=True)
         if entry is not None:
             self.killed_stuck.add(silent[0])
@@ -393,6 +403,10 @@ class CallWatch:
             pass
         self.forget(entry.handle)
 
+    def killed_as_stuck(self, actor_id: str | None) -> bool:
+        """Whether the actor ``actor_id`` was killed past a deadline (its other calls die)."""
+        return actor_id in self.killed_stuck
+
     def pop_metrics(self) -> dict[str, float]:
         """``faults/stuck_<trainer|rollout|reward|unknown>`` since the last call (only those
         that happened)."""
@@ -400,17 +414,14 @@ class CallWatch:
         return out
 
 
-WATCH = CallWatch()
-
-
-def probe_heartbeats(handles: list, timeout_s: float) -> list[tuple[bool, float] | None]:
+def probe_heartbeats(handles: list, timeout_s: float) -> list[Beat]:
     """In a Ray task: each actor's ``heartbeat()`` (``None``: no answer in ``timeout_s``)."""
     import ray
 
     asks = [h.heartbeat.remote() for h in handles]
     ready, _ = ray.wait(asks, num_returns=len(asks), timeout=timeout_s)
     answered = {r.hex() for r in ready}
-    out: list[tuple[bool, float] | None] = []
+    out: list[Beat] = []
     for ask in asks:
         try:
             out.append(tuple(ray.get(ask)) if ask.hex() in answered else None)
@@ -435,112 +446,11 @@ def probe_servers(handles: list, timeout_s: float) -> list[dict | None]:
     return out
 
 
-def is_stuck(state: tuple[bool, float] | None, limit: float) -> bool:
-    """A heartbeat that did not come, or a call under way without progress for ``limit``."""
-    return state is None or (state[0] and state[1] > limit)
-
-
-def start_actor(cls, options: dict, *args):
+def start_actor(watch: CallWatch, cls, options: dict, *args):
     """A Ray actor of ``cls`` (a :class:`Watched` worker) with ``options``, registered with
-    :data:`WATCH`."""
+    ``watch``."""
     import ray
 
     actor = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(cls).options(**options).remote(*args)
-    WATCH.register(actor, cls.__name__)
+    watch.register(actor, cls.__name__)
     return actor
-
-
-class Watched:
-    """The heartbeat of a worker class (:class:`CallWatch` asks it past a deadline). Its
-    actors are made with :func:`start_actor`: Ray refuses an actor class whose method names a
-    concurrency group the actor was not given."""
-
-    def heartbeat(self) -> tuple[bool, float]:
-        """Whether a call is under way here, and the seconds since this process last made
-        progress."""
-        return busy(), seconds_since_beat()
-
-    # what ray.method(concurrency_group=...) sets, without importing Ray here
-    heartbeat.__ray_concurrency_group__ = WATCH_GROUP
-
-
-def beating(cls):
-    """Class decorator: every public method of ``cls`` beats when it starts and when it ends
-    (a queue of short calls is progress too)."""
-    import functools
-    import inspect
-
-    def wrap(method):
-        @functools.wraps(method)
-        def call(*args, **kwargs):
-            call_started()
-            try:
-                return method(*args, **kwargs)
-            finally:
-                call_ended()
-
-        return call
-
-    for name, value in list(vars(cls).items()):
-        watch = getattr(value, "__ray_concurrency_group__", None) == WATCH_GROUP
-        if inspect.isfunction(value) and not name.startswith("_") and not watch:
-            setattr(cls, name, wrap(value))
-    return cls
-
-
-# ---------------------------------------------------------------------- process trees
-def children_of() -> dict[int, list[int]]:
-    """``{pid: [child pids]}`` of every process on this node (from /proc)."""
-    out: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        out.setdefault(ppid, []).append(int(entry.name))
-    return out
-
-
-def process_trees(roots: list[int]) -> list[int]:
-    """``roots`` and all their descendants (a root first, then its children)."""
-    children, out, todo = children_of(), [], list(roots)
-    while todo:
-        pid = todo.pop(0)
-        if pid not in out:
-            out.append(pid)
-            todo += children.get(pid, [])
-    return out
-
-
-def kill_trees(roots: list[int]) -> list[int]:
-    """SIGKILL ``roots`` and their descendants, found before any is killed (orphans are
-    re-parented and could not be found after); returns the pids signalled."""
-    pids = [p for p in process_trees(roots) if p != os.getpid()]
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-    return pids
-
-
-def kill_on_node(node_id: str, roots: list[int]) -> None:
-    """:func:`kill_trees` of ``roots`` on Ray node ``node_id``: here on the driver's node, else
-    by a task pinned there (bounded; best effort: a lost node took them already)."""
-    import ray
-
-    if not roots:
-        return
-    if node_id == ray.get_runtime_context().get_node_id():
-        kill_trees(roots)
-        return
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    strategy = NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
-    task = ray.remote(num_cpus=0)(kill_trees).options(scheduling_strategy=strategy)
-    try:
-        ray.get(task.remote(roots), timeout=HEARTBEAT_ANSWER_S * 2)
-    except Exception as err:  # noqa: BLE001 - report, the run ends or goes on without it
-        print(f"warning: could not kill {roots} on node {node_id}: {err}", flush=True)

@@ -5,7 +5,7 @@ A *fault* is a failure of the machinery, not of the run's code or data: an actor
 that died (``kill -9``, the OOM killer, a lost node), an object lost with its node, a call
 past its deadline whose actor made no progress (``call_watch.StuckCallError``: the actor is
 killed first). An exception raised by an actor's own code (a
-``RayTaskError`` whose cause is not one of those) is not a fault: it propagates as before.
+``RayTaskError`` whose cause is not one of those) is not a fault: it propagates unchanged.
 :func:`locate` names the actor a fault came from; ``orchestration/actors/recovery.py`` replaces a
 dead rollout or reward worker in the run, and everything else (a trainer rank, a worker of
 SGLang servers, a state lost with its worker) ends the run with :class:`RequeueError`:

@@ -153,7 +153,7 @@ def rollout_hosts(plan: LayoutPlan, where: list[tuple[str, int]]) -> list[Rollou
 
 
 def _plan_bundles(config: ArmorConfig) -> LayoutPlan:
-    orch, world = config.orchestration, config.trainer.world_size
+    orch, world = config.orchestration, config.resolved.world_size
     engines = max(config.rollout.sglang.num_engines, 1)
     if orch.layout not in LAYOUTS:
         raise ValueError(f"orchestration.layout={orch.layout!r}: expected one of {LAYOUTS}")

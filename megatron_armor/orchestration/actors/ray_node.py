@@ -34,6 +34,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from megatron_armor.supervisor_pipe import advance
+
 SHIELDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 STOP = signal.SIGUSR2
 READY_LINE = "Ray runtime started"
@@ -162,6 +164,7 @@ class LocalRayHead:
                     f"the local Ray head did not start in {timeout_s:.0f}s; see {self.log_path} "
                     "or raise orchestration.ray_init_timeout_s"
                 )
+            advance()  # a bounded wait: progress for the driver's parent (cli/driver_watch.py)
             time.sleep(0.2)
 
     def _log_text(self) -> str:

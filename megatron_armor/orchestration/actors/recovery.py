@@ -50,24 +50,23 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from megatron_armor.orchestration.actors.actor_handles import kill_run_processes, wait
+from megatron_armor.orchestration.actors.actor_handles import kill_run_processes
+from megatron_armor.orchestration.actors.call_kinds import CallKind
 from megatron_armor.orchestration.actors.call_watch import (
-    WATCH,
+    CallWatch,
     StuckCallError,
     StuckServerError,
     start_actor,
 )
 from megatron_armor.orchestration.actors.faults import Fault, RecoveryBudget, locate, requeue_error
+from megatron_armor.orchestration.actors.pending import Pending
 from megatron_armor.rollout.backends import backend_of
 
 if TYPE_CHECKING:
     from megatron_armor.config.schema import ArmorConfig
     from megatron_armor.data.sampler import ResumableSampler
-    from megatron_armor.orchestration.actors.actor_handles import (
-        RewardActors,
-        RolloutActors,
-        TrainerActors,
-    )
+    from megatron_armor.orchestration.actors.actor_handles import RewardActors, TrainerActors
+    from megatron_armor.orchestration.actors.rollout_fleet import RolloutSide
     from megatron_armor.orchestration.actors.weight_sync import WeightSync
     from megatron_armor.orchestration.run.host_usage import HostMemory
     from megatron_armor.orchestration.run.run_state import RunState
@@ -81,18 +80,19 @@ AFTER_ROLLOUT = ("sync", "reset", "validation", "checkpoint")
 class RunParts(Protocol):
     """What recovery reads and replaces of a running session (``orchestration/run/session.py``
     passes its ``Session``): the config and run directory, the driver's sampler and run state,
-    the actor handles, the weight sync, the host-memory watch and the session's
-    :class:`Recovery`."""
+    the actor handles, the weight sync, the host-memory watch, the call watch and the
+    session's :class:`Recovery`."""
 
     config: ArmorConfig
     run_dir: Path
     sampler: ResumableSampler
     state: RunState
     trainer: TrainerActors
-    rollout: RolloutActors
+    rollout: RolloutSide
     reward: RewardActors
     weight_sync: WeightSync
     host_memory: HostMemory
+    call_watch: CallWatch
     recovery: Recovery
 
 
@@ -133,32 +133,35 @@ class Recovery:
         self.snapshot_step = -1  # the step whose end (or resumed start) they are of
         self.step = 0  # the step under way, for faults the loop does not guard
         self.anchor_rollout = None  # the loop's AnchorRollout (its sent-ahead call is dropped)
-        # the trainer weights the engines serve, which a replacement gets: "behavior" while
-        # the next step is drawn beside the updates (orchestration/step/async_rollout.py)
         self.served: str | None = "policy"
-        """The trainer weights a replaced rollout worker gets: ``policy``, one_step's
-        ``behavior`` while the next step is drawn, ``None`` while a bounded window is (kept
-        nowhere: :data:`UNSERVED`)."""
+        """The trainer weights a replacement gets (:meth:`serve`): ``None`` while a bounded
+        window is drawn (kept nowhere: :data:`UNSERVED`)."""
         self.servers_restarted = 0  # SGLang servers restarted after a stuck call, not yet counted
 
-    # ------------------------------------------------------------------ snapshots
-    def submit_snapshot(self, s: RunParts) -> list:
-        """Queue the read of the rollout workers' state right after a step's rollout (the
-        anchor cache only; nothing to read without it)."""
-        if not s.rollout.caches_anchors:
-            return []
-        return [a.state_dict.remote() for a in s.rollout.reference_actors]
+    def serve(self, weights: str | None) -> None:
+        """The trainer weights the engines serve from now on, which a replacement gets:
+        ``behavior`` while the next step is drawn beside the updates, else ``policy``
+        (``orchestration/step/async_rollout.py``); ``None`` while a bounded window is drawn
+        (the weights are kept nowhere: a rollout fault is a requeue, :data:`UNSERVED`)."""
+        self.served = weights
 
-    def settle_snapshot(self, s: RunParts, refs: list, step: int) -> None:
+    # ------------------------------------------------------------------ snapshots
+    def submit_snapshot(self, s: RunParts) -> Pending[list[dict] | None]:
+        """Read the rollout workers' state right after a step's rollout (the anchor cache
+        only; nothing to read without it), sent now."""
+        if not s.rollout.reference.caches_anchors:
+            return Pending.ready(None)
+        return s.rollout.reference.submit_state("rollout state (kept for a recovery)")
+
+    def settle_snapshot(self, pending: Pending[list[dict] | None], step: int) -> None:
         """Wait for :meth:`submit_snapshot`'s read: the state a replacement continues from
         (that after step ``step``'s rollout)."""
-        states = wait(refs, "rollout state (kept for a recovery)") if refs else None
-        self.snapshot, self.snapshot_step = states, step
+        self.snapshot, self.snapshot_step = pending.result(), step
 
     # ------------------------------------------------------------------ guarded calls
     def collect(self, s: RunParts, rollout, step: int):
         """``(result, counters)``: the step's rollout (``rollout.collect``), the queued read of
-        the anchor-cache counters (``RolloutActors.submit_reference_metrics``) and the rollout
+        the anchor-cache counters (``ReferenceDraws.submit_metrics``) and the rollout
         workers' state after it (:meth:`submit_snapshot`, waited for: each worker answers the
         read before it), drawn again after a recovery from the driver's state of the step's
         start. Both are in hand before the trainer gets the step: a fault after this point
@@ -168,8 +171,8 @@ class Recovery:
 
         def draw():
             result = rollout.collect(step)
-            counters = s.rollout.submit_reference_metrics()  # ahead of the state on each worker
-            self.settle_snapshot(s, self.submit_snapshot(s), step)  # the state after it
+            counters = s.rollout.reference.submit_metrics()  # ahead of the state on each worker
+            self.settle_snapshot(self.submit_snapshot(s), step)  # the state after it
             return result, counters
 
         return self.guard(s, step, "rollout", draw, redo=lambda: mark.rewind(s.sampler))
@@ -203,12 +206,12 @@ class Recovery:
         self.restore_rollout(s, new, everyone=fault.kind == "rollout" or phase == "rollout")
         if self.anchor_rollout is not None:
             self.anchor_rollout.forget_prefetch()
-        s.rollout.forget_unsettled()
+        s.rollout.reference.forget_unsettled()
         record(s, step, phase, fault, count, self.budget)
 
     def heal_servers(self, s: RunParts, step: int, phase: str, err: StuckServerError) -> None:
         """The SGLang servers of ``err`` (killed past a call deadline) restarted with their
-        pool's current weights (``WeightSync.heal``, as a dead server is), counted in
+        pool's current weights (``ServerHealth.heal``, as a dead server is), counted in
         ``run.max_recoveries``; the caller does the phase again."""
         fault = locate(err, handles(s)) or Fault("unknown", -1, err)
         redrawn = phase not in AFTER_ROLLOUT
@@ -217,18 +220,18 @@ class Recovery:
             why = "run.max_recoveries=0 (nothing is restarted in the run)"
         elif self.served is None:
             why = UNSERVED
-        elif s.rollout.caches_anchors and redrawn and self.snapshot_step != step - 1:
+        elif s.rollout.reference.caches_anchors and redrawn and self.snapshot_step != step - 1:
             why = f"the rollout workers' anchor cache of step {step - 1} is not in the driver"
         if why:
             raise requeue_error(s.run_dir, fault, step, why) from err
         count = self.budget.spend(step, fault, s.run_dir)
         err.settle()  # the calls on the killed servers end first
-        self.servers_restarted += s.weight_sync.heal()
+        self.servers_restarted += s.rollout.health.heal()
         if self.snapshot is not None:  # the anchor cache as the phase found it
             self.restore_rollout(s, None, everyone=redrawn)
         if self.anchor_rollout is not None:
             self.anchor_rollout.forget_prefetch()
-        s.rollout.forget_unsettled()
+        s.rollout.reference.forget_unsettled()
         servers = ", ".join(x["url"] for x in err.servers)
         record(s, step, phase, fault, count, self.budget, what=f"SGLang server {servers}")
 
@@ -252,7 +255,7 @@ class Recovery:
         # after a rollout the snapshot is that rollout's (:meth:`collect` settles it first; with
         # async_rollout the next step's); a rollout drawn again needs the step before's
         redrawn = phase not in AFTER_ROLLOUT
-        if s.rollout.caches_anchors and redrawn and self.snapshot_step != step - 1:
+        if s.rollout.reference.caches_anchors and redrawn and self.snapshot_step != step - 1:
             return f"the rollout workers' anchor cache of step {step - 1} is not in the driver"
         return ""
 
@@ -261,29 +264,31 @@ class Recovery:
         """The anchor cache of :attr:`snapshot` into the new rollout worker ``new`` (and every
         rollout worker with ``everyone``: the others ran part of the failed phase); a reset
         since the snapshot drops it again; then the new worker's weights."""
-        rollout, ref_version = s.rollout, s.state.ref_version
+        fleet, ref_version = s.rollout.fleet, s.state.ref_version
         calls = []
-        for i, actor in enumerate(rollout.reference_actors):
-            fresh = new is not None and actor is rollout.actors[new]
+        for i, actor in enumerate(fleet.reference_actors):
+            fresh = new is not None and actor is fleet.actors[new]
             if self.snapshot is None or not (everyone or fresh):
                 continue
             calls.append(actor.load_state_dict.remote(self.snapshot[i]))
             if not fresh and int(self.snapshot[i]["ref_version"]) != ref_version:
                 calls.append(actor.reference_in_place.remote(ref_version, True))
-        wait(calls, "rollout state restore")
+        fleet.pending(calls, CallKind.CHECKPOINT, "rollout state restore").result()
         if new is not None:
-            push_into_new(s, rollout.actors[new], self.snapshot_version(new, s))
+            push_into_new(s, fleet.actors[new], self.snapshot_version(new, s))
 
     def snapshot_version(self, new: int, s: RunParts) -> int | None:
         """The reference version of the new worker's restored cache (``None``: no cache)."""
         if self.snapshot is None:
             return None
-        index = s.rollout.reference_actors.index(s.rollout.actors[new])
+        fleet = s.rollout.fleet
+        index = fleet.reference_actors.index(fleet.actors[new])
         return int(self.snapshot[index]["ref_version"])
 
 
 def handles(s: RunParts) -> dict[str, object]:
-    return {"trainer": s.trainer, "rollout": s.rollout, "reward": s.reward}
+    """The handles of the run's actors by kind (each with its ``actors``)."""
+    return {"trainer": s.trainer, "rollout": s.rollout.fleet, "reward": s.reward}
 
 
 def replace_actor(s: RunParts, fault: Fault) -> int | None:
@@ -291,47 +296,48 @@ def replace_actor(s: RunParts, fault: Fault) -> int | None:
     its index among the rollout workers (``None`` for a reward worker)."""
     import ray
 
-    from megatron_armor.orchestration.actors.workers import RewardWorker, RolloutWorker
+    from megatron_armor.orchestration.actors.rollout_worker import RolloutWorker
+    from megatron_armor.orchestration.actors.workers import RewardWorker
 
-    handle = s.rollout if fault.kind == "rollout" else s.reward
+    handle = s.rollout.fleet if fault.kind == "rollout" else s.reward
     cls = RolloutWorker if fault.kind == "rollout" else RewardWorker
-    old = handle.actors[fault.index]
-    kill_run_processes([old])  # a stopped process outlives ray.kill; so would its children
+    old, watch = handle.actors[fault.index], s.call_watch
+    kill_run_processes([old], watch)  # a stopped process outlives ray.kill; so would its children
     try:
         ray.kill(old, no_restart=True)
     except Exception:  # noqa: BLE001 - it is dead already
         pass
-    WATCH.forget(old)
+    watch.forget(old)
     options, args = handle.specs[fault.index]
-    new = start_actor(cls, options, *args)
+    new = start_actor(watch, cls, options, *args)
     ready = new.health.remote() if fault.kind == "rollout" else new.__ray_ready__.remote()
-    wait(ready, f"{fault.actor}'s replacement start-up", handle.startup_timeout)
-    for group in {id(g): g for g in member_lists(handle)}.values():
-        group[:] = [new if a is old else a for a in group]
+    Pending(watch, [ready], CallKind.STARTUP, f"{fault.actor}'s replacement start-up",
+            timeout=handle.startup_timeout).result()  # fmt: skip
+    handle.replace(fault.index, new)
     s.host_memory.replace(f"{fault.kind}{fault.index}", new)  # mem/* of the new process
     return fault.index if fault.kind == "rollout" else None
-
-
-def member_lists(handle) -> list[list]:
-    """The handle's lists of actors (a rollout handle also sorts them by pool)."""
-    names = ("actors", "policy_actors", "reference_actors")
-    return [getattr(handle, n) for n in names if hasattr(handle, n)]
 
 
 def push_into_new(s: RunParts, actor, cache_version: int | None) -> None:
     """The trainer's current policy (as ``state.policy_version``) and its reference (as
     ``state.ref_version``; clearing a restored cache of an older reference) into ``actor``."""
-    state, trainer = s.state, s.trainer
+    state, trainer, fleet = s.state, s.trainer, s.rollout.fleet
     weights = s.recovery.served  # "behavior" while the engines draw the next step
-    wait(actor.update_weights.remote(state.policy_version, *trainer.export_refs(weights)),
-         "policy weights into a replaced rollout worker")  # fmt: skip
+    export = trainer.export(weights)
+    fleet.pending(
+        [actor.update_weights.remote(state.policy_version, *export.refs)],
+        CallKind.WEIGHT_PUSH,
+        "policy weights into a replaced rollout worker",
+    ).result()
     if not s.weight_sync.anchors:  # no reference samples: the version only
-        wait(actor.reference_in_place.remote(state.ref_version, False), "rollout reference")
+        fleet.pending([actor.reference_in_place.remote(state.ref_version, False)],
+                      CallKind.REFERENCE_VERSION, "rollout reference").result()  # fmt: skip
         return
     reset = cache_version is not None and cache_version != state.ref_version
     load = actor.reset_reference if reset else actor.load_reference
-    wait(load.remote(state.ref_version, *trainer.export_refs("ref")),
-         "reference weights into a replaced rollout worker")  # fmt: skip
+    export = trainer.export("ref")
+    fleet.pending([load.remote(state.ref_version, *export.refs)], CallKind.WEIGHT_PUSH,
+                  "reference weights into a replaced rollout worker").result()  # fmt: skip
 
 
 def record(s: RunParts, step: int, phase: str, fault: Fault, count: int, budget,
@@ -340,7 +346,7 @@ def record(s: RunParts, step: int, phase: str, fault: Fault, count: int, budget,
     replaced, when not the fault's actor: SGLang servers restarted)."""
     redo = "rollout drawn again" if phase == "rollout" else f"{phase} done again"
     pushed = "the current weights pushed, " if fault.kind == "rollout" else ""
-    reason = fault_reason(fault)
+    reason = fault_reason(fault, s.call_watch)
     done = "restarted" if what else "replaced"
     print(f"recovery: {what or fault.actor} {reason} during step {step} ({phase}; "
           f"{fault.summary()}); {done}, {pushed}{redo} ({count} of run.max_recoveries="
@@ -351,10 +357,10 @@ def record(s: RunParts, step: int, phase: str, fault: Fault, count: int, budget,
         f.write(json.dumps(line) + "\n")
 
 
-def fault_reason(fault: Fault) -> str:
-    """``stuck`` (past its call deadline without progress, killed: ``call_watch.py``; also
-    when another call to the actor, waited for elsewhere, saw it die of that kill first) or
+def fault_reason(fault: Fault, watch: CallWatch) -> str:
+    """``stuck`` (past its call deadline without progress, killed by ``watch``; also when
+    another call to the actor, waited for elsewhere, saw it die of that kill first) or
     ``died``."""
     if isinstance(fault.error, StuckCallError):
         return "stuck"
-    return "stuck" if getattr(fault.error, "actor_id", None) in WATCH.killed_stuck else "died"
+    return "stuck" if watch.killed_as_stuck(getattr(fault.error, "actor_id", None)) else "died"

@@ -18,7 +18,9 @@ With SGLang no weight tensor reaches the driver or the object store: the driver 
 versions, URLs and paths. The reference goes the same way as the policy: into the reference
 pool (``dedicated``), or swapped into the policy servers around each reference sampling
 (``swap``, :meth:`WeightSync.reference_swapped`). Every push is timed and counted for
-``perf/weight_sync_<transport>_{gb,s,pushes}`` (:meth:`WeightSync.pop_metrics`).
+``perf/weight_sync_<transport>_{gb,s,pushes}`` (:meth:`WeightSync.pop_metrics`). The weight
+sync talks to the trainer ranks through their handle and to the rollout workers through the
+fleet (``rollout_fleet.RolloutFleet``): every call of a push is made here, in order.
 """
 
 from __future__ import annotations
@@ -27,15 +29,15 @@ import contextlib
 import os
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from megatron_armor.algo.registry import get_anchor_mode
 from megatron_armor.config.rollout_traits import reference_strategy
 from megatron_armor.config.schema import ArmorConfig
+from megatron_armor.orchestration.actors.call_kinds import CallKind
+from megatron_armor.orchestration.actors.pending import Pending
+from megatron_armor.orchestration.actors.rollout_fleet import RolloutFleet, Servers
 from megatron_armor.rollout.backends import backend_of
-
-Servers = dict[int, list[int]]
-"""``{rollout worker: [server index]}``: a subset of a pool's servers (a heal)."""
 
 
 def weights_of(pool: str) -> str:
@@ -43,13 +45,18 @@ def weights_of(pool: str) -> str:
     return "policy" if pool == "policy" else "ref"
 
 
+def first(answers: list):
+    """The answer of the first worker (every worker loaded the same)."""
+    return answers[0]
+
+
 class WeightSync:
     """Trainer -> rollout weight pushes of one run; subclasses implement :meth:`_send`."""
 
     transport = "inprocess"
 
-    def __init__(self, config: ArmorConfig, trainer, rollout) -> None:
-        self.config, self.trainer, self.rollout = config, trainer, rollout
+    def __init__(self, config: ArmorConfig, trainer, fleet: RolloutFleet) -> None:
+        self.config, self.trainer, self.fleet = config, trainer, fleet
         self.anchors = get_anchor_mode(config.algo.anchor).draws_reference
         self.versions = {"policy": 0, "ref": 0}
         self._gb = self._seconds = 0.0
@@ -65,20 +72,31 @@ class WeightSync:
         """Serve the trainer's reference at ``version`` (start-up, resume, or a ``reset``,
         which also drops the anchor cache). Without anchors only the version is recorded."""
         self.versions["ref"] = version
-        if self.anchors and self.rollout.has_ref_pool:
+        if self.anchors and self.fleet.has_ref_pool:
             self.push(version, "ref", "ref")
-        self.rollout.reference_in_place(version, reset)
+        self.reference_in_place(version, reset)
+
+    def reference_in_place(self, version: int, reset: bool) -> None:
+        """Record reference ``version`` on the reference workers without sending weights (on a
+        ``reset`` their anchor cache is dropped)."""
+        self.fleet.send(
+            self.fleet.reference_actors,
+            lambda a: a.reference_in_place.remote(version, reset),
+            CallKind.REFERENCE_VERSION,
+            "rollout reference version",
+        ).result()
 
     @contextlib.contextmanager
-    def reference_swapped(self, items: list, n: int) -> Iterator[None]:
+    def reference_swapped(self, needs_fresh: Callable[[], bool]) -> Iterator[None]:
         """``swap`` with SGLang: the reference in the policy servers for the block, the policy
-        back after it; skipped when every item's anchors are cached, and while the servers'
-        policy is the reference (the same version: a reset since the last policy push, as
-        under ``reset: every 1`` at every step, or both the start weights)."""
+        back after it; skipped when no item needs fresh samples (``needs_fresh()``: every
+        item's anchors are cached), and while the servers' policy is the reference (the same
+        version: a reset since the last policy push, as under ``reset: every 1`` at every
+        step, or both the start weights)."""
         if self.versions["ref"] == self.versions["policy"]:
             yield
             return
-        if not self.swaps_into_policy_servers() or not self.rollout.reference_misses(items, n):
+        if not self.swaps_into_policy_servers() or not needs_fresh():
             yield
             return
         self.push(self.versions["ref"], "ref", "policy")
@@ -90,30 +108,16 @@ class WeightSync:
     def swaps_into_policy_servers(self) -> bool:
         """Whether :meth:`reference_swapped` loads the reference into the policy servers (the
         driver must then wait for a reference call before the policy goes back)."""
-        if not self.anchors or self.rollout.has_ref_pool:
+        if not self.anchors or self.fleet.has_ref_pool:
             return False
         served = reference_strategy(
             self.config.rollout.ref_strategy, self.config.algo.anchor_source
         )
         return served.swaps_into_policy
 
-    def heal(self) -> int:
-        """Restart dead SGLang servers and give them their pool's current weights before they
-        serve again (:meth:`_resync`); returns how many were restarted."""
-        restarted = self.rollout.restart_dead_servers()  # per worker: {pool: [server index]}
-        count = 0
-        for pool in sorted({pool for per_worker in restarted for pool in per_worker}):
-            servers = {w: per[pool] for w, per in enumerate(restarted) if per.get(pool)}
-            version = self.rollout.pool_version(pool)
-            self._resync(pool, version, servers)
-            for worker, indices in servers.items():
-                self.rollout.rejoin(worker, pool, indices)
-                print(f"rollout: restarted SGLang {pool} server(s) {indices} of worker {worker} "
-                      f"and re-synced their weights (version {version})", flush=True)  # fmt: skip
-                count += len(indices)
-        return count
-
-    def _resync(self, pool: str, version: int, servers: Servers) -> None:
+    def resync(self, pool: str, version: int, servers: Servers) -> None:
+        """Restarted ``servers`` of ``pool`` get the weights the pool serves, at ``version``
+        (``rollout_fleet.ServerHealth.heal``)."""
         self.push(version, weights_of(pool), pool, servers)
 
     # ------------------------------------------------------------------ one push
@@ -123,11 +127,17 @@ class WeightSync:
         start = time.perf_counter()
         num_bytes = self._send(version, weights, pool, servers)
         if servers is None:
-            self.rollout.set_weight_version(version, pool)
+            self.set_version(version, pool)
         self._seconds += time.perf_counter() - start
         self._gb += num_bytes / 1e9
         self._pushes += 1
         return num_bytes
+
+    def set_version(self, version: int, pool: str) -> None:
+        """Record ``version`` on the workers of ``pool`` after the trainer pushed the weights."""
+        self.fleet.send(self.fleet.pool_actors(pool),
+                        lambda a: a.set_weight_version.remote(version, pool),
+                        CallKind.WEIGHT_VERSIONS, "rollout weight version").result()  # fmt: skip
 
     def _send(self, version: int, weights: str, pool: str, servers: Servers | None) -> int:
         raise NotImplementedError
@@ -169,9 +179,9 @@ class InProcessSync(WeightSync):
 
     transport = "inprocess"
 
-    def __init__(self, config: ArmorConfig, trainer, rollout) -> None:
-        super().__init__(config, trainer, rollout)
-        self._queued: list | None = None
+    def __init__(self, config: ArmorConfig, trainer, fleet: RolloutFleet) -> None:
+        super().__init__(config, trainer, fleet)
+        self._queued: tuple[int, Pending, Pending | None] | None = None
 
     def queue_policy_push(self, version: int, load_early: bool = True) -> None:
         """Queue the policy's export on the trainer ranks behind the updates just queued, and
@@ -182,25 +192,32 @@ class InProcessSync(WeightSync):
         (``colocated``, ``trainer.offload_train_state``) or draw the next step meanwhile
         (``load_early`` off). The export is ``if_changed``: after a step whose every update
         was skipped it is empty and the engines load nothing (:meth:`skip_policy_push`)."""
-        refs = self.trainer.export_refs("policy", if_changed=True)
+        export = self.trainer.export("policy", if_changed=True)
         early = (
             load_early
             and self.config.orchestration.layout != "colocated"
             and not (self.config.trainer.offload_train_state)
         )
-        loads = self.rollout.submit_update_weights(version, refs) if early else None
-        self._queued = (version, refs, loads)
+        loads = self.load_policy(version, export) if early else None
+        self._queued = (version, export, loads)
+
+    def load_policy(self, version: int, export: Pending) -> Pending[int]:
+        """Every policy worker loads the trainer's ``export`` at ``version``, sent now; the
+        result is the bytes each loaded."""
+        return self.fleet.send(self.fleet.policy_actors,
+                               lambda a: a.update_weights.remote(version, *export.refs),
+                               CallKind.WEIGHT_PUSH, "weight sync", read=first)  # fmt: skip
 
     def push_policy(self, version: int) -> int:
         self.versions["policy"] = version
         start = time.perf_counter()
         queued, self._queued = self._queued, None
         if queued is None or queued[0] != version:
-            queued = (version, self.trainer.export_refs("policy"), None)
-        _, refs, loads = queued
+            queued = (version, self.trainer.export("policy"), None)
+        _, export, loads = queued
         if loads is None:
-            loads = self.rollout.submit_update_weights(version, refs)
-        num_bytes = self.rollout.wait_update_weights(loads)
+            loads = self.load_policy(version, export)
+        num_bytes = loads.result()
         self._record(start, num_bytes)
         return num_bytes
 
@@ -209,7 +226,7 @@ class InProcessSync(WeightSync):
         step changed no weight): the engines loaded nothing and keep their version."""
         queued, self._queued = self._queued, None
         if queued is not None and queued[2] is not None:
-            self.rollout.wait_update_weights(queued[2])
+            queued[2].result()
         return 0
 
     def push_reference(self, version: int, reset: bool = False) -> None:
@@ -217,15 +234,22 @@ class InProcessSync(WeightSync):
         this version takes the engines' own policy weights instead (nothing exported)."""
         self.versions["ref"] = version
         if not self.anchors:
-            self.rollout.reference_in_place(version, reset)
+            self.reference_in_place(version, reset)
             return
         start = time.perf_counter()
+        actors = self.fleet.reference_actors
         if reset and version == self.versions["policy"]:
-            self.rollout.reset_reference_from_policy(version)
+            self.fleet.send(actors, lambda a: a.reset_reference_from_policy.remote(version),
+                            CallKind.RESET, "rollout reference reset").result()  # fmt: skip
             self._record(start, 0)
             return
-        refs = self.trainer.export_refs("ref")
-        (self.rollout.reset_reference if reset else self.rollout.load_reference)(version, refs)
+        export = self.trainer.export("ref")
+        if reset:
+            self.fleet.send(actors, lambda a: a.reset_reference.remote(version, *export.refs),
+                            CallKind.RESET, "rollout reference reset").result()  # fmt: skip
+        else:
+            self.fleet.send(actors, lambda a: a.load_reference.remote(version, *export.refs),
+                            CallKind.REFERENCE_LOAD, "rollout reference load").result()  # fmt: skip
         self._record(start, 0)
 
     def _record(self, start: float, num_bytes: int) -> None:
@@ -233,22 +257,19 @@ class InProcessSync(WeightSync):
         self._gb += num_bytes / 1e9
         self._pushes += 1
 
-    def reference_swapped(self, items: list, n: int):
+    def reference_swapped(self, needs_fresh: Callable[[], bool]):
         return contextlib.nullcontext()  # the worker swaps its own copies in-process
 
     def swaps_into_policy_servers(self) -> bool:
         return False
 
-    def heal(self) -> int:
-        return 0  # the engine lives in the worker's process
-
 
 class ServerSync(WeightSync):
     """A transport the trainer ranks run into SGLang servers (``TrainerWorker.push_weights``)."""
 
-    def __init__(self, config: ArmorConfig, trainer, rollout) -> None:
-        super().__init__(config, trainer, rollout)
-        self._targets: dict[str, list[tuple[int, str, int, int]]] = {}
+    def __init__(self, config: ArmorConfig, trainer, fleet: RolloutFleet) -> None:
+        super().__init__(config, trainer, fleet)
+        self._targets: dict[str, list[tuple[int, str, int, int, str]]] = {}
 
     def skip_policy_push(self) -> int:
         """A step without an applied update. Colocated policy servers released their weights
@@ -262,10 +283,20 @@ class ServerSync(WeightSync):
     def targets(
         self, pool: str, servers: Servers | None = None
     ) -> list[tuple[int, str, int, int, str]]:
-        """``[(worker, url, tp, server index, API key)]`` of ``pool`` (fixed for the run: a restarted
-        server keeps its URL), or of ``servers`` only."""
+        """``[(worker, url, tp, server index, API key)]`` of ``pool`` (fixed for the run: a
+        restarted server keeps its URL), or of ``servers`` only; ``worker`` is the position
+        in the fleet."""
         if pool not in self._targets:
-            self._targets[pool] = self.rollout.weight_targets(pool)
+            actors = self.fleet.pool_actors(pool)
+            parts = self.fleet.send(
+                actors,
+                lambda a: a.weight_targets.remote(pool),
+                CallKind.WEIGHT_VERSIONS,
+                "rollout weight targets",
+            ).result()
+            workers = [self.fleet.position(a) for a in actors]
+            self._targets[pool] = [(w, *t) for w, part in zip(workers, parts, strict=True)
+                                   for t in part]  # fmt: skip
         chosen = self._targets[pool]
         if servers is not None:
             chosen = [t for t in chosen if t[3] in servers.get(t[0], [])]
@@ -281,10 +312,16 @@ class SessionSync(ServerSync):
 
     def _send(self, version: int, weights: str, pool: str, servers: Servers | None) -> int:
         try:  # a begin that reached only some servers leaves none of them in a session
-            self.rollout.begin_weight_update(pool, servers)
+            self.fleet.on_servers(pool, servers,
+                                  lambda a, indices: a.begin_weight_update.remote(pool, indices),
+                                  CallKind.WEIGHT_PUSH,
+                                  f"{pool} servers opening the weight update").result()  # fmt: skip
             return self._stream(version, weights, pool, servers)
         finally:
-            self.rollout.end_weight_update(pool, servers)
+            self.fleet.on_servers(pool, servers,
+                                  lambda a, indices: a.end_weight_update.remote(pool, indices),
+                                  CallKind.WEIGHT_PUSH,
+                                  f"{pool} servers closing the weight update").result()  # fmt: skip
 
     def _stream(self, version: int, weights: str, pool: str, servers: Servers | None) -> int:
         raise NotImplementedError
@@ -317,7 +354,7 @@ class DistributedSync(SessionSync):
         target = [ServerTarget(url, tp, api_key=key) for _, url, tp, _, key in self.targets(pool)]
         return self.trainer.push_weights(version, weights, pool, target)
 
-    def _resync(self, pool: str, version: int, servers: Servers) -> None:
+    def resync(self, pool: str, version: int, servers: Servers) -> None:
         """The pool's group lost a member: a new group with every server, and a full push."""
         self.trainer.drop_sender(pool)
         self.push(version, weights_of(pool), pool)
@@ -330,15 +367,20 @@ class DiskSync(ServerSync):
 
     transport = "disk"
 
-    def __init__(self, config: ArmorConfig, trainer, rollout) -> None:
-        super().__init__(config, trainer, rollout)
+    def __init__(self, config: ArmorConfig, trainer, fleet: RolloutFleet) -> None:
+        super().__init__(config, trainer, fleet)
         self.root = os.path.join(config.run.output_dir, config.run.name, "sglang_weights")
 
     def _send(self, version: int, weights: str, pool: str, servers: Servers | None) -> int:
         path = os.path.join(self.root, pool, f"{weights}-v{version}")
         shutil.rmtree(path, ignore_errors=True)  # a half-written push of a crashed run
         num_bytes = self.trainer.push_weights(version, weights, pool, path)
-        self.rollout.load_from_disk(pool, path, version, servers)
+
+        def load(actor, indices):
+            return actor.load_from_disk.remote(pool, path, version, indices)
+
+        self.fleet.on_servers(pool, servers, load, CallKind.WEIGHT_PUSH,
+                              f"{pool} servers loading {path}").result()  # fmt: skip
         if servers is None:
             prune_pushes(os.path.dirname(path), keep=path)
         return num_bytes
@@ -354,13 +396,13 @@ def prune_pushes(pool_dir: str, keep: str) -> None:
 TRANSPORTS = {"tensor": TensorSync, "distributed": DistributedSync, "disk": DiskSync}
 
 
-def make_weight_sync(config: ArmorConfig, trainer, rollout) -> WeightSync:
+def make_weight_sync(config: ArmorConfig, trainer, fleet: RolloutFleet) -> WeightSync:
     """The :class:`WeightSync` of ``rollout.backend`` / ``rollout.sglang.weight_transport``."""
     if not backend_of(config).serves_over_http:
-        return InProcessSync(config, trainer, rollout)
+        return InProcessSync(config, trainer, fleet)
     kind = config.rollout.sglang.weight_transport
     if kind not in TRANSPORTS:
         raise ValueError(
             f"rollout.sglang.weight_transport={kind!r} is not one of {sorted(TRANSPORTS)}"
         )
-    return TRANSPORTS[kind](config, trainer, rollout)
+    return TRANSPORTS[kind](config, trainer, fleet)

@@ -2,8 +2,8 @@
 
 - :class:`TrainerWorker` — one trainer rank; imports Megatron (``trainer.megatron_trainer``) lazily,
   inside its own process, so the orchestrator never does.
-- :class:`RolloutWorker` — one rollout engine plus the reference sampler; turns engine
-  outputs into :class:`~megatron_armor.types.Sample` objects (token ids + decoded text).
+- ``rollout_worker.RolloutWorker`` — the engines of one node and what they serve, one class
+  per concern (``rollout_services.py``); this module holds what every worker shares.
 - :class:`RewardWorker` — one :class:`~megatron_armor.reward.scorer.RewardScorer`.
 
 Every method takes and returns picklable values (lists of tensors instead of iterators).
@@ -22,19 +22,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from megatron_armor.algo.registry import get_anchor_mode
 from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.net import free_port, node_ip
 from megatron_armor.observability.nvtx import enable_nvtx, nvtx_range
 from megatron_armor.observability.throughput import peak_gpu_memory_gb
-from megatron_armor.orchestration.actors.call_watch import WATCH_GROUP, Watched, beating
 from megatron_armor.orchestration.actors.ray_node import ignore_stop_signals
-from megatron_armor.rollout.backends import backend_of
-from megatron_armor.rollout.protocol import GenerationOutput, SamplingParams
-from megatron_armor.types import NamedTensorList, Sample, SampleSource
+from megatron_armor.orchestration.actors.watched import Watched, beating
+from megatron_armor.types import NamedTensorList
 
 if TYPE_CHECKING:
-    from megatron_armor.config.rollout_traits import ReferencePlan
     from megatron_armor.reward.scorer import Answer
 
 NamedTensors = list[tuple[str, torch.Tensor]]
@@ -210,8 +206,8 @@ class TrainerWorker(Watched):
     ) -> dict[str, float]:
         """Updates on ``batch``, or with ``None`` on the batch kept by this step's
         :meth:`step_logprobs`; on its samples ``sample_ids`` when given (the driver names each
-        mini-batch by its samples). ``release`` drops the kept batch afterwards (the step's
-        last update)."""
+        mini-batch by its samples). ``release`` drops the kept batch, and what the trainer kept
+        for the step's updates, afterwards (the step's last update)."""
         if batch is None:
             if self.step_batch is None:
                 raise RuntimeError(
@@ -225,6 +221,8 @@ class TrainerWorker(Watched):
             batch = batch.select(sample_ids)
         with nvtx_range("train"), self.clock.measure():
             metrics = self.trainer.train_step(batch, num_minibatches)
+        if release:
+            self.trainer.end_step()
         self.policy_changed |= metrics.get("train/skipped", 0.0) < 1.0
         return metrics
 
@@ -287,33 +285,6 @@ class TrainerWorker(Watched):
         self.trainer = None
 
 
-def to_samples(
-    items: list, outputs: list[list[GenerationOutput]], source: SampleSource, tokenizer
-) -> list[list[Sample]]:
-    """Engine outputs ``[len(items)][n]`` -> :class:`Sample` objects with decoded text."""
-    result = []
-    for item, outs in zip(items, outputs, strict=True):
-        result.append(
-            [
-                Sample(
-                    query_id=item.query_id,
-                    prompt_ids=list(item.prompt_ids),
-                    response_ids=list(o.token_ids),
-                    response_logprobs=list(o.logprobs),
-                    source=source,
-                    weight_version=o.weight_version,
-                    finish_reason=o.finish_reason,
-                    response_text=tokenizer.decode(o.token_ids, skip_special_tokens=True),
-                    ground_truth=item.ground_truth,
-                    data_source=item.data_source,
-                    routed_experts=o.routed_experts,
-                )
-                for o in outs
-            ]
-        )
-    return result
-
-
 def shard(items: list, parts: int) -> list[list]:
     """Split ``items`` into ``parts`` contiguous, nearly equal slices (order kept)."""
     size, extra = divmod(len(items), parts)
@@ -323,374 +294,6 @@ def shard(items: list, parts: int) -> list[list]:
         out.append(items[start:end])
         start = end
     return out
-
-
-def with_answers(rows: list[list[Sample]], verifier: str | None, parts: int = 1):
-    """``rows``, or with a ``verifier`` ``(rows, *answer parts)``: the :class:`Answer` of each
-    sample not ``scored``, in row order, split into ``parts`` contiguous parts (one per scoring
-    worker, :func:`shard`), which a generation call returns as objects of their own
-    so each scoring worker takes its part from the object store, with no driver in between
-    and no answer sent twice (``actor_handles.RolloutActors.submit_scored``)."""
-    if verifier is None:
-        return rows
-    from megatron_armor.reward.scorer import answers_of
-
-    answers = answers_of([s for row in rows for s in row if not s.scored], verifier)
-    return (rows, *shard(answers, parts))
-
-
-def set_remembered_scores(rows: list[list[Sample]], scores: list[list | None]) -> None:
-    """Give each row's samples the anchor cache's ``(score, acc)`` and mark them ``scored``
-    (rows whose scores are ``None`` stay unscored)."""
-    for row, row_scores in zip(rows, scores, strict=True):
-        if row_scores is not None:
-            for sample, (score, acc) in zip(row, row_scores, strict=True):
-                sample.score, sample.acc, sample.scored = score, acc, True
-
-
-@beating
-class RolloutWorker(Watched):
-    """One rollout engine and its reference sampler (docs/algorithm.md, anchor rollout step 2).
-
-    For ``rollout.ref_strategy: swap`` the worker keeps CPU copies of the last pushed policy
-    and reference tensors, which the swap sampler loads around each reference generation.
-    With SGLang and a dedicated reference (``config.sglang_pools``) the worker also owns the
-    reference pool (``ref_engine``), launched once the policy servers are healthy.
-    """
-
-    def __init__(
-        self,
-        config: ArmorConfig,
-        index: int,
-        num_threads: int = 0,
-        servers: dict[str, list[tuple[int, int]]] | None = None,
-    ):
-        """``servers``: with SGLang, ``{pool: [(server index, first GPU id)]}`` of the servers
-        on this worker's node (``placement.rollout_hosts``); ``None`` runs every pool here."""
-        set_threads(num_threads)
-        ignore_stop_signals()  # the driver checkpoints on them; Ray must keep running
-        enable_worker_nvtx(config)
-        import ray
-
-        from megatron_armor.config.sglang_pools import uses_ref_pool
-
-        device = "cuda" if ray.get_gpu_ids() and torch.cuda.is_available() else "cpu"
-        wanted_ref = uses_ref_pool(config)  # an SGLang reference pool
-        pools = ["policy", "ref"] if wanted_ref else ["policy"]
-        if servers is not None:
-            pools = [p for p in pools if servers.get(p)]
-        self.index = index
-        self.clock = ComputeClock()
-        self.engine = self.ref_engine = None
-        try:  # whatever fails, the servers already started are stopped
-            self._start(config, device, pools, servers, wanted_ref)
-        except BaseException:
-            self.close()
-            raise
-        freeze_heap()
-
-    def _start(self, config, device: str, pools: list[str], servers, wanted_ref: bool) -> None:
-        from megatron_armor.config.rollout_traits import ReferencePlan
-        from megatron_armor.rollout.reference import make_reference_sampler
-
-        backend = backend_of(config)
-        for pool in pools:
-            engine = backend.build(config, device, pool, (servers or {}).get(pool))
-            if pool == "policy":
-                self.engine = engine
-            else:
-                self.ref_engine = engine
-        self.tokenizer = load_model_tokenizer(config.trainer.model_path)
-        plan = reference_strategy(config)
-        if not get_anchor_mode(config.algo.anchor).draws_reference:
-            plan = ReferencePlan("none", "none")  # no reference samples: no reference weights
-        ref_engine = self.ref_engine
-        if backend.serves_over_http and plan.swaps_into_policy:
-            # the trainer ranks swap the reference into the policy servers around each call
-            # (orchestration/actors/weight_sync.py): the servers then serve it like a dedicated pool
-            strategy = plan.strategy if plan.caches_anchors else "dedicated"
-            plan, ref_engine = ReferencePlan(strategy, "dedicated"), self.engine
-        self.keep_copies = plan.swaps_into_policy
-        self.copies: dict[str, NamedTensors] = {}
-        self.counted: dict[str, float] = {}
-        self.reference = None  # a node with only policy servers samples no reference
-        if self.ref_engine is not None or not wanted_ref:
-            self.reference = make_reference_sampler(
-                plan.strategy, self.engine, weights_fn=self._weights, ref_engine=ref_engine,
-                cache_fill=plan.cache_fill,
-            )  # fmt: skip
-
-    def _weights(self, which: str) -> NamedTensors:
-        if which not in self.copies:
-            raise RuntimeError(f"rollout worker {self.index}: no {which!r} weights pushed yet")
-        return self.copies[which]
-
-    def _pool(self, pool: str):
-        engine = self.engine if pool == "policy" else self.ref_engine
-        if engine is None:
-            raise ValueError(f"rollout worker {self.index} has no {pool!r} engine pool")
-        return engine
-
-    def generate(self, items: list, n: int, params: SamplingParams,
-                 answers_for: str | None = None, answer_parts: int = 1):  # fmt: skip
-        """``n`` policy samples per item; with ``answers_for`` (a ``reward.verifier``) also
-        their :class:`~megatron_armor.reward.scorer.Answer` s in ``answer_parts`` parts, for
-        scoring chained to this call (:func:`with_answers`)."""
-        with nvtx_range("rollout/policy"), self.clock.measure():
-            outputs = self.engine.generate([it.prompt_ids for it in items], n, params, "policy")
-        return with_answers(to_samples(items, outputs, SampleSource.POLICY, self.tokenizer),
-                            answers_for, answer_parts)  # fmt: skip
-
-    def generate_window(self, requests: list, params: SamplingParams, window_tokens: int):
-        """One window of a partial rollout (``RolloutEngine.generate_window``): each request's
-        new tokens, as the engine gives them (docs/orchestration.md, "Bounded staleness")."""
-        with nvtx_range("rollout/policy"), self.clock.measure():
-            return self.engine.generate_window(requests, params, window_tokens, "policy")
-
-    def generate_raw(
-        self, prompts: list[list[int]], n: int, params: SamplingParams, weights: str = "policy"
-    ):
-        """Engine outputs as they are (used by validation through ``RemoteEngine``)."""
-        return self.engine.generate(prompts, n, params, weights)
-
-    def sample_reference(self, items: list, n: int, params: SamplingParams,
-                         answers_for: str | None = None, answer_parts: int = 1):  # fmt: skip
-        """``n`` reference samples per item, in generation order (fresh or cached); cached
-        samples whose reward the cache remembers come back ``scored``. ``answers_for``: as in
-        :meth:`generate` (answers of the samples not ``scored``), ``answer_parts`` likewise."""
-        query_ids = [it.query_id for it in items]
-        with nvtx_range("rollout/reference"), self.clock.measure():
-            outputs = self.reference.sample(query_ids, [it.prompt_ids for it in items], n, params)
-        samples = to_samples(items, outputs, SampleSource.REFERENCE, self.tokenizer)
-        remembered = getattr(self.reference, "scores", None)  # the anchor cache
-        if remembered is not None:
-            set_remembered_scores(samples, remembered(query_ids, n))
-        return with_answers(samples, answers_for, answer_parts)
-
-    def remember_reference_scores(self, query_ids: list[str], scores: list[list]) -> None:
-        """Keep the driver's ``(score, acc)`` of freshly cached reference samples (anchor cache)."""
-        self.reference.remember_scores(query_ids, scores)
-
-    def compute_intervals(self) -> list[tuple[float, float]]:
-        """Engine generation (policy and reference) since the last call (:class:`ComputeClock`)."""
-        return self.clock.pop()
-
-    def update_weights(self, version: int, *shards: NamedTensors) -> int:
-        """Load the trainer's exported policy tensors (one list per exporting rank); returns
-        bytes. Shards that are all ``None`` (an export ``if_changed`` after a step whose every
-        update was skipped) load nothing: the engine keeps its weights and their version."""
-        if all(shard is None for shard in shards):
-            return 0
-        tensors = [nt for shard in shards for nt in shard]
-        self.engine.update_weights(tensors, version, "policy")
-        if self.keep_copies:
-            self.copies["policy"] = tensors
-        return sum(t.numel() * t.element_size() for _, t in tensors)
-
-    def load_reference(self, version: int, *shards: NamedTensors) -> None:
-        """Serve ``shards`` as the reference at ``version`` (start-up / resume; cache kept)."""
-        tensors = [nt for shard in shards for nt in shard]
-        if self.keep_copies:
-            self.copies["ref"] = tensors
-        self.reference.load_reference(version, lambda: iter(tensors))
-
-    def reset_reference(self, version: int, *shards: NamedTensors) -> None:
-        """A reset: the reference becomes ``shards`` (the policy at ``version``); cache dropped."""
-        tensors = [nt for shard in shards for nt in shard]
-        if self.keep_copies:
-            self.copies["ref"] = tensors
-        self.reference.on_reset(version, lambda: iter(tensors))
-
-    def reset_reference_from_policy(self, version: int) -> None:
-        """A reset to the policy this worker's engine serves at ``version`` (pushed this
-        step; embedded engine): the reference is copied from it, nothing is received."""
-        held = self.engine.weight_version("policy")
-        if held != version or self.ref_engine is not None:
-            raise RuntimeError(
-                f"rollout worker {self.index}: a reset to the policy at version {version} from "
-                f"the engine's own weights, but it serves version {held}"
-                f"{' and its reference from another engine' if self.ref_engine else ''}; "
-                "push the reference with reset_reference instead"
-            )
-        tensors = self.engine.state_tensors("policy")
-        if self.keep_copies:
-            self.copies["ref"] = self.copies["policy"]
-        self.reference.on_reset(version, lambda: iter(tensors))
-
-    def reference_in_place(self, version: int, reset: bool) -> None:
-        """Record reference ``version`` (on a ``reset`` also drop the anchor cache) without
-        receiving weights: the trainer ranks streamed them into the reference pool (NCCL
-        transport), or the run draws no reference samples (``algo.anchor: none``)."""
-        if self.ref_engine is not None:
-            self.ref_engine.set_weight_version(version)
-        if reset:
-            self.reference.on_reset(version, None)
-        else:
-            self.reference.load_reference(version, None)
-
-    def reference_metrics(self) -> dict[str, float]:
-        """Anchor-cache hits/misses since the last call and the cache size (cache strategy only)."""
-        metrics = getattr(self.reference, "metrics", None)
-        if metrics is None:
-            return {}
-        out = dict(metrics())
-        for key in ("anchor/cache_hits", "anchor/cache_misses"):
-            total = out.get(key, 0.0)
-            out[key] = total - self.counted.get(key, 0.0)
-            self.counted[key] = total
-        return out
-
-    def weight_targets(self, pool: str = "policy") -> list[tuple[str, int, int, str]]:
-        """``[(server_url, tp, server index, API key)]`` of the SGLang servers of ``pool``
-        (the key the trainer ranks send with their pushes; ``""`` when the servers need none)."""
-        engine = self._pool(pool)
-        return [(s.url, s.tp, s.index, engine.api_key) for s in engine.servers]
-
-    def set_weight_version(self, version: int, pool: str = "policy") -> None:
-        """Record ``version`` after the trainer ranks pushed the weights themselves."""
-        self._pool(pool).set_weight_version(version)
-
-    def load_from_disk(
-        self, pool: str, path: str, version: int, indices: list[int] | None = None
-    ) -> None:
-        """``/update_weights_from_disk`` of the HF dir ``path`` the trainer ranks wrote, into
-        ``pool``'s servers ``indices`` (default: all, which then serve ``version``)."""
-        self._pool(pool).update_weights_from_disk(
-            path, version, self._servers_or_all(pool, indices)
-        )
-
-    def reference_misses(self, items: list, n: int) -> int:
-        """How many of ``items`` need fresh reference samples (the rest are cached anchors)."""
-        uncached = getattr(self.reference, "uncached", None)  # the anchor cache
-        if uncached is None:
-            return len(items)
-        return uncached([it.query_id for it in items], [it.prompt_ids for it in items], n)
-
-    def reference_unsolved(self, items: list, n: int) -> list[bool]:
-        """Per item, whether the anchor cache holds ``n`` scored reference samples of it, none
-        correct (``False`` for every item without the anchor cache)."""
-        unsolved = getattr(self.reference, "unsolved", None)  # the anchor cache
-        if unsolved is None:
-            return [False] * len(items)
-        return unsolved([it.query_id for it in items], [it.prompt_ids for it in items], n)
-
-    def peak_gpu_memory_gb(self) -> tuple[float, float] | None:
-        """Peak GPU memory (allocated, reserved) of the embedded engine in this process (``None`` without CUDA;
-        SGLang servers are separate processes)."""
-        return peak_gpu_memory_gb()
-
-    def node_info(self) -> dict[str, Any]:
-        return node_info()
-
-    def pools(self) -> list[str]:
-        """The pools with servers (or the embedded engine) in this worker."""
-        named = (("policy", self.engine), ("ref", self.ref_engine))
-        return [pool for pool, engine in named if engine is not None]
-
-    def release_memory(self) -> None:
-        for pool in self.pools():
-            self._pool(pool).release_memory()
-
-    def resume_memory(self, tags: list[str] | None = None) -> None:
-        """Every pool takes back the memory of ``tags`` (``None``: all)."""
-        for pool in self.pools():
-            self._pool(pool).resume_memory(tags)
-
-    def begin_weight_update(self, pool: str, indices: list[int] | None = None) -> None:
-        """Open the weight-update session of ``pool``'s servers ``indices`` (default: all)."""
-        self._pool(pool).begin_weight_update(self._servers_or_all(pool, indices))
-
-    def end_weight_update(self, pool: str, indices: list[int] | None = None) -> None:
-        """Close the session :meth:`begin_weight_update` opened."""
-        self._pool(pool).end_weight_update(self._servers_or_all(pool, indices))
-
-    def _servers_or_all(self, pool: str, indices: list[int] | None):
-        return None if indices is None else self._servers(pool, indices)
-
-    # ------------------------------------------------------------------ health (SGLang)
-    def restart_dead_servers(self) -> dict[str, list[int]]:
-        """Restart every server that is dead or unhealthy; they stay out of rotation until
-        :meth:`rejoin` (after the driver re-synced their weights). ``{pool: [server index]}``."""
-        restarted: dict[str, list[int]] = {}
-        for pool in self.pools():
-            engine = self._pool(pool)
-            dead = [s for s in engine.servers if not engine.server_healthy(s)]
-            for server in dead:
-                engine.restart_server(server)
-            if dead:
-                restarted[pool] = [s.index for s in dead]
-        return restarted
-
-    def kill_wedged_servers(self, timeout_s: float) -> dict[str, Any]:
-        """Kill every SGLang server of this worker whose ``/health_generate`` gives no 200
-        within ``timeout_s`` (``SGLangEngine.wedged_servers``): ``{"killed": [{pool, index,
-        url, pid}], "answered": servers that answered}``. Asked by the driver past a call
-        deadline, from the ``watch`` group while a call may wait on the server here; the
-        driver's heal restarts them with the current weights."""
-        killed, answered = [], 0
-        for pool in self.pools():
-            engine = self._pool(pool)
-            if not hasattr(engine, "wedged_servers"):
-                continue  # the embedded engine: no server
-            wedged = engine.wedged_servers(timeout_s)
-            answered += sum(1 for s in engine.servers if s.serving) - len(wedged)
-            for server in wedged:
-                pid = server.process.process.pid if server.process and server.process.process else 0
-                engine.kill_server(server)
-                killed.append({"pool": pool, "index": server.index, "url": server.url, "pid": pid})
-        return {"killed": killed, "answered": answered}
-
-    kill_wedged_servers.__ray_concurrency_group__ = WATCH_GROUP
-
-    def _servers(self, pool: str, indices: list[int]) -> list:
-        by_index = {s.index: s for s in self._pool(pool).servers}
-        return [by_index[i] for i in indices]
-
-    def rejoin(self, pool: str, indices: list[int]) -> None:
-        """Put the re-synced servers ``indices`` of ``pool`` back into rotation."""
-        engine = self._pool(pool)
-        for server in self._servers(pool, indices):
-            engine.rejoin(server)
-
-    def pool_version(self, pool: str) -> int:
-        return self._pool(pool).weight_version()
-
-    def weight_versions(self) -> dict[str, int]:
-        versions = {}
-        if self.engine is not None:
-            versions["policy"] = self.engine.weight_version("policy")
-            if self.engine.has_weights("ref"):
-                versions["ref"] = self.engine.weight_version("ref")
-        if self.ref_engine is not None:
-            versions["ref"] = self.ref_engine.weight_version()
-        return versions
-
-    def state_dict(self) -> dict:
-        return self.reference.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        """The reference sampler's state of a checkpoint or of a step's snapshot (a worker
-        replaced in the run, ``orchestration/actors/recovery.py``); the anchor-cache counters restart
-        from it, so the next ``anchor/cache_*`` read counts what came after."""
-        self.reference.load_state_dict(state)
-        self.counted = {}
-
-    def health(self) -> bool:
-        return all(self._pool(pool).health() for pool in self.pools())
-
-    def close(self) -> None:
-        """Stop the engines this worker launched (SGLang servers and routers)."""
-        for engine in (self.ref_engine, self.engine):
-            if engine is not None:
-                engine.close()
-
-
-def reference_strategy(config: ArmorConfig) -> ReferencePlan:
-    """``(strategy, cache_fill)`` of ``rollout.ref_strategy`` and ``algo.anchor_source``
-    (``config.rollout_traits.reference_strategy``)."""
-    from megatron_armor.config.rollout_traits import reference_strategy as strategy_of
-
-    return strategy_of(config.rollout.ref_strategy, config.algo.anchor_source)
 
 
 @beating
@@ -718,8 +321,8 @@ class RewardWorker(Watched):
         self, *answer_parts: list[Answer]
     ) -> tuple[list[list[tuple[float, bool]]], dict[str, float]]:
         """:meth:`score` of this worker's part of each rollout worker's answers of one
-        generation call (object refs that Ray resolves here; :func:`with_answers`), scored in
-        one batch: ``[(score, acc)]`` per part, in order, and the scorer's stats."""
+        generation call (object refs that Ray resolves here; ``rollout_services.with_answers``),
+        scored in one batch: ``[(score, acc)]`` per part, in order, and the scorer's stats."""
         scored, stats = self.scorer.score_answers([a for part in answer_parts for a in part])
         out, start = [], 0
         for part in answer_parts:

@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_armor.observability.host_memory import node_memory
-from megatron_armor.orchestration.actors.actor_handles import wait
-from megatron_armor.orchestration.actors.call_watch import WATCH
+from megatron_armor.orchestration.actors.call_kinds import CallKind
+from megatron_armor.orchestration.actors.call_watch import CallWatch
+from megatron_armor.orchestration.actors.pending import Pending
 from megatron_armor.orchestration.run import checkpoints
 
 GB = 1e9
@@ -39,14 +40,16 @@ class RunProcess:
     tree: bool
 
 
-def actor_processes(groups: dict[str, object]) -> list[RunProcess]:
-    """``{prefix: handle}`` (``TrainerActors``, ``RolloutActors``, ``RewardActors``) -> a
-    :class:`RunProcess` per actor, named ``<prefix><index>``, from one ``node_info`` call each."""
+def actor_processes(groups: dict[str, object], watch: CallWatch) -> list[RunProcess]:
+    """``{prefix: handle}`` (``TrainerActors``, ``RolloutFleet``, ``RewardActors``) -> a
+    :class:`RunProcess` per actor, named ``<prefix><index>``, from one ``node_info`` call each;
+    ``watch`` learns where each runs (a stuck one is named and killed by its pid)."""
     numbered = [(prefix, i, a) for prefix, h in groups.items() for i, a in enumerate(h.actors)]
     named = [(f"{prefix}{i}", a) for prefix, i, a in numbered]
-    infos = wait([a.node_info.remote() for _, a in named], "actor node info")
+    refs = [a.node_info.remote() for _, a in named]
+    infos = Pending(watch, refs, CallKind.NODE_INFO, "actor node info").result()
     for (_, i, actor), info in zip(numbered, infos, strict=True):
-        WATCH.locate_actor(actor, info, i)  # a stuck one is named and killed by its pid
+        watch.locate_actor(actor, info, i)
     return [
         RunProcess(n, info["node_id"], info["pid"], True)
         for (n, _), info in zip(named, infos, strict=True)
@@ -56,8 +59,9 @@ def actor_processes(groups: dict[str, object]) -> list[RunProcess]:
 class HostMemory:
     """``mem/*`` of the run's processes (module docstring); :meth:`metrics` once a step."""
 
-    def __init__(self, actors: list[RunProcess], local_node: str):
+    def __init__(self, actors: list[RunProcess], local_node: str, watch: CallWatch):
         me = os.getpid()
+        self.watch = watch
         self.processes = [RunProcess("driver", local_node, me, False),
                           RunProcess("driver_tree", local_node, me, True), *actors]  # fmt: skip
         self.local_node = local_node
@@ -65,21 +69,21 @@ class HostMemory:
         self._remote = None
 
     @classmethod
-    def start(cls, trainer, rollout, reward) -> HostMemory:
+    def start(cls, trainer, rollout, reward, watch: CallWatch) -> HostMemory:
         """The run's processes, with the actors of the three handles."""
         import ray
 
         local = ray.get_runtime_context().get_node_id()
-        return cls(
-            actor_processes({"trainer": trainer, "rollout": rollout, "reward": reward}), local
-        )
+        groups = {"trainer": trainer, "rollout": rollout, "reward": reward}
+        return cls(actor_processes(groups, watch), local, watch)
 
     def replace(self, name: str, actor) -> None:
         """The process ``name`` (e.g. ``rollout1``) is now ``actor``'s: a worker replaced in
         the run (``orchestration/actors/recovery.py``) is measured from then on, under the dead
         one's name."""
-        (info,) = wait([actor.node_info.remote()], "actor node info")
-        WATCH.locate_actor(actor, info, int(re.search(r"\d+$", name).group()))
+        asked = [actor.node_info.remote()]
+        (info,) = Pending(self.watch, asked, CallKind.NODE_INFO, "actor node info").result()
+        self.watch.locate_actor(actor, info, int(re.search(r"\d+$", name).group()))
         new = RunProcess(name, info["node_id"], info["pid"], True)
         self.processes = [new if p.name == name else p for p in self.processes]
         if new.node not in self.nodes:
@@ -105,7 +109,9 @@ class HostMemory:
         local = node_memory(self.roots(self.local_node))
         done = {}  # (no ray.get without remote nodes: it would start a Ray of its own)
         if remote:
-            done = dict(zip(remote, wait(list(remote.values()), "host memory read"), strict=True))
+            read = Pending(self.watch, list(remote.values()), CallKind.HOST_MEMORY,
+                           "host memory read").result()  # fmt: skip
+            done = dict(zip(remote, read, strict=True))
         return [local if n == self.local_node else done[n] for n in self.nodes]
 
     def metrics(self) -> dict[str, float]:

@@ -14,10 +14,11 @@ metadata classes of ``torch.distributed.checkpoint`` and torch's sizes and dtype
 crafted file is refused here, never run (as ``torch.load(weights_only=True)`` refuses one for
 the other checkpoint files, docs/orchestration.md "Checkpoints and resume").
 
-The distributed optimizer saves its state ``dp_reshardable`` (``trainer/checkpoint.py``): it
-loads under another data-parallel size but not under another TP, PP, EP or expert-TP size;
-:func:`optimizer_layout_problem` compares the layout the save recorded (``parallel_layout`` in
-``trainer/dist/common.pt``, read with ``torch.load(weights_only=True)``) with the config.
+Whether the checkpoint's optimizer state loads at the configured parallel layout is
+``config/resume_layout.py``'s decision (:func:`optimizer_layout_problem` applies it): a save
+records its layout and optimizer format (``parallel_layout`` in ``trainer/dist/common.pt``, read
+with ``torch.load(weights_only=True)``); today's saves resume at any layout the model admits,
+a ``dp_reshardable`` one at its own TP, PP, EP and expert-TP sizes.
 """
 
 from __future__ import annotations
@@ -26,10 +27,9 @@ import json
 import pickle
 from pathlib import Path
 
-from megatron_armor.config.moe import expert_tp_size
+from megatron_armor.config.resume_layout import layout_problem, read_saved_layout
 
 METADATA = Path("trainer") / "dist" / ".metadata"
-COMMON = Path("trainer") / "dist" / "common.pt"
 _DCP_MODULES = (
     "torch.distributed.checkpoint.metadata",
     "torch.distributed.checkpoint.planner",
@@ -114,52 +114,9 @@ def model_shape_problem(checkpoint: Path, model_path: str) -> str | None:
             f"({dims}): {'; '.join(wrong[:3])}")  # fmt: skip
 
 
-def saved_layout(checkpoint: Path) -> dict | None:
-    """``{"tp", "pp", "ep", "etp", "distributed_optimizer"}`` a trainer save recorded, when
-    its optimizer state was saved (``None``: no optimizer state, or a checkpoint that does not
-    say). A save that predates the ``ep`` / ``etp`` keys was made before the trainer had
-    expert parallelism: ``ep`` 1 and ``etp`` its ``tp`` (the expert layout of a dense model)."""
-    import torch
-
-    if not (checkpoint / COMMON).is_file():
-        return None
-    common = torch.load(checkpoint / COMMON, weights_only=True, map_location="cpu")
-    if not isinstance(common, dict) or not common.get("optimizer_stepped", True):
-        return None
-    layout = common.get("parallel_layout")
-    if not isinstance(layout, dict):
-        return None
-    return {"ep": 1, "etp": layout.get("tp"), **layout}
-
-
-def optimizer_layout_problem(checkpoint: Path, trainer) -> str | None:
-    """Why the optimizer state of ``checkpoint`` cannot be loaded with ``trainer`` (the
-    config's ``TrainerConfig``; ``None``: it can, or the checkpoint does not record its
-    layout). The distributed optimizer's ``dp_reshardable`` state follows the flat buffers of
-    one TP x PP layout, and the expert weights' buffers one EP x expert-TP layout: another
-    ``tp``, ``pp``, ``ep`` or ``etp`` would fail inside megatron-core after start-up, so would
-    switching ``use_distributed_optimizer``."""
-    saved = saved_layout(checkpoint)
-    if saved is None:
-        return None
-    was, now = saved.get("distributed_optimizer"), bool(trainer.use_distributed_optimizer)
-    if was != now:
-        return (f"{checkpoint} holds optimizer state of trainer.use_distributed_optimizer={was}, "
-                f"the config sets {now}: the two formats do not convert; resume with "
-                f"trainer.use_distributed_optimizer={was}")  # fmt: skip
-    if was and (saved.get("tp"), saved.get("pp")) != (trainer.tp, trainer.pp):
-        return (f"{checkpoint} holds distributed-optimizer state saved at trainer.tp="
-                f"{saved.get('tp')}, trainer.pp={saved.get('pp')}; it reshards over data "
-                f"parallelism only (dp_reshardable), not to tp={trainer.tp}, pp={trainer.pp}: "
-                f"resume with trainer.tp={saved.get('tp')} trainer.pp={saved.get('pp')} (any "
-                "world_size), or export the weights (`armor convert --to-hf`) and start a new "
-                "run in the new layout from them (a fresh optimizer)")  # fmt: skip
-    if was and (saved.get("ep"), saved.get("etp")) != (trainer.ep, expert_tp_size(trainer)):
-        return (f"{checkpoint} holds distributed-optimizer state saved at trainer.ep="
-                f"{saved.get('ep')}, trainer.etp={saved.get('etp')}; it reshards over data "
-                f"parallelism only (dp_reshardable), not to ep={trainer.ep}, "
-                f"etp={expert_tp_size(trainer)}: resume with trainer.ep={saved.get('ep')} "
-                f"trainer.etp={saved.get('etp')} (any world_size that fits them), or export the "
-                "weights (`armor convert --to-hf`) and start a new run in the new layout from "
-                "them (a fresh optimizer)")  # fmt: skip
-    return None
+def optimizer_layout_problem(checkpoint: Path, config) -> str | None:
+    """Why the optimizer state of ``checkpoint`` cannot be loaded with ``config`` (``None``:
+    it can, or the checkpoint does not record its layout):
+    ``config/resume_layout.layout_problem``."""
+    saved = read_saved_layout(checkpoint)
+    return None if saved is None else layout_problem(saved, config, str(checkpoint))

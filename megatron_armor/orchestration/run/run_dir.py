@@ -7,11 +7,13 @@
 2. delete ``checkpoints/.tmp-*`` left by interrupted saves;
 3. decide where to resume from (``--resume auto|none|PATH``; the newest complete checkpoint
    whose ``orchestrator.pt`` the safe loader accepts), refused when it holds a model of
-   another shape than ``trainer.model_path`` (``resume_check.py``);
+   another shape than ``trainer.model_path`` or optimizer state that does not load at the
+   configured parallel layout (``resume_check.py``); a layout change is said on the console
+   (the trainer reshards the checkpoint on load);
 4. write ``config.yaml`` — on a fresh start only. A resumed run keeps the original and, once
    the resume has succeeded (:func:`announce_resume`, called by the session after the restore),
    appends the settings it changed to ``resumes.jsonl`` (``{"step", "time", "changed": {key:
-   [old, new]}}``), so ``config.yaml`` always describes the run that made the checkpoints and a
+   [old, new]}}``, and ``"layout": {"from", "to"}`` for a parallel layout change), so ``config.yaml`` always describes the run that made the checkpoints and a
    failed attempt leaves no record.
 
 The config was validated by ``load_config`` before this runs, so a refused config never
@@ -27,7 +29,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from megatron_armor.config.loader import save_config
+from megatron_armor.config.loader import as_run, save_config
+from megatron_armor.config.resume_layout import Layout, layout_change, read_saved_layout
 from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.orchestration.run import checkpoints
 from megatron_armor.orchestration.run.resume_check import (
@@ -56,19 +59,34 @@ def _flat(tree, prefix: str = "") -> dict:
 def config_changes(saved_yaml: Path, config: ArmorConfig) -> dict[str, list]:
     """Settings of ``config`` that differ from the run's ``config.yaml``: ``{key: [old, new]}``."""
     old = _flat(OmegaConf.to_container(OmegaConf.load(saved_yaml)))
-    new = _flat(OmegaConf.to_container(OmegaConf.structured(config)))
+    new = _flat(OmegaConf.to_container(as_run(config)))
     return {k: [old.get(k), v] for k, v in sorted(new.items()) if old.get(k) != v}
 
 
-def record_resume(run_dir: Path, config: ArmorConfig, step: int) -> dict[str, list]:
-    """Append the resumed run's changed settings to ``resumes.jsonl``; returns them."""
+def resumed_layout_change(checkpoint: Path, config: ArmorConfig) -> dict[str, dict] | None:
+    """``{"from", "to"}`` parallel layouts when ``config`` resumes ``checkpoint`` at another
+    one (``config/resume_layout.py``); ``None``: the same, or a save that records none."""
+    saved = read_saved_layout(checkpoint)
+    return None if saved is None else layout_change(saved, config)
+
+
+def record_resume(
+    run_dir: Path, config: ArmorConfig, step: int, checkpoint: Path | None = None
+) -> dict[str, list]:
+    """Append the resumed run's changed settings to ``resumes.jsonl``, with the parallel
+    layout's change as ``layout: {"from", "to"}`` when ``checkpoint`` was saved at another;
+    returns the changed settings."""
     saved = run_dir / CONFIG_FILE
     if not saved.is_file():  # a checkpoint without the config of its run: record this one
         save_config(config, run_dir)
         return {}
     changed = config_changes(saved, config)
+    record = {"step": step, "time": time.time(), "changed": changed}
+    layout = resumed_layout_change(checkpoint, config) if checkpoint is not None else None
+    if layout is not None:
+        record["layout"] = layout
     with (run_dir / RESUMES_FILE).open("a") as f:
-        f.write(json.dumps({"step": step, "time": time.time(), "changed": changed}) + "\n")
+        f.write(json.dumps(record) + "\n")
     return changed
 
 
@@ -93,8 +111,8 @@ def decide_resume(run_dir: Path, resume: str) -> Path | None:
 
 def require_same_model(config: ArmorConfig, run_dir: Path, path: Path, resume: str) -> None:
     """Refuse a resume whose checkpoint holds a model of another shape than
-    ``trainer.model_path``, or distributed-optimizer state of another TP / PP layout
-    (``resume_check.py``), before anything starts."""
+    ``trainer.model_path``, or optimizer state that does not load at the configured layout
+    (``resume_check.py``), before anything starts; say so when it reshards."""
     try:
         problem = model_shape_problem(path, config.trainer.model_path)
     except pickle.UnpicklingError as e:
@@ -104,9 +122,10 @@ def require_same_model(config: ArmorConfig, run_dir: Path, path: Path, resume: s
             "with): resume from another checkpoint"
         ) from None
     if problem is None:
-        layout = optimizer_layout_problem(path, config.trainer)
+        layout = optimizer_layout_problem(path, config)
         if layout is not None:
             raise checkpoints.CheckpointError(f"--resume {resume}: {layout}")
+        announce_layout_change(path, config)
         return
     saved = run_dir / CONFIG_FILE
     started = OmegaConf.load(saved).trainer.model_path if saved.is_file() else None
@@ -136,10 +155,21 @@ def open_run_dir(config: ArmorConfig, run_dir: Path, resume: str) -> tuple[RunLo
     return lock, path
 
 
-def announce_resume(run_dir: Path, config: ArmorConfig, step: int) -> None:
+def announce_layout_change(checkpoint: Path, config: ArmorConfig) -> None:
+    """Say on the console, before anything starts, that the resume reshards ``checkpoint``."""
+    change = resumed_layout_change(checkpoint, config)
+    if change is not None:
+        old, new = (Layout(**change[k]) for k in ("from", "to"))
+        print(f"resume: {checkpoint.name} was saved at {old}; resharded on load to {new}",
+              flush=True)  # fmt: skip
+
+
+def announce_resume(
+    run_dir: Path, config: ArmorConfig, step: int, checkpoint: Path | None = None
+) -> None:
     """After a resume succeeded: :func:`record_resume`, and the changed settings on the
     console."""
-    changed = record_resume(run_dir, config, step)
+    changed = record_resume(run_dir, config, step, checkpoint)
     if changed:
         print(f"resume: settings changed since the run started: {sorted(changed)} "
               f"(recorded in {run_dir / RESUMES_FILE})", flush=True)  # fmt: skip

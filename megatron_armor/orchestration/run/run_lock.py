@@ -7,7 +7,9 @@ that clears the lock. A lock is taken over, with a line saying why, when its wri
 
 - an earlier start of this Slurm job (same job id, another ``SLURM_RESTART_COUNT``: a
   requeued job runs one start at a time), or a Slurm job that is no longer running
-  (``squeue``; where Slurm's commands are absent or do not answer, this is unknown);
+  (``squeue``; inside a container, which has no Slurm client, the file
+  ``ARMOR_SLURM_JOB_STATES`` that ``slurm/armor.sbatch`` writes at each start: ``squeue``'s
+  ``JOBID STATE`` lines of the user's jobs; where neither answers, this is unknown);
 - on this host: its pid is not alive, or is a process started at another time (the pid was
   reused: ``/proc/PID/stat`` field 22).
 
@@ -66,11 +68,12 @@ def process_start_ticks(pid: int) -> int | None:
     return int(fields[19]) if len(fields) > 19 else None
 
 
-def slurm_job_running(job_id: str) -> bool | None:
-    """Whether Slurm job ``job_id`` is running (:data:`RUNNING_STATES`); ``None`` when it
-    cannot be told (no ``squeue`` here, or Slurm does not answer)."""
+def slurm_job_running(job_id: str, uid: int | None = None) -> bool | None:
+    """Whether Slurm job ``job_id`` (of user ``uid``) is running (:data:`RUNNING_STATES`);
+    ``None`` when it cannot be told (no ``squeue`` here and no job states file from the batch
+    host, or Slurm does not answer)."""
     if shutil.which("squeue") is None:
-        return None
+        return job_running_in_states_file(job_id, uid)
     try:
         done = subprocess.run(["squeue", "-h", "-j", str(job_id), "-o", "%T"],
                               capture_output=True, text=True, timeout=30)  # fmt: skip
@@ -81,10 +84,26 @@ def slurm_job_running(job_id: str) -> bool | None:
     return any(state in RUNNING_STATES for state in done.stdout.split())
 
 
+def job_running_in_states_file(job_id: str, uid: int | None) -> bool | None:
+    """:func:`slurm_job_running` from ``ARMOR_SLURM_JOB_STATES`` (``squeue -u USER -o '%i %T'``
+    on the batch host as this job started): it lists every job of this user, so a job of this
+    user that it lacks has ended; another user's job, or no file, is unknown (``None``)."""
+    path = os.environ.get("ARMOR_SLURM_JOB_STATES")
+    if not path or uid != os.getuid():
+        return None
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError:
+        return None
+    states = dict(line.split()[:2] for line in lines if len(line.split()) >= 2)
+    return states.get(str(job_id)) in RUNNING_STATES
+
+
 def this_writer() -> dict:
     """The lock record of this process."""
     return {
-        "pid": os.getpid(), "host": socket.gethostname(), "since": time.time(),
+        "pid": os.getpid(), "uid": os.getuid(), "host": socket.gethostname(),
+        "since": time.time(),
         "start_ticks": process_start_ticks(os.getpid()),
         "slurm_job": os.environ.get("SLURM_JOB_ID"),
         "slurm_restart": os.environ.get("SLURM_RESTART_COUNT", "0"),
@@ -109,7 +128,7 @@ def stale_reason(holder: dict) -> str | None:
         and holder.get("slurm_restart") != os.environ.get("SLURM_RESTART_COUNT", "0")
     ):
         return f"an earlier start (restart {holder.get('slurm_restart')}) of this Slurm job {job}"
-    if job and job != mine and slurm_job_running(job) is False:
+    if job and job != mine and slurm_job_running(job, holder.get("uid")) is False:
         return f"Slurm job {job} is no longer running"
     if holder.get("host") != socket.gethostname():
         return None

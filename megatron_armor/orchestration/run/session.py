@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import gc
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,8 +29,8 @@ from megatron_armor.observability.metrics import (
     MetricsLogger,
     WandbSettings,
     read_metrics,
-    truncate_metrics,
 )
+from megatron_armor.observability.profiler import profile_steps_after_resume
 from megatron_armor.observability.throughput import (
     ThroughputMeter,
     compute_precision,
@@ -42,10 +41,11 @@ from megatron_armor.observability.timers import PhaseTimers
 from megatron_armor.orchestration.actors import placement
 from megatron_armor.orchestration.actors.actor_handles import (
     RewardActors,
-    RolloutActors,
     TrainerActors,
     close_actors,
+    max_peak,
 )
+from megatron_armor.orchestration.actors.call_watch import CallWatch
 from megatron_armor.orchestration.actors.placement import (
     LayoutPlan,
     create_bundles,
@@ -54,9 +54,20 @@ from megatron_armor.orchestration.actors.placement import (
     rollout_hosts,
 )
 from megatron_armor.orchestration.actors.recovery import Recovery
+from megatron_armor.orchestration.actors.rollout_draws import PolicyDraws, ReferenceDraws
+from megatron_armor.orchestration.actors.rollout_fleet import (
+    RolloutFleet,
+    RolloutMemory,
+    RolloutSide,
+    ServerHealth,
+)
 from megatron_armor.orchestration.actors.weight_sync import WeightSync, make_weight_sync
 from megatron_armor.orchestration.actors.workers import freeze_heap, load_model_tokenizer
 from megatron_armor.orchestration.run import checkpoints
+from megatron_armor.orchestration.run.control_plane import (
+    ControlPlaneProbe,
+    health_check_environment,
+)
 from megatron_armor.orchestration.run.disk_space import (
     check_free_space,
     estimated_checkpoint_bytes,
@@ -67,6 +78,7 @@ from megatron_armor.orchestration.run.run_dir import announce_resume, open_run_d
 from megatron_armor.orchestration.run.run_lock import RunLock
 from megatron_armor.orchestration.run.run_state import RunState
 from megatron_armor.orchestration.run.run_watch import RunWatch
+from megatron_armor.orchestration.step.anchor_rollout import caches_anchors
 from megatron_armor.orchestration.step.progress import PhaseProgress
 from megatron_armor.orchestration.step.step_metrics import compress_anchor_files
 from megatron_armor.planner.model import load_model_dims
@@ -77,6 +89,18 @@ MIN_RAY_SHUTDOWN_S = 5.0
 
 def run_dir_of(config: ArmorConfig) -> Path:
     return Path(config.run.output_dir) / config.run.name
+
+
+def profile_after_resume(config: ArmorConfig, resume_from: Path | None) -> None:
+    """Profile steps the resumed run would never reach move after its resume step (the
+    trainer ranks' profilers are made from the config)."""
+    log = config.logging
+    if resume_from is None or log.profile == "none" or not log.profile_steps:
+        return
+    steps, note = profile_steps_after_resume(log.profile_steps, RunState.load(resume_from).step)
+    if note:
+        print(note, flush=True)
+        log.profile_steps = steps
 
 
 def check_resume_mode(config: ArmorConfig, resume_from: Path | None) -> None:
@@ -118,13 +142,13 @@ def load_val_datasets(config: ArmorConfig, tokenizer) -> dict:
     return out
 
 
-def start_weight_sync(
-    config: ArmorConfig, trainer: TrainerActors, rollout: RolloutActors
-) -> WeightSync:
-    """The run's weight transport, chosen once; reference swaps go through it too."""
-    sync = make_weight_sync(config, trainer, rollout)
-    rollout.weight_sync = sync
-    return sync
+def rollout_side(config: ArmorConfig, fleet: RolloutFleet, sync: WeightSync) -> RolloutSide:
+    """The driver's rollout side over ``fleet``, by concern; reference samples swap through
+    the run's weight transport ``sync`` (chosen once), and a healed server is re-synced by it."""
+    reference = ReferenceDraws(fleet, caches_anchors(config), sync.reference_swapped,
+                               sync.swaps_into_policy_servers())  # fmt: skip
+    return RolloutSide(fleet, PolicyDraws(fleet), reference, RolloutMemory(fleet),
+                       ServerHealth(fleet, sync.resync))  # fmt: skip
 
 
 def make_meter(config: ArmorConfig, plan: LayoutPlan, device_name: str) -> ThroughputMeter:
@@ -145,7 +169,7 @@ class Session:
     config: ArmorConfig
     run_dir: Path
     trainer: TrainerActors
-    rollout: RolloutActors
+    rollout: RolloutSide
     reward: RewardActors
     dataset: object
     val_datasets: dict
@@ -164,23 +188,25 @@ class Session:
     weight_sync: WeightSync
     host_memory: HostMemory
     recovery: Recovery
-    in_flight: Callable[[], dict] = dict
-    """The next step's rollout drawn during this step, as a checkpoint keeps it (``{}``: none;
-    set by ``async_rollout.AsyncPipeline``), read at each save only."""
+    call_watch: CallWatch
+    probe: ControlPlaneProbe | None = None
+    """The driver's probe of its raylet and the GCS (``control_plane.py``)."""
 
     @classmethod
-    def start(cls, config: ArmorConfig, resume: str = "auto", announce=None) -> Session:
+    def start(cls, config: ArmorConfig, call_watch: CallWatch, resume: str = "auto",
+              announce=None) -> Session:  # fmt: skip
         """Lock the run directory and decide the resume checkpoint (``--resume
-        auto|none|PATH``, see ``run_dir.py``), then start everything for the next step;
-        ``announce()`` runs once the directory is this run's (a refused run never says it
-        started)."""
+        auto|none|PATH``, see ``run_dir.py``), then start everything for the next step, every
+        actor watched by ``call_watch``; ``announce()`` runs once the directory is this
+        run's (a refused run never says it started)."""
         run_dir = run_dir_of(config)
         lock, resume_from = open_run_dir(config, run_dir, resume)
         try:
             check_resume_mode(config, resume_from)
+            profile_after_resume(config, resume_from)
             if announce is not None:
                 announce()
-            session = cls._start(config, run_dir)
+            session = cls._start(config, run_dir, call_watch)
         except BaseException:
             lock.release()
             raise
@@ -189,7 +215,7 @@ class Session:
         return session
 
     @classmethod
-    def _start(cls, config: ArmorConfig, run_dir: Path) -> Session:
+    def _start(cls, config: ArmorConfig, run_dir: Path, call_watch: CallWatch) -> Session:
         """Everything up and ready for step 1 (or the resumed step)."""
         tokenizer = load_model_tokenizer(config.trainer.model_path)
         d = config.data
@@ -198,21 +224,27 @@ class Session:
         )
         val = load_val_datasets(config, tokenizer) if config.validation.every > 0 else {}
         plan = plan_layout(config)
+        health_check_environment()  # before the local head starts: its GCS reads them
         init_ray(config, plan, run_dir)
-        pg, order, where = create_bundles(plan, config.orchestration.ray_init_timeout_s)
+        probe = ControlPlaneProbe.start()  # a frozen raylet or GCS: named, exit 75
         built: list = []
         try:  # a failed start must not leave actors or SGLang servers behind
-            trainer = TrainerActors(config, plan, pg, order, str(run_dir / "profile"))
+            pg, order, where = create_bundles(plan, config.orchestration.ray_init_timeout_s)
+            trainer = TrainerActors.start(config, plan, call_watch, pg, order,
+                                          str(run_dir / "profile"))  # fmt: skip
             built.append(trainer)
-            rollout = RolloutActors(config, plan, pg, order, rollout_hosts(plan, where))
-            built.append(rollout)
-            reward = RewardActors(config, plan)
+            fleet = RolloutFleet.start(config, plan, call_watch, pg, order,
+                                       rollout_hosts(plan, where))  # fmt: skip
+            built.append(fleet)
+            reward = RewardActors.start(config, plan, call_watch)
             built.append(reward)
             trainer.init()
-            host_memory = HostMemory.start(trainer, rollout, reward)
+            host_memory = HostMemory.start(trainer, fleet, reward, call_watch)
         except BaseException:
-            close_actors(built)
+            probe.stop()
+            close_actors(built, call_watch)
             raise
+        weight_sync = make_weight_sync(config, trainer, fleet)
         r = config.algo.reset
         log = config.logging
         from omegaconf import OmegaConf
@@ -221,7 +253,8 @@ class Session:
         logger = MetricsLogger(run_dir, log.tensorboard, log.wandb, config=OmegaConf.to_container(
             OmegaConf.structured(config)), run_name=config.run.name, wandb_settings=wandb)  # fmt: skip
         return cls(
-            config=config, run_dir=run_dir, trainer=trainer, rollout=rollout, reward=reward,
+            config=config, run_dir=run_dir, trainer=trainer,
+            rollout=rollout_side(config, fleet, weight_sync), reward=reward,
             dataset=dataset, val_datasets=val,
             sampler=ResumableSampler(train_size(config, dataset), config.run.seed, d.shuffle,
                                      d.retire_solved_after, d.retire_max_fraction),
@@ -229,15 +262,17 @@ class Session:
             timers=PhaseTimers(), progress=PhaseProgress(log.progress), tokenizer=tokenizer,
             meter=make_meter(config, plan, trainer.info.get("device_name", "cpu")),
             num_minibatches=updates_per_step(config), state=RunState(), watch=RunWatch(config), lock=None,
-            resume_from=None, weight_sync=start_weight_sync(config, trainer, rollout),
-            host_memory=host_memory,
-            recovery=Recovery(config),
+            resume_from=None, weight_sync=weight_sync, host_memory=host_memory,
+            recovery=Recovery(config), call_watch=call_watch, probe=probe,
         )  # fmt: skip
 
     # ------------------------------------------------------------------ checkpoints
-    def save(self, step: int, metrics_line: dict | None = None) -> Path:
+    def save(self, step: int, metrics_line: dict | None = None, in_flight: dict | None = None
+             ) -> Path:  # fmt: skip
         """Atomic checkpoint of ``step`` (trainer + orchestrator), keeping the last K; it
-        carries the step's ``metrics.jsonl`` line (``metrics_line``) for :meth:`restore`. The
+        carries the step's ``metrics.jsonl`` line (``metrics_line``) for :meth:`restore`, and
+        the next step's rollout drawn during this one (``in_flight``, as
+        ``async_rollout.collected_state`` writes it; none by default). The
         free space is checked first; a save that runs out of it is removed and raises
         :class:`~megatron_armor.orchestration.run.disk_space.DiskFullError` (``disk_space.py``)."""
         t = self.config.trainer
@@ -245,28 +280,30 @@ class Session:
         need = check_free_space(self.run_dir, step, estimate)
         tmp = checkpoints.begin_checkpoint(self.run_dir, step)
         try:
-            return self._save_into(tmp, step, metrics_line)
+            return self._save_into(tmp, step, metrics_line, in_flight or {})
         except Exception as err:
             full = no_space_error(self.run_dir, step, tmp, err, need)
             if full is None:
                 raise
             raise full from err
 
-    def _save_into(self, tmp: Path, step: int, metrics_line: dict | None) -> Path:
+    def _save_into(self, tmp: Path, step: int, metrics_line: dict | None,
+                   in_flight: dict) -> Path:  # fmt: skip
         self.state.step = step
         self.state.metrics_line = dict(metrics_line or {})
-        self.state.pending = self.in_flight()
+        self.state.pending = in_flight
         self.state.sampler = self.sampler.state_dict()
         self.state.reset = self.schedule.state_dict()
         # a rollout worker that died since its step's rollout is replaced
         # (orchestration/actors/recovery.py)
-        self.state.rollout = self.recovery.guard(self, step, "checkpoint", self.rollout.state_dicts)
+        self.state.rollout = self.recovery.guard(self, step, "checkpoint",
+                                                 self.rollout.reference.state_dicts)  # fmt: skip
         self.state.watch = self.watch.state_dict()
         self.state.capture_rng()
         offload = self.config.trainer.offload_train_state
         colocated = self.config.orchestration.layout == "colocated"
         if offload and colocated:  # the save brings the update state back: engines step aside
-            self.rollout.release_memory()
+            self.rollout.memory.release()
         self.trainer.save_checkpoint(str(tmp / "trainer"), {"step": step})
         if offload:
             self.trainer.hand_over_memory()
@@ -286,11 +323,11 @@ class Session:
         copy, ``launch.server_args_for``): they take the weights' memory, get the policy pushed
         again, then take their KV cache."""
         if not backend_of(self.config).serves_over_http:
-            self.rollout.resume_memory()
+            self.rollout.memory.resume()
             return
-        self.rollout.resume_memory(["weights"])
+        self.rollout.memory.resume(["weights"])
         self.push_policy(self.state.policy_version)
-        self.rollout.resume_memory(["kv_cache"])
+        self.rollout.memory.resume(["kv_cache"])
 
     def push_policy(self, version: int) -> int:
         """Load the trainer's policy into the engines (``orchestration/actors/weight_sync.py``)."""
@@ -312,15 +349,14 @@ class Session:
         every = self.config.rollout.sglang.health_check_every
         if not backend_of(self.config).serves_over_http or every <= 0 or step % every:
             return 0
-        return self.weight_sync.heal()
+        return self.rollout.health.heal()
 
     def gpu_memory_metrics(self) -> dict[str, float]:
         """``perf/peak_gpu_mem_*``: the actors' peaks since the last call (none on CPU runs)."""
         if self.config.orchestration.layout == "cpu":
             return {}
-        return gpu_memory_metrics(
-            self.trainer.peak_gpu_memory_gb(), self.rollout.peak_gpu_memory_gb()
-        )
+        rollout = max_peak(self.rollout.fleet.peak_gpu_memory())
+        return gpu_memory_metrics(self.trainer.peak_gpu_memory_gb(), rollout)
 
     def host_metrics(self, checkpoint_step: bool) -> dict[str, float]:
         """``mem/*`` (every step) and, at a step of the periodic checkpoints, ``disk/*`` before
@@ -335,7 +371,7 @@ class Session:
         continue after."""
         path = self.resume_from
         if path is None:
-            truncate_metrics(self.run_dir, -1)
+            self.logger.rewind(-1)
             self.watch.publish(self.run_dir)  # no best yet (a stale best.json goes)
             self.push_policy(0)
             self.push_reference(0)
@@ -350,12 +386,12 @@ class Session:
         state.restore_rng()
         self.push_policy(state.policy_version)
         self.push_reference(state.ref_version)
-        self.rollout.load_state_dicts(state.rollout)
-        truncate_metrics(self.run_dir, state.step)
+        self.rollout.reference.load_state_dicts(state.rollout)
+        self.logger.rewind(state.step)  # metrics.jsonl, TensorBoard and W&B alike
         self.restore_metrics_line(state)
         self.state = state
         self.offload_for_rollout()
-        announce_resume(self.run_dir, self.config, state.step)  # resumes.jsonl: it succeeded
+        announce_resume(self.run_dir, self.config, state.step, path)  # resumes.jsonl: it succeeded
         print(f"resumed from {path} at step {state.step}", flush=True)
         return state.step
 
@@ -377,9 +413,11 @@ class Session:
             self.logger.close()  # flushes TensorBoard: fails on a full disk
         except OSError as err:
             print(f"warning: closing the metrics sinks failed: {err}", flush=True)
+        if self.probe is not None:  # Ray goes now: unanswered probes are no lost GCS
+            self.probe.stop()
         budget = self.config.orchestration.shutdown_timeout_s
         end = time.monotonic() + budget
-        close_actors([self.trainer, self.rollout, self.reward], budget)
+        close_actors([self.trainer, self.rollout.fleet, self.reward], self.call_watch, budget)
         if shutdown_ray:  # what is left of the budget (a few seconds at least)
             placement.shutdown_ray(max(end - time.monotonic(), MIN_RAY_SHUTDOWN_S))
         if self.lock is not None:

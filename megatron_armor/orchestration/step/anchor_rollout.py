@@ -50,11 +50,11 @@ from typing import Any
 
 from megatron_armor.algo.anchors import AcceptanceStats, acceptance_reason, select_group
 from megatron_armor.algo.registry import get_anchor_mode
-from megatron_armor.config.validate import reference_order, short_batch_floor
+from megatron_armor.config.validate import short_batch_floor
 from megatron_armor.data.retirement import retire_drawn
-from megatron_armor.observability.nvtx import nvtx_range
 from megatron_armor.observability.timers import PhaseTimers
-from megatron_armor.orchestration.actors.actor_handles import merge_reward_stats, shard
+from megatron_armor.orchestration.actors.actor_handles import merge_reward_stats
+from megatron_armor.orchestration.actors.workers import shard
 from megatron_armor.orchestration.step.acceptance import check_short
 from megatron_armor.rollout.protocol import SamplingParams
 from megatron_armor.types import Group, Sample
@@ -85,6 +85,15 @@ class RolloutResult:
     reward_stats: dict[str, float] = field(default_factory=dict)
     generated_tokens: int = 0
     """Response tokens generated this step (policy + reference, fresh or cached)."""
+    prompt_tokens: int = 0
+    """Prompt tokens of those samples (each sample's prompt counted once)."""
+    policy_sequences: int = 0
+    reference_sequences: int = 0
+    """Samples drawn this step, by source (as ``generated_tokens`` counts them)."""
+    policy_decode_steps: int = 0
+    reference_decode_steps: int = 0
+    """The longest response of each generation batch's policy (reference) samples, summed:
+    the decode iterations the engines ran for them at least (``planner/phase_time.py``)."""
     reference_first: bool = False
     """Whether this step drew the reference samples first (``rollout.reference_first``)."""
     reference_prefetched: bool = False
@@ -104,6 +113,21 @@ def followup_size(gen_batch: int, need: int, accepted: int, seen: int) -> int:
     floor = max(1, math.ceil(FOLLOWUP_FLOOR * gen_batch))
     wanted = math.ceil((need - accepted) * seen / accepted)
     return max(floor, min(gen_batch, wanted))
+
+
+def count_drawn(
+    result: RolloutResult, policy: list[list[Sample]], reference: list[list[Sample]]
+) -> None:
+    """Add a generation batch's samples (``policy`` and ``reference`` rows) to ``result``'s
+    counts: response and prompt tokens, samples by source and their decode iterations."""
+    drawn = [s for row in policy for s in row], [s for row in reference for s in row]
+    for samples in drawn:
+        result.generated_tokens += sum(s.response_len for s in samples)
+        result.prompt_tokens += sum(len(s.prompt_ids) for s in samples)
+    result.policy_sequences += len(drawn[0])
+    result.reference_sequences += len(drawn[1])
+    result.policy_decode_steps += max((s.response_len for s in drawn[0]), default=0)
+    result.reference_decode_steps += max((s.response_len for s in drawn[1]), default=0)
 
 
 def reference_role(part: int) -> str:
@@ -155,7 +179,7 @@ def prefetches_reference(config) -> bool:
     return bool(
         config.rollout.prefetch_reference
         and get_anchor_mode(config.algo.anchor).needs_reference_correct
-        and reference_order(config.rollout.reference_first) is not False
+        and config.resolved.reference_first is not False
         and config.rollout.reference_parts == 1
         and not caches_anchors(config)
         and config.orchestration.layout != "colocated"
@@ -230,19 +254,21 @@ class AnchorRollout:
     """Collect ``B`` accepted groups for one step (the ``generate -> score -> accept`` verbs)."""
 
     def __init__(
-        self, config, dataset, sampler, rollout_group, reward_group, progress=None, timers=None
+        self, config, dataset, sampler, policy, reference, reward_group, progress=None, timers=None
     ):
+        """``policy`` and ``reference``: where the samples come from (``rollout_draws``:
+        ``PolicyDraws``, ``ReferenceDraws``); ``reward_group``: the scorers (``RewardActors``)."""
         self.timers = timers or PhaseTimers()
         self.algo, self.rollout_cfg, self.seed = config.algo, config.rollout, config.run.seed
         self.mode = get_anchor_mode(config.algo.anchor)
         self.dataset, self.sampler = dataset, sampler
-        self.rollout, self.reward = rollout_group, reward_group
+        self.policy, self.reference, self.reward = policy, reference, reward_group
         self.progress = progress
         self.parts = overlap_parts(config)
         self.caches_anchors = caches_anchors(config)
-        order = reference_order(config.rollout.reference_first)
+        order = config.resolved.reference_first  # None: each step by the cost rule
         self.reference_first = order if self.mode.needs_reference_correct else False
-        if self.parts != 1 and order == "auto":  # the parts overlap the policy-first order
+        if self.parts != 1 and order is None:  # the parts overlap the policy-first order
             self.reference_first = False
         self.previous: dict[str, Any] = {}
         self.config, self.floor, self._warned_short = config, short_batch_floor(config), False
@@ -257,26 +283,26 @@ class AnchorRollout:
 
     def _draw_policy(self, items: list, step: int, batch: int) -> list[list[Sample]]:
         """The ``n_on`` policy samples of each of ``items`` (seed role ``policy``), unscored."""
-        with self.timers.phase("generate"), nvtx_range("rollout/policy"):
-            return self.rollout.generate(items, self._n_on(), self._params(step, batch, "policy"))
+        with self.timers.phase("generate", "rollout/policy"):
+            return self.policy.generate(items, self._n_on(), self._params(step, batch, "policy"))
 
     def _n_on(self) -> int:
         return self.mode.policy_samples(self.algo.group_size, self.algo.filter_policy_samples)
 
-    def _draw_scored(self, method: str, items: list, n: int, params: SamplingParams):
-        """``rollout.<method>`` (``generate`` | ``sample_reference``) with the scoring chained
-        to it (``RolloutActors.submit_scored``): ``(rows, reward stats)``. The time until the
-        rows are in is ``generate``, the wait for their scores after that ``score``."""
-        role = "rollout/policy" if method == "generate" else "rollout/reference"
-        with self.timers.phase("generate"), nvtx_range(role):
-            call = self.rollout.submit_scored(method, items, n, params, self.reward)
+    def _draw_scored(self, draws, role: str, items: list, n: int, params: SamplingParams):
+        """``draws``' samples (``self.policy`` or ``self.reference``) with the scoring chained
+        to it (their ``submit_scored``): ``(rows, reward stats)``; ``role`` names the range in
+        the profile. The time until the rows are in is ``generate``, the wait for their scores
+        after that ``score``."""
+        with self.timers.phase("generate", role):
+            call = draws.submit_scored(items, n, params, self.reward)
             rows = call.rows()
         with self.timers.phase("score"):
             return rows, call.score()
 
     def _draw_policy_scored(self, items: list, step: int, batch: int):
         """:meth:`_draw_policy`, scored: ``(rows, reward stats)``."""
-        return self._draw_scored("generate", items, self._n_on(),
+        return self._draw_scored(self.policy, "rollout/policy", items, self._n_on(),
                                  self._params(step, batch, "policy"))  # fmt: skip
 
     def _draw_reference(self, items: list, params: SamplingParams):
@@ -285,9 +311,10 @@ class AnchorRollout:
         scored: then only the fresh samples are sent, after the rows are in
         (:meth:`_score_reference`)."""
         if not self.caches_anchors:
-            return self._draw_scored("sample_reference", items, self.algo.ref_n, params)
-        with self.timers.phase("generate"), nvtx_range("rollout/reference"):
-            drawn = self.rollout.sample_reference(items, self.algo.ref_n, params)
+            return self._draw_scored(self.reference, "rollout/reference", items,
+                                     self.algo.ref_n, params)  # fmt: skip
+        with self.timers.phase("generate", "rollout/reference"):
+            drawn = self.reference.sample(items, self.algo.ref_n, params)
         return drawn, self._score_reference(items, drawn)
 
     def _generate(self, items: list, step: int, batch: int) -> tuple[list, list, dict]:
@@ -307,7 +334,9 @@ class AnchorRollout:
         else:
             policy = self._draw_policy(items, step, batch)
             jobs = [(items, policy, ids, step, batch, p) for p, ids in enumerate(parts)]
-            with ThreadPoolExecutor(max_workers=min(len(jobs), MAX_PART_THREADS)) as pool:
+            workers = ThreadPoolExecutor(max_workers=min(len(jobs), MAX_PART_THREADS))
+            # the step waits on the parts' reference calls and their scoring together
+            with workers as pool, self.timers.step_phase("rollout/reference"):
                 done = list(pool.map(lambda job: self._score_then_reference(*job), jobs))
         reference: list[list[Sample]] = [[] for _ in items]
         stats: dict[str, float] = {}
@@ -352,7 +381,7 @@ class AnchorRollout:
         with self.timers.phase("score"):
             stats = self.reward.score(unscored)
         if self.caches_anchors:
-            self.rollout.remember_reference_scores(items, drawn)
+            self.reference.remember_scores(items, drawn)
         return stats
 
     def _reference_first(self, items: list, verdicts: list, step: int, batch: int, ready=None):
@@ -383,7 +412,7 @@ class AnchorRollout:
         samples would be drawn for nothing, so they are not (all ``False`` without the cache)."""
         if not (self.caches_anchors and self.mode.needs_reference_correct):
             return [False] * len(items)
-        return self.rollout.reference_unsolved(items, self.algo.ref_n)
+        return self.reference.unsolved(items, self.algo.ref_n)
 
     def _accept(
         self, items, verdicts, policy, reference, gen_batch: int, result: RolloutResult
@@ -424,7 +453,7 @@ class AnchorRollout:
 
     def step_reference_first(self) -> bool:
         """Whether the next step draws the reference samples first."""
-        if self.reference_first != "auto":
+        if self.reference_first is not None:
             return self.reference_first
         return prefers_reference_first(self.previous, self._n_on(), self.algo.ref_n)
 
@@ -442,7 +471,7 @@ class AnchorRollout:
         self._prefetched = None
         if not self.prefetches:
             return False
-        if self.reference_first == "auto":
+        if self.reference_first is None:
             upcoming = {**result.stats.as_metrics(),
                         "anchor/reference_first": float(result.reference_first)}  # fmt: skip
             if not prefers_reference_first(upcoming, self._n_on(), self.algo.ref_n):
@@ -450,8 +479,8 @@ class AnchorRollout:
         size = followup_size(self.rollout_cfg.gen_batch, self.rollout_cfg.batch, 0, 0)
         items = [self.dataset[i] for i in self.sampler.peek(size)]
         params = self._params(step + 1, 0, reference_role(0))
-        call = self.rollout.submit_scored("sample_reference", items, self.algo.ref_n, params,
-                                          self.reward, wait_rows=False)  # fmt: skip
+        call = self.reference.submit_scored(items, self.algo.ref_n, params, self.reward,
+                                            wait_rows=False)  # fmt: skip
         self._prefetched = (step + 1, items, call)
         return True
 
@@ -468,7 +497,7 @@ class AnchorRollout:
             return None
         call = pending[2]
         try:
-            with self.timers.phase("generate"), nvtx_range("rollout/reference"):
+            with self.timers.phase("generate", "rollout/reference"):
                 rows = call.rows()
             with self.timers.phase("score"):
                 return rows, call.score()
@@ -502,10 +531,7 @@ class AnchorRollout:
             result.reward_stats = merge_reward_stats(result.reward_stats, stats)
             result.stats.add_generation_batch()
             result.policy_samples.extend(s for row in policy for s in row)
-            result.generated_tokens += sum(
-                s.response_len for rows in (policy, reference, verdicts) for row in rows
-                if row for s in row
-            )  # fmt: skip
+            count_drawn(result, policy, [*reference, *(v for v in verdicts if v)])
             first = len(result.records)
             self._accept(items, verdicts, policy, reference, gen_batch, result)
             retire_drawn(self.sampler, indices, result.records[first:])

@@ -49,8 +49,7 @@ from dataclasses import dataclass, field
 
 from megatron_armor.algo.anchors import AcceptanceStats
 from megatron_armor.observability.timers import PhaseTimers
-from megatron_armor.orchestration.actors.actor_handles import wait
-from megatron_armor.orchestration.actors.call_watch import POLL_S, WATCH
+from megatron_armor.orchestration.actors.call_watch import POLL_S
 from megatron_armor.orchestration.step import phases
 from megatron_armor.orchestration.step.anchor_rollout import AnchorRollout, RolloutResult
 from megatron_armor.orchestration.step.step_metrics import (
@@ -135,7 +134,7 @@ class Collector:
             # counters' read is queued
             result, counters = s.recovery.collect(s, self.rollout, step)
         metrics = dict(s.sampler.metrics())  # data/epoch, data/retired*
-        metrics.update(s.rollout.reference_metrics(counters))
+        metrics.update(s.rollout.reference.metrics(counters))
         timings = self.timers.pop_metrics()
         end = time.perf_counter()
         return Collected(step, result, metrics, timings, version, old_weights, end - start, end)
@@ -159,11 +158,11 @@ class Collector:
         A watchdog bounds the wait for a batch that never comes: every call of the thread has
         its deadline (``orchestration/actors/call_watch.py``), the thread itself gets the cap
         (a ``TimeoutError``: exit 75) and a stop signal ends the wait after ``stop_wait_s``."""
-        start, thread = time.monotonic(), self._thread
+        start, thread, watch = time.monotonic(), self._thread, self.s.call_watch
         while thread.is_alive():
-            WATCH.check_stop(f"the rollout thread ({thread.name})", start)
+            watch.check_stop(f"the rollout thread ({thread.name})", start)
             waited = time.monotonic() - start
-            if waited > WATCH.cap():
+            if waited > watch.cap():
                 raise TimeoutError(
                     f"the rollout thread ({thread.name}) gave no batch within {waited:.0f}s "
                     "(the call deadlines' cap)"
@@ -196,7 +195,10 @@ class AsyncPipeline:
         self.rollout = rollout
         self.collector = Collector(session, rollout, timers)
         self.pending: Collected | None = pending
-        session.in_flight = lambda: collected_state(self.pending)  # what a save keeps
+
+    def in_flight(self) -> dict:
+        """The next step's rollout, drawn during this step, as a checkpoint keeps it."""
+        return collected_state(self.pending)
 
     def overlaps(self, step: int) -> bool:
         """Whether step ``step + 1``'s rollout runs beside step ``step``'s updates: not at the
@@ -205,7 +207,7 @@ class AsyncPipeline:
 
     def run_step(self, step: int) -> dict[str, float]:
         """One step; leaves the next step's rollout in :attr:`pending` when it overlapped (a
-        checkpoint of the step keeps it: ``Session.in_flight``)."""
+        checkpoint of the step keeps it: :meth:`in_flight`)."""
         s, t0 = self.s, time.perf_counter()
         restarted = 0
         batch, self.pending = self.pending, None
@@ -218,11 +220,11 @@ class AsyncPipeline:
         result, overlap = batch.result, self.overlaps(step)
         if overlap:
             restarted += s.heal_rollout(step + 1)  # before the engines get step t+1's calls
-        metrics = {"train/updates": 0.0, "train/response_tokens": 0.0}
+        metrics = dict(phases.NO_UPDATE)
         train_start = time.perf_counter()
         # the ranks: log-probs (old under the batch's behavior weights), then keep the live
         # weights as the next batch's behavior weights, then the updates (in this order)
-        queued, kept = None, []
+        queued, kept = None, None
         if result.groups:
             queued, kept = self.submit_train(step, batch, overlap)
         elif overlap:
@@ -231,16 +233,18 @@ class AsyncPipeline:
         if overlap:
             # the order rule reads the step before's rollout (no reset: none in an overlap)
             self.rollout.observe({**metrics, **batch.metrics, "reset/performed": 0.0})
-            s.recovery.served = BEHAVIOR  # what a replaced rollout worker gets meanwhile
+            s.recovery.serve(BEHAVIOR)  # what a replaced rollout worker gets meanwhile
             self.collector.launch(step + 1, s.state.policy_version, BEHAVIOR)
         write_anchor_file(s.run_dir, step, result)
         if queued is not None:
             metrics.update(finish_train(s, step, queued, load_early=not overlap))
-        wait(kept, "behavior weights")
+        if kept is not None:
+            kept.result()
         train_end = time.perf_counter()
         if overlap:
-            self.pending = self.collector.join()
-            s.recovery.served = "policy"
+            with s.timers.step_phase("rollout/wait"):  # the updates are done: waiting
+                self.pending = self.collector.join()
+            s.recovery.serve("policy")
         join_end = time.perf_counter()
         metrics.update(batch.metrics)
         metrics.update(batch.timings)
@@ -250,7 +254,7 @@ class AsyncPipeline:
         restarted += phases.heal_before_push(s, step)
         updated = metrics["train/updates"] > metrics.get("train/skipped_updates", 0.0)
         metrics.update(phases.sync_and_maybe_reset(s, step, updated))
-        metrics["algo/alpha"] = s.config.algo.alpha
+        metrics["algo/alpha"] = s.config.resolved.alpha
         if backend_of(s.config).serves_over_http:  # and those killed past a call deadline
             restarted += s.recovery.pop_servers_restarted()
             metrics["rollout/servers_restarted"] = float(restarted)
@@ -275,14 +279,14 @@ class AsyncPipeline:
         return out
 
     def submit_train(self, step: int, batch: Collected, keep: bool):
-        """The trainer calls of the step, queued: the log-prob call, the behavior weights kept
-        for the next batch (``keep``), the updates. Returns ``((batch, log-prob refs, update
-        refs), kept refs)``."""
+        """The trainer calls of the step, sent now: the log-prob call, the behavior weights
+        kept for the next batch (``keep``), the updates. Returns ``((batch, log-probs,
+        updates), the kept weights' call or None)``, each call a ``Pending``."""
         s, groups = self.s, batch.result.groups
         packed = phases.prepare_batch(s, groups, step)
         with s.timers.phase("logprobs"):
             logprobs = phases.submit_logprobs(s, packed, step, batch.old_weights)
-        kept = s.trainer.submit_snapshot_behavior() if keep else []
+        kept = s.trainer.submit_snapshot_behavior() if keep else None
         with s.timers.phase("train"):
             updates = phases.submit_minibatches(s, groups)
         return (packed, logprobs, updates), kept
@@ -290,8 +294,8 @@ class AsyncPipeline:
 
 def finish_train(s, step: int, queued, load_early: bool) -> dict:
     """Wait for a step's queued log-probs and updates (``queued``: the packed batch, the
-    log-prob refs, the update refs), with the weight export queued behind them (the engines
-    load it only after the next rollout: ``load_early`` off in an overlap); the train metrics."""
+    log-prob call, the updates), with the weight export queued behind them (the engines load
+    it only after the next rollout: ``load_early`` off in an overlap); the train metrics."""
     packed, logprobs, updates = queued
     with s.timers.phase("logprobs"):
         exact_kl = phases.finish_logprobs(s, packed, logprobs)

@@ -162,7 +162,8 @@ class WindowDraw:
         """One engine call of the window on the requests of ``pairs``; each output appended to
         its sample; the tokens each drew."""
         with self.rollout.timers.phase("generate"):
-            outputs = self.s.rollout.generate_window([r for _, r in pairs], params, self.window)
+            requests = [r for _, r in pairs]
+            outputs = self.rollout.policy.generate_window(requests, params, self.window)
         tokens = [extend_sample(s, o) for (s, _), o in zip(pairs, outputs, strict=True)]
         self.counters["tail"] += tail_idle_seconds([o.seconds for o in outputs])
         result.generated_tokens += sum(tokens)
@@ -222,7 +223,6 @@ class BoundedPipeline:
         self.draw.start = PartialRollouts.from_state(state)
         self.collector = Collector(session, self.draw, timers)
         self.pending: Collected | None = collected_from_state(state.get("window", {}))
-        session.in_flight = self.in_flight
 
     def in_flight(self) -> dict:
         """What a checkpoint keeps: the waiting groups and the responses in flight, and the
@@ -269,21 +269,22 @@ class BoundedPipeline:
         self._check_batch(step, result)
         mark_kept(result)
         overlap = self.overlaps(step)
-        metrics = {"train/updates": 0.0, "train/response_tokens": 0.0}
+        metrics = dict(phases.NO_UPDATE)
         queued = self._submit(step, result) if result.groups else None
         metrics.update(rollout_metrics(result))
         metrics.update(self._staleness(result.groups, dropped))
         if overlap:
             restarted += s.heal_rollout(step + 1)
-            s.recovery.served = None  # the engines' weights are kept nowhere meanwhile
+            s.recovery.serve(None)  # the engines' weights are kept nowhere meanwhile
             self.collector.launch(step + 1, s.state.policy_version, "policy")
         write_anchor_file(s.run_dir, step, result)
         if queued is not None:
             metrics.update(finish_train(s, step, queued, load_early=not overlap))
         train_end = time.perf_counter()
         if overlap:
-            self.pending = self._with_counters(self.collector.join())
-            s.recovery.served = "policy"
+            with s.timers.step_phase("rollout/wait"):  # the updates are done: waiting
+                self.pending = self._with_counters(self.collector.join())
+            s.recovery.serve("policy")
         metrics.update(window.metrics)
         metrics.update(window.timings)
         s.meter.add_rollout(result.generated_tokens, window.timings.get("timing/generate_s", 0.0))
@@ -293,7 +294,7 @@ class BoundedPipeline:
         metrics.update(phases.sync_and_maybe_reset(s, step, updated))
         if metrics["reset/performed"]:
             metrics["async/dropped_at_reset"] = float(self.draw.start.drop_ready())
-        metrics["algo/alpha"] = s.config.algo.alpha
+        metrics["algo/alpha"] = s.config.resolved.alpha
         if backend_of(s.config).serves_over_http:
             restarted += s.recovery.pop_servers_restarted()
             metrics["rollout/servers_restarted"] = float(restarted)

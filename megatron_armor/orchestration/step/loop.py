@@ -21,20 +21,18 @@ import time
 import torch
 
 from megatron_armor.config.schema import ArmorConfig
-from megatron_armor.config.validate import (
-    runs_async_rollout,
-    runs_bounded_staleness,
-    runs_concurrent_reference,
-)
+from megatron_armor.config.validate import runs_async_rollout, runs_bounded_staleness
 from megatron_armor.data.sampler import SamplerExhausted
+from megatron_armor.observability.facts import run_facts, write_facts
 from megatron_armor.observability.metrics import metrics_record
 from megatron_armor.observability.signal_lead import SignalLeadWatch
 from megatron_armor.observability.status import StepClock
 from megatron_armor.observability.summary import step_line
+from megatron_armor.observability.throughput import e2e_devices, e2e_metrics
 from megatron_armor.observability.timers import PhaseTimers
-from megatron_armor.orchestration.actors.call_watch import WATCH
+from megatron_armor.orchestration.actors.call_watch import CallWatch, StopDuringCallError
 from megatron_armor.orchestration.actors.faults import RequeueError, locate, requeue_error
-from megatron_armor.orchestration.actors.placement import shutdown_ray
+from megatron_armor.orchestration.actors.placement import plan_layout, shutdown_ray
 from megatron_armor.orchestration.actors.recovery import WHY_TRAINER, handles
 from megatron_armor.orchestration.run import checkpoints
 from megatron_armor.orchestration.run.disk_space import DiskFullError, full_disk_error
@@ -53,6 +51,7 @@ from megatron_armor.orchestration.step.async_rollout import (
 )
 from megatron_armor.orchestration.step.bounded_rollout import BoundedPipeline, holds_next_rollout
 from megatron_armor.orchestration.step.phases import (
+    NO_UPDATE,
     checkpoint_due,
     finish_logprobs,
     finish_minibatches,
@@ -71,6 +70,13 @@ from megatron_armor.orchestration.step.step_metrics import (
 )
 from megatron_armor.orchestration.step.update_guard import diverged_error
 from megatron_armor.rollout.backends import backend_of
+from megatron_armor.supervisor_pipe import (
+    SIGNAL_CAUSE,
+    UNWATCHED,
+    report_phase,
+    report_rule,
+    tell_supervisor,
+)
 
 
 def run_step(s: Session, rollout: AnchorRollout, step: int) -> dict[str, float]:
@@ -84,20 +90,20 @@ def run_step(s: Session, rollout: AnchorRollout, step: int) -> dict[str, float]:
         result, cache_counters = s.recovery.collect(s, rollout, step)
     s.progress.close()
     if s.config.orchestration.layout == "colocated":
-        s.rollout.release_memory()
+        s.rollout.memory.release()
     if result.groups:
         metrics = train_on(s, rollout, step, result)
     else:
         write_anchor_file(s.run_dir, step, result)
-        metrics = {"train/updates": 0.0, "train/response_tokens": 0.0}
+        metrics = dict(NO_UPDATE)
     s.meter.add_rollout(result.generated_tokens, s.timers.seconds("generate"))
     metrics.update(rollout_metrics(result))
     metrics.update(s.sampler.metrics())  # data/epoch, data/retired*
-    metrics.update(s.rollout.reference_metrics(cache_counters))
+    metrics.update(s.rollout.reference.metrics(cache_counters))
     restarted += heal_before_push(s, step)
     updated = metrics["train/updates"] > metrics.get("train/skipped_updates", 0.0)
     metrics.update(sync_and_maybe_reset(s, step, updated))
-    metrics["algo/alpha"] = s.config.algo.alpha
+    metrics["algo/alpha"] = s.config.resolved.alpha
     if backend_of(s.config).serves_over_http:  # and those killed past a call deadline
         restarted += s.recovery.pop_servers_restarted()
         metrics["rollout/servers_restarted"] = float(restarted)
@@ -114,7 +120,7 @@ def train_on(s: Session, rollout: AnchorRollout, step: int, result) -> dict[str,
     batch = prepare_batch(s, result.groups, step)
     prefetch = step < s.config.run.steps and not s.schedule.should_reset(step)
     # a CPU rank's concurrent reference pass takes the engine's core: the prefetch waits for it
-    after_logprobs = runs_concurrent_reference(s.config)
+    after_logprobs = s.config.resolved.concurrent_reference
     with s.timers.phase("logprobs"):
         logprobs = submit_logprobs(s, batch, step)
     if prefetch and not after_logprobs:
@@ -132,6 +138,18 @@ def train_on(s: Session, rollout: AnchorRollout, step: int, result) -> dict[str,
         s.weight_sync.queue_policy_push(step)
         metrics = finish_minibatches(s, updates)
     return train_metrics(s, batch, metrics, exact_kl)
+
+
+def finish_timing(s: Session, metrics: dict[str, float], t0: float) -> None:
+    """The step's wall-clock figures so far: its timers, ``timing/step_s`` since ``t0``, the
+    seconds of each phase (``phase/*``, summing to it), the end-to-end tokens/s/GPU and the
+    one-step-off overlap share. Again after a checkpoint, which the step's time includes."""
+    metrics.update(s.timers.pop_metrics())
+    end = time.perf_counter()  # one reading for both: a pause between two would split them
+    metrics["timing/step_s"] = end - t0
+    metrics.update(s.timers.clock.metrics(end))
+    metrics.update(e2e_metrics(metrics, e2e_devices(s.config)))
+    overlap_fraction(metrics)
 
 
 def stop_message(s: Session, stop: StopSignal, saved: bool) -> str:
@@ -164,8 +182,9 @@ def run_loop(s: Session, start: int, stop: StopSignal) -> int:
     resumed_at_0 = bool(s.state.watch)
     # the resumed state: that after the rollout of the step in flight, if one is
     ahead = start + 1 if holds_next_rollout(s.state.pending) else start
-    s.recovery.settle_snapshot(s, s.recovery.submit_snapshot(s), ahead)
+    s.recovery.settle_snapshot(s.recovery.submit_snapshot(s), ahead)
     if start == 0 and cfg.validation.every > 0 and not resumed_at_0 and not stop.received:
+        report_phase("validation", 0)
         initial = validate(s, 0)
         initial.update(s.watch.observe(0, initial))
         line = metrics_record(0, {**initial, **s.timers.pop_metrics()})
@@ -174,42 +193,45 @@ def run_loop(s: Session, start: int, stop: StopSignal) -> int:
             s.save(0, line)
     pipeline = None
     if runs_async_rollout(cfg) or runs_bounded_staleness(cfg):  # own timers, no progress bar
-        timers = PhaseTimers()
-        rollout = AnchorRollout(cfg, s.dataset, s.sampler, s.rollout, s.reward, None, timers)
+        timers = PhaseTimers(s.timers.clock)  # a batch drawn in the step's thread is its time
+        rollout = AnchorRollout(cfg, s.dataset, s.sampler, s.rollout.policy, s.rollout.reference,
+                                s.reward, None, timers)  # fmt: skip
         if runs_bounded_staleness(cfg):
             pipeline = BoundedPipeline(s, rollout, timers, s.state.pending)
         else:
             pipeline = AsyncPipeline(s, rollout, timers, collected_from_state(s.state.pending))
     else:
-        rollout = AnchorRollout(cfg, s.dataset, s.sampler, s.rollout, s.reward,
-                                s.progress.rollout_update, s.timers)  # fmt: skip
+        rollout = AnchorRollout(cfg, s.dataset, s.sampler, s.rollout.policy, s.rollout.reference,
+                                s.reward, s.progress.rollout_update, s.timers)  # fmt: skip
     rollout.observe(s.state.metrics_line)  # resumed: the checkpointed step's line
     clock = StepClock()  # the step line's ETA
     lead = SignalLeadWatch.from_environment()  # does a checkpoint fit in the signal's lead?
     for step in range(start + 1, cfg.run.steps + 1):
         if stop.received:
-            print(stop_message(s, stop, saved=False), flush=True)
-            return EXIT_REQUEUE
+            return stopped(stop_message(s, stop, saved=False))
+        report_phase("step", step)
         t0 = time.perf_counter()
+        s.timers.clock.start()  # every second from here on goes to one phase (phase/*)
         s.trainer.profile_begin(step)
+        s.rollout.fleet.profile_begin(step)  # its workers' and servers' capture of the step
         metrics = pipeline.run_step(step) if pipeline else run_step(s, rollout, step)
+        s.rollout.fleet.profile_end(step)
         s.trainer.profile_end(step)
         metrics.update(s.meter.pop_metrics())
         metrics.update(s.weight_sync.pop_metrics())
-        metrics.update(WATCH.pop_metrics())  # faults/stuck_*: actors killed past a deadline
+        metrics.update(s.call_watch.pop_metrics())  # faults/stuck_*: actors killed past a deadline
         metrics.update(s.gpu_memory_metrics())
         metrics.update(s.host_metrics(checkpoint_due(cfg, step)))
         metrics.update(s.watch.observe(step, metrics))
-        metrics.update(s.timers.pop_metrics())
-        metrics["timing/step_s"] = time.perf_counter() - t0
-        overlap_fraction(metrics)
+        finish_timing(s, metrics, t0)
         diverged = s.state.skipped_in_a_row >= cfg.trainer.max_skipped_updates
         saved = stop.received or checkpoint_due(cfg, step) or s.watch.wants_checkpoint or diverged
         if saved:  # the line travels in the checkpoint: a kill before it is appended loses nothing
+            report_phase("checkpoint")
             with s.timers.phase("checkpoint"):
-                written = s.save(step, metrics_record(step, metrics))
-            metrics.update(s.timers.pop_metrics())
-            metrics["timing/step_s"] = time.perf_counter() - t0
+                written = s.save(step, metrics_record(step, metrics), in_flight(pipeline))
+            finish_timing(s, metrics, t0)
+        report_phase("log")
         line = metrics_record(step, metrics)
         clean = s.logger.write(line)
         clock.observe(metrics["timing/step_s"])
@@ -222,13 +244,17 @@ def run_loop(s: Session, start: int, stop: StopSignal) -> int:
             raise diverged_error(cfg, step, metrics, str(written))
         if stop.received and step < cfg.run.steps:
             if not saved:  # the signal came while the step was being logged
-                s.save(step, line)
-            print(stop_message(s, stop, saved=True), flush=True)
-            return EXIT_REQUEUE
+                s.save(step, line, in_flight(pipeline))
+            return stopped(stop_message(s, stop, saved=True))
         if s.watch.stopped:
             print(f"{s.watch.stop_line()}; checkpoint of step {step} written", flush=True)
             return 0
     return 0
+
+
+def in_flight(pipeline: AsyncPipeline | BoundedPipeline | None) -> dict:
+    """The next step's rollout drawn during this one, as a checkpoint keeps it (``{}``: none)."""
+    return pipeline.in_flight() if pipeline is not None else {}
 
 
 def run_with_faults(s: Session, stop: StopSignal) -> int:
@@ -238,7 +264,11 @@ def run_with_faults(s: Session, stop: StopSignal) -> int:
     ``orchestration/actors/faults.py``)."""
     try:
         return run_loop(s, s.restore(), stop)
+    except StopDuringCallError as err:
+        tell_supervisor("cause", SIGNAL_CAUSE)
+        print(f"armor train: {err}", file=sys.stderr, flush=True)
     except RequeueError as err:
+        tell_supervisor("cause", requeue_cause(locate(err.__cause__, handles(s)), err))
         print(f"armor train: {err}", file=sys.stderr, flush=True)
     except Exception as err:
         full = full_disk_error(s.run_dir, err)  # an anchor file, metrics, TensorBoard
@@ -250,9 +280,44 @@ def run_with_faults(s: Session, stop: StopSignal) -> int:
         why = (
             WHY_TRAINER if fault.kind == "trainer" else "it failed outside the calls a step repeats"
         )
+        tell_supervisor("cause", requeue_cause(fault, err))
         print(f"armor train: {requeue_error(s.run_dir, fault, s.recovery.step, why)}",
               file=sys.stderr, flush=True)  # fmt: skip
     return EXIT_REQUEUE
+
+
+def stopped(message: str) -> int:
+    """Print why a stop signal ends the run here, tell the parent it was a signal (never a
+    requeue loop); exit 75."""
+    print(message, flush=True)
+    tell_supervisor("cause", SIGNAL_CAUSE)
+    return EXIT_REQUEUE
+
+
+def requeue_cause(fault, err: BaseException) -> str:
+    """What a requeue for ``err`` would meet again: the fault's actor and error class (no
+    pids or times: ``requeue_history.py`` compares the causes of successive exits)."""
+    if fault is None:
+        return type(err).__name__
+    return f"{fault.actor} failed ({type(fault.error).__name__})"
+
+
+def report_start(config: ArmorConfig) -> None:
+    """The run's deadline settings and directory to the ``armor`` parent that watches the
+    driver (``cli/driver_watch.py``); the start-up phase begins."""
+    o = config.orchestration
+    report_rule(o.call_deadline_multiple, o.call_deadline_quantile, o.call_deadline_floor_s,
+                o.call_deadline_cap_s, o.stop_wait_s)  # fmt: skip
+    tell_supervisor("run_dir", run_dir_of(config))
+    report_phase("start", 0)
+
+
+def record_facts(s: Session) -> None:
+    """``RUN_DIR/report_facts.json``: the hardware and peaks ``armor report`` measures this
+    start of the run against (``observability/facts.py``)."""
+    cores = plan_layout(s.config).threads  # a CPU trainer rank's torch threads
+    device = s.trainer.info.get("device_name", "cpu")
+    write_facts(s.run_dir, run_facts(s.config, device, cores))
 
 
 def start_line(config: ArmorConfig) -> str:
@@ -269,23 +334,26 @@ def train(config: ArmorConfig, resume: str = "auto") -> int:
     torch.manual_seed(config.run.seed)
     session = None
     with StopSignal() as stop:
-        WATCH.configure(config.orchestration, stop, run_dir_of(config))
+        watch = CallWatch(config.orchestration, stop, run_dir_of(config))  # the run's one watch
+        report_start(config)
         try:
             with stop.guarded():
                 session = Session.start(
-                    config, resume, lambda: print(start_line(config), flush=True)
+                    config, watch, resume, lambda: print(start_line(config), flush=True)
                 )
             if stop.received:
-                print(stop_message(session, stop, saved=False), flush=True)
-                return EXIT_REQUEUE
-            WATCH.announce()
+                return stopped(stop_message(session, stop, saved=False))
+            record_facts(session)
+            watch.announce()
             return run_with_faults(session, stop)
         except (AcceptanceError, SamplerExhausted) as err:  # a requeue would meet them again
             newest = checkpoints.list_checkpoints(session.run_dir) if session else []
             print(exit_message(err, newest[-1] if newest else None), file=sys.stderr, flush=True)
             return EXIT_ACCEPTANCE
         finally:
+            report_phase("close")
             if session is not None:
                 session.close()
             else:
                 shutdown_ray(config.orchestration.shutdown_timeout_s)
+            report_phase(UNWATCHED)  # what follows the run is not watched

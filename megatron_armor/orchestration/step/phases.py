@@ -16,7 +16,9 @@ from megatron_armor.config.validate import (
     groups_per_update,
 )
 from megatron_armor.observability.nvtx import nvtx_range
-from megatron_armor.orchestration.actors.actor_handles import RemoteEngine, RemoteScorer
+from megatron_armor.orchestration.actors.actor_handles import RemoteScorer
+from megatron_armor.orchestration.actors.pending import Pending
+from megatron_armor.orchestration.actors.rollout_draws import RemoteEngine
 from megatron_armor.orchestration.run.session import Session
 from megatron_armor.orchestration.step.anchor_rollout import derive_seed
 from megatron_armor.orchestration.step.step_metrics import (
@@ -27,6 +29,9 @@ from megatron_armor.orchestration.step.step_metrics import (
 from megatron_armor.orchestration.step.update_guard import skip_metrics
 from megatron_armor.rollout.protocol import SamplingParams
 from megatron_armor.types import Group, TrainBatch, pack_groups
+
+NO_UPDATE = {"train/updates": 0.0, "train/response_tokens": 0.0, "train/prompt_tokens": 0.0}
+"""The trainer's counts of a step that accepted no query (no update)."""
 
 
 def minibatch_sample_ids(
@@ -77,7 +82,8 @@ def prepare_batch(s: Session, groups: list[Group], step: int) -> TrainBatch:
     return batch
 
 
-def submit_logprobs(s: Session, batch: TrainBatch, step: int, old_weights: str = "policy") -> list:
+def submit_logprobs(s: Session, batch: TrainBatch, step: int, old_weights: str = "policy"
+                    ) -> Pending:  # fmt: skip
     """Queue the step's one log-prob call on the trainer ranks: old log-probs (the live weights,
     or the ``behavior`` copy a one-step-off batch was drawn with) and reference log-probs, and
     the exact-KL diagnostic when it is due (:func:`finish_logprobs`)."""
@@ -87,11 +93,11 @@ def submit_logprobs(s: Session, batch: TrainBatch, step: int, old_weights: str =
     )  # fmt: skip
 
 
-def finish_logprobs(s: Session, batch: TrainBatch, refs: list) -> dict[str, float]:
+def finish_logprobs(s: Session, batch: TrainBatch, pending: Pending) -> dict[str, float]:
     """Wait for :func:`submit_logprobs`; fill ``old_logprobs`` and ``ref_logprobs`` of the
     driver's ``batch`` (the ranks filled their own copies); the exact-KL metrics."""
     with nvtx_range("logprobs/step"):
-        old, ref, exact_kl = s.trainer.logprobs_result(refs)
+        old, ref, exact_kl = pending.result()
     batch.old_logprobs = old
     if ref is not None:
         batch.ref_logprobs = ref
@@ -108,7 +114,7 @@ def exact_kl_tokens(s: Session, batch: TrainBatch, step: int) -> torch.Tensor | 
     return exact_kl_mask(batch, log.exact_kl_samples, log.exact_kl_positions)
 
 
-def submit_minibatches(s: Session, groups: list[Group]) -> list[list]:
+def submit_minibatches(s: Session, groups: list[Group]) -> list[Pending]:
     """Queue one optimizer update per mini-batch of ``trainer.ppo_mini_batch`` queries on the
     trainer ranks, on the batch they keep from :func:`submit_logprobs` (nothing is sent again
     but each mini-batch's sample ids), right behind that call: a rank runs its calls in order,
@@ -119,14 +125,14 @@ def submit_minibatches(s: Session, groups: list[Group]) -> list[list]:
     return s.trainer.submit_updates(minibatch_sample_ids(groups, s.num_minibatches, per_update))
 
 
-def finish_minibatches(s: Session, queued: list[list]) -> dict[str, float]:
+def finish_minibatches(s: Session, queued: list[Pending]) -> dict[str, float]:
     """Wait for the updates of :func:`submit_minibatches`; their reduced metrics, with the
     skipped updates counted (``update_guard.skip_metrics``; the count in a row goes into the
     run state, which the checkpoint keeps)."""
     s.progress.start("train", len(queued))
     updates = []
-    for refs in queued:
-        updates.append(s.trainer.train_result(refs))
+    for update in queued:
+        updates.append(update.result())
         s.progress.advance()
     s.progress.close()
     skips, s.state.skipped_in_a_row = skip_metrics(updates, s.state.skipped_in_a_row)
@@ -137,12 +143,13 @@ def train_metrics(
     s: Session, batch: TrainBatch, metrics: dict[str, float], exact_kl: dict[str, float]
 ) -> dict[str, float]:
     """``metrics`` of the step's updates (:func:`finish_minibatches`) with the exact KL, the
-    engine/trainer log-prob agreement and the response tokens trained; the throughput meter
-    counts the step's sequences."""
+    engine/trainer log-prob agreement and the response and prompt tokens trained; the
+    throughput meter counts the step's sequences."""
     s.meter.add_train(batch.seq_lengths(), s.timers.seconds("train"))
     metrics.update(exact_kl)
     metrics.update(logprob_mismatch_metrics(batch, needs_reference_logprobs(s.config.algo)))
     metrics["train/response_tokens"] = float(batch.num_response_tokens)
+    metrics["train/prompt_tokens"] = float(batch.num_tokens - batch.num_response_tokens)
     return metrics
 
 
@@ -168,7 +175,7 @@ def sync_and_maybe_reset(s: Session, step: int, updated: bool = True) -> dict[st
         if colocated or s.config.trainer.offload_train_state:
             s.trainer.hand_over_memory()
         if colocated:
-            s.rollout.resume_memory(["weights"])
+            s.rollout.memory.resume(["weights"])
         if updated:  # trainer ranks -> engines (actors/weight_sync.py); a dead worker is replaced
             num_bytes = s.recovery.guard(s, step, "sync", lambda: s.push_policy(step))
             s.state.policy_version = step
@@ -184,7 +191,7 @@ def sync_and_maybe_reset(s: Session, step: int, updated: bool = True) -> dict[st
             s.schedule.record_reset(step)
             s.state.ref_version = step
     if colocated:
-        s.rollout.resume_memory(["kv_cache"])
+        s.rollout.memory.resume(["kv_cache"])
     return {"reset/performed": float(reset), "reset/ref_version": float(s.state.ref_version)}
 
 
@@ -195,7 +202,8 @@ def validate(s: Session, step: int) -> dict[str, float]:
     v, seed = s.config.validation, derive_seed(s.config.run.seed, step, 0, "validation")
     params = SamplingParams(temperature=v.temperature, top_p=v.top_p,
                             max_new_tokens=s.config.rollout.sampling.max_new_tokens, seed=seed)  # fmt: skip
-    run = lambda: evaluate(RemoteEngine(s.rollout, seed), s.val_datasets, RemoteScorer(s.reward),  # noqa: E731
+    engine, scorer = RemoteEngine(s.rollout.policy, seed), RemoteScorer(s.reward)
+    run = lambda: evaluate(engine, s.val_datasets, scorer,  # noqa: E731
                            v.n_samples, params, v.max_problems, tokenizer=s.tokenizer)  # fmt: skip
     with s.timers.phase("validate"):
         results = s.recovery.guard(s, step, "validation", run)  # a dead worker: replaced, again

@@ -49,7 +49,7 @@ class ServerDeadlineError(TimeoutError):
     """A control call (a weight-update session, weights, memory) got no answer from its server
     within ``ClientSettings.control_timeout_s``: the message names the server and the call. A
     ``TimeoutError``, so the run treats it as a fault of the worker that owns the server
-    (``orchestration/actors/faults.py``), as it did the bare timeout before."""
+    (``orchestration/actors/faults.py``)."""
 
 
 class ServerError(Exception):
@@ -217,22 +217,31 @@ memory too, which the loop never resumes (a resume of a tag not released raises 
 scheduler's ``offload_tags.remove``), so every release and every resume names these."""
 
 
-def release_memory_occupation_payload() -> dict:
-    """Body of ``/release_memory_occupation`` (``ReleaseMemoryOccupationReqInput``): the
-    weights and the KV cache (:data:`RELEASED_TAGS`)."""
-    return {"tags": list(RELEASED_TAGS)}
+PROFILE_START, PROFILE_STOP = "/start_profile", "/stop_profile"
+"""A server's profiler (``rollout/sglang/profile.py``: the body of a start; a stop has none)."""
+
+
+def release_memory_occupation_payload(tags: list[str] | None = None) -> dict:
+    """Body of ``/release_memory_occupation`` (``ReleaseMemoryOccupationReqInput``): ``tags``
+    among :data:`RELEASED_TAGS` (``None``: the weights and the KV cache)."""
+    return {"tags": known_tags(tags, "release")}
 
 
 def resume_memory_occupation_payload(tags: list[str] | None) -> dict:
     """Body of ``/resume_memory_occupation`` (``ResumeMemoryOccupationReqInput``); ``tags``
     among :data:`RELEASED_TAGS` (``None``: all of them, never ``cuda_graph``)."""
+    return {"tags": known_tags(tags, "resume")}
+
+
+def known_tags(tags: list[str] | None, verb: str) -> list[str]:
+    """``tags`` (``None``: :data:`RELEASED_TAGS`), each one of :data:`RELEASED_TAGS`."""
     chosen = list(RELEASED_TAGS) if tags is None else list(tags)
     unknown = sorted(set(chosen) - set(RELEASED_TAGS))
     if unknown:
         raise ValueError(
-            f"resume of memory tags {unknown}: only {list(RELEASED_TAGS)} are released"
+            f"{verb} of memory tags {unknown}: only {list(RELEASED_TAGS)} are released"
         )
-    return {"tags": chosen}
+    return chosen
 
 
 def parse_generate_response(body: dict[str, Any], fallback_version: int) -> GenerationOutput:
@@ -366,9 +375,17 @@ class SGLangClient:
 
     async def healthy(self, url: str, timeout_s: float = 30.0) -> bool:
         """``GET /health_generate`` answered 200 (it runs a one-token generation)."""
+        return await self._answers(url, "/health_generate", timeout_s)
+
+    async def scheduler_answers(self, url: str, timeout_s: float = 30.0) -> bool:
+        """``GET /server_info`` answered 200: the scheduler took a control request. A server
+        with generation paused (its memory released) does that, and no generation."""
+        return await self._answers(url, "/server_info", timeout_s)
+
+    async def _answers(self, url: str, endpoint: str, timeout_s: float) -> bool:
         try:
             timeout = aiohttp.ClientTimeout(total=timeout_s)
-            async with self.session.get(f"{url}/health_generate", timeout=timeout) as response:
+            async with self.session.get(f"{url}{endpoint}", timeout=timeout) as response:
                 return response.status == 200
         except (*RETRYABLE, aiohttp.ClientError):
             return False

@@ -1,6 +1,7 @@
 """``SGLangEngine``: a pool of SGLang servers (optionally behind ``sglang-router``) as a
 :class:`RolloutEngine`. A dead server is restarted out of rotation (:meth:`SGLangEngine.restart_server`)
-and rejoins once the trainer re-synced its weights (``orchestration/actors/weight_sync.py``, ``heal``).
+and rejoins once the trainer re-synced its weights (``orchestration/actors/rollout_fleet.py``,
+``ServerHealth.heal``).
 
 An SGLang server holds one weight set (``policy``). The reference is served by
 ``ref_strategy: swap`` (reload the same servers) or ``dedicated`` (a second
@@ -38,6 +39,8 @@ from megatron_armor.rollout.protocol import (
 from megatron_armor.rollout.sglang import launch
 from megatron_armor.rollout.sglang import weights as transport
 from megatron_armor.rollout.sglang.client import (
+    PROFILE_START,
+    PROFILE_STOP,
     ClientSettings,
     EventLoopThread,
     SGLangClient,
@@ -51,6 +54,7 @@ from megatron_armor.rollout.sglang.client import (
     sample_seed,
     update_weights_from_disk_payload,
 )
+from megatron_armor.rollout.sglang.profile import ServerProfile, server_profile
 from megatron_armor.rollout.sglang.router import RouterAdmin
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
@@ -98,9 +102,11 @@ class SGLangEngine(RolloutEngine):
         model_overrides: dict | None = None,
         on_cpu: bool = False,
         routes: tuple[int, int] | None = None,
+        profile: ServerProfile | None = None,
     ) -> None:
         """``model_overrides``: ``trainer.model_overrides``, served as the trainer trains.
         ``on_cpu``: servers without GPUs (``orchestration.layout: cpu``; ``launch.CPU_SERVER_ARGS``).
+        ``profile``: how ``logging.profile`` captures the servers (``rollout/sglang/profile.py``).
         ``routes``: ``(layers, k)`` of a mixture-of-experts model whose experts each sample
         returns (``--enable-return-routed-experts``, ``return_routed_experts`` per request;
         ``config/moe.py``: ``route_shape``); ``None``: no routes asked for.
@@ -114,6 +120,8 @@ class SGLangEngine(RolloutEngine):
         self.model_overrides = dict(model_overrides or {})
         self.on_cpu = on_cpu
         self.routes = routes
+        self.profile = profile
+        self._profiling = False
         self.pool = pool or policy_pool(cfg, len(urls) if urls else max(cfg.num_engines, 1))
         self.host = host
         self.weights_dir = weights_dir
@@ -140,6 +148,8 @@ class SGLangEngine(RolloutEngine):
         # hex, so it never starts with "-", which argparse would take for a flag
         self._api_key = "" if router_url or urls_given else secrets.token_hex(32)
         self._version = 0
+        self.released: list[str] = []
+        """The memory tags released and not yet resumed (generation paused while any is)."""
         self._round_robin = itertools.count()
         self._loop = EventLoopThread()
         self._client = SGLangClient(client_settings(cfg, self._api_key))
@@ -173,6 +183,7 @@ class SGLangEngine(RolloutEngine):
             indices=indices, model_overrides=dict(config.trainer.model_overrides),
             on_cpu=config.orchestration.layout == "cpu",
             routes=route_shape(config.trainer.model_path) if wants_engine_routes(config) else None,
+            profile=server_profile(config),
         )  # fmt: skip
         if start:
             try:
@@ -218,10 +229,33 @@ class SGLangEngine(RolloutEngine):
             weights_cpu_backup=self.pool.name == "ref",
             return_routed_experts=self.routes is not None,
         )
-        pool = "" if self.pool.name == "policy" else f"{self.pool.name}_"
-        log = os.path.join(log_dir, f"sglang_{pool}{server.index}.log") if log_dir else None
+        name = self.server_name(server)
+        log = os.path.join(log_dir, f"{name}.log") if log_dir else None
         command = launch.build_server_command(args, module=self.cfg.server_module)
+        if self.profile is not None:
+            command = self.profile.command(command, name)
         return launch.ManagedProcess(command, f"{server.url}/health_generate", log)
+
+    def server_name(self, server: EngineServer) -> str:
+        """``sglang_<i>`` (policy) or ``sglang_<pool>_<i>``: its log's and profile's name."""
+        pool = "" if self.pool.name == "policy" else f"{self.pool.name}_"
+        return f"sglang_{pool}{server.index}"
+
+    def profile_begin(self, step: int) -> None:
+        """At a chosen step, ask every server to start its capture (``rollout/sglang/profile.py``)."""
+        if self.profile is None or not self.profile.wants(step):
+            return
+        if self.profile.start_payload(self.server_name(self.servers[0])) is None:
+            return  # the driver's Nsight Systems session follows the servers
+        self._post_all(self.servers, PROFILE_START,
+                       lambda s: self.profile.start_payload(self.server_name(s)))  # fmt: skip
+        self._profiling = True
+
+    def profile_end(self, step: int) -> None:
+        """Stop the capture :meth:`profile_begin` started."""
+        if self._profiling:
+            self._post_all(self.servers, PROFILE_STOP, lambda s: {})
+            self._profiling = False
 
     def _launch_router(self, log_dir: str | None) -> None:
         port = self.pool.router_port
@@ -469,11 +503,13 @@ class SGLangEngine(RolloutEngine):
         trips an assertion that ends the server), then ``/release_memory_occupation`` of
         weights and KV cache (``client.RELEASED_TAGS``, never the CUDA graphs) on every server
         (colocated)."""
-        self.pause_generation()
+        self._release(self.servers, None)
+        self.released = list(release_memory_occupation_payload()["tags"])
+
+    def _release(self, servers: list[EngineServer], tags: list[str] | None) -> None:
+        self.pause_generation(servers)
         self._post_all(
-            self.servers,
-            "/release_memory_occupation",
-            lambda s: release_memory_occupation_payload(),
+            servers, "/release_memory_occupation", lambda s: release_memory_occupation_payload(tags)
         )
 
     def resume_memory(self, tags: list[str] | None = None) -> None:
@@ -481,18 +517,24 @@ class SGLangEngine(RolloutEngine):
         generation continues (``/continue_generation``) once the KV cache is back. The loop
         takes the weights back before a push and the KV cache after it, so the cache is not
         on the GPU beside the push's buckets."""
-        self._post_all(
-            self.servers,
-            "/resume_memory_occupation",
-            lambda s: resume_memory_occupation_payload(tags),
-        )
+        resumed = resume_memory_occupation_payload(tags)["tags"]
+        self._post_all(self.servers, "/resume_memory_occupation", lambda s: {"tags": resumed})
+        self.released = [t for t in self.released if t not in resumed]
         if tags is None or KV_CACHE in tags:
             self.continue_generation()
+
+    def _answers(self, url: str, timeout_s: float = 30.0):
+        """The probe of a server that works: ``/health_generate`` (a one-token generation)
+        while it serves; while its memory is released it is paused and generates nothing,
+        so there its scheduler must answer a control request (``/server_info``)."""
+        if self.released:
+            return self._client.scheduler_answers(url, timeout_s)
+        return self._client.healthy(url, timeout_s)
 
     def server_healthy(self, server: EngineServer) -> bool:
         if server.process is not None and not server.process.alive():
             return False
-        return self._loop.run(self._client.healthy(server.url))
+        return self._loop.run(self._answers(server.url))
 
     def health(self) -> bool:
         return all(self.server_healthy(s) for s in self.servers)
@@ -502,12 +544,15 @@ class SGLangEngine(RolloutEngine):
         within ``timeout_s``. SGLang 0.5.23 answers it at once while its scheduler is sending
         anything (a busy server that makes progress), runs a one-token generation when idle,
         answers 503 after ``SGLANG_HEALTH_CHECK_TIMEOUT`` (20 s) when the scheduler sent
-        nothing, and not at all when the HTTP process itself is stopped."""
+        nothing, and not at all when the HTTP process itself is stopped. While the pool's
+        memory is released (colocated, between the rollout and the KV cache's return) the
+        servers are paused and generate nothing: they are asked ``/server_info`` instead,
+        which a paused scheduler answers and a wedged one does not."""
         chosen = [s for s in self.servers
                   if s.serving and s.process is not None and s.process.alive()]  # fmt: skip
 
         async def probe_all():
-            return await asyncio.gather(*(self._client.healthy(s.url, timeout_s) for s in chosen))
+            return await asyncio.gather(*(self._answers(s.url, timeout_s) for s in chosen))
 
         answers = self._loop.run(probe_all()) if chosen else []
         return [s for s, ok in zip(chosen, answers, strict=True) if not ok]
@@ -521,7 +566,9 @@ class SGLangEngine(RolloutEngine):
 
     def restart_server(self, server: EngineServer) -> None:
         """Take ``server`` out of rotation and restart it; the caller re-syncs its weights,
-        then puts it back with :meth:`rejoin`."""
+        then puts it back with :meth:`rejoin`. While the pool's memory is released the new
+        process releases the same tags (paused, as the others), so the resume that comes next
+        finds them released."""
         server.serving = False
         if self.router_url is not None:
             self._router_call("remove_worker", server.url)
@@ -532,6 +579,8 @@ class SGLangEngine(RolloutEngine):
         server.process.stop()
         server.process.start(env=launch.server_env(self.on_cpu))
         server.process.wait_healthy(self.cfg.startup_timeout_s)
+        if self.released:  # as the pool's other servers: the phase resumes these tags next
+            self._release([server], self.released)
 
     def rejoin(self, server: EngineServer) -> None:
         """Put a restarted, re-synced ``server`` back into rotation (and behind the router)."""
