@@ -4,7 +4,7 @@
 objective: docs/algorithm.md). Generation runs in *windows*, one per weight version, each in
 rounds of one engine call in which every response in flight decodes at most ``W =
 ceil(max_new_tokens / k)`` tokens (``algo.staleness.window_tokens``, ``k =
-orchestration.max_staleness``), until a step's groups wait (:meth:`WindowDraw.collect`); a
+orchestration.max_staleness``), until a step's groups wait (:meth:`WindowRollout.collect`); a
 response that has not ended then is carried to the next window and goes on under the weights
 pushed since, from the tokens it has (``partial_rollout.py``). The window of step t+1 runs on a
 driver thread while the trainer works on step t, as ``one_step``'s rollout does::
@@ -68,19 +68,21 @@ from megatron_armor.rollout.protocol import PartialRequest
 from megatron_armor.types import Group, Sample, SampleSource
 
 
-class WindowDraw:
-    """Draws one window (:meth:`collect`) from the partial rollouts it holds; the recovery
-    guard (``actors/recovery.py``) calls :meth:`collect` again after a worker is replaced,
-    and each call starts from the same state, the window's start."""
+class WindowRollout(AnchorRollout):
+    """The anchor rollout of bounded staleness: :meth:`collect` draws one window from the
+    partial rollouts of :attr:`start` (the recovery guard, ``actors/recovery.py``, calls it
+    again after a worker is replaced, and each call starts from the same state: the window's
+    start), leaving the state after it in :attr:`drawn`."""
 
-    def __init__(self, session, rollout: AnchorRollout, window: int) -> None:
-        self.s, self.rollout, self.window = session, rollout, window
+    def __init__(self, config, dataset, sampler, policy, reference, reward, timers,
+                 session, window: int) -> None:  # fmt: skip
+        """``session``: the run's (its tokenizer, the policy version the engines serve);
+        ``window``: the tokens a response decodes per round."""
+        super().__init__(config, dataset, sampler, policy, reference, reward, None, timers)
+        self.s, self.window = session, window
         self.start = PartialRollouts()
         self.drawn: PartialRollouts | None = None
         self.counters: dict[str, float] = {}
-
-    def forget_prefetch(self) -> None:
-        self.rollout.forget_prefetch()
 
     def collect(self, step: int) -> RolloutResult:
         """The window of step ``step``: :attr:`drawn` is the state after it; the result holds
@@ -107,7 +109,7 @@ class WindowDraw:
                 self._draw_batch(step, work, result, size)
             pairs = work.requests()
             if pairs:
-                params = self.rollout._params(step, round_, "policy")
+                params = self._params(step, round_, "policy")
                 tokens = self._advance(pairs, params, result)
                 self.counters["continued"] += sum(n for (s, _), n in zip(pairs, tokens, strict=True)
                                                   if id(s) in carried)  # fmt: skip
@@ -123,7 +125,7 @@ class WindowDraw:
         return result
 
     def _batches_left(self, stats: AcceptanceStats) -> bool:
-        return stats.gen_batches < self.rollout.algo.max_gen_batches
+        return stats.gen_batches < self.algo.max_gen_batches
 
     def _expected(self, work: PartialRollouts, ended: list, stats: AcceptanceStats) -> float:
         """The groups waiting, plus the queries in flight or ended unjudged at the window's
@@ -140,20 +142,27 @@ class WindowDraw:
     def _batch_size(self, work, ended: list, stats: AcceptanceStats, need: int) -> int:
         """``followup_size`` of the groups still missing once those expected are counted."""
         missing = math.ceil(need - self._expected(work, ended, stats))
-        return followup_size(self.rollout.rollout_cfg.gen_batch, missing + stats.accepted,
+        return followup_size(self.rollout_cfg.gen_batch, missing + stats.accepted,
                              stats.accepted, stats.queries_seen)  # fmt: skip
 
     def _draw_batch(self, step: int, work: PartialRollouts, result, size: int) -> None:
         """``size`` new queries from the sampler, each with its ``n_on`` empty responses."""
         version = self.s.state.policy_version
-        indices = self.rollout.sampler.next_indices(size)
+        indices = self.sampler.next_indices(size)
         batch = result.stats.gen_batches
         work.in_flight += [self._start_query(i, batch, step, version) for i in indices]
         result.stats.add_generation_batch()
 
+    def check_short(self, step: int, result: RolloutResult) -> None:
+        """A step with fewer than ``rollout.batch`` groups: trained on them above the floor
+        (the run's first says so), else the ``AcceptanceError`` (``acceptance.py``)."""
+        check_short(step, result.stats, len(result.groups), self.floor, self.config,
+                    warn=not self._warned_short, previous=self.previous)  # fmt: skip
+        self._warned_short = True
+
     def _start_query(self, index: int, gen_batch: int, step: int, version: int) -> InFlight:
-        item = self.rollout.dataset[index]
-        samples = [new_sample(item, version) for _ in range(self.rollout._n_on())]
+        item = self.dataset[index]
+        samples = [new_sample(item, version) for _ in range(self._n_on())]
         fields = {k: getattr(item, k) for k in PromptItem.__dataclass_fields__}
         return InFlight(item=fields, gen_batch=gen_batch, started=step, index=index,
                         samples=samples)  # fmt: skip
@@ -161,9 +170,9 @@ class WindowDraw:
     def _advance(self, pairs: list[tuple[Sample, PartialRequest]], params, result) -> list[int]:
         """One engine call of the window on the requests of ``pairs``; each output appended to
         its sample; the tokens each drew."""
-        with self.rollout.timers.phase("generate"):
+        with self.timers.phase("generate"):
             requests = [r for _, r in pairs]
-            outputs = self.rollout.policy.generate_window(requests, params, self.window)
+            outputs = self.policy.generate_window(requests, params, self.window)
         tokens = [extend_sample(s, o) for (s, _), o in zip(pairs, outputs, strict=True)]
         self.counters["tail"] += tail_idle_seconds([o.seconds for o in outputs])
         result.generated_tokens += sum(tokens)
@@ -174,18 +183,17 @@ class WindowDraw:
         rule (a) (seed of ``round_``), select: accepted groups wait (``work.ready``)."""
         if not ended:
             return
-        r = self.rollout
         policy = [q.samples for q in ended]
         for sample in (x for row in policy for x in row):
             sample.response_text = self.s.tokenizer.decode(sample.response_ids,
                                                            skip_special_tokens=True)  # fmt: skip
-        with r.timers.phase("score"):
-            stats = r.reward.score([x for row in policy for x in row])
+        with self.timers.phase("score"):
+            stats = self.reward.score([x for row in policy for x in row])
         items = [PromptItem(**q.item) for q in ended]
         drawn, ref_stats = {}, {}
-        if r.mode.draws_reference:
-            drawn, ref_stats = r._reference_of_passing(items, policy, list(range(len(items))),
-                                                       step, round_, 0)  # fmt: skip
+        if self.mode.draws_reference:
+            drawn, ref_stats = self._reference_of_passing(items, policy, list(range(len(items))),
+                                                          step, round_, 0)  # fmt: skip
         result.reward_stats = merge_reward_stats(result.reward_stats,
                                                  merge_reward_stats(stats, ref_stats))  # fmt: skip
         for i, (query, item) in enumerate(zip(ended, items, strict=True)):
@@ -194,7 +202,7 @@ class WindowDraw:
             self._accept(query, item, reference, work, result)
 
     def _accept(self, query: InFlight, item, reference: list[Sample], work, result) -> None:
-        a = self.rollout.algo
+        a = self.algo
         group, reason = select_group(item.query_id, query.samples, reference, a.anchor,
                                      a.weak_filter)  # fmt: skip
         anchor = (
@@ -205,7 +213,7 @@ class WindowDraw:
                   "kept": False, "started": query.started}  # fmt: skip
         result.records.append(record)
         result.policy_samples.extend(query.samples)
-        retire_drawn(self.rollout.sampler, [query.index], [record])
+        retire_drawn(self.sampler, [query.index], [record])
         if group is not None:
             work.ready.append(group)
 
@@ -213,16 +221,25 @@ class WindowDraw:
 class BoundedPipeline:
     """The loop's step with ``orchestration.async_rollout: bounded`` (module docstring)."""
 
-    def __init__(self, session, rollout: AnchorRollout, timers: PhaseTimers, state: dict):
-        self.s, cfg = session, session.config
-        self.k = cfg.orchestration.max_staleness
-        window = cfg.rollout.sampling.max_new_tokens
-        if cfg.orchestration.partial_rollout:
-            window = window_tokens(window, self.k)
-        self.draw = WindowDraw(session, rollout, window)
+    def __init__(self, session, rollout: WindowRollout, timers: PhaseTimers, state: dict):
+        """``state``: a checkpoint's ``pending`` (``{}``: nothing in flight)."""
+        self.s, self.k = session, session.config.orchestration.max_staleness
+        self.draw = rollout
         self.draw.start = PartialRollouts.from_state(state)
         self.collector = Collector(session, self.draw, timers)
         self.pending: Collected | None = collected_from_state(state.get("window", {}))
+
+    @classmethod
+    def start(cls, session, timers: PhaseTimers, state: dict) -> BoundedPipeline:
+        """The pipeline of ``session``'s run: its window of ``ceil(max_new_tokens / k)``
+        tokens with ``orchestration.partial_rollout`` (else ``max_new_tokens``)."""
+        cfg, s = session.config, session
+        window = cfg.rollout.sampling.max_new_tokens
+        if cfg.orchestration.partial_rollout:
+            window = window_tokens(window, cfg.orchestration.max_staleness)
+        rollout = WindowRollout(cfg, s.dataset, s.sampler, s.rollout.policy, s.rollout.reference,
+                                s.reward, timers, s, window)  # fmt: skip
+        return cls(session, rollout, timers, state)
 
     def in_flight(self) -> dict:
         """What a checkpoint keeps: the waiting groups and the responses in flight, and the
@@ -306,10 +323,7 @@ class BoundedPipeline:
         """Fewer than ``rollout.batch`` groups wait: a short step (``acceptance.py``)."""
         result.short_batch = len(result.groups) < self.s.config.rollout.batch
         if result.short_batch:
-            r = self.draw.rollout
-            check_short(step, result.stats, len(result.groups), r.floor, self.s.config,
-                        warn=not r._warned_short, previous=r.previous)  # fmt: skip
-            r._warned_short = True
+            self.draw.check_short(step, result)
 
     def _submit(self, step: int, result: RolloutResult):
         """The trainer's calls of the step, queued: the log-prob call (``old`` under the live

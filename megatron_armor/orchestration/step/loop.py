@@ -194,11 +194,12 @@ def run_loop(s: Session, start: int, stop: StopSignal) -> int:
     pipeline = None
     if runs_async_rollout(cfg) or runs_bounded_staleness(cfg):  # own timers, no progress bar
         timers = PhaseTimers(s.timers.clock)  # a batch drawn in the step's thread is its time
-        rollout = AnchorRollout(cfg, s.dataset, s.sampler, s.rollout.policy, s.rollout.reference,
-                                s.reward, None, timers)  # fmt: skip
         if runs_bounded_staleness(cfg):
-            pipeline = BoundedPipeline(s, rollout, timers, s.state.pending)
+            pipeline = BoundedPipeline.start(s, timers, s.state.pending)
+            rollout = pipeline.draw
         else:
+            rollout = AnchorRollout(cfg, s.dataset, s.sampler, s.rollout.policy,
+                                    s.rollout.reference, s.reward, None, timers)  # fmt: skip
             pipeline = AsyncPipeline(s, rollout, timers, collected_from_state(s.state.pending))
     else:
         rollout = AnchorRollout(cfg, s.dataset, s.sampler, s.rollout.policy, s.rollout.reference,
