@@ -75,14 +75,23 @@ class WindowRollout(AnchorRollout):
     start), leaving the state after it in :attr:`drawn`."""
 
     def __init__(self, config, dataset, sampler, policy, reference, reward, timers,
-                 session, window: int) -> None:  # fmt: skip
+                 session, window: int, start: PartialRollouts) -> None:  # fmt: skip
         """``session``: the run's (its tokenizer, the policy version the engines serve);
-        ``window``: the tokens a response decodes per round."""
+        ``window``: the tokens a response decodes per round; ``start``: what is in flight
+        (a resumed checkpoint's, or nothing)."""
         super().__init__(config, dataset, sampler, policy, reference, reward, None, timers)
-        self.s, self.window = session, window
-        self.start = PartialRollouts()
+        self.s, self.window, self.start = session, window, start
         self.drawn: PartialRollouts | None = None
         self.counters: dict[str, float] = {}
+
+    def keep_drawn(self) -> dict[str, float]:
+        """The state after the window drawn last becomes the next one's start; that window's
+        ``async/partial_carried``, ``async/continued_tokens`` and
+        ``perf/rollout_tail_idle_s``."""
+        self.start = self.drawn
+        return {"async/partial_carried": float(len(self.start.requests())),
+                "async/continued_tokens": self.counters["continued"],
+                "perf/rollout_tail_idle_s": self.counters["tail"]}  # fmt: skip
 
     def collect(self, step: int) -> RolloutResult:
         """The window of step ``step``: :attr:`drawn` is the state after it; the result holds
@@ -225,7 +234,6 @@ class BoundedPipeline:
         """``state``: a checkpoint's ``pending`` (``{}``: nothing in flight)."""
         self.s, self.k = session, session.config.orchestration.max_staleness
         self.draw = rollout
-        self.draw.start = PartialRollouts.from_state(state)
         self.collector = Collector(session, self.draw, timers)
         self.pending: Collected | None = collected_from_state(state.get("window", {}))
 
@@ -237,8 +245,9 @@ class BoundedPipeline:
         window = cfg.rollout.sampling.max_new_tokens
         if cfg.orchestration.partial_rollout:
             window = window_tokens(window, cfg.orchestration.max_staleness)
+        start = PartialRollouts.from_state(state)
         rollout = WindowRollout(cfg, s.dataset, s.sampler, s.rollout.policy, s.rollout.reference,
-                                s.reward, timers, s, window)  # fmt: skip
+                                s.reward, timers, s, window, start)  # fmt: skip
         return cls(session, rollout, timers, state)
 
     def in_flight(self) -> dict:
@@ -262,14 +271,8 @@ class BoundedPipeline:
         return self._with_counters(collected)
 
     def _with_counters(self, collected: Collected) -> Collected:
-        """The window's own metrics (carried responses, their continued tokens, the tail);
-        its state becomes the pipeline's."""
-        self.draw.start = self.draw.drawn
-        c = self.draw.counters
-        collected.metrics.update({
-            "async/partial_carried": float(len(self.draw.start.requests())),
-            "async/continued_tokens": c["continued"], "perf/rollout_tail_idle_s": c["tail"],
-        })  # fmt: skip
+        """The window's state kept for the next, its own metrics into ``collected``'s."""
+        collected.metrics.update(self.draw.keep_drawn())
         return collected
 
     def run_step(self, step: int) -> dict[str, float]:
