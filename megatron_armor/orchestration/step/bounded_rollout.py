@@ -370,5 +370,6 @@ def mark_kept(result: RolloutResult) -> None:
         if record["reason"] == "accepted" and record["query_id"] in taken:
             record["kept"] = True
             judged.add(record["query_id"])
-    result.records += [{"query_id": g.query_id, "reason": "accepted", "kept": True,
-                        "waited": True} for g in result.groups if g.query_id not in judged]  # fmt: skip
+    waited = [g.query_id for g in result.groups if g.query_id not in judged]
+    result.records += [{"query_id": q, "reason": "accepted", "kept": True, "waited": True}
+                       for q in waited]  # fmt: skip

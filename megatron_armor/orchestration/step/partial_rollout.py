@@ -112,8 +112,9 @@ class PartialRollouts:
         stalest first (oldest policy token, then the order they were accepted in), none older
         than ``max_staleness`` (those are dropped). Returns ``(groups, dropped)``; the rest
         keep waiting."""
-        fresh = [g for g in self.ready
-                 if within_bound(policy_oldest_version(g), trainer_version, max_staleness)]  # fmt: skip
+        oldest = [policy_oldest_version(g) for g in self.ready]
+        fresh = [g for g, v in zip(self.ready, oldest, strict=True)
+                 if within_bound(v, trainer_version, max_staleness)]  # fmt: skip
         dropped = len(self.ready) - len(fresh)
         order = sorted(range(len(fresh)), key=lambda i: (policy_oldest_version(fresh[i]), i))
         chosen = set(order[:need])
