@@ -56,7 +56,9 @@ def run_once(config: str, mode: str, steps: int, out: Path, extra: list[str]) ->
     loop_s = sum(r["timing/step_s"] for r in steps_)
     tokens = sum(r.get("rollout/generated_tokens", 0.0) for r in steps_)
     out_ = {"mode": mode, "wall_s": wall, "loop_s": loop_s, "steps": len(steps_),
-            "steps_per_hour": len(steps_) / loop_s * 3600, "tokens_per_s": tokens / loop_s}  # fmt: skip
+            "steps_per_hour": len(steps_) / loop_s * 3600, "tokens_per_s": tokens / loop_s,
+            "tokens": tokens, "validate_total_s": sum(r.get("timing/validate_s", 0.0) for r in steps_),
+            "lines": steps_}  # fmt: skip
     for phase in PHASES:
         out_[phase] = mean(r.get(f"timing/{phase}_s", 0.0) for r in steps_)
     for key in ASYNC_KEYS:

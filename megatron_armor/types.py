@@ -95,10 +95,26 @@ class Sample:
     routed_experts: RoutedExperts | None = None
     """A mixture-of-experts engine's routes of every position (``None``: not asked for, or a
     dense model)."""
+    response_versions: list[int] = field(default_factory=list)
+    """The weight version that produced each response token, for a sample generated across
+    weight pushes (a partial rollout continued under newer weights, docs/orchestration.md,
+    "Bounded staleness"); empty: every token came from ``weight_version``. ``weight_version``
+    is then the version of the last token."""
 
     @property
     def response_len(self) -> int:
         return len(self.response_ids)
+
+    def token_versions(self) -> list[int]:
+        """The weight version of each response token (``[len(response_ids)]``)."""
+        if self.response_versions:
+            return list(self.response_versions)
+        return [self.weight_version] * len(self.response_ids)
+
+    @property
+    def oldest_version(self) -> int:
+        """The version of the sample's oldest token (``weight_version`` when it has none)."""
+        return min(self.response_versions, default=self.weight_version)
 
 
 @dataclass
@@ -121,6 +137,19 @@ class Group:
 
     def is_anchor(self, i: int) -> bool:
         return self.anchor_index is not None and i == self.anchor_index
+
+
+def sample_from_dict(d: dict) -> Sample:
+    """The :class:`Sample` of ``dataclasses.asdict`` (after a JSON round trip: a checkpoint's
+    batch in flight)."""
+    routes = d.get("routed_experts")
+    return Sample(**{**d, "source": SampleSource(d["source"]),
+                     "routed_experts": RoutedExperts(**routes) if routes else None})  # fmt: skip
+
+
+def group_from_dict(d: dict) -> Group:
+    """The :class:`Group` of ``dataclasses.asdict`` (after a JSON round trip)."""
+    return Group(**{**d, "samples": [sample_from_dict(x) for x in d["samples"]]})
 
 
 # --- tensors between processes ----------------------------------------------------------

@@ -1,5 +1,5 @@
 """``armor plan CONFIG [key=value ...] [--model NAME|DIR] [--gpu-mem-gib 80] [--device GPU]
-[--assume NAME=VALUE ...] [--checkpoint CKPT]``: preflight check.
+[--assume NAME=VALUE ...] [--checkpoint CKPT] [--lengths RUN_DIR]``: preflight check.
 
 Prints per-GPU memory per phase (weights, grads, optimizer, activations, logits, SGLang share;
 a mixture-of-experts model adds its all-to-all buffers and its active parameters), the size of
@@ -10,7 +10,9 @@ and efficiencies assumed (``planner/phase_plan.py``). With ``--checkpoint`` (a r
 allocation (``trainer.world_size``) the model admits, whether the checkpoint resumes at each and
 whether each fits (``planner/resume.py``). Exit code 0 when the plan fits (and the checkpoint
 resumes at the configured layout), 1 when it does not (or a rule fails), 2 on a
-config/model/checkpoint error: run it before sbatch.
+config/model/checkpoint error: run it before sbatch. ``--lengths RUN_DIR`` adds a projection of
+the rollout time partial rollouts would save on the config's layout, from that run's response
+lengths (``planner/tail.py``).
 """
 
 from __future__ import annotations
@@ -51,6 +53,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--assume", action="append", default=[], metavar="NAME=VALUE",
                    help="an efficiency or workload assumption of the predicted phase times "
                    "(planner/phase_time.py), e.g. train_mfu=0.3 or acceptance=0.4")  # fmt: skip
+    p.add_argument("--lengths", default=None, metavar="RUN_DIR",
+                   help="project the rollout time partial rollouts save (async_rollout=bounded, "
+                   "max_staleness 2 and 4) from this run's response lengths")  # fmt: skip
     p.set_defaults(run=run)
 
 
@@ -66,15 +71,18 @@ def run(args: argparse.Namespace) -> int:
         plan = make_plan(config, model=args.model, gpu_mem_gib=gib)
         resume = _resume_lines(args, config, gib) if args.checkpoint else None
         times = phase_times(config, plan.model, args.device, args.assume, gib)
-    except (ConfigError, ValueError) as e:
+        tail = tail_projection(config, plan, args.lengths) if args.lengths else None
+    except (ConfigError, ValueError, OSError) as e:
         print(f"armor plan: {e}", file=sys.stderr)
         return 2
     lines, resumes = resume or ([], True)
     if args.json:
         print(json.dumps({**_as_dict(plan), "phase_times": times.as_dict(),
-                          **({"resume": lines} if resume else {})}, indent=2))  # fmt: skip
+                          **({"resume": lines} if resume else {}), **_tail_dict(tail)},
+                         indent=2))  # fmt: skip
     else:
-        print("\n".join([plan.report(), times.report(), *lines]))
+        print("\n".join([plan.report(), times.report(), *lines,
+                         *([tail.report()] if tail else [])]))  # fmt: skip
     return 0 if plan.fits and resumes else 1
 
 
@@ -118,6 +126,35 @@ def phase_times(config, dims, device: str, assume: list[str], gpu_mem_gib: float
         peaks = plan_device(device)
     eff, guess = parse_assumptions(assume, Efficiency), parse_assumptions(assume, WorkloadGuess)
     return make_phase_plan(config, dims, peaks, eff, guess, gpu_mem_gib)
+
+
+def tail_projection(config, plan, run_dir: str):
+    """``--lengths``: the :class:`~megatron_armor.planner.tail.TailProjection` of ``run_dir``'s
+    response lengths on ``config``'s engines (their KV cache in ``plan``) and
+    ``max_new_tokens``."""
+    from megatron_armor.planner.tail import (
+        engine_slots,
+        project_tail,
+        requests_per_engine,
+        run_lengths,
+    )
+
+    lengths, run_max_new = run_lengths(run_dir)
+    return project_tail(lengths, run_max_new, config.rollout.sampling.max_new_tokens,
+                        requests_per_engine(config),
+                        engine_slots(config, plan, lengths, run_max_new))  # fmt: skip
+
+
+def _tail_dict(tail) -> dict:
+    if tail is None:
+        return {}
+    return {"tail_projection": {
+        "requests_per_engine": tail.requests_per_engine, "slots": tail.slots,
+        "samples": tail.samples,
+        "synchronous_decode_steps": tail.synchronous,
+        "bounded_decode_steps": {str(k): v for k, v in tail.windowed.items()},
+        "bounded_saved_fraction": {str(k): tail.saved(k) for k in tail.windowed},
+    }}  # fmt: skip
 
 
 def _as_dict(plan) -> dict:

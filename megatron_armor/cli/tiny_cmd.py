@@ -1,5 +1,6 @@
 """``armor tiny --out DIR``: tiny arithmetic data + a warm-started tiny Qwen2 model
-(``--moe``: a tiny Qwen3-MoE, 4 experts, top-2, warm-started the same way).
+(``--moe``: a tiny Qwen3-MoE, 4 experts, top-2, warm-started the same way; ``--task
+long_tail``: a few problems need answers three times as long, docs/tiny.md).
 
 Writes DIR/data/{train,val}.parquet and DIR/model, then prints the warm-started accuracy
 (DAPO rule, sampling at T = 1.0 and greedy). A complete DIR is left alone unless --force.
@@ -15,10 +16,18 @@ MOE_EXPERTS = 4
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    from megatron_armor.tiny.task import TASKS
+
     p = sub.add_parser("tiny", help="make the tiny CPU task and warm-started model")
     p.add_argument("--out", default="artifacts/tiny", help="output directory")
     p.add_argument("--force", action="store_true", help="rebuild even if DIR is complete")
     p.add_argument("--seed", type=int, default=0, help="data seed")
+    p.add_argument(
+        "--task",
+        default="arith",
+        choices=sorted(TASKS),
+        help="long_tail: a tenth of the problems need answers ~3x as long (docs/tiny.md)",
+    )
     p.add_argument("--n-train", type=int, default=2048, help="training rows")
     p.add_argument("--n-val", type=int, default=256, help="validation rows")
     p.add_argument(
@@ -38,7 +47,7 @@ def build_config(args: argparse.Namespace):
     """The ``TinyBuildConfig`` for the command-line settings."""
     from megatron_armor.tiny.build import TinyBuildConfig
 
-    cfg = TinyBuildConfig(n_train=args.n_train, n_val=args.n_val, seed=args.seed)
+    cfg = TinyBuildConfig(n_train=args.n_train, n_val=args.n_val, seed=args.seed, task=args.task)
     if args.moe:
         cfg = replace(cfg, model=replace(cfg.model, num_experts=MOE_EXPERTS))
     changes = {

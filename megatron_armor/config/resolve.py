@@ -130,7 +130,7 @@ def decide_concurrent_reference(a: Autos, world_size: int) -> bool:
     oversubscribe the cores), off with ``async_rollout`` (the engine generates meanwhile)."""
     value = concurrent_reference_setting(a.concurrent_reference)
     if value == AUTO:
-        return a.layout == "cpu" and world_size == 1 and a.async_rollout != "one_step"
+        return a.layout == "cpu" and world_size == 1 and a.async_rollout == "off"
     return value
 
 

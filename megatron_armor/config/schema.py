@@ -24,7 +24,7 @@ Fp8Recipe = Annotated[str, Names("delayed", "tensorwise", "mxfp8", "blockwise")]
 Template = Annotated[str, Names("dapo", "chat", "plain")]
 Verifier = Annotated[str, Names("auto", "dapo", "math_verify")]
 Layout = Annotated[str, Names("cpu", "colocated", "disaggregated")]
-AsyncRollout = Annotated[str, Names("off", "one_step")]
+AsyncRollout = Annotated[str, Names("off", "one_step", "bounded")]
 RoutingReplay = Annotated[str, Names("off", "r2", "r3")]
 AnchorRoutes = Annotated[str, Names("own", "reference", "free")]
 Profiler = Annotated[str, Names("none", "nsys", "torch", "dlprof")]
@@ -509,8 +509,18 @@ class OrchestrationConfig:
     """``one_step``: the rollout of step t+1 runs while the trainer updates on step t, on the
     weights of step t-1 (policy samples at most one version old; the ``old`` pass uses those
     weights, kept on the trainer); a step that resets the reference drains the pipeline
-    (docs/orchestration.md, "Asynchronous rollout"). Needs rollout workers on devices of their
-    own: ``disaggregated``, or ``cpu`` with a core each."""
+    (docs/orchestration.md, "Asynchronous rollout"). ``bounded``: generation runs ahead of
+    training by up to ``max_staleness`` weight versions, with partial rollouts, trained with
+    the decoupled objective (docs/orchestration.md, "Bounded staleness"; docs/algorithm.md).
+    Both need rollout workers on devices of their own: ``disaggregated``, or ``cpu`` with a
+    core each."""
+    max_staleness: int = 2
+    """``bounded``: the most weight versions a trained policy token may be behind the
+    trainer's (``k >= 1``); older groups are dropped."""
+    partial_rollout: bool = True
+    """``bounded``: a request decodes at most ``ceil(rollout.sampling.max_new_tokens /
+    max_staleness)`` tokens per weight version and goes on under the next from the tokens it
+    has; ``false``: every response is drawn whole on one version."""
 
 
 @dataclass

@@ -280,9 +280,20 @@ def check_offload(config: ArmorConfig) -> Problems:
 
 
 def runs_async_rollout(config: ArmorConfig) -> bool:
-    """Whether the next step's rollout overlaps this step's updates
+    """Whether the next step's rollout overlaps this step's updates one step off
     (``orchestration.async_rollout: one_step``, ``orchestration/step/async_rollout.py``)."""
     return config.orchestration.async_rollout == "one_step"
+
+
+def runs_bounded_staleness(config: ArmorConfig) -> bool:
+    """Whether generation runs ahead of training by up to ``orchestration.max_staleness``
+    versions (``orchestration.async_rollout: bounded``, docs/orchestration.md)."""
+    return config.orchestration.async_rollout == "bounded"
+
+
+def overlaps_rollout(config: ArmorConfig) -> bool:
+    """Whether rollouts are drawn while the trainer updates (``one_step`` or ``bounded``)."""
+    return runs_async_rollout(config) or runs_bounded_staleness(config)
 
 
 def host_cores() -> int:
@@ -308,21 +319,23 @@ def swaps_reference_into_policy_servers(config: ArmorConfig) -> bool:
 
 
 def check_async_rollout(config: ArmorConfig) -> Problems:
-    """``orchestration.async_rollout: one_step`` needs engines that generate while the trainer
-    updates: not on the trainer's GPUs (``colocated``) and, on CPU, a core for each."""
-    if not runs_async_rollout(config):
+    """``orchestration.async_rollout: one_step`` or ``bounded`` needs engines that generate
+    while the trainer updates: not on the trainer's GPUs (``colocated``) and, on CPU, a core
+    for each."""
+    if not overlaps_rollout(config):
         return
     orch = config.orchestration
+    mode = f"orchestration.async_rollout={orch.async_rollout}"
     fix = "set orchestration.async_rollout=off"
     if orch.layout == "colocated":
         yield (
-            "orchestration.async_rollout=one_step with orchestration.layout='colocated': the "
+            f"{mode} with orchestration.layout='colocated': the "
             "engines share the trainer's GPUs and release their memory while it updates, so "
             f"nothing can overlap; use layout=disaggregated (rollout GPUs of their own) or {fix}"
         )
     if config.trainer.offload_train_state:
         yield (
-            "orchestration.async_rollout=one_step with trainer.offload_train_state=true: the "
+            f"{mode} with trainer.offload_train_state=true: the "
             "offload frees the trainer's GPUs for colocated engines between updates; set "
             f"trainer.offload_train_state=false or {fix}"
         )
@@ -330,13 +343,13 @@ def check_async_rollout(config: ArmorConfig) -> Problems:
         cores, wanted = host_cores(), config.resolved.world_size + 1
         if cores < wanted:
             yield (
-                f"orchestration.async_rollout=one_step on {cores} core(s): the cpu layout's "
+                f"{mode} on {cores} core(s): the cpu layout's "
                 f"{config.resolved.world_size} trainer rank(s) and rollout engine need a core "
                 f"each ({wanted}) to work at once; run on a machine with more cores or {fix}"
             )
     if swaps_reference_into_policy_servers(config):
         yield (
-            f"orchestration.async_rollout=one_step with rollout.ref_strategy="
+            f"{mode} with rollout.ref_strategy="
             f"{config.rollout.ref_strategy!r} on SGLang: the reference is swapped into the policy "
             "servers by trainer pushes, and the push back would load the updated policy in the "
             "middle of the next step's rollout; use rollout.ref_strategy=dedicated (a reference "
@@ -344,9 +357,52 @@ def check_async_rollout(config: ArmorConfig) -> Problems:
         )
     if concurrent_reference_setting(config.trainer.concurrent_reference) is True:
         yield (
-            "trainer.concurrent_reference=true with orchestration.async_rollout=one_step: the "
+            f"trainer.concurrent_reference=true with {mode}: the "
             "concurrent reference pass borrows the rollout engine's core, which generates the "
             "next step meanwhile; set trainer.concurrent_reference=auto or false"
+        )
+
+
+def check_bounded_staleness(config: ArmorConfig) -> Problems:
+    """``orchestration.async_rollout: bounded`` trains with the decoupled objective, whose
+    behaviour weight is the rollout correction (docs/algorithm.md, "Bounded staleness"), and
+    draws whole generation batches policy first, their reference samples fresh."""
+    if not runs_bounded_staleness(config):
+        return
+    o, a, r = config.orchestration, config.algo, config.rollout
+    mode = "orchestration.async_rollout=bounded"
+    if o.max_staleness < 1:
+        yield (
+            f"orchestration.max_staleness={o.max_staleness}: must be >= 1 (the most weight "
+            "versions a trained token may lag); one_step is the bound of 1 without partial "
+            "rollouts"
+        )
+    if a.rollout_correction.mode == "none":
+        yield (
+            f"{mode} with algo.rollout_correction.mode='none': the samples come from older "
+            "weights than the trainer's, and the decoupled objective weights each token by "
+            "pi_prox / pi_behaviour; set algo.rollout_correction.mode=token_tis (truncated) "
+            "or icepop (masked, AReaL's form with rollout_correction.low=0)"
+        )
+    if a.anchor_source == "cache" or r.ref_strategy == "cache":
+        yield (
+            f"{mode} with the anchor cache (algo.anchor_source / rollout.ref_strategy cache): "
+            "groups are judged when their last member ends, across steps, which the cache's "
+            "per-step verdicts do not follow; set algo.anchor_source=generate"
+        )
+    if config.resolved.reference_first is True or r.reference_parts != 1:
+        yield (
+            f"{mode} with rollout.reference_first=true or rollout.reference_parts="
+            f"{r.reference_parts}: a group's reference samples are drawn once its policy samples "
+            "have all ended; set rollout.reference_first=auto (policy first here) and "
+            "rollout.reference_parts=1"
+        )
+    if o.partial_rollout and config.trainer.moe.routing_replay == "r3":
+        yield (
+            f"{mode} with orchestration.partial_rollout=true and trainer.moe.routing_replay="
+            "'r3': a continued response's routes are recomputed under the new weights, not "
+            "those that drew its first tokens; set trainer.moe.routing_replay=r2 or "
+            "orchestration.partial_rollout=false"
         )
 
 
@@ -611,6 +667,7 @@ DECIDED_RULES: list[Callable[[ArmorConfig], Problems]] = [
     check_sglang_reference,
     check_concurrent_reference,
     check_async_rollout,
+    check_bounded_staleness,
     check_parallel,
 ]
 """The rules that read the decisions of ``config.resolved`` (``config/resolve.py``): they run

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -36,11 +36,53 @@ class GenerationOutput:
 
     token_ids: list[int]
     logprobs: list[float]
-    finish_reason: str  # "stop" | "length" | "abort"
+    finish_reason: str
+    """``stop`` (a stop token) | ``length`` (``max_new_tokens``) | ``abort`` | ``partial``
+    (:meth:`RolloutEngine.generate_window`: the window ended first; continue it)."""
     weight_version: int
     routed_experts: RoutedExperts | None = None
     """A mixture-of-experts engine asked for routes: the experts of every position of
     prompt + response but the last (``types.RoutedExperts``); ``None`` otherwise."""
+    token_versions: list[int] = field(default_factory=list)
+    """The weight version of each token when a push came while it was generated (SGLang's
+    ``meta_info.weight_versions``); empty: every token is of ``weight_version``."""
+    seconds: float = field(default=0.0, compare=False)
+    """Seconds from the start of the engine call to this response's last token: how long its
+    slot of the batch was busy (``perf/rollout_tail_idle_s``, docs/metrics.md)."""
+
+
+@dataclass
+class PartialRequest:
+    """One request of :meth:`RolloutEngine.generate_window`: a prompt and the response tokens
+    it has so far (none for a new request), to be continued under the engine's weights."""
+
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+
+
+def window_limits(
+    requests: Sequence[PartialRequest], params: SamplingParams, window_tokens: int
+) -> list[int]:
+    """The new tokens each request may decode in a window: ``window_tokens``, and no more
+    than ``params.max_new_tokens`` in all (at least 1: a request at its limit is finished)."""
+    if window_tokens < 1:
+        raise ValueError(f"generate_window: window_tokens={window_tokens} must be >= 1")
+    limits = [min(window_tokens, params.max_new_tokens - len(r.response_ids)) for r in requests]
+    done = [i for i, n in enumerate(limits) if n < 1]
+    if done:
+        raise ValueError(
+            f"generate_window: request {done[0]} has {len(requests[done[0]].response_ids)} "
+            f"response tokens, max_new_tokens={params.max_new_tokens}: it is finished"
+        )
+    return limits
+
+
+def window_finish_reason(stopped: bool, total: int, params: SamplingParams) -> str:
+    """The finish reason of a window's output: ``stop`` (ended by a stop token), ``length``
+    (``total`` response tokens reached ``max_new_tokens``) or ``partial`` (to be continued)."""
+    if stopped:
+        return "stop"
+    return "length" if total >= params.max_new_tokens else "partial"
 
 
 class RolloutEngine(ABC):
@@ -59,6 +101,23 @@ class RolloutEngine(ABC):
         weights: str = "policy",
     ) -> list[list[GenerationOutput]]:
         """For each prompt (token ids), ``n`` samples; result ``[len(prompts)][n]``."""
+
+    def generate_window(
+        self,
+        requests: list[PartialRequest],
+        params: SamplingParams,
+        window_tokens: int,
+        weights: str = "policy",
+    ) -> list[GenerationOutput]:
+        """One window of a partial rollout (docs/orchestration.md, "Bounded staleness"): each
+        request, its response so far appended to its prompt and evaluated under the current
+        weights, decodes at most ``window_tokens`` new tokens (and no more than
+        ``params.max_new_tokens`` in all, :func:`window_limits`). Returns the *new* tokens of
+        each request, ``finish_reason`` from :func:`window_finish_reason`."""
+        raise NotImplementedError(
+            f"{type(self).__name__} has no windowed generation; partial rollouts "
+            "(orchestration.async_rollout: bounded) need the torch or sglang backend"
+        )
 
     @abstractmethod
     def update_weights(

@@ -25,8 +25,10 @@ Weight sets: ``policy`` is the loaded model; ``ref`` is a second model created o
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 import re
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -37,7 +39,14 @@ from transformers.cache_utils import DynamicLayer
 from megatron_armor.config.model_overrides import resolve_model_overrides
 from megatron_armor.heartbeat import beat
 from megatron_armor.rollout.decode_step import DecodeStep, decode_step_for
-from megatron_armor.rollout.protocol import GenerationOutput, RolloutEngine, SamplingParams
+from megatron_armor.rollout.protocol import (
+    GenerationOutput,
+    PartialRequest,
+    RolloutEngine,
+    SamplingParams,
+    window_finish_reason,
+    window_limits,
+)
 from megatron_armor.rollout.sampling import sample_next_tokens, scaled_log_probs
 from megatron_armor.types import RoutedExperts
 
@@ -328,6 +337,62 @@ class TorchEngine(RolloutEngine):
     ) -> list[list[GenerationOutput]]:
         if n < 1:
             raise ValueError(f"rollout: n={n} samples per prompt must be >= 1")
+        rows = [i for i in range(len(prompts)) for _ in range(n)]
+        results: list[list[GenerationOutput]] = [[] for _ in prompts]
+        for prompt_index, (tokens, logps, routes, version, seconds) in zip(
+            rows, self._sample_rows(prompts, rows, params, weights), strict=True
+        ):
+            out = self._output(tokens, logps, params, version, routes)
+            out.seconds = seconds
+            results[prompt_index].append(out)
+        return results
+
+    def generate_window(
+        self,
+        requests: list[PartialRequest],
+        params: SamplingParams,
+        window_tokens: int,
+        weights: str = "policy",
+    ) -> list[GenerationOutput]:
+        """One window of a partial rollout (``RolloutEngine.generate_window``): each request's
+        prompt and response so far are prefilled under the current weights (its KV cache
+        computed anew, as SGLang recomputes a retracted request's), then it decodes up to its
+        limit (:func:`~megatron_armor.rollout.protocol.window_limits`). The rows of one call
+        share one ``torch.Generator`` (``params.seed``), as in :meth:`generate`."""
+        limits = window_limits(requests, params, window_tokens)
+        rows, inputs, seen = [], [], {}
+        for r in requests:  # requests with the same tokens share their prefill, as in generate
+            key = (*r.prompt_ids, -1, *r.response_ids)
+            if key not in seen:
+                seen[key] = len(inputs)
+                inputs.append(list(r.prompt_ids) + list(r.response_ids))
+            rows.append(seen[key])
+        room = dataclasses.replace(params, max_new_tokens=max(limits, default=1))
+        sampled = self._sample_rows(inputs, rows, room, weights, limits)
+        stops = self.stop_ids.union(params.stop_token_ids)
+        out = []
+        for request, (tokens, logps, routes, version, seconds) in zip(
+            requests, sampled, strict=True
+        ):
+            stopped = bool(tokens) and tokens[-1] in stops
+            total = len(request.response_ids) + len(tokens)
+            reason = window_finish_reason(stopped, total, params)
+            experts = None if routes is None else RoutedExperts.from_array(routes.numpy())
+            out.append(GenerationOutput(tokens, logps, reason, version, experts, seconds=seconds))
+        return out
+
+    def _sample_rows(
+        self,
+        inputs: list[list[int]],
+        rows: list[int],
+        params: SamplingParams,
+        weights: str,
+        limits: list[int] | None = None,
+    ) -> list[tuple]:
+        """Decode one sample per entry of ``rows`` (an index into ``inputs``), in chunks of
+        ``max_batch`` rows, each up to ``params.max_new_tokens`` tokens or its entry of
+        ``limits``: ``(tokens, logprobs, routes, version, seconds)`` per row (``seconds``
+        from the call's start to its last token)."""
         if self._released:
             raise RuntimeError("rollout: engine memory is released; call resume_memory() first")
         model = self._model(weights)
@@ -337,21 +402,20 @@ class TorchEngine(RolloutEngine):
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        rows = [(i, j) for i in range(len(prompts)) for j in range(n)]
-        results: list[list[GenerationOutput]] = [[] for _ in prompts]
+        out, called = [], time.perf_counter()
         try:
             for start in range(0, len(rows), self.max_batch):
-                chunk_prompts = [i for i, _ in rows[start : start + self.max_batch]]
+                chunk = rows[start : start + self.max_batch]
+                chunk_limits = None if limits is None else limits[start : start + self.max_batch]
                 outs = self._generate_chunk(
-                    model, step, prompts, chunk_prompts, params, generator, capture
+                    model, step, inputs, chunk, params, generator, capture, chunk_limits
                 )
-                for prompt_index, (tokens, logps, routes) in zip(chunk_prompts, outs, strict=True):
-                    out = self._output(tokens, logps, params, version, routes)
-                    results[prompt_index].append(out)
+                out += [(tokens, logps, routes, version, end - called)
+                        for tokens, logps, routes, end in outs]  # fmt: skip
         finally:
             if capture is not None:
                 capture.close()
-        return results
+        return out
 
     def teacher_forced_logprobs(
         self, prompt: list[int], response: list[int], temperature: float, weights: str = "policy"
@@ -414,9 +478,13 @@ class TorchEngine(RolloutEngine):
         return out.logits[:, -1, :]
 
     @torch.inference_mode()
-    def _generate_chunk(self, model, step, prompts, chunk_prompts, params, generator, capture):
-        """Decode one chunk; returns per row ``(token_ids, logprobs, routes)``: ``routes``
-        ``[prompt + response - 1, layers, k]`` with a :class:`RouteCapture`, else ``None``."""
+    def _generate_chunk(
+        self, model, step, prompts, chunk_prompts, params, generator, capture, limits=None
+    ):
+        """Decode one chunk; returns per row ``(token_ids, logprobs, routes, ended)``: ``routes``
+        ``[prompt + response - 1, layers, k]`` with a :class:`RouteCapture`, else ``None``;
+        ``ended`` the ``time.perf_counter()`` of its last token.
+        ``limits``: each row's most new tokens (default: ``params.max_new_tokens``)."""
         distinct = sorted(set(chunk_prompts))
         ids, mask, positions = left_pad([prompts[i] for i in distinct], self.pad_id, self.device)
         width = ids.shape[1]
@@ -438,22 +506,33 @@ class TorchEngine(RolloutEngine):
             logits[expand],
         )
         chunk.rows = torch.arange(len(chunk_prompts), device=self.device)
-        decoded = self._decode(model, step, chunk, logits, params, generator, capture)
+        row_limits = None if limits is None else torch.tensor(limits, device=self.device)
+        decoded = self._decode(model, step, chunk, logits, params, generator, capture, row_limits)
         if capture is None:
-            return [(t, lp, None) for t, lp, _ in decoded]
+            return [(t, lp, None, end) for t, lp, _, end in decoded]
         out = []
-        for i, (tokens, logps, fed) in zip(chunk_prompts, decoded, strict=True):
+        for i, (tokens, logps, fed, end) in zip(chunk_prompts, decoded, strict=True):
             prompt = prefill[distinct.index(i), width - len(prompts[i]) :]
-            out.append((tokens, logps, torch.cat([prompt, fed[: max(len(tokens) - 1, 0)]])))
+            routes = torch.cat([prompt, fed[: max(len(tokens) - 1, 0)]])
+            out.append((tokens, logps, routes, end))
         return out
 
     def _decode(
-        self, model, step, chunk: _Chunk, logits, params: SamplingParams, generator, capture=None
+        self,
+        model,
+        step,
+        chunk: _Chunk,
+        logits,
+        params: SamplingParams,
+        generator,
+        capture=None,
+        limits: torch.Tensor | None = None,
     ):
-        """Sample up to ``max_new_tokens`` per row from the prefill's ``logits``; each further
-        token goes through ``step`` (a :class:`DecodeStep`) or, when ``None``, the HF forward.
-        Per row ``(tokens, logprobs, routes of the fed tokens)`` (``None`` without
-        ``capture``)."""
+        """Sample up to ``max_new_tokens`` per row (``limits[row]`` when given) from the
+        prefill's ``logits``; each further token goes through ``step`` (a :class:`DecodeStep`)
+        or, when ``None``, the HF forward. Per row ``(tokens, logprobs, routes of the fed
+        tokens, ended)`` (routes ``None`` without ``capture``; ``ended``: the
+        ``time.perf_counter()`` of its last token)."""
         num_rows = chunk.rows.numel()
         fed = None if capture is None else capture.empty(num_rows, params.max_new_tokens)
         tokens = torch.zeros(
@@ -463,6 +542,7 @@ class TorchEngine(RolloutEngine):
             (num_rows, params.max_new_tokens), dtype=torch.float32, device=self.device
         )
         lengths = torch.zeros(num_rows, dtype=torch.long, device=self.device)
+        ended = [0.0] * num_rows  # time.perf_counter() at each row's last token
         stops = torch.tensor(sorted(self.stop_ids.union(params.stop_token_ids)), device=self.device)
         for t in range(params.max_new_tokens):
             beat()  # a token decoded: progress the driver's call deadline sees
@@ -470,9 +550,14 @@ class TorchEngine(RolloutEngine):
             tokens[chunk.rows, t], logps[chunk.rows, t] = next_tokens, next_logps
             lengths[chunk.rows] = t + 1
             live = ~torch.isin(next_tokens, stops)
+            if limits is not None:  # a row whose window is used up leaves like a stopped one
+                live &= limits[chunk.rows] > t + 1
             if t + 1 == params.max_new_tokens or not bool(live.any()):
                 break
             if not bool(live.all()):
+                now = time.perf_counter()
+                for row in chunk.rows[~live].tolist():
+                    ended[row] = now
                 keep = live.nonzero().squeeze(-1)
                 chunk.cache.batch_select_indices(keep)
                 chunk.rows, chunk.mask, chunk.positions = (
@@ -490,10 +575,14 @@ class TorchEngine(RolloutEngine):
             if capture is not None:
                 fed[chunk.rows.cpu(), t] = capture.take(len(ids), 1)[:, 0]
             chunk.positions = chunk.positions + 1
+        now = time.perf_counter()
+        for row in chunk.rows.tolist():
+            ended[row] = now
         lengths_list, tokens_list, logps_list = lengths.tolist(), tokens.tolist(), logps.tolist()
-        rows = zip(tokens_list, logps_list, lengths_list, strict=True)
+        rows = zip(tokens_list, logps_list, lengths_list, ended, strict=True)
         return [
-            (t[:n], lp[:n], None if fed is None else fed[i]) for i, (t, lp, n) in enumerate(rows)
+            (t[:n], lp[:n], None if fed is None else fed[i], end)
+            for i, (t, lp, n, end) in enumerate(rows)
         ]
 
 

@@ -24,7 +24,7 @@ import torch
 
 from megatron_armor.tiny.accuracy import measure_accuracy
 from megatron_armor.tiny.model import TinyModelConfig, build_model, save_model_dir
-from megatron_armor.tiny.task import TRAIN_LEVELS, VAL_LEVELS, generate_problems, write_task
+from megatron_armor.tiny.task import generate_problems, task_levels, write_task
 from megatron_armor.tiny.tokenizer import build_tokenizer
 from megatron_armor.tiny.warmstart import WarmStartConfig, warm_start
 
@@ -43,6 +43,9 @@ class TinyBuildConfig:
     """Rows of ``val.parquet``."""
     seed: int = 0
     """Data seed (train uses ``seed``, val ``seed + 1``)."""
+    task: str = "arith"
+    """``arith`` | ``long_tail`` (``tiny.task.TASKS``): the levels of the splits and of the
+    warm start."""
     model: TinyModelConfig = field(default_factory=TinyModelConfig)
     """Model shape and init seed."""
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
@@ -76,9 +79,10 @@ def clear(out_dir: str | Path) -> None:
 
 def split_accuracy(model, tokenizer, cfg: TinyBuildConfig) -> dict[str, dict[str, Any]]:
     """Sampled (T = 1.0) and greedy accuracy on the first problems of each written split."""
+    train_levels, val_levels = task_levels(cfg.task)
     splits = {
-        "train": generate_problems(min(cfg.n_train, REPORT_PROBLEMS), cfg.seed, TRAIN_LEVELS),
-        "val": generate_problems(min(cfg.n_val, REPORT_PROBLEMS), cfg.seed + 1, VAL_LEVELS),
+        "train": generate_problems(min(cfg.n_train, REPORT_PROBLEMS), cfg.seed, train_levels),
+        "val": generate_problems(min(cfg.n_val, REPORT_PROBLEMS), cfg.seed + 1, val_levels),
     }
     report: dict[str, dict[str, Any]] = {}
     for name, problems in splits.items():
@@ -107,13 +111,13 @@ def build_tiny(
     clear(out_dir)
     start = time.perf_counter()
     p = paths(out_dir)
-    write_task(p["train"].parent, cfg.n_train, cfg.n_val, cfg.seed)
+    write_task(p["train"].parent, cfg.n_train, cfg.n_val, cfg.seed, cfg.task)
     tokenizer = build_tokenizer()
     threads = torch.get_num_threads()
     torch.set_num_threads(cfg.warm_start.num_threads)
     try:
         model = build_model(cfg.model)
-        result = warm_start(model, tokenizer, cfg.warm_start)
+        result = warm_start(model, tokenizer, cfg.warm_start, task_levels(cfg.task)[0])
         save_model_dir(model, p["model"])
         accuracy = split_accuracy(model, tokenizer, cfg)
     finally:

@@ -17,11 +17,17 @@ lvl   expression                                      example
 3     ``a ± b ± c``, a, b, c in [0, 9]                ``7+8-3``
 4     ``a ± b``, a, b in [10, 99]                     ``57+38``
 5     ``a ± b ± c``, a, b, c in [10, 99]              ``57+38-21``
+6     eight operands in [0, 9] (seven lines)           ``7+8-3+2+9-4+1+5``
 ====  ==============================================  =============
 
 The training split mixes levels 1-3; the validation split holds levels 2-4 and so
 includes problems harder than anything the warm start was fit on (level 4). Level 5 is
 available for harder benchmarks (``generate_problems(..., levels={5: 1.0})``).
+
+Tasks (:data:`TASKS`, ``armor tiny --task``): ``arith`` is the above; ``long_tail`` adds level 6
+to both splits (a tenth of training, a fifth of validation), whose working is about three
+times as long as a level-3 answer (~70 tokens against ~25): a few problems need long answers,
+so a synchronous rollout batch waits for them (docs/tiny.md, "The long-tail task").
 
 Rows follow the DAPO-Math-17K schema (``prompt`` = chat messages, ``reward_model.ground_truth``,
 ``data_source``, ``ability``, ``extra_info.index``) with ``data_source = "tiny_arith"``, which
@@ -45,6 +51,16 @@ TRAIN_LEVELS: dict[int, float] = {1: 0.3, 2: 0.4, 3: 0.3}
 VAL_LEVELS: dict[int, float] = {2: 0.3, 3: 0.3, 4: 0.4}
 """Level -> sampling weight of the (harder) validation split."""
 
+LONG_LEVEL = 6
+"""The level of the long answers (eight single-digit operands: seven working lines)."""
+
+TASKS: dict[str, tuple[dict[int, float], dict[int, float]]] = {
+    "arith": (TRAIN_LEVELS, VAL_LEVELS),
+    "long_tail": ({1: 0.3, 2: 0.3, 3: 0.3, LONG_LEVEL: 0.1},
+                  {2: 0.3, 3: 0.3, 4: 0.2, LONG_LEVEL: 0.2}),
+}  # fmt: skip
+"""``armor tiny --task NAME`` -> (training levels, validation levels)."""
+
 _TERM = re.compile(r"([+-]?)(\d+)")
 
 
@@ -65,6 +81,7 @@ def _operand_ranges(level: int) -> list[tuple[int, int]]:
         3: [(0, 9), (0, 9), (0, 9)],
         4: [(10, 99), (10, 99)],
         5: [(10, 99), (10, 99), (10, 99)],
+        LONG_LEVEL: [(0, 9)] * 8,
     }
     if level not in ranges:
         raise ValueError(f"tiny task: level={level} is not defined; use one of {sorted(ranges)}")
@@ -155,16 +172,25 @@ def write_split(path: str | Path, problems: Sequence[Problem], split: str) -> Pa
     return path
 
 
+def task_levels(task: str) -> tuple[dict[int, float], dict[int, float]]:
+    """The (training, validation) levels of ``task`` (:data:`TASKS`)."""
+    if task not in TASKS:
+        raise ValueError(f"tiny task: task={task!r} is not one of {sorted(TASKS)}")
+    return TASKS[task]
+
+
 def write_task(
-    out_dir: str | Path, n_train: int = 2048, n_val: int = 256, seed: int = 0
+    out_dir: str | Path, n_train: int = 2048, n_val: int = 256, seed: int = 0, task: str = "arith"
 ) -> dict[str, Path]:
-    """Write ``train.parquet`` (levels 1-3) and ``val.parquet`` (levels 2-4) under ``out_dir``.
+    """Write ``train.parquet`` and ``val.parquet`` of ``task`` (:data:`TASKS`; ``arith``:
+    levels 1-3 and 2-4) under ``out_dir``.
 
     The splits use different seeds (``seed`` and ``seed + 1``), so they are independent draws.
     """
     out_dir = Path(out_dir)
-    train = generate_problems(n_train, seed, TRAIN_LEVELS)
-    val = generate_problems(n_val, seed + 1, VAL_LEVELS)
+    train_levels, val_levels = task_levels(task)
+    train = generate_problems(n_train, seed, train_levels)
+    val = generate_problems(n_val, seed + 1, val_levels)
     return {
         "train": write_split(out_dir / "train.parquet", train, "train"),
         "val": write_split(out_dir / "val.parquet", val, "val"),

@@ -7,7 +7,9 @@ same weights and overrides (and against the model without the override, which mu
 override reaches the served model); each weight transport inside SGLang's weight-update session
 (disk; distributed over gloo in buckets; tensor with the CPU payload); release and resume in the
 loop's order with generation paused, a request in flight; a paused server taken for alive,
-and restarted paused.
+and restarted paused; a request in flight interrupted by a weight push and continued under the
+pushed weights, each token's version and log-prob as recorded (partial rollouts,
+docs/orchestration.md "Bounded staleness").
 
 Every update loads weights whose log-probs differ from the previous ones by far more than the
 tolerance, so a push that did not arrive fails the comparison.
@@ -41,6 +43,7 @@ from sglang_servers import (
 from megatron_armor.doctor import node
 from megatron_armor.rollout.sglang import weights as transport
 from megatron_armor.rollout.sglang.client import (
+    parse_generate_response,
     update_weights_from_distributed_payload,
 )
 from megatron_armor.rollout.sglang.launch import CPU_SERVER_ARGS
@@ -187,6 +190,7 @@ def test_release_and_resume_in_the_loops_order_with_a_request_in_flight(served):
     # the servers loaded v14: the HF dirs of earlier disk pushes are gone
     assert sorted(p.name for p in Path(engine.weights_dir).iterdir()) == ["v14"]
     assert_serves(engine, model, new, 14, previous=served.get("current"))
+    served["current"] = new
 
 
 def test_a_paused_server_is_not_taken_for_stuck_and_a_restart_keeps_it_paused(served):
@@ -209,14 +213,56 @@ def test_a_paused_server_is_not_taken_for_stuck_and_a_restart_keeps_it_paused(se
     engine.rejoin(server)
     assert engine.health() and engine.released == []
     assert_serves(engine, model, new, 15, previous=served.get("current"))
+    served["current"] = new
 
 
-def _stream_one(engine, first_chunk: threading.Event, finished: dict) -> None:
-    """A streamed ``/generate`` of 64 tokens; sets ``first_chunk`` at its first token."""
+def test_a_request_interrupted_by_a_push_goes_on_under_the_new_weights(served):
+    """A partial rollout on the real server: a slowed-down request is in flight (its first
+    tokens streamed), the servers pause (``retract``), load a push of version 16 and continue;
+    the request is continued from its tokens, never restarted: its answer's
+    ``meta_info.weight_versions`` give each token's version (``client.token_versions_of``),
+    the tokens before the push have the old weights' log-probs and those after it the new
+    weights' on the whole prefix (its KV cache recomputed under them)."""
+    engine, model = served["engine"], served["model"]
+    old_version, old = engine.weight_version(), served.get("current", served["base"])
+    assert call(engine, "/slow_down", {"forward_sleep_time": 0.2}, engine.api_key)[0] == 200
+    first_chunk, finished = threading.Event(), {}
+    stream = threading.Thread(target=_stream_one, args=(engine, first_chunk, finished, 40))
+    stream.start()
+    new = perturbed(served["base"], seed=6)
+    try:
+        assert first_chunk.wait(timeout=300), "the streamed request produced no token"
+        engine.pause_generation()
+        assert call(engine, "/slow_down", {"forward_sleep_time": None}, engine.api_key)[0] == 200
+        engine.update_weights(new, version=16)  # while paused: the cache flush is allowed
+        engine.continue_generation()
+    finally:
+        stream.join(timeout=300)
+    out = parse_generate_response(finished["body"], engine.weight_version())
+    assert out.finish_reason in ("length", "stop") and out.weight_version == 16
+    cut = out.token_versions.index(16)
+    assert 1 <= cut < len(out.token_ids), out.token_versions
+    assert out.token_versions == [old_version] * cut + [16] * (len(out.token_ids) - cut)
+    for weights, span in ((old, slice(0, cut)), (new, slice(cut, None))):
+        want = oracle(model, weights, OVERRIDES).teacher_forced_logprobs(
+            PROMPTS[0], out.token_ids, TEMPERATURE
+        )[span]
+        gaps = [abs(a - b) for a, b in zip(want, out.logprobs[span], strict=True)]
+        assert sum(gaps) / len(gaps) < MEAN_TOL and max(gaps) < MAX_TOL, gaps
+    served["current"] = new
+
+
+def _stream_one(
+    engine, first_chunk: threading.Event, finished: dict, max_new_tokens: int = 64
+) -> None:
+    """A streamed ``/generate`` (temperature ``TEMPERATURE``, with log-probs); sets
+    ``first_chunk`` at its first token; ``finished`` gets the finish reason and the last
+    chunk's body (SGLang's non-incremental stream: the whole answer)."""
 
     async def run():
-        body = {"input_ids": PROMPTS[0], "stream": True,
-                "sampling_params": {"temperature": 1.0, "max_new_tokens": 64}}  # fmt: skip
+        body = {"input_ids": PROMPTS[0], "stream": True, "return_logprob": True,
+                "sampling_params": {"temperature": TEMPERATURE, "max_new_tokens": max_new_tokens,
+                                    "no_stop_trim": True}}  # fmt: skip
         headers = {"Authorization": f"Bearer {engine.api_key}"}
         async with aiohttp.ClientSession(headers=headers) as session:
             url = engine.servers[0].url + "/generate"
@@ -226,9 +272,10 @@ def _stream_one(engine, first_chunk: threading.Event, finished: dict) -> None:
                     if not text.startswith("data:") or text == "data: [DONE]":
                         continue
                     first_chunk.set()
-                    reason = json.loads(text[5:])["meta_info"]["finish_reason"]
+                    chunk = json.loads(text[5:])
+                    reason = chunk["meta_info"]["finish_reason"]
                     if reason:
-                        finished["reason"] = reason["type"]
+                        finished["reason"], finished["body"] = reason["type"], chunk
 
     try:
         asyncio.run(run())

@@ -719,7 +719,7 @@ def test_a_cached_all_wrong_reference_rejects_a_recurring_query_before_it_is_gen
     )
     assert records[3][0] == {"query_id": "q3", "gen_batch": 0, "reason": "no_reference_correct",
                              "policy_correct": 0, "policy_n": 0, "ref_correct": 0, "ref_n": 0,
-                             "cached_verdict": True}  # fmt: skip
+                             "policy_lengths": [], "cached_verdict": True}  # fmt: skip
     policy_calls = [c[1] for c in calls if c[0] == "policy"]
     assert policy_calls == [3, 3, 3, 2, 3, 3]  # q3 skipped at step 4 only (after the reset: drawn)
     assert sum(c[0] == "verdicts" for c in calls) == 6

@@ -33,7 +33,7 @@ from aiohttp import web
 
 from megatron_armor import heartbeat
 from megatron_armor.config.schema import ArmorConfig, SGLangConfig
-from megatron_armor.rollout.protocol import SamplingParams
+from megatron_armor.rollout.protocol import PartialRequest, SamplingParams
 from megatron_armor.rollout.sglang import launch
 from megatron_armor.rollout.sglang import weights as transport
 from megatron_armor.rollout.sglang.client import (
@@ -376,6 +376,40 @@ def test_parse_generate_response_in_sglang_format():
         parse_generate_response({"text": "", "meta_info": {}}, 0)
 
 
+def test_a_response_across_a_weight_update_gets_each_tokens_version():
+    """SGLang 0.5.23's ``meta_info.weight_versions`` (``srt/utils/weight_versions.py``): spans
+    of output tokens per version a request ran under; one span: no per-token list."""
+    triples = [[-0.5, 11, None], [-1.0, 12, None], [-0.25, 13, None]]
+    spans = [{"version": "default", "start": 0, "end": 1}, {"version": "4", "start": 1, "end": 3}]
+    meta = {"finish_reason": {"type": "length"}, "weight_version": "4",
+            "output_token_logprobs": triples, "weight_versions": spans}  # fmt: skip
+    out = parse_generate_response({"meta_info": meta}, fallback_version=3)
+    assert (out.weight_version, out.token_versions) == (4, [0, 4, 4])  # "default": version 0
+    spans[0]["version"] = "3"
+    out = parse_generate_response({"meta_info": meta}, fallback_version=0)
+    assert out.token_versions == [3, 4, 4]
+    meta["weight_versions"] = [{"version": "4", "start": 0, "end": 3}]
+    assert parse_generate_response({"meta_info": meta}, 0).token_versions == []
+
+
+def test_a_window_sends_each_request_with_its_tokens_and_its_limit(standin):
+    """``generate_window``: the prompt and the response so far as ``input_ids``, the window's
+    limit as ``max_new_tokens``, a seed per request; ``partial`` until ``max_new_tokens``."""
+    engine = engine_for([standin.url])
+    try:
+        params = SamplingParams(max_new_tokens=6, seed=5, stop_token_ids=(1000,))
+        requests = [PartialRequest([1, 2, 3]), PartialRequest([4, 5], [9, 9, 9, 9])]
+        out = engine.generate_window(requests, params, 3)
+        sent = [body for endpoint, body in standin.calls if endpoint == "/generate"]
+        assert sorted(b["input_ids"] for b in sent) == [[1, 2, 3], [4, 5, 9, 9, 9, 9]]
+        limits = {tuple(b["input_ids"]): b["sampling_params"]["max_new_tokens"] for b in sent}
+        assert limits == {(1, 2, 3): 3, (4, 5, 9, 9, 9, 9): 2}
+        assert len({b["sampling_params"]["sampling_seed"] for b in sent}) == 2
+        assert [(len(o.token_ids), o.finish_reason) for o in out] == [(3, "partial"), (2, "length")]
+    finally:
+        engine.close()
+
+
 def test_payloads_match_sglang_fields():
     params = SamplingParams(
         temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=8, stop_token_ids=(5, 2), seed=1
@@ -680,9 +714,8 @@ def test_routed_experts_decode_compactly_and_survive_a_checkpoint():
 
     import numpy as np
 
-    from megatron_armor.orchestration.step.async_rollout import _sample
     from megatron_armor.rollout.sglang.client import parse_routed_experts
-    from megatron_armor.types import Sample
+    from megatron_armor.types import Sample, sample_from_dict
 
     rng = np.random.default_rng(0)
     prompt, response, layers, k = [5, 6, 7], [8, 9], 3, 2
@@ -699,11 +732,11 @@ def test_routed_experts_decode_compactly_and_survive_a_checkpoint():
     with pytest.raises(SGLangError, match="--enable-return-routed-experts"):
         parse_routed_experts({}, layers, k, positions)
     sample = Sample("q", prompt, response, [-0.5, -0.25], routed_experts=routes)
-    restored = _sample(json.loads(json.dumps(dataclasses.asdict(sample))))
+    restored = sample_from_dict(json.loads(json.dumps(dataclasses.asdict(sample))))
     assert restored == sample and np.array_equal(restored.routed_experts.array(), routes.array())
     plain = dataclasses.asdict(Sample("q", prompt, response))
     del plain["routed_experts"]  # a checkpoint written before the field existed
-    assert _sample(json.loads(json.dumps(plain))).routed_experts is None
+    assert sample_from_dict(json.loads(json.dumps(plain))).routed_experts is None
 
 
 def test_an_engine_built_for_routes_asks_for_them_and_decodes_them(standin):

@@ -1,13 +1,17 @@
-"""Embedded ``torch`` engine: exact log-probs, seeds, stop tokens, weight sets (unit tier:
-CPU only, a 2-layer Qwen2 built in a temp dir)."""
+"""Embedded ``torch`` engine: exact log-probs, seeds, stop tokens, weight sets, windowed
+generation (a partial rollout interrupted by a weight push and continued under the new
+weights) (unit tier: CPU only, a 2-layer Qwen2 built in a temp dir)."""
 
 from __future__ import annotations
+
+import itertools
+import time
 
 import pytest
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from megatron_armor.rollout.protocol import SamplingParams
+from megatron_armor.rollout.protocol import PartialRequest, SamplingParams
 from megatron_armor.rollout.torch_engine import BufferedKVLayer, TorchEngine
 
 pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("one_torch_thread")]
@@ -271,3 +275,61 @@ def routes_of_forward(model, gate, tokens: list[int]) -> torch.Tensor:
         model(torch.tensor([tokens]))
     hook.remove()
     return seen[0].sort(-1).values
+
+
+def test_a_window_as_long_as_the_response_is_plain_generation(engine):
+    params = SamplingParams(temperature=1.0, max_new_tokens=12, seed=3)
+    plain = [g[0] for g in engine.generate(PROMPTS, 1, params)]
+    window = engine.generate_window([PartialRequest(p) for p in PROMPTS], params, 12)
+    assert [w.token_ids for w in window] == [p.token_ids for p in plain]
+    assert [w.logprobs for w in window] == [p.logprobs for p in plain]
+    reasons = [("stop" if p.finish_reason == "stop" else "length") for p in plain]
+    assert [w.finish_reason for w in window] == reasons
+
+
+def test_interrupted_by_a_push_and_continued_under_the_new_weights(engine, model_dirs):
+    """Windows of 4 tokens: what a request has at the push is continued, never restarted,
+    under the pushed weights; each token's log-prob is that of the weights that drew it
+    (teacher-forced under those weights), and the windows stop at ``max_new_tokens``."""
+    params = SamplingParams(temperature=1.0, max_new_tokens=10, seed=5)
+    first = engine.generate_window([PartialRequest(p) for p in PROMPTS], params, 4)
+    going = [PartialRequest(p, o.token_ids) for p, o in zip(PROMPTS, first, strict=True)
+             if o.finish_reason == "partial"]  # fmt: skip
+    assert going, "every request stopped in its first window: pick another seed"
+    assert all(len(r.response_ids) == 4 for r in going)
+    engine.update_weights(other_weights(model_dirs), version=1)
+    second = engine.generate_window(going, params, 4)
+    last = [PartialRequest(r.prompt_ids, r.response_ids + o.token_ids)
+            for r, o in zip(going, second, strict=True) if o.finish_reason == "partial"]  # fmt: skip
+    third = engine.generate_window(last, params, 4)
+    assert all(o.weight_version == 1 for o in second + third)
+    assert all(o.finish_reason in ("stop", "length") and len(o.token_ids) <= 2 for o in third)
+    old = TorchEngine(model_dirs[0])
+    for request, out in zip(going, second, strict=True):
+        prefix, prompt = request.response_ids, request.prompt_ids
+        drawn = first[PROMPTS.index(prompt)].logprobs
+        before = old.teacher_forced_logprobs(prompt, prefix, 1.0)
+        after = engine.teacher_forced_logprobs(prompt, prefix + out.token_ids, 1.0)
+        assert torch.allclose(torch.tensor(before), torch.tensor(drawn), atol=1e-5)
+        assert torch.allclose(torch.tensor(after[len(prefix) :]), torch.tensor(out.logprobs),
+                              atol=1e-5)  # fmt: skip
+
+
+def test_each_output_says_when_its_last_token_came(engine):
+    """``GenerationOutput.seconds``: from the call's start to the response's last token, so
+    within a chunk a longer response ends no earlier than a shorter one."""
+    stops = tuple(range(2, 30))
+    started = time.perf_counter()
+    out = [s for g in engine.generate(PROMPTS, 4, SamplingParams(max_new_tokens=20,
+           stop_token_ids=stops, seed=0)) for s in g][:4]  # fmt: skip
+    took = time.perf_counter() - started
+    assert len({len(s.token_ids) for s in out}) > 1, "pick another seed: one length only"
+    by_length = sorted(out, key=lambda s: len(s.token_ids))
+    assert all(a.seconds <= b.seconds for a, b in itertools.pairwise(by_length))
+    assert all(0 < s.seconds <= took for s in out)
+
+
+def test_a_finished_request_is_refused(engine):
+    params = SamplingParams(max_new_tokens=3, seed=0)
+    with pytest.raises(ValueError, match="request 0 has 3 response tokens, max_new_tokens=3"):
+        engine.generate_window([PartialRequest([5, 6], [7, 8, 9])], params, 2)

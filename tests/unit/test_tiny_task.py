@@ -9,6 +9,7 @@ from megatron_armor.reward.dapo_rule import score_dapo
 from megatron_armor.reward.verifiers import auto_verifier
 from megatron_armor.tiny.task import (
     DATA_SOURCE,
+    LONG_LEVEL,
     TRAIN_LEVELS,
     VAL_LEVELS,
     evaluate_expression,
@@ -16,6 +17,7 @@ from megatron_armor.tiny.task import (
     render_prompt,
     render_solution,
     solution_steps,
+    task_levels,
     write_task,
 )
 
@@ -30,7 +32,7 @@ def test_generator_is_deterministic_in_seed():
     assert a != c
 
 
-@pytest.mark.parametrize("levels", [TRAIN_LEVELS, VAL_LEVELS, {5: 1.0}])
+@pytest.mark.parametrize("levels", [TRAIN_LEVELS, VAL_LEVELS, {5: 1.0}, {LONG_LEVEL: 1.0}])
 def test_problems_evaluate_to_their_answer_and_stay_non_negative(levels):
     for p in generate_problems(300, 0, levels):
         assert p.level in levels
@@ -87,3 +89,22 @@ def test_write_task_dapo_math_schema(tmp_path):
     assert val[0]["extra_info"]["index"] == "val-000000"
     again = write_task(tmp_path / "again", n_train=40, n_val=10, seed=0)
     assert pq.read_table(again["train"]).to_pylist() == train
+
+
+def test_the_long_tail_task_has_a_few_long_answers(tmp_path):
+    """``long_tail``: a tenth of the training problems are level 6, whose answers are about
+    three times the others' (characters: the tiny tokenizer's tokens), and they fit the
+    ``rollout.sampling.max_new_tokens`` of ``configs/tiny_long_tail.yaml`` (96, with the eos)."""
+    train, val = task_levels("long_tail")
+    problems = generate_problems(2000, 0, train)
+    lengths = sorted(len(render_solution(p.expression)) + 1 for p in problems)
+    long = [p for p in problems if p.level == LONG_LEVEL]
+    assert 0.08 < len(long) / len(problems) < 0.12 and val[LONG_LEVEL] > 0
+    median, top = lengths[len(lengths) // 2], lengths[-1]
+    assert top >= 3 * median and top <= 96, (median, top)
+    assert all(len(solution_steps(p.expression)) == 7 for p in long)
+    paths = write_task(tmp_path, n_train=50, n_val=10, seed=0, task="long_tail")
+    levels = [r["extra_info"]["level"] for r in pq.read_table(paths["train"]).to_pylist()]
+    assert LONG_LEVEL in levels
+    with pytest.raises(ValueError, match="task='longer' is not one of"):
+        task_levels("longer")

@@ -115,6 +115,14 @@ class StepMark:
         torch.set_rng_state(self.torch_rng)
 
 
+UNSERVED = (
+    "the engines serve weights the trainer no longer holds (orchestration.async_rollout="
+    "bounded draws the next window beside the updates without a copy of them)"
+)
+"""Why a rollout worker or server that fails while a bounded window is drawn is not replaced
+in the run: exit 75, and the resume redraws the window exactly."""
+
+
 class Recovery:
     """Replacing dead rollout and reward workers in the run; one per session."""
 
@@ -125,13 +133,16 @@ class Recovery:
         self.snapshot_step = -1  # the step whose end (or resumed start) they are of
         self.step = 0  # the step under way, for faults the loop does not guard
         self.anchor_rollout = None  # the loop's AnchorRollout (its sent-ahead call is dropped)
-        self.served = "policy"  # the trainer weights a replacement gets (:meth:`serve`)
+        self.served: str | None = "policy"
+        """The trainer weights a replacement gets (:meth:`serve`): ``None`` while a bounded
+        window is drawn (kept nowhere: :data:`UNSERVED`)."""
         self.servers_restarted = 0  # SGLang servers restarted after a stuck call, not yet counted
 
-    def serve(self, weights: str) -> None:
+    def serve(self, weights: str | None) -> None:
         """The trainer weights the engines serve from now on, which a replacement gets:
         ``behavior`` while the next step is drawn beside the updates, else ``policy``
-        (``orchestration/step/async_rollout.py``)."""
+        (``orchestration/step/async_rollout.py``); ``None`` while a bounded window is drawn
+        (the weights are kept nowhere: a rollout fault is a requeue, :data:`UNSERVED`)."""
         self.served = weights
 
     # ------------------------------------------------------------------ snapshots
@@ -207,6 +218,8 @@ class Recovery:
         why = ""
         if s.config.run.max_recoveries == 0:
             why = "run.max_recoveries=0 (nothing is restarted in the run)"
+        elif self.served is None:
+            why = UNSERVED
         elif s.rollout.reference.caches_anchors and redrawn and self.snapshot_step != step - 1:
             why = f"the rollout workers' anchor cache of step {step - 1} is not in the driver"
         if why:
@@ -237,6 +250,8 @@ class Recovery:
             return "a rollout worker that owns SGLang servers is not replaced in the run"
         if s.config.run.max_recoveries == 0:
             return "run.max_recoveries=0 (no worker is replaced in the run)"
+        if fault.kind == "rollout" and self.served is None:
+            return UNSERVED
         # after a rollout the snapshot is that rollout's (:meth:`collect` settles it first; with
         # async_rollout the next step's); a rollout drawn again needs the step before's
         redrawn = phase not in AFTER_ROLLOUT

@@ -156,6 +156,19 @@ class PolicyDraws:
         call.rows()
         return call
 
+    def generate_window(
+        self, requests: list, params: SamplingParams, window_tokens: int
+    ) -> list[GenerationOutput]:
+        """One window of a partial rollout over the policy workers (contiguous parts, worker
+        ``i`` seeded ``params.seed + i``): each request's new tokens, in ``requests`` order."""
+        actors = self.fleet.policy_actors
+
+        def call(i, a, part):
+            return a.generate_window.remote(part, worker_params(params, i), window_tokens)
+
+        return scatter(self.fleet, actors, contiguous(requests, len(actors)), requests, call,
+                       CallKind.GENERATE, "rollout generate_window").result()  # fmt: skip
+
     def generate_raw(self, prompts, n, params, weights="policy") -> list[list[GenerationOutput]]:
         """Engine outputs as they are (validation)."""
         actors = self.fleet.policy_actors

@@ -175,6 +175,13 @@ class GenerationService:
         return with_answers(to_samples(items, outputs, SampleSource.POLICY, self.tokenizer),
                             answers_for, answer_parts)  # fmt: skip
 
+    def generate_window(self, requests: list, params: SamplingParams, window_tokens: int):
+        """One window of a partial rollout (``RolloutEngine.generate_window``): each request's
+        new tokens, as the engine gives them (docs/orchestration.md, "Bounded staleness")."""
+        engine = self.pools.pool("policy")
+        with nvtx_range("rollout/policy"), self.clock.measure():
+            return engine.generate_window(requests, params, window_tokens, "policy")
+
     def generate_raw(
         self, prompts: list[list[int]], n: int, params: SamplingParams, weights: str = "policy"
     ):

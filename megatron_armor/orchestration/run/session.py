@@ -18,7 +18,11 @@ from pathlib import Path
 from megatron_armor.algo.reset import ResetSchedule
 from megatron_armor.config.benchmarks import benchmark_name
 from megatron_armor.config.schema import ArmorConfig
-from megatron_armor.config.validate import runs_async_rollout, updates_per_step
+from megatron_armor.config.validate import (
+    runs_async_rollout,
+    runs_bounded_staleness,
+    updates_per_step,
+)
 from megatron_armor.data.dataset import load_prompt_dataset
 from megatron_armor.data.sampler import ResumableSampler, sampled_prompt_count
 from megatron_armor.observability.metrics import (
@@ -101,12 +105,19 @@ def profile_after_resume(config: ArmorConfig, resume_from: Path | None) -> None:
 
 def check_resume_mode(config: ArmorConfig, resume_from: Path | None) -> None:
     """A checkpoint that holds the next step's rollout (``orchestration.async_rollout:
-    one_step``) resumes only with it: the sampler is past that rollout's queries, which only
-    the pipeline trains on. Checked before anything starts."""
-    if resume_from is None or runs_async_rollout(config):
+    one_step``) or partial rollouts (``bounded``) resumes only with its mode: the sampler is
+    past those queries, which only that pipeline trains on. Checked before anything starts."""
+    if resume_from is None:
         return
     state = RunState.load(resume_from)
-    if state.pending:
+    partial = "partial_rollouts" in state.pending
+    if partial and not runs_bounded_staleness(config):
+        raise checkpoints.CheckpointError(
+            f"{resume_from} (step {state.step}) holds partial rollouts in flight, drawn with "
+            "orchestration.async_rollout=bounded; resume with orchestration.async_rollout="
+            "bounded (docs/orchestration.md, 'Bounded staleness')"
+        )
+    if state.pending and not partial and not runs_async_rollout(config):
         raise checkpoints.CheckpointError(
             f"{resume_from} (step {state.step}) holds the rollout of step {state.step + 1}, "
             "drawn during its step with orchestration.async_rollout=one_step; resume with "

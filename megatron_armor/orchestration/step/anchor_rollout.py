@@ -246,6 +246,7 @@ def _record(
         "query_id": item.query_id, "gen_batch": gen_batch, "reason": reason,
         "policy_correct": sum(bool(s.acc) for s in policy), "policy_n": len(policy),
         "ref_correct": sum(bool(s.acc) for s in reference), "ref_n": len(reference),
+        "policy_lengths": [s.response_len for s in policy],
     }  # fmt: skip
 
 

@@ -58,7 +58,7 @@ from megatron_armor.orchestration.step.step_metrics import (
 )
 from megatron_armor.rollout.backends import backend_of
 from megatron_armor.trainer.weight_store import BEHAVIOR
-from megatron_armor.types import Group, RoutedExperts, Sample, SampleSource
+from megatron_armor.types import SampleSource, group_from_dict, sample_from_dict
 
 
 @dataclass
@@ -94,18 +94,12 @@ def collected_state(c: Collected | None) -> dict:
     }  # fmt: skip
 
 
-def _sample(d: dict) -> Sample:
-    routes = d.get("routed_experts")
-    return Sample(**{**d, "source": SampleSource(d["source"]),
-                     "routed_experts": RoutedExperts(**routes) if routes else None})  # fmt: skip
-
-
 def result_from_dict(d: dict) -> RolloutResult:
     """The :class:`RolloutResult` of ``dataclasses.asdict`` (after a JSON round trip)."""
-    groups = [Group(**{**g, "samples": [_sample(x) for x in g["samples"]]}) for g in d["groups"]]
+    groups = [group_from_dict(g) for g in d["groups"]]
     return RolloutResult(**{
         **d, "groups": groups, "stats": AcceptanceStats(**d["stats"]),
-        "policy_samples": [_sample(x) for x in d["policy_samples"]],
+        "policy_samples": [sample_from_dict(x) for x in d["policy_samples"]],
     })  # fmt: skip
 
 
@@ -243,7 +237,7 @@ class AsyncPipeline:
             self.collector.launch(step + 1, s.state.policy_version, BEHAVIOR)
         write_anchor_file(s.run_dir, step, result)
         if queued is not None:
-            metrics.update(self.finish_train(step, queued, load_early=not overlap))
+            metrics.update(finish_train(s, step, queued, load_early=not overlap))
         if kept is not None:
             kept.result()
         train_end = time.perf_counter()
@@ -297,16 +291,18 @@ class AsyncPipeline:
             updates = phases.submit_minibatches(s, groups)
         return (packed, logprobs, updates), kept
 
-    def finish_train(self, step: int, queued, load_early: bool) -> dict:
-        """Wait for the step's log-probs and updates (the weight export queued behind them;
-        the engines load it only after the next rollout: ``load_early`` off in an overlap)."""
-        s, (packed, logprobs, updates) = self.s, queued
-        with s.timers.phase("logprobs"):
-            exact_kl = phases.finish_logprobs(s, packed, logprobs)
-        with s.timers.phase("train"):
-            s.weight_sync.queue_policy_push(step, load_early=load_early)
-            metrics = phases.finish_minibatches(s, updates)
-        return phases.train_metrics(s, packed, metrics, exact_kl)
+
+def finish_train(s, step: int, queued, load_early: bool) -> dict:
+    """Wait for a step's queued log-probs and updates (``queued``: the packed batch, the
+    log-prob call, the updates), with the weight export queued behind them (the engines load
+    it only after the next rollout: ``load_early`` off in an overlap); the train metrics."""
+    packed, logprobs, updates = queued
+    with s.timers.phase("logprobs"):
+        exact_kl = phases.finish_logprobs(s, packed, logprobs)
+    with s.timers.phase("train"):
+        s.weight_sync.queue_policy_push(step, load_early=load_early)
+        metrics = phases.finish_minibatches(s, updates)
+    return phases.train_metrics(s, packed, metrics, exact_kl)
 
 
 def overlap_fraction(metrics: dict[str, float]) -> None:

@@ -21,7 +21,7 @@ import time
 import torch
 
 from megatron_armor.config.schema import ArmorConfig
-from megatron_armor.config.validate import runs_async_rollout
+from megatron_armor.config.validate import runs_async_rollout, runs_bounded_staleness
 from megatron_armor.data.sampler import SamplerExhausted
 from megatron_armor.observability.facts import run_facts, write_facts
 from megatron_armor.observability.metrics import metrics_record
@@ -49,6 +49,7 @@ from megatron_armor.orchestration.step.async_rollout import (
     collected_from_state,
     overlap_fraction,
 )
+from megatron_armor.orchestration.step.bounded_rollout import BoundedPipeline, holds_next_rollout
 from megatron_armor.orchestration.step.phases import (
     NO_UPDATE,
     checkpoint_due,
@@ -180,7 +181,7 @@ def run_loop(s: Session, start: int, stop: StopSignal) -> int:
         return 0
     resumed_at_0 = bool(s.state.watch)
     # the resumed state: that after the rollout of the step in flight, if one is
-    ahead = start + 1 if s.state.pending else start
+    ahead = start + 1 if holds_next_rollout(s.state.pending) else start
     s.recovery.settle_snapshot(s.recovery.submit_snapshot(s), ahead)
     if start == 0 and cfg.validation.every > 0 and not resumed_at_0 and not stop.received:
         report_phase("validation", 0)
@@ -191,11 +192,15 @@ def run_loop(s: Session, start: int, stop: StopSignal) -> int:
         if s.watch.wants_checkpoint:  # the start model is the best so far (run.keep_best)
             s.save(0, line)
     pipeline = None
-    if runs_async_rollout(cfg):  # the rollout on its own timers, without a progress bar
+    if runs_async_rollout(cfg) or runs_bounded_staleness(cfg):  # own timers, no progress bar
         timers = PhaseTimers(s.timers.clock)  # a batch drawn in the step's thread is its time
-        rollout = AnchorRollout(cfg, s.dataset, s.sampler, s.rollout.policy, s.rollout.reference,
-                                s.reward, None, timers)  # fmt: skip
-        pipeline = AsyncPipeline(s, rollout, timers, collected_from_state(s.state.pending))
+        if runs_bounded_staleness(cfg):
+            pipeline = BoundedPipeline.start(s, timers, s.state.pending)
+            rollout = pipeline.draw
+        else:
+            rollout = AnchorRollout(cfg, s.dataset, s.sampler, s.rollout.policy,
+                                    s.rollout.reference, s.reward, None, timers)  # fmt: skip
+            pipeline = AsyncPipeline(s, rollout, timers, collected_from_state(s.state.pending))
     else:
         rollout = AnchorRollout(cfg, s.dataset, s.sampler, s.rollout.policy, s.rollout.reference,
                                 s.reward, s.progress.rollout_update, s.timers)  # fmt: skip
@@ -248,7 +253,7 @@ def run_loop(s: Session, start: int, stop: StopSignal) -> int:
     return 0
 
 
-def in_flight(pipeline: AsyncPipeline | None) -> dict:
+def in_flight(pipeline: AsyncPipeline | BoundedPipeline | None) -> dict:
     """The next step's rollout drawn during this one, as a checkpoint keeps it (``{}``: none)."""
     return pipeline.in_flight() if pipeline is not None else {}
 

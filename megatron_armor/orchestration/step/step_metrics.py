@@ -132,7 +132,9 @@ def write_anchor_file(run_dir: str | Path, step: int, result: RolloutResult) -> 
     """``run_dir/anchors/step_XXXXXX.jsonl``: one ``stats`` line, then one line per query seen.
 
     Query lines: ``query_id``, ``gen_batch``, ``reason`` (accepted | all_correct | all_wrong |
-    no_reference_correct), correct counts of policy and reference samples, ``kept`` (accepted
+    no_reference_correct), correct counts of policy and reference samples, the response
+    lengths of its policy samples (``policy_lengths``: ``armor plan --lengths`` reads them),
+    ``kept`` (accepted
     and among the first ``B``), for kept groups ``policy_versions`` (the policy weight versions
     that generated their on-policy samples) and, with an anchor, ``anchor_len``,
     ``anchor_score`` and ``anchor_version`` (the reference weight version that generated it).

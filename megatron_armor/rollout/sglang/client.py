@@ -8,6 +8,9 @@ Request / response formats (SGLang ``GenerateReqInput`` and ``SamplingParams``):
 - with ``"return_routed_experts": true`` (a server launched with
   ``--enable-return-routed-experts``), ``meta_info.routed_experts``: base64 int32 expert ids,
   ``[prompt + output - 1, layers, top_k]`` (:func:`parse_routed_experts`).
+- ``meta_info.weight_versions`` (``[{"version", "start", "end"}]``, output tokens): the
+  weight versions a request was generated under when a weight update came while it ran
+  (paused with ``/pause_generation`` ``retract``, continued with ``/continue_generation``).
 - ``POST /abort_request`` ``{"rid": str, "abort_all": bool}`` (``AbortReq``).
 - Weight and memory endpoints answer ``{"success": bool, "message": str}`` (HTTP 400 on failure).
 
@@ -33,6 +36,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
+from megatron_armor.algo.staleness import spans_to_versions
 from megatron_armor.rollout.protocol import GenerationOutput, SamplingParams
 from megatron_armor.types import RoutedExperts
 
@@ -200,7 +204,9 @@ def update_weights_from_disk_payload(model_path: str, version: int) -> dict:
 def pause_generation_payload() -> dict:
     """Body of ``/pause_generation`` (``PauseGenerationReqInput``): ``retract`` moves running
     requests back to the waiting queue (none are lost; they go on after
-    ``/continue_generation``) and leaves the scheduler idle for a memory release."""
+    ``/continue_generation``, their KV cache recomputed under the weights then loaded: the
+    cache flush of a weight update is allowed while paused) and leaves the scheduler idle
+    for a memory release."""
     return {"mode": "retract"}
 
 
@@ -243,7 +249,9 @@ def parse_generate_response(body: dict[str, Any], fallback_version: int) -> Gene
 
     Token ids and log-probs come from ``meta_info.output_token_logprobs`` (``[logprob, id, text]``
     triples); ``finish_reason`` is ``meta_info.finish_reason.type`` (``None`` while unfinished is
-    read as ``abort``); the version is ``meta_info.weight_version`` when it is an integer.
+    read as ``abort``); the version is ``meta_info.weight_version`` when it is an integer; a
+    response generated across weight updates gets each token's version from
+    ``meta_info.weight_versions`` (:func:`token_versions_of`).
     """
     meta = body.get("meta_info")
     if meta is None or "output_token_logprobs" not in meta:
@@ -257,9 +265,22 @@ def parse_generate_response(body: dict[str, Any], fallback_version: int) -> Gene
         raise SGLangError("/generate: output_ids disagree with output_token_logprobs token ids")
     finish = meta.get("finish_reason") or {"type": "abort"}
     reason = finish["type"] if isinstance(finish, dict) else str(finish)
-    return GenerationOutput(
-        token_ids, logprobs, reason, _version(meta.get("weight_version"), fallback_version)
-    )
+    version = _version(meta.get("weight_version"), fallback_version)
+    versions = token_versions_of(meta, len(token_ids))
+    return GenerationOutput(token_ids, logprobs, reason, version, token_versions=versions)
+
+
+def token_versions_of(meta: dict[str, Any], num_tokens: int) -> list[int]:
+    """Each output token's weight version from ``meta_info.weight_versions`` (SGLang 0.5.23,
+    ``srt/utils/weight_versions.py``: spans ``[start, end)`` of output tokens, one per version
+    the request ran under); ``[]`` when it ran under one version only (or the server sent no
+    spans). A span's version that is not an integer is a server's initial ``default``: the
+    checkpoint it was launched with, the project's version 0 (every engine starts there)."""
+    spans = meta.get("weight_versions") or []
+    if len({str(span["version"]) for span in spans}) < 2:
+        return []
+    triples = [(_version(s["version"], 0), int(s["start"]), int(s["end"])) for s in spans]
+    return spans_to_versions(triples, num_tokens)
 
 
 def _version(value: Any, fallback: int) -> int:

@@ -12,10 +12,12 @@ An SGLang server holds one weight set (``policy``). The reference is served by
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import os
 import secrets
 import shutil
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -26,7 +28,14 @@ from megatron_armor.config.schema import ArmorConfig, SGLangConfig
 from megatron_armor.config.sglang_pools import PoolSpec, policy_pool, pool_specs
 from megatron_armor.heartbeat import beat
 from megatron_armor.rollout.hf_dir import save_hf_dir
-from megatron_armor.rollout.protocol import GenerationOutput, RolloutEngine, SamplingParams
+from megatron_armor.rollout.protocol import (
+    GenerationOutput,
+    PartialRequest,
+    RolloutEngine,
+    SamplingParams,
+    window_finish_reason,
+    window_limits,
+)
 from megatron_armor.rollout.sglang import launch
 from megatron_armor.rollout.sglang import weights as transport
 from megatron_armor.rollout.sglang.client import (
@@ -279,14 +288,15 @@ class SGLangEngine(RolloutEngine):
         return self._loop.run(self._generate_all(prompts, n, params))
 
     async def _generate_all(self, prompts, n, params) -> list[list[GenerationOutput]]:
+        started = time.perf_counter()
         return list(
             await asyncio.gather(
-                *(self._generate_group(p, n, params, i) for i, p in enumerate(prompts))
+                *(self._generate_group(p, n, params, i, started) for i, p in enumerate(prompts))
             )
         )
 
     async def _generate_group(
-        self, prompt: list[int], n: int, params: SamplingParams, index: int
+        self, prompt: list[int], n: int, params: SamplingParams, index: int, started: float
     ) -> list[GenerationOutput]:
         seeds = [
             None if params.seed is None else sample_seed(params.seed, index, j, n) for j in range(n)
@@ -295,28 +305,71 @@ class SGLangEngine(RolloutEngine):
         bodies = await asyncio.gather(
             *(
                 self._generate_one(
-                    self._pick_url(), generate_payload(prompt, params, new_rid(), s, asks)
+                    self._pick_url(), generate_payload(prompt, params, new_rid(), s, asks), started
                 )
                 for s in seeds
             )
         )
-        return [self._output(prompt, b) for b in bodies]
+        return [self._output(prompt, *answer) for answer in bodies]
 
-    def _output(self, prompt: list[int], body: dict) -> GenerationOutput:
-        """The sample of a ``/generate`` answer, with its routes when they were asked for."""
+    def generate_window(
+        self,
+        requests: list[PartialRequest],
+        params: SamplingParams,
+        window_tokens: int,
+        weights: str = "policy",
+    ) -> list[GenerationOutput]:
+        """One window of a partial rollout (``RolloutEngine.generate_window``): each request is
+        sent with its prompt and response so far as ``input_ids`` (the server prefills them
+        under its current weights) and ``max_new_tokens`` its window's limit
+        (:func:`~megatron_armor.rollout.protocol.window_limits`); request ``i``'s seed is
+        ``sample_seed(params.seed, i, 0, 1)``."""
+        self._check_weights(weights)
+        limits = window_limits(requests, params, window_tokens)
+
+        async def send_all():
+            started = time.perf_counter()
+            return await asyncio.gather(*(
+                self._generate_one(self._pick_url(), generate_payload(
+                    list(r.prompt_ids) + list(r.response_ids),
+                    dataclasses.replace(params, max_new_tokens=limit), new_rid(),
+                    None if params.seed is None else sample_seed(params.seed, i, 0, 1),
+                    self.routes is not None), started)
+                for i, (r, limit) in enumerate(zip(requests, limits, strict=True))
+            ))  # fmt: skip
+
+        out = []
+        for request, answer in zip(requests, self._loop.run(send_all()), strict=True):
+            sample = self._output(list(request.prompt_ids) + list(request.response_ids), *answer)
+            if sample.finish_reason in ("stop", "length"):
+                total = len(request.response_ids) + len(sample.token_ids)
+                sample.finish_reason = window_finish_reason(
+                    sample.finish_reason == "stop", total, params
+                )
+            out.append(sample)
+        return out
+
+    def _output(self, prompt: list[int], body: dict, seconds: float) -> GenerationOutput:
+        """The sample of a ``/generate`` answer (``seconds`` after the call's start), with its
+        routes when they were asked for."""
         out = parse_generate_response(body, self._version)
+        out.seconds = seconds
         if self.routes is not None:
             layers, k = self.routes
             positions = len(prompt) + len(out.token_ids) - 1
             out.routed_experts = parse_routed_experts(body["meta_info"], layers, k, positions)
         return out
 
-    async def _generate_one(self, url: str, payload: dict) -> dict:
-        """One ``/generate``; its answer is progress the driver's call deadline sees (a beat:
-        a long generation whose samples keep finishing is slow, not stuck)."""
+    async def _generate_one(
+        self, url: str, payload: dict, started: float | None = None
+    ) -> tuple[dict, float]:
+        """One ``/generate``: its answer and the seconds since ``started`` (the call's start;
+        default: this request's); the answer is progress the driver's call deadline sees (a
+        beat: a long generation whose samples keep finishing is slow, not stuck)."""
+        started = time.perf_counter() if started is None else started
         body = await self._client.generate(url, payload)
         beat()
-        return body
+        return body, time.perf_counter() - started
 
     def _pick_url(self) -> str:
         if self.router_url is not None:
@@ -432,16 +485,29 @@ class SGLangEngine(RolloutEngine):
         return self.servers if servers is None else servers
 
     # ------------------------------------------------------------------ memory / health
+    def pause_generation(self, servers: list[EngineServer] | None = None) -> None:
+        """``/pause_generation`` (``retract``) on ``servers`` (default: all): the running
+        requests wait, none is lost; a weight update may come meanwhile (its cache flush is
+        allowed while paused), and after :meth:`continue_generation` each request goes on from
+        the tokens it has under the weights then loaded, its KV cache recomputed, its answer
+        carrying every token's version (``client.token_versions_of``)."""
+        self._post_all(self._chosen(servers), "/pause_generation",
+                       lambda s: pause_generation_payload())  # fmt: skip
+
+    def continue_generation(self, servers: list[EngineServer] | None = None) -> None:
+        """``/continue_generation`` on ``servers`` (default: all): paused requests go on."""
+        self._post_all(self._chosen(servers), "/continue_generation", lambda s: {})
+
     def release_memory(self) -> None:
-        """Pause generation (``/pause_generation``, ``retract``: a release while the scheduler
-        is not idle trips an assertion that ends the server), then
-        ``/release_memory_occupation`` of weights and KV cache (``client.RELEASED_TAGS``, never
-        the CUDA graphs) on every server (colocated)."""
+        """Pause generation (:meth:`pause_generation`: a release while the scheduler is not idle
+        trips an assertion that ends the server), then ``/release_memory_occupation`` of
+        weights and KV cache (``client.RELEASED_TAGS``, never the CUDA graphs) on every server
+        (colocated)."""
         self._release(self.servers, None)
         self.released = list(release_memory_occupation_payload()["tags"])
 
     def _release(self, servers: list[EngineServer], tags: list[str] | None) -> None:
-        self._post_all(servers, "/pause_generation", lambda s: pause_generation_payload())
+        self.pause_generation(servers)
         self._post_all(
             servers, "/release_memory_occupation", lambda s: release_memory_occupation_payload(tags)
         )
@@ -455,7 +521,7 @@ class SGLangEngine(RolloutEngine):
         self._post_all(self.servers, "/resume_memory_occupation", lambda s: {"tags": resumed})
         self.released = [t for t in self.released if t not in resumed]
         if tags is None or KV_CACHE in tags:
-            self._post_all(self.servers, "/continue_generation", lambda s: {})
+            self.continue_generation()
 
     def _answers(self, url: str, timeout_s: float = 30.0):
         """The probe of a server that works: ``/health_generate`` (a one-token generation)
