@@ -99,5 +99,6 @@ def test_the_paper_config_on_4x8_from_a_runs_lengths(tmp_path, capsys):
 
 def test_a_run_without_lengths_is_named(tmp_path, capsys):
     (tmp_path / "anchors").mkdir()
-    assert armor_main(["plan", "configs/tiny_cpu.yaml", "--lengths", str(tmp_path)]) == 2
+    assert armor_main(["plan", "configs/tiny_cpu.yaml", "--model", "qwen2.5-math-7b",
+                       "--lengths", str(tmp_path)]) == 2
     assert f"no response lengths in {tmp_path}/anchors" in capsys.readouterr().err
