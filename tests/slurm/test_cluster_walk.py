@@ -191,7 +191,7 @@ class Walk:
             wait_until(self.job_ended, JOB_TIMEOUT_S, f"pipeline job {self.job_id} to end",
                        lambda: job_report(self.job_id))  # fmt: skip
             assert job_field(self.job_id, "JobState") == "COMPLETED", job_report(self.job_id)
-        if command.startswith("tail -f"):  # once the (requeued) job's driver started
+        if command.startswith("tail ") and " -f " in command:  # once the driver started
             wait_until(self.driver_started, JOB_TIMEOUT_S, "the driver's log",
                        lambda: job_report(self.job_id))  # fmt: skip
             self.shell.until(command, lambda out: bool(STEP.search(out)), "a step line")

@@ -490,3 +490,20 @@ def test_a_job_whose_every_start_fails_the_same_way_stops_after_three_tries(clus
     assert [(r["step"], r["restart"], r["slurm_job"]) for r in rows] == [
         (2, restart, job.job_id) for restart in range(REPEATS)
     ], rows
+
+
+def test_a_plain_scancel_ends_the_job_and_is_not_requeued(cluster, workdir, jobs):
+    """``scancel JOBID`` (no ``--signal``): Slurm marks the job ended, then its SIGTERM reaches
+    the driver, which checkpoints and exits 75 as on a preemption (``checkpointing_driver.py``
+    stands for it); the batch shell sees the job no longer ``RUNNING`` and does not requeue
+    it: the job ends CANCELLED after one start, not revived by ``scontrol requeue``."""
+    driver = f"{sys.executable} {REPO / 'tests' / 'slurm' / 'checkpointing_driver.py'}"
+    job = jobs.submit(workdir, [], env={"ARMOR_DRIVER": driver})
+    wait_until(lambda: "waiting for a stop signal" in job.driver_log(), 300, "the driver's start",
+               job.report)  # fmt: skip
+    subprocess.run(["scancel", job.job_id], check=True, timeout=30)
+    state = job.wait_done()
+    out = job.report()
+    assert state == "CANCELLED" and job.field("Restarts") == "0", out
+    assert "SIGTERM: checkpoint of step 1 written" in job.driver_log(), out
+    assert "driver exited 75, but the job is COMPLETING (scancel): not requeued" in out, out
