@@ -38,7 +38,10 @@ from process_group import actor_pids  # noqa: E402  (the e2e tier's /proc reader
 
 pytestmark = pytest.mark.slurm
 
-STEPS = 6
+# The steps of the tiny job take under a second: 16 leave the preemption test's resumed run
+# ~10 s after its trigger, room for Slurm's preemption (it lands seconds after the preempting
+# job's submission, at a scheduler pass) to find the run still going.
+STEPS = 16
 PROFILED_STEP = 2
 BRING_UP_DEADLINE_S = 15  # ARMOR_RAY_JOIN_TIMEOUT_S of the never-starting head test
 NODE_LOSS_DEADLINE_S = 90  # from killing a node's processes to the job's end
