@@ -36,6 +36,8 @@ import pytest
 from hub_mirror import HubMirror
 from slurm_jobs import FINAL_STATES, REPO, job_field, slurm, wait_until
 
+from megatron_armor.config.resume_layout import COMMON
+
 sys.path.insert(0, str(REPO / "tests"))
 from doc_commands import fenced_commands  # noqa: E402
 
@@ -175,7 +177,7 @@ class Walk:
 
     def has_checkpoint(self, command: str) -> bool:
         where = REPO / command.split("--checkpoint", 1)[1].split()[0]
-        return any(where.glob("**/trainer/dist/common.pt"))
+        return any(where.glob(f"**/{COMMON}"))  # a run checkpoint's layout record
 
     def job_ended(self) -> bool:
         return job_field(self.job_id, "JobState") in FINAL_STATES
