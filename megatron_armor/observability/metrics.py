@@ -15,6 +15,7 @@ import json
 import math
 import os
 import secrets
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -105,10 +106,34 @@ def writing(path: str | Path) -> Iterator[None]:
         raise OSError(err.errno, err.strerror, str(path)) from err
 
 
+def _quiet_tensorboard_writer_threads() -> None:
+    """Keep the traceback of a failed write of TensorBoard's writer thread out of the log.
+
+    The thread keeps the error, and the sink's next ``flush`` or ``close`` raises it in the
+    driver, which names it (a full disk: ``DiskFullError`` with the file and the intact
+    checkpoint); the thread also re-raises it, and Python's default hook would print its
+    traceback beside that message. Other threads' errors go to the hook there was before."""
+    from tensorboard.summary.writer.event_file_writer import _AsyncWriterThread
+
+    previous = threading.excepthook
+    if getattr(previous, "_armor_tensorboard", False):
+        return
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        thread = args.thread
+        if isinstance(thread, _AsyncWriterThread) and thread.exception is args.exc_value:
+            return  # raised again by the writer's next flush or close
+        previous(args)
+
+    hook._armor_tensorboard = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
+
+
 class _TensorBoardSink:
     def __init__(self, log_dir: Path):
         from torch.utils.tensorboard import SummaryWriter
 
+        _quiet_tensorboard_writer_threads()
         self.writer = SummaryWriter(log_dir=str(log_dir))
         self.log_dir = log_dir
 

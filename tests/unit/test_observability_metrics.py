@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import threading
 import time
 
 import pytest
@@ -88,6 +90,39 @@ def test_truncate_drops_steps_a_resume_recomputes(tmp_path):
 def test_tensorboard_event_file_written(tmp_path):
     _fill(tmp_path, steps=2, tensorboard=True)
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+
+
+def test_a_failed_write_of_tensorboards_thread_is_raised_by_the_sink_without_a_traceback(
+    tmp_path, monkeypatch
+):
+    """The disk fills while TensorBoard's writer thread writes (it writes the queue in the
+    background): the sink's flush raises the error with the folder, for the driver to name,
+    and the thread's own re-raise prints nothing. The failed write is
+    ``RecordWriter.write`` raising ENOSPC, as the real file write under it does on a full
+    disk; another thread's error still reaches Python's hook."""
+    from tensorboard.summary.writer.event_file_writer import _AsyncWriterThread
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    reported: list[threading.ExceptHookArgs] = []  # what reaches the hook there was before
+    monkeypatch.setattr(threading, "excepthook", reported.append)
+    logger = MetricsLogger(tmp_path, tensorboard=True)
+    logger.log(1, {"reward/policy_mean": 0.5})
+
+    def full(self, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(RecordWriter, "write", full)
+    with pytest.raises(OSError) as err:
+        for step in range(2, 6):  # the thread may take the first record after its flush
+            logger.log(step, {"reward/policy_mean": 0.5})
+    assert err.value.errno == errno.ENOSPC and err.value.filename == str(tmp_path / "tb")
+    for thread in threading.enumerate():
+        if isinstance(thread, _AsyncWriterThread):
+            thread.join(timeout=30)
+    other = threading.Thread(target=lambda: 1 / 0)
+    other.start()
+    other.join()
+    assert [type(args.exc_value) for args in reported] == [ZeroDivisionError], reported
 
 
 def tensorboard_scalars(log_dir, tag: str) -> dict[int, float]:
