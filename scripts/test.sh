@@ -8,7 +8,8 @@
 # one core of two busy (most of a tiny run is start-up and waiting on processes):
 #   stream 1 (in front):  unit, dist, e2e          tests/ but tests/slurm
 #   stream 2 (behind):    slurm, then sglang       tests/slurm; tests/sglang_tier tests/gpu
-# Stream 2's output goes to logs/test-slurm.log and logs/test-sglang.log, printed when it ends.
+# Stream 2's output goes to logs/test-slurm.log and logs/test-sglang.log, printed when it ends;
+# each stream's pytest also writes its tests' times and outcomes to logs/test-*.xml (JUnit).
 # Extra arguments make one sequential pytest run of tiers 1-4 with them (e.g.
 # `bash scripts/test.sh -m unit`); the sglang tier then runs after it only with
 # ARMOR_SGLANG_TIER=1 (0: never; default: when no argument is given).
@@ -17,7 +18,7 @@ cd "$(dirname "$0")/.."
 sglang_tier=${ARMOR_SGLANG_TIER:-auto}
 [ "$sglang_tier" != auto ] || { [ $# -eq 0 ] && sglang_tier=1 || sglang_tier=0; }
 mkdir -p logs
-rm -f logs/sglang_env.rc logs/test-slurm.log logs/test-sglang.log
+rm -f logs/sglang_env.rc logs/test-*.log logs/test-*.xml
 if [ "$sglang_tier" = 1 ]; then
   # its ~11 GB install (first run only) downloads while tiers 1-4 run, at the lowest priority;
   # its exit status lands in logs/sglang_env.rc (read from either stream)
@@ -46,7 +47,8 @@ sglang_tier() {  # the real SGLang server on CPU, in its own virtualenv
     sglang_py=$(tail -n 1 logs/sglang_env.log)
     # the checkout's code on the path (the cached venv serves every clone)
     PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "$sglang_py" -m pytest --durations=15 \
-      -p no:cacheprovider -m sglang tests/sglang_tier tests/gpu || rc=$?
+      -p no:cacheprovider --junitxml=logs/test-sglang.xml -m sglang tests/sglang_tier tests/gpu \
+      || rc=$?
   else
     echo "test.sh: the sglang tier's virtualenv could not be set up (logs/sglang_env.log):" >&2
     tail -n 30 logs/sglang_env.log >&2
@@ -74,8 +76,8 @@ stream2() {
   # own pytest temp roots: neither stream's clean-up of old temp dirs meets the other's
   PYTEST_DEBUG_TEMPROOT=$(mktemp -d /tmp/armor-tests-slurm.XXXX) \
     .venv/bin/python -m pytest --durations=15 -p no:cacheprovider tests/slurm \
-    > logs/test-slurm.log 2>&1 || rc=$?
-  stop_slurm
+    --junitxml=logs/test-slurm.xml > logs/test-slurm.log 2>&1 || rc=$?
+  stop_slurm >> logs/test-slurm.log 2>&1
   if [ "$sglang_tier" = 1 ]; then
     PYTEST_DEBUG_TEMPROOT=$(mktemp -d /tmp/armor-tests-sglang.XXXX) \
       sglang_tier > logs/test-sglang.log 2>&1 || rc=1
@@ -85,7 +87,8 @@ stream2() {
 stream2 &
 stream2_pid=$!
 rc=0
-.venv/bin/python -m pytest --durations=15 --ignore=tests/slurm || rc=$?
+.venv/bin/python -m pytest --durations=15 --junitxml=logs/test-unit-dist-e2e.xml \
+  --ignore=tests/slurm || rc=$?
 wait "$stream2_pid" || rc=1
 for log in logs/test-slurm.log logs/test-sglang.log; do
   [ -f "$log" ] || continue
