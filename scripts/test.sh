@@ -18,7 +18,7 @@ cd "$(dirname "$0")/.."
 sglang_tier=${ARMOR_SGLANG_TIER:-auto}
 [ "$sglang_tier" != auto ] || { [ $# -eq 0 ] && sglang_tier=1 || sglang_tier=0; }
 mkdir -p logs
-rm -f logs/sglang_env.rc logs/test-*.log logs/test-*.xml
+rm -f logs/sglang_env.rc logs/test-*.log logs/test-*.xml logs/build-*.log
 if [ "$sglang_tier" = 1 ]; then
   # its ~11 GB install (first run only) downloads while tiers 1-4 run, at the lowest priority;
   # its exit status lands in logs/sglang_env.rc (read from either stream)
@@ -67,9 +67,13 @@ if [ $# -gt 0 ]; then
   exit "$rc"
 fi
 
-# Both streams read the tiny artifacts; each is built once here, before either starts.
-.venv/bin/python -c 'import sys; sys.path.insert(0, "tests/e2e"); from e2e_runs import tiny_artifacts
-tiny_artifacts(); tiny_artifacts(moe=True)'
+# The tiny artifacts, both built at once as the streams start (one core each, ~1 min); a test
+# that needs one waits on its lock (tests/e2e/e2e_runs.py, tiny_artifacts).
+for name in tiny tiny_moe; do
+  .venv/bin/python -c "import sys; sys.path.insert(0, 'tests/e2e')
+from e2e_runs import tiny_artifacts; tiny_artifacts(moe='$name' == 'tiny_moe')" \
+    > "logs/build-$name.log" 2>&1 &
+done
 
 stream2() {
   local rc=0

@@ -10,6 +10,7 @@ tests' ``nan_advantages``, on ``PYTHONPATH``).
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import signal
@@ -37,13 +38,18 @@ REPO = Path(__file__).resolve().parents[2]
 def tiny_artifacts(moe: bool = False) -> Path:
     """The tiny task's model and data (``armor tiny``, ``--moe`` for the mixture-of-experts
     variant), built when its completion marker is missing; ``ARMOR_TINY_DIR`` /
-    ``ARMOR_TINY_MOE_DIR`` point to a directory elsewhere."""
+    ``ARMOR_TINY_MOE_DIR`` point to a directory elsewhere. The check and the build hold a lock
+    beside the directory: the test streams of ``scripts/test.sh`` (and its own build ahead of
+    them) build it once, and a reader waits for the build under way."""
     env, name = ("ARMOR_TINY_MOE_DIR", "tiny_moe") if moe else ("ARMOR_TINY_DIR", "tiny")
     path = Path(os.environ.get(env, REPO / "artifacts" / name))
-    if not (path / MARKER).is_file():
-        flags = ["--moe"] if moe else []
-        subprocess.run([sys.executable, "-m", "megatron_armor.cli", "tiny", *flags,
-                        "--out", str(path)], check=True, timeout=900, cwd=REPO)  # fmt: skip
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f".{path.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not (path / MARKER).is_file():
+            flags = ["--moe"] if moe else []
+            subprocess.run([sys.executable, "-m", "megatron_armor.cli", "tiny", *flags,
+                            "--out", str(path)], check=True, timeout=900, cwd=REPO)  # fmt: skip
     return path
 
 

@@ -2,7 +2,8 @@
 
 The tier runs in its own virtualenv (``scripts/sglang_env.sh``: the SGLang pins of
 requirements-gpu.txt, requirements.txt and the test-only CPU guards); ``scripts/test.sh`` runs
-it after tiers 1-4 with the checkout on ``PYTHONPATH``.
+it after the slurm tier, beside the unit, dist and e2e tiers, with the checkout on
+``PYTHONPATH``.
 """
 
 from __future__ import annotations
@@ -21,11 +22,11 @@ from e2e_runs import tiny_artifacts  # noqa: E402
 
 @pytest.fixture(scope="session")
 def tiny_dir() -> Path:
-    """The tiny model + data (``armor tiny``; the e2e tier of the same run built it)."""
+    """The tiny model + data (``armor tiny``; built once per test run: ``tiny_artifacts``)."""
     return tiny_artifacts()
 
 
 @pytest.fixture(scope="session")
 def tiny_moe_dir() -> Path:
-    """The tiny mixture-of-experts model + data (``armor tiny --moe``; the e2e tier built it)."""
+    """The tiny mixture-of-experts model + data (``armor tiny --moe``; built once per run)."""
     return tiny_artifacts(moe=True)

@@ -11,7 +11,6 @@ jobs at teardown, also after a failure or a timeout. All tier jobs are named ``J
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +18,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # the tier's helper module, for its test files
+sys.path.insert(1, str(Path(__file__).parent.parent / "e2e"))  # e2e_runs: the tiny artifacts
+
+from e2e_runs import tiny_artifacts  # noqa: E402
 
 from slurm_jobs import (  # noqa: E402
     REPO,
@@ -69,18 +71,8 @@ def two_nodes(cluster) -> Cluster:
 @pytest.fixture(scope="session")
 def tiny_dir(cluster) -> Path:
     """The tiny model + data: ``$ARMOR_TINY_DIR`` or ``artifacts/tiny`` (shared with the e2e
-    tier), built with ``armor tiny`` when missing."""
-    path = Path(os.environ.get("ARMOR_TINY_DIR", REPO / "artifacts" / "tiny")).resolve()
-    if (
-        not (path / "model" / "config.json").is_file()
-        or not (path / "data" / "val.parquet").is_file()
-    ):
-        cmd = [sys.executable, "-m", "megatron_armor.cli", "tiny", "--out", str(path)]
-        done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
-        assert done.returncode == 0, (
-            f"`armor tiny` failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
-        )
-    return path
+    tier), built with ``armor tiny`` when missing (once: ``e2e_runs.tiny_artifacts``)."""
+    return tiny_artifacts().resolve()
 
 
 @pytest.fixture(scope="session")
