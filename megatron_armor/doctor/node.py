@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,16 +21,11 @@ import torch
 from megatron_armor.config.schema import ArmorConfig
 from megatron_armor.doctor import pins
 from megatron_armor.doctor.report import CheckFailed, NotApplicable
+from megatron_armor.net import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("torch", "transformer-engine", "sglang", "sglang-router", "megatron-core", "ray")
 NO_CUDA = "no CUDA device on this node (CPU machine)"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_probe(args: list[str], timeout_s: float, stdin: bytes | None = None) -> dict:

@@ -14,10 +14,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 
 from megatron_armor.config.model_overrides import ROPE_KEYS, merged_hf_config
 from megatron_armor.config.schema import TrainerConfig
+from megatron_armor.net import free_port
 
 HF_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 _COPIED = (
@@ -42,12 +42,6 @@ def dist_dir_of(checkpoint: str) -> str:
     raise FileNotFoundError(
         f"{checkpoint!r} is not a trainer checkpoint: neither dist/ nor trainer/dist/ exists"
     )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def convert_to_hf(
@@ -75,7 +69,7 @@ def convert_to_hf(
     if weights not in ("policy", "reference"):
         raise ValueError(f"--weights {weights!r}: use policy or reference")
     source = dist_dir_of(checkpoint)
-    parallel.init_parallel(parallel.ParallelLayout(), 0, 1, master_port=_free_port())
+    parallel.init_parallel(parallel.ParallelLayout(), 0, 1, master_port=free_port())
     try:
         spec = read_hf_spec(model_dir, overrides)
         model = build_model(spec, TrainerConfig(precision=precision))

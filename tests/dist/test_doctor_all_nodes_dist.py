@@ -15,22 +15,16 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from megatron_armor.net import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.dist
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def doctor(*argv: str, env: dict[str, str]) -> subprocess.Popen:

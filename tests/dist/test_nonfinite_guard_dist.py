@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import sys
 
 import pytest
@@ -35,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tiny_models import make_batch, make_models, perturb  # noqa: E402
 
 from megatron_armor.trainer.ranks import run_rank_processes  # noqa: E402
+from megatron_armor.net import free_port  # noqa: E402
 
 pytestmark = pytest.mark.dist
 
@@ -191,12 +191,6 @@ def test_a_non_finite_update_is_skipped_on_every_rank(tmp_path) -> None:
     assert any(math.isnan(g["poisoned"]["metrics"]["loss/objective"]) for g in ranks)
     assert all(torch.equal(ranks[0]["clean"]["weights"][n], w)
                for n, w in ranks[1]["clean"]["weights"].items())  # fmt: skip
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.mark.timeout(300)

@@ -25,7 +25,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -36,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from tiny_models import make_models, oracle_tokens  # noqa: E402
 
+from megatron_armor.net import free_port  # noqa: E402
 from megatron_armor.trainer.ranks import run_rank_processes  # noqa: E402
 
 pytestmark = pytest.mark.dist
@@ -48,12 +48,6 @@ LOSS_TOL = 1e-5
 # Adam turns tiny gradient differences into update differences; an update moves a weight by
 # up to lr = 1e-3, so 2e-5 is 50x below one step
 WEIGHT_TOL = 2e-5
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(

@@ -23,11 +23,11 @@ to megatron-core's CPU mode.
 from __future__ import annotations
 
 import os
-import socket
 import sys
 
 import pytest
 import torch
+from megatron_armor.net import free_port
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -37,12 +37,6 @@ pytestmark = [pytest.mark.gpu, pytest.mark.dist, pytest.mark.own_process]
 TOL = {"cuda": {"atol": 0.1, "rtol": 0.05}, "cpu": {"atol": 1e-4, "rtol": 0}}
 """Logits against transformers': bf16 kernels on a GPU, fp32 on CPU."""
 TE_ON_GPU = "the Transformer Engine spec needs CUDA"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

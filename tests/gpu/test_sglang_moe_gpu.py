@@ -17,13 +17,12 @@ follow the new weights.
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from megatron_armor.config.schema import SGLangConfig
+from megatron_armor.net import free_port
 from megatron_armor.rollout.protocol import SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sglang]
@@ -33,12 +32,6 @@ LAYERS, EXPERTS, TOPK = 2, 4, 2
 MARGIN = 1e-3
 """Smallest gap between a position's 2nd and 3rd router logits: two orders of magnitude above
 the differences of fp32 kernels (~1e-5)."""
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def build_tiny_moe(path, seed: int):

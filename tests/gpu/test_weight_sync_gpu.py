@@ -30,12 +30,11 @@ differs).
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from megatron_armor.net import free_port
 from megatron_armor.rollout.protocol import SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.sglang, pytest.mark.own_process]
@@ -44,12 +43,6 @@ PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16]]
 TOL = {"cuda": (0.05, 0.5), "cpu": (1e-4, 1e-3)}
 """``(mean, max)`` nats between the server's log-probs and the fp32 oracle's."""
 BUCKET_MB = 1  # several buckets per push (the tiny model is ~1.2 MB in fp32)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def build_tiny_qwen2(path, seed: int) -> str:

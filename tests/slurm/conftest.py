@@ -21,7 +21,6 @@ sys.path.insert(0, str(Path(__file__).parent))  # the tier's helper module, for 
 sys.path.insert(1, str(Path(__file__).parent.parent / "e2e"))  # e2e_runs: the tiny artifacts
 
 from e2e_runs import tiny_artifacts  # noqa: E402
-
 from slurm_jobs import (  # noqa: E402
     REPO,
     Cluster,

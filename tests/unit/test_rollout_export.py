@@ -11,7 +11,6 @@ Run as a script (``python this_file.py MODEL_DIR SAMPLES OUT PORT``) it is the t
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_armor.net import free_port
 from megatron_armor.rollout.protocol import SamplingParams
 from megatron_armor.rollout.torch_engine import TorchEngine
 from megatron_armor.types import Group, Sample, pack_groups
@@ -75,12 +75,6 @@ def trainer_main(model_dir: str, samples_path: str, out_path: str, port: int) ->
         torch.save({"weights": exported, "logprobs": trainer.compute_logprobs(batch)}, out_path)
     finally:
         trainer.close()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.mark.timeout(300)

@@ -21,7 +21,6 @@ import base64
 import json
 import os
 import signal
-import socket
 import threading
 import time
 from pathlib import Path
@@ -33,6 +32,7 @@ from aiohttp import web
 
 from megatron_armor import heartbeat
 from megatron_armor.config.schema import ArmorConfig, SGLangConfig
+from megatron_armor.net import free_port
 from megatron_armor.rollout.protocol import PartialRequest, SamplingParams
 from megatron_armor.rollout.sglang import launch
 from megatron_armor.rollout.sglang import weights as transport
@@ -257,12 +257,6 @@ class StandIn:
                 self.weights[name] = tensor
 
         await asyncio.get_running_loop().run_in_executor(None, receive)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class ServerThread:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -34,6 +33,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from megatron_armor.net import free_port
 from megatron_armor.supervisor_pipe import advance
 
 SHIELDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
@@ -113,12 +113,6 @@ def main(argv: list[str]) -> int:
             "usage: python -m megatron_armor.orchestration.actors.ray_node [--parent PID] -- CMD..."
         )
     return run_shielded(argv, parent)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
 
 
 class LocalRayHead:
