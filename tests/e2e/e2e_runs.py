@@ -140,5 +140,11 @@ class Run:
         self.log.flush()
 
     def output(self) -> str:
+        """The log's last 6000 characters (for a failed assertion's message)."""
+        return self.text()[-6000:]
+
+    def text(self) -> str:
+        """The whole log so far: what a test looks for in it (a line printed early, such as a
+        resume's, can be far from the end once the actors' warnings follow it)."""
         self.log.flush()
-        return Path(self.log.name).read_text()[-6000:]
+        return Path(self.log.name).read_text()

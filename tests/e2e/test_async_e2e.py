@@ -111,7 +111,7 @@ def test_worker_stuck_in_the_overlap_then_kill_9_and_resume(async_run, tiny_dir,
     (pid,) = actor_pids(first.ray_tmp, "RolloutWorker")
     os.kill(pid, signal.SIGSTOP)  # while step 2's rollout is drawn beside step 1's updates
     named = f"RolloutWorker 0 (pid {pid} on "
-    first.wait_for(lambda: named in first.output() and "stuck call: " in first.output(), 90)
+    first.wait_for(lambda: named in first.text() and "stuck call: " in first.text(), 90)
     first.wait_for(lambda: pid not in actor_pids(first.ray_tmp, "RolloutWorker"), 30)  # killed
     first.wait_for(checkpoint_written(first.run_dir, 2))
     first.kill_group()
@@ -126,7 +126,7 @@ def test_worker_stuck_in_the_overlap_then_kill_9_and_resume(async_run, tiny_dir,
     second = Run(out_dir, "async_stuck", tiny_dir, *stuck)
     code = second.wait()
     assert code == 0, second.output()
-    assert "resumed from" in second.output()
+    assert "resumed from" in second.text()
     assert metrics_of(second.run_dir) == metrics_of(async_run)
 
 
@@ -146,7 +146,7 @@ def test_sigterm_checkpoints_the_batch_in_flight_and_resumes_exactly(async_run, 
     second = Run(out_dir, "async_stopped", tiny_dir, *ASYNC)
     code = second.wait()
     assert code == 0, second.output()
-    assert f"resumed from {saved}" in second.output()
+    assert f"resumed from {saved}" in second.text()
     assert metrics_of(second.run_dir) == metrics_of(async_run)
 
 

@@ -90,7 +90,7 @@ def test_kill_9_with_partial_rollouts_in_flight_then_resume_exactly(bounded_run,
     second = Run(out_dir, "bounded_killed", tiny_dir, *BOUNDED)
     code = second.wait()
     assert code == 0, second.output()
-    assert "resumed from" in second.output()
+    assert "resumed from" in second.text()
     assert metrics_of(second.run_dir) == metrics_of(bounded_run)
 
 

@@ -70,7 +70,7 @@ def test_a_nan_in_one_update_is_skipped_and_the_run_goes_on(tiny_dir, out_dir):
     assert first["train/skipped_updates"] == 1.0 and first["train/updates"] == 2.0
     assert math.isnan(first["loss/pg"]) and math.isnan(first["loss/grad_norm"])
     assert '"loss/pg": NaN' in (run.run_dir / "metrics.jsonl").read_text()
-    assert "SKIPPED 1/2 updates" in run.output() and "NON-FINITE" in run.output()
+    assert "SKIPPED 1/2 updates" in run.text() and "NON-FINITE" in run.text()
     for step in (2, 3):
         r = records[step]
         assert r["train/skipped_updates"] == 0.0 and r["train/skipped_in_a_row"] == 0.0
@@ -113,7 +113,7 @@ def test_a_nan_in_every_update_stops_the_run_with_a_named_error(tiny_dir, out_di
     # and a resume from it with a sound estimator trains on
     resumed = Run(out_dir, "nan_always", tiny_dir, "run.steps=3", *QUIET)
     assert resumed.wait() == 0, resumed.output()
-    assert "resumed from" in resumed.output() and "step_000002" in resumed.output()
+    assert "resumed from" in resumed.text() and "step_000002" in resumed.text()
     last = read_metrics(resumed.run_dir)[-1]
     assert last["step"] == 3 and last["train/skipped_updates"] == 0.0
     assert math.isfinite(last["loss/pg"]) and math.isfinite(last["loss/grad_norm"])

@@ -103,7 +103,7 @@ def test_a_stopped_driver_or_raylet_ends_in_a_named_exit_75_and_the_run_resumes_
     assert "killed the driver and the " in text and "uninterruptible sleep" not in text
 
     run = resumed(out_dir, tiny_dir, "orchestration.stop_wait_s=5")
-    run.wait_for(lambda: "armor train: starting" in run.output())
+    run.wait_for(lambda: "armor train: starting" in run.text())
     stop(driver_pid(run))
     run.signal_group(signal.SIGTERM)
     code, took, text = ended(run, 300)

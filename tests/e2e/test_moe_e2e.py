@@ -77,5 +77,5 @@ def test_moe_run_with_expert_parallelism_then_kill_9_and_exact_resume(
     first.kill_group()
     second = moe_run(out_dir, "moe_killed", tiny_moe_dir)
     assert second.wait() == 0, second.output()
-    assert f"resumed from {committed.parent}" in second.output()
+    assert f"resumed from {committed.parent}" in second.text()
     assert metrics_of(second.run_dir) == metrics_of(moe_uninterrupted)

@@ -83,7 +83,7 @@ def test_group_signals_and_damaged_checkpoints_then_exact_resume(reference_run, 
 
     metrics_before = (run_dir / "metrics.jsonl").read_text()
     second = Run(out_dir, name, tiny_dir, *overrides)
-    out = interrupt(second, signal.SIGTERM, lambda: STARTING in second.output())
+    out = interrupt(second, signal.SIGTERM, lambda: STARTING in second.text())
     assert "SIGTERM before the next step: no step run; newest checkpoint: step 2" in out, out
     assert "resumed from" not in out and "step 3/4" not in out, out
     assert checkpoint_steps(run_dir) == [2]
@@ -169,7 +169,7 @@ def ports_and_second_writer_refused(run: Run, start_second) -> dict[str, int]:
         ports = listening_addresses(process_group_and_ray(run.proc.pid, run.ray_tmp))
         second = start_second()
         assert second.proc.wait(timeout=120) == 2, second.output()
-        assert "in use by another run" in second.output()
+        assert "in use by another run" in second.text()
         assert not any(Path(second.ray_tmp).iterdir())  # refused before Ray started
         second.cleanup()
     finally:

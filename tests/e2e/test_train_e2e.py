@@ -138,7 +138,7 @@ def test_tensor_parallel_run_killed_and_resumed_on_one_rank(reference_run, tiny_
     assert second.wait() == 0, second.output()
     said = "resume: step_000002 was saved at tp=2 pp=1 ep=1 etp=2 dp=1; resharded on load to " \
            "tp=1 pp=1 ep=1 etp=1 dp=1"  # fmt: skip
-    assert said in second.output()
+    assert said in second.text()
     record = json.loads((run_dir / "resumes.jsonl").read_text().splitlines()[-1])
     assert record["layout"]["from"]["tp"] == 2 and record["layout"]["to"]["tp"] == 1
     assert record["changed"]["trainer.tp"] == [2, 1]

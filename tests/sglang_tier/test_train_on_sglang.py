@@ -105,7 +105,7 @@ def test_dedicated_pool_restarts_a_stuck_server_and_resumes_after_kill_9(tiny_di
         for pid in stopped:  # the server's HTTP process: alive, never answering
             os.kill(pid, signal.SIGSTOP)
         named = f"at http://127.0.0.1:{ports[0]} (pid {min(stopped)}, RolloutWorker 0"
-        run.wait_for(lambda: named in run.output(), 120)  # found past the generate deadline
+        run.wait_for(lambda: named in run.text(), 120)  # found past the generate deadline
         run.wait_for(lambda: [s for s, _ in list_checkpoints(run.run_dir)] == [2], RUN_S)
         run.kill_group()
     finally:
@@ -120,7 +120,7 @@ def test_dedicated_pool_restarts_a_stuck_server_and_resumes_after_kill_9(tiny_di
     left = [pid for port in ports for pid in kill_servers(port)]
     assert code == 0, resumed.output()
     assert not left, "the run left its SGLang servers running"
-    assert "resumed from" in resumed.output()
+    assert "resumed from" in resumed.text()
     records = {r["step"]: r for r in read_metrics(run.run_dir)}
     assert sorted(records) == [0, 1, 2, 3, 4]
     for s in before:  # the steps before the kill as they were written (or written back)
