@@ -20,10 +20,11 @@ sglang_tier=${ARMOR_SGLANG_TIER:-auto}
 mkdir -p logs
 rm -f logs/sglang_env.rc logs/test-*.log logs/test-*.xml logs/build-*.log
 if [ "$sglang_tier" = 1 ]; then
-  # its ~11 GB install (first run only) downloads while tiers 1-4 run, at the lowest priority;
-  # its exit status lands in logs/sglang_env.rc (read from either stream)
+  # its ~11 GB install (first run only) downloads while the tests run, at the lowest priority;
+  # its exit status lands in logs/sglang_env.rc (stream 2, a subshell, cannot `wait` for it)
   { rc=0; nice -n 19 bash scripts/sglang_env.sh > logs/sglang_env.log 2>&1 || rc=$?
     echo "$rc" > logs/sglang_env.rc; } &
+  sglang_env=$!
 fi
 bash scripts/bootstrap.sh
 slurm_started=0
@@ -42,8 +43,9 @@ stop_slurm() {
 
 sglang_tier() {  # the real SGLang server on CPU, in its own virtualenv
   local rc=0 sglang_py
-  while [ ! -s logs/sglang_env.rc ]; do sleep 5; done
-  if [ "$(cat logs/sglang_env.rc)" = 0 ]; then
+  # until the install has written its status, or has ended without one (killed)
+  while [ ! -s logs/sglang_env.rc ] && kill -0 "$sglang_env" 2>/dev/null; do sleep 5; done
+  if [ "$(cat logs/sglang_env.rc 2>/dev/null)" = 0 ]; then
     sglang_py=$(tail -n 1 logs/sglang_env.log)
     # the checkout's code on the path (the cached venv serves every clone)
     PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "$sglang_py" -m pytest --durations=15 \

@@ -39,8 +39,8 @@ def tiny_artifacts(moe: bool = False) -> Path:
     """The tiny task's model and data (``armor tiny``, ``--moe`` for the mixture-of-experts
     variant), built when its completion marker is missing; ``ARMOR_TINY_DIR`` /
     ``ARMOR_TINY_MOE_DIR`` point to a directory elsewhere. The check and the build hold a lock
-    beside the directory: the test streams of ``scripts/test.sh`` (and its own build ahead of
-    them) build it once, and a reader waits for the build under way."""
+    beside the directory: the test streams of ``scripts/test.sh`` (and its own builds as they
+    start) build it once, and a reader waits for the build under way."""
     env, name = ("ARMOR_TINY_MOE_DIR", "tiny_moe") if moe else ("ARMOR_TINY_DIR", "tiny")
     path = Path(os.environ.get(env, REPO / "artifacts" / name))
     path.parent.mkdir(parents=True, exist_ok=True)
